@@ -1,0 +1,3 @@
+"""Integrations of hdp with other frameworks."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""verl plugin for hdp (see issue: verl integration)."""
+
+__all__: list[str] = []

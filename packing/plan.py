@@ -1,0 +1,307 @@
+"""The frozen `Plan`: rounds -> groups (rank ranges) -> samples -> zigzag chunk boundaries.
+
+Storage is columnar (one entry per sample, in the caller's order): the round of the sample and
+the first rank and size of its group.  Everything else — rounds, groups, the samples of a rank,
+per-rank token counts, a checksum — is derived from those columns, so a plan is cheap to build for
+100K samples and still reads as rounds -> groups -> samples.  Ranks that no group covers in a
+round are idle: they run an empty micro-batch so collectives line up (DESIGN invariant 2).
+Within a group, samples run in ascending caller index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from hdp.packing.chunks import rank_chunks, zigzag_bounds
+
+__all__ = ["Plan", "Round", "Group", "PlanStats"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group of ``size`` contiguous ranks starting at ``start`` running ``samples`` packed."""
+
+    start: int
+    size: int
+    samples: tuple[int, ...]
+    """Caller indices of the samples, in execution order."""
+    lengths: tuple[int, ...]
+    """Lengths of those samples."""
+
+    @property
+    def ranks(self) -> range:
+        """Domain ranks of the group, in ring order."""
+        return range(self.start, self.start + self.size)
+
+    def chunk_bounds(self, position: int) -> np.ndarray:
+        """The 2k+1 zigzag chunk boundaries of the sample at ``position`` in this group."""
+        return zigzag_bounds(self.lengths[position], self.size)
+
+    def rank_chunks(self, rank: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+        """``(caller_index, front, back)`` token ranges that domain ``rank`` holds in this group."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in group ranks {self.start}..{self.start + self.size - 1}")
+        j = rank - self.start
+        return [(s, *rank_chunks(length, self.size, j)) for s, length in zip(self.samples, self.lengths)]
+
+    @property
+    def tokens(self) -> int:
+        """Total tokens of the group's samples."""
+        return int(sum(self.lengths))
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round: disjoint groups; ranks not covered are idle."""
+
+    index: int
+    groups: tuple[Group, ...]
+
+    def group_of(self, rank: int) -> Group | None:
+        """The group that ``rank`` belongs to in this round, or None when it is idle."""
+        for g in self.groups:
+            if g.start <= rank < g.start + g.size:
+                return g
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """Figures of a plan under a cost model (all times in token² units unless suffixed _s)."""
+
+    step_time: float
+    """T(plan) = sum over rounds of the slowest rank + rounds * beta."""
+    lower_bound: float
+    """T* = cheapest rank-time of every sample / N + minimum rounds * beta."""
+    efficiency: float
+    """T* / T."""
+    step_time_s: float
+    """T in seconds (cost.unit_time_s)."""
+    lower_bound_s: float
+    """T* in seconds."""
+    rounds: int
+    """Number of rounds."""
+    min_rounds: int
+    """Fewest rounds the token budget allows (ceil(total tokens / (N * B)))."""
+    busy: np.ndarray = field(repr=False)
+    """[N] busy time of each rank over the step (units)."""
+    idle_ratio: np.ndarray = field(repr=False)
+    """[N] 1 - busy / (T - rounds * beta) for each rank."""
+    max_idle_ratio: float
+    """Largest idle ratio of any rank."""
+    cp_degree_hist: dict[int, int]
+    """Group size -> number of samples planned on groups of that size."""
+    tokens_per_rank: np.ndarray = field(repr=False)
+    """[R, N] tokens held by each rank in each round (exact zigzag counts)."""
+    max_tokens_per_rank: int
+    """Largest entry of tokens_per_rank."""
+    planner_ms: float = 0.0
+    """Wall time of the policy, milliseconds."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (arrays reduced to scalars)."""
+        return {
+            "rounds": self.rounds,
+            "min_rounds": self.min_rounds,
+            "step_time": self.step_time_s,
+            "lower_bound": self.lower_bound_s,
+            "step_time_units": self.step_time,
+            "lower_bound_units": self.lower_bound,
+            "efficiency": self.efficiency,
+            "max_idle_ratio": self.max_idle_ratio,
+            "mean_idle_ratio": float(self.idle_ratio.mean()) if self.idle_ratio.size else 0.0,
+            "cp_degree_hist": {str(k): v for k, v in sorted(self.cp_degree_hist.items())},
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "mean_tokens_per_rank_round": float(self.tokens_per_rank.mean()) if self.tokens_per_rank.size else 0.0,
+            "planner_ms": self.planner_ms,
+        }
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The plan of one step. Columns are per sample in the caller's order."""
+
+    num_ranks: int
+    max_tokens_per_rank: int
+    policy: str
+    lengths: np.ndarray
+    """[S] sample lengths."""
+    round_of: np.ndarray
+    """[S] round of each sample."""
+    group_start: np.ndarray
+    """[S] first domain rank of each sample's group."""
+    group_size: np.ndarray
+    """[S] size k of each sample's group."""
+    num_rounds: int
+    stats: PlanStats | None = None
+
+    @classmethod
+    def from_columns(
+        cls,
+        *,
+        num_ranks: int,
+        max_tokens_per_rank: int,
+        policy: str,
+        lengths: np.ndarray,
+        round_of: np.ndarray,
+        group_start: np.ndarray,
+        group_size: np.ndarray,
+        num_rounds: int | None = None,
+    ) -> "Plan":
+        """Build a plan from per-sample columns; rounds are renumbered to drop empty ones."""
+        lengths, round_of = _frozen(lengths), np.asarray(round_of, dtype=np.int64)
+        if num_rounds is None:
+            used = np.unique(round_of)
+            remap = np.full(int(round_of.max(initial=-1)) + 1, -1, dtype=np.int64)
+            remap[used] = np.arange(used.size)
+            round_of = remap[round_of] if round_of.size else round_of
+            num_rounds = int(used.size)
+        return cls(
+            num_ranks=int(num_ranks),
+            max_tokens_per_rank=int(max_tokens_per_rank),
+            policy=str(policy),
+            lengths=lengths,
+            round_of=_frozen(round_of),
+            group_start=_frozen(group_start),
+            group_size=_frozen(group_size),
+            num_rounds=int(num_rounds),
+        )
+
+    def with_stats(self, stats: PlanStats) -> "Plan":
+        """A copy of this plan carrying ``stats``."""
+        return Plan(
+            num_ranks=self.num_ranks, max_tokens_per_rank=self.max_tokens_per_rank,
+            policy=self.policy, lengths=self.lengths, round_of=self.round_of,
+            group_start=self.group_start, group_size=self.group_size,
+            num_rounds=self.num_rounds, stats=stats,
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Number of samples in the step."""
+        return int(self.lengths.size)
+
+    @cached_property
+    def _order(self) -> np.ndarray:
+        # samples sorted by (round, group start, caller index): the global execution order
+        return np.lexsort((np.arange(self.num_samples), self.group_start, self.round_of))
+
+    @cached_property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds, each with its groups in rank order (global execution order)."""
+        groups: list[list[Group]] = [[] for _ in range(self.num_rounds)]
+        order = self._order
+        if order.size:
+            r, s = self.round_of[order], self.group_start[order]
+            cut = np.flatnonzero((np.diff(r) != 0) | (np.diff(s) != 0)) + 1
+            for seg in np.split(order, cut):
+                i0 = seg[0]
+                groups[int(self.round_of[i0])].append(
+                    Group(
+                        start=int(self.group_start[i0]),
+                        size=int(self.group_size[i0]),
+                        samples=tuple(int(i) for i in seg),
+                        lengths=tuple(int(x) for x in self.lengths[seg]),
+                    )
+                )
+        return tuple(Round(index=i, groups=tuple(g)) for i, g in enumerate(groups))
+
+    def rank_schedule(self, rank: int) -> list[Group | None]:
+        """For each round, the group ``rank`` belongs to (None = idle, empty micro-batch)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank={rank}: outside the domain [0, {self.num_ranks})")
+        return [rnd.group_of(rank) for rnd in self.rounds]
+
+    def tokens_per_rank(self) -> np.ndarray:
+        """[R, N] exact tokens held by each rank in each round under zigzag chunking."""
+        out = np.zeros((self.num_rounds, self.num_ranks), dtype=np.int64)
+        single = self.group_size == 1
+        np.add.at(out, (self.round_of[single], self.group_start[single]), self.lengths[single])
+        for i in np.flatnonzero(~single):
+            k, length = int(self.group_size[i]), int(self.lengths[i])
+            b = zigzag_bounds(length, k)
+            sizes = np.diff(b)  # [2k]
+            per_rank = sizes[:k] + sizes[::-1][:k]  # rank j: chunk j + chunk 2k-1-j
+            out[self.round_of[i], self.group_start[i] : self.group_start[i] + k] += per_rank
+        return out
+
+    def checksum(self) -> str:
+        """A short digest of everything that defines the plan (compared across the domain)."""
+        h = hashlib.sha256()
+        h.update(np.array([self.num_ranks, self.max_tokens_per_rank, self.num_rounds], np.int64).tobytes())
+        h.update(self.policy.encode())
+        for col in (self.lengths, self.round_of, self.group_start, self.group_size):
+            h.update(col.tobytes())
+        return h.hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialisable form: columns plus the rounds -> groups -> samples view and stats."""
+        out: dict[str, Any] = {
+            "num_ranks": self.num_ranks,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "policy": self.policy,
+            "num_rounds": self.num_rounds,
+            "checksum": self.checksum(),
+            "lengths": self.lengths.tolist(),
+            "rounds": [
+                [{"ranks": [g.start, g.start + g.size - 1], "samples": list(g.samples)} for g in rnd.groups]
+                for rnd in self.rounds
+            ],
+        }
+        if self.stats is not None:
+            out["stats"] = self.stats.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Inverse of `to_dict` (stats are not restored)."""
+        lengths = np.asarray(data["lengths"], dtype=np.int64)
+        n = lengths.size
+        round_of = np.full(n, -1, np.int64)
+        start = np.zeros(n, np.int64)
+        size = np.zeros(n, np.int64)
+        for r, groups in enumerate(data["rounds"]):
+            for g in groups:
+                lo, hi = g["ranks"]
+                idx = np.asarray(g["samples"], dtype=np.int64)
+                round_of[idx], start[idx], size[idx] = r, lo, hi - lo + 1
+        return cls.from_columns(
+            num_ranks=data["num_ranks"], max_tokens_per_rank=data["max_tokens_per_rank"],
+            policy=data["policy"], lengths=lengths, round_of=round_of, group_start=start,
+            group_size=size, num_rounds=data["num_rounds"],
+        )
+
+    def to_json(self) -> str:
+        """JSON text of `to_dict`."""
+        return json.dumps(self.to_dict())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            self.num_ranks == other.num_ranks
+            and self.max_tokens_per_rank == other.max_tokens_per_rank
+            and self.policy == other.policy
+            and self.num_rounds == other.num_rounds
+            and all(
+                np.array_equal(a, b)
+                for a, b in (
+                    (self.lengths, other.lengths), (self.round_of, other.round_of),
+                    (self.group_start, other.group_start), (self.group_size, other.group_size),
+                )
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]

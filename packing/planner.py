@@ -1,0 +1,48 @@
+"""`plan(lengths, config) -> Plan`: validate, run the configured policy, attach its figures."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from hdp.packing.config import PlannerConfig, Policy
+from hdp.packing.plan import Plan
+from hdp.packing.simulate import simulate
+from hdp.packing.validate import validate_lengths
+
+__all__ = ["plan", "POLICY_MODULES"]
+
+POLICY_MODULES: dict[Policy, str] = {
+    Policy.HDP: "hdp.packing.policies.hdp",
+    Policy.STATIC_CP: "hdp.packing.policies.static_cp",
+    Policy.MEGATRON_DCP: "hdp.packing.policies.megatron_dcp",
+    Policy.ASCEND_HDP: "hdp.packing.policies.ascend_hdp",
+    Policy.VERL_KK: "hdp.packing.policies.verl_kk",
+}
+
+
+def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
+    """Plan one step: which samples run on which ranks in which round.
+
+    Pure and deterministic: the same (lengths, config) give an identical plan on every rank.
+    Raises ValueError for bad input (empty batch, non-positive or non-integer lengths, a sample
+    that does not fit N x B).
+    """
+    arr = validate_lengths(lengths, config.num_ranks, config.max_tokens_per_rank)
+    module = importlib.import_module(POLICY_MODULES[config.policy])
+    t0 = time.perf_counter()
+    a = module.assign(arr, config)
+    planner_ms = (time.perf_counter() - t0) * 1e3
+    p = Plan.from_columns(
+        num_ranks=config.num_ranks,
+        max_tokens_per_rank=config.max_tokens_per_rank,
+        policy=config.policy.value,
+        lengths=arr,
+        round_of=a.round_of,
+        group_start=a.group_start,
+        group_size=a.group_size,
+    )
+    return p.with_stats(simulate(p, config.cost, planner_ms))

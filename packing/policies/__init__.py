@@ -1,0 +1,1 @@
+"""Packing policies: one module per policy, all producing an hdp.packing Plan."""

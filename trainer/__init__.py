@@ -1,0 +1,3 @@
+"""Training engine, command line and benchmarks of hdp."""
+
+__all__: list[str] = []
