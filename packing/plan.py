@@ -229,12 +229,18 @@ class Plan:
         out = np.zeros((self.num_rounds, self.num_ranks), dtype=np.int64)
         single = self.group_size == 1
         np.add.at(out, (self.round_of[single], self.group_start[single]), self.lengths[single])
-        for i in np.flatnonzero(~single):
-            k, length = int(self.group_size[i]), int(self.lengths[i])
-            b = zigzag_bounds(length, k)
-            sizes = np.diff(b)  # [2k]
-            per_rank = sizes[:k] + sizes[::-1][:k]  # rank j: chunk j + chunk 2k-1-j
-            out[self.round_of[i], self.group_start[i] : self.group_start[i] + k] += per_rank
+        multi = np.flatnonzero(~single)
+        for k in np.unique(self.group_size[multi]):
+            sel = multi[self.group_size[multi] == k]
+            length = self.lengths[sel][:, None]  # [S, 1]
+            j = np.arange(k, dtype=np.int64)[None, :]  # [1, k]
+            two_k = 2 * k
+            lo, hi = j * length, (j + 1) * length
+            # rank j holds chunk j (floor bounds) and chunk 2k-1-j (= ceil differences)
+            count = (hi // two_k - lo // two_k) + (-(-hi // two_k) + (-lo // two_k))  # [S, k]
+            rows = np.broadcast_to(self.round_of[sel][:, None], count.shape)
+            cols = self.group_start[sel][:, None] + j
+            np.add.at(out, (rows, cols), count)
         return out
 
     def checksum(self) -> str:

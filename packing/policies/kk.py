@@ -1,0 +1,165 @@
+"""Partitioning helpers shared by the baseline policies (pure, deterministic, numpy only).
+
+* `karmarkar_karp`: the largest differencing method into m parts (Karmarkar & Karp 1982; the
+  multi-way form verl's ``get_seqlen_balanced_partitions`` uses).
+* `lpt_with_capacity`: longest-processing-time greedy into m bins under a capacity.
+* `first_fit_decreasing`: bin packing under a capacity, opening bins as needed.
+* `rounds_from_bins`: lay m = G * R bins out as R rounds of G groups minimising sum of round maxima.
+* `static_cp_size`: the CP size k of the static baselines.
+
+Ties are broken by the item index everywhere, so equal inputs give identical outputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from hdp.packing.config import PlannerConfig
+from hdp.packing.cost import min_group_size
+from hdp.packing.policies.common import pow2_ceil
+
+__all__ = [
+    "karmarkar_karp",
+    "lpt_with_capacity",
+    "first_fit_decreasing",
+    "bins_fit",
+    "rounds_from_bins",
+    "static_cp_size",
+]
+
+
+def static_cp_size(lengths: np.ndarray, config: PlannerConfig) -> int:
+    """config.static_cp_size, or the smallest power of two (<= N) fitting the longest sample.
+
+    Raises ValueError when ``config.static_cp_size`` is too small for the longest sample.
+    """
+    N, B = config.num_ranks, config.max_tokens_per_rank
+    k_need = int(min_group_size(np.asarray(lengths, dtype=np.int64), B, N).max(initial=1))
+    if config.static_cp_size is not None:
+        k = int(config.static_cp_size)
+        if k < k_need:
+            raise ValueError(
+                f"config.static_cp_size={k}: the longest sample needs {k_need} ranks of "
+                f"max_tokens_per_rank={B}; pass static_cp_size >= {k_need} or None"
+            )
+        return k
+    return int(min(int(pow2_ceil(k_need)), N)) if k_need <= N else k_need
+
+
+def karmarkar_karp(weights: np.ndarray, m: int) -> np.ndarray:
+    """Largest differencing method: part index (0..m-1) of every item, balancing part sums.
+
+    Every item starts as an m-tuple (w, 0, ..., 0); the two tuples with the largest spread
+    (max - min) are merged by pairing the heaviest part of one with the lightest of the other,
+    until one tuple remains.  O(n m log m).  Parts are numbered by decreasing final sum.
+    Merged parts are recorded as nodes of a binary forest (leaves = items) and resolved top-down
+    at the end, so a merge costs O(m) whatever the number of items.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = w.size
+    if m < 1:
+        raise ValueError(f"m={m}: need at least one part")
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or m == 1:
+        return out
+    # node ids: 0..n-1 items; n.. merge nodes; -1 an empty part
+    left = np.full(n + (n - 1) * m, -1, dtype=np.int64)
+    right = np.full_like(left, -1)
+    next_id = n
+    steps: list[tuple[int, int]] = []  # node id range created by each merge
+    empty = np.full(m - 1, -1, dtype=np.int64)
+    heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
+    for i in range(n):
+        sums = np.zeros(m)
+        sums[0] = w[i]
+        heap.append((-float(w[i]), i, sums, np.concatenate(([i], empty))))
+    heapq.heapify(heap)
+    tie = n
+    while len(heap) > 1:
+        _, _, s1, id1 = heapq.heappop(heap)
+        _, _, s2, id2 = heapq.heappop(heap)
+        # s1, s2 are sorted descending: pair heaviest of one with lightest of the other
+        sums = s1 + s2[::-1]
+        a, b = id1, id2[::-1]
+        both = (a >= 0) & (b >= 0)
+        ids = np.where(a >= 0, a, b)
+        cnt = int(both.sum())
+        if cnt:
+            new = np.arange(next_id, next_id + cnt)
+            left[new], right[new] = a[both], b[both]
+            ids[both] = new
+            steps.append((next_id, next_id + cnt))
+            next_id += cnt
+        order = np.argsort(-sums, kind="stable")
+        heapq.heappush(heap, (-(float(sums[order[0]] - sums[order[-1]])), tie, sums[order], ids[order]))
+        tie += 1
+    _, _, _, ids = heap[0]
+    label = np.full(next_id, -1, dtype=np.int64)
+    live = ids >= 0
+    label[ids[live]] = np.flatnonzero(live)
+    for lo, hi in reversed(steps):  # children always have smaller ids than their parent
+        label[left[lo:hi]] = label[lo:hi]
+        label[right[lo:hi]] = label[lo:hi]
+    out[:] = label[:n]
+    return out
+
+
+def bins_fit(bins: np.ndarray, sizes: np.ndarray, m: int, capacity: float) -> bool:
+    """True when no bin's total size exceeds ``capacity``."""
+    totals = np.bincount(bins, weights=np.asarray(sizes, dtype=np.float64), minlength=m)
+    return bool(totals.max(initial=0.0) <= capacity)
+
+
+def lpt_with_capacity(
+    costs: np.ndarray, sizes: np.ndarray, m: int, capacity: float
+) -> np.ndarray | None:
+    """Greedy LPT: items by cost descending into the cheapest bin with room; None if one fails."""
+    costs = np.asarray(costs, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    load = np.zeros(m)
+    used = np.zeros(m)
+    out = np.full(costs.size, -1, dtype=np.int64)
+    for i in np.lexsort((np.arange(costs.size), -sizes, -costs)):
+        room = used + sizes[i] <= capacity
+        if not room.any():
+            return None
+        cand = np.flatnonzero(room)
+        b = int(cand[np.argmin(load[cand])])  # first minimum: lowest index on ties
+        out[i], load[b], used[b] = b, load[b] + costs[i], used[b] + sizes[i]
+    return out
+
+
+def first_fit_decreasing(sizes: np.ndarray, capacity: float) -> np.ndarray:
+    """First-fit decreasing bin packing; returns each item's bin (bins opened as needed).
+
+    Items larger than ``capacity`` get a bin of their own.
+    """
+    sizes = np.asarray(sizes, dtype=np.float64)
+    out = np.full(sizes.size, -1, dtype=np.int64)
+    used: list[float] = []
+    for i in np.lexsort((np.arange(sizes.size), -sizes)):
+        for b, u in enumerate(used):
+            if u + sizes[i] <= capacity:
+                out[i], used[b] = b, u + sizes[i]
+                break
+        else:
+            out[i] = len(used)
+            used.append(float(sizes[i]))
+    return out
+
+
+def rounds_from_bins(bin_cost: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Map m = groups * R bins to (round, group slot) minimising the sum of round maxima.
+
+    Sorting bins by cost and filling rounds G at a time is optimal for that objective (the
+    r-th round maximum is at least the (rG+1)-th largest cost under any arrangement).
+    """
+    bin_cost = np.asarray(bin_cost, dtype=np.float64)
+    order = np.lexsort((np.arange(bin_cost.size), -bin_cost))
+    rnd = np.empty(bin_cost.size, dtype=np.int64)
+    slot = np.empty(bin_cost.size, dtype=np.int64)
+    rnd[order] = np.arange(bin_cost.size) // groups
+    slot[order] = np.arange(bin_cost.size) % groups
+    return rnd, slot

@@ -1,0 +1,170 @@
+"""The fixed built-in benchmark suite: length distributions x domain sizes, run for every policy.
+
+Each `Case` fixes a workload (generator name + parameters + seed), the domain size N, the token
+budget B, the model preset and the hardware profile, so every run of the suite plans exactly the
+same batches.  Batches hold ~16 samples per rank on average (N = 512 -> 8,192 samples).  B is
+chosen so that in most cases the longest sample needs at most N/4 ranks (the regime where hdp
+should reach >= 95% efficiency); the cases marked ``tight`` need more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hdp.packing.config import PlannerConfig, Policy
+from hdp.packing.cost import min_group_size
+from hdp.packing.planner import plan
+from hdp.packing.profiles import cost_model
+from hdp.packing.workloads import get_workload
+
+__all__ = ["Case", "SUITE", "run_case", "RESULT_FIELDS", "SAMPLES_PER_RANK"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_PER_RANK = 16
+"""Average samples per rank in every suite batch."""
+
+RESULT_FIELDS = (
+    "case", "policy", "ranks", "rounds", "step_time", "lower_bound", "efficiency",
+    "max_idle_ratio", "cp_degree_hist", "planner_ms", "longest_needs_ranks",
+)
+"""Keys of every successful `run_case` entry (times in seconds)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One benchmark case: a seeded batch, a domain and a cost model."""
+
+    name: str
+    """Unique case name (``<distribution>-N<ranks>``)."""
+    workload: str
+    """Generator name in `hdp.packing.workloads.WORKLOADS`."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """Extra generator keyword arguments, as sorted (name, value) pairs (hashable)."""
+    num_samples: int
+    """Samples in the batch."""
+    num_ranks: int
+    """N: ranks in the domain."""
+    max_tokens_per_rank: int
+    """B: per-rank token budget of one round."""
+    model: str = "deepseek-v3"
+    """Model preset name (`hdp.packing.MODELS`)."""
+    profile: str = "h100-nvlink"
+    """Hardware profile name (`hdp.packing.PROFILES`)."""
+    static_cp_size: int | None = None
+    """CP size for static-cp style baselines; None = smallest power of two fitting the longest."""
+    seed: int = 0
+    """Seed of the generator."""
+    tags: tuple[str, ...] = field(default=())
+    """Free-form labels (``ascend`` marks the Ascend short-tail comparison case)."""
+
+    def lengths(self) -> np.ndarray:
+        """The case's batch (deterministic)."""
+        return get_workload(self.workload)(n=self.num_samples, seed=self.seed, **dict(self.params))
+
+    def config(self, policy: Policy | str) -> PlannerConfig:
+        """The planner configuration of this case for ``policy``."""
+        return PlannerConfig(
+            num_ranks=self.num_ranks,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            policy=policy,
+            cost=cost_model(self.model, self.profile),
+            static_cp_size=self.static_cp_size,
+        )
+
+
+def _cases() -> tuple[Case, ...]:
+    # (distribution name, workload, params, model, profile, {N: B}); B per N keeps the longest
+    # sample at <= N/4 ranks (N=8: 2 ranks, N=64: 16, N=512: 128) unless tagged tight.
+    dists: list[tuple[str, str, dict[str, Any], str, str, dict[int, int]]] = [
+        ("lognormal", "lognormal", {"mean": 2048.0, "sigma": 1.2, "max_len": 32_768},
+         "deepseek-v3", "h100-nvlink", {8: 16_384, 64: 8_192, 512: 4_096}),
+        ("rl-16k", "rl", {"prompt_mean": 1024.0, "response_mean": 6144.0, "response_cap": 16_384},
+         "qwen3-235b-a22b", "h100-nvlink", {8: 16_384, 64: 8_192, 512: 4_096}),
+        ("rl-32k", "rl", {"prompt_mean": 1024.0, "response_mean": 12_288.0, "response_cap": 32_768},
+         "qwen3-235b-a22b", "ascend-910b-hccs", {8: 24_576, 64: 16_384, 512: 8_192}),
+        ("bimodal", "bimodal", {"short_mean": 1024.0, "long_mean": 16_384.0, "long_frac": 0.05,
+                                "max_len": 32_768},
+         "dense-8b", "h100-nvlink", {8: 16_384, 64: 8_192, 512: 4_096}),
+        ("wikipedia", "wikipedia", {"max_len": 32_768},
+         "deepseek-v3", "h100-nvlink", {8: 16_384, 64: 4_096, 512: 4_096}),
+    ]
+    cases: list[Case] = []
+    for name, workload, params, model, profile, budgets in dists:
+        for n, b in budgets.items():
+            cases.append(Case(
+                name=f"{name}-N{n}", workload=workload, params=tuple(sorted(params.items())),
+                num_samples=SAMPLES_PER_RANK * n, num_ranks=n, max_tokens_per_rank=b,
+                model=model, profile=profile,
+            ))
+    # longest sample needs more than N/4 ranks
+    cases.append(Case(
+        name="lognormal-tight-N8", workload="lognormal",
+        params=(("max_len", 32_768), ("mean", 2048.0), ("sigma", 1.2)),
+        num_samples=SAMPLES_PER_RANK * 8, num_ranks=8, max_tokens_per_rank=4_096, tags=("tight",),
+    ))
+    cases.append(Case(
+        name="rl-32k-tight-N64", workload="rl",
+        params=(("prompt_mean", 1024.0), ("response_cap", 32_768), ("response_mean", 12_288.0)),
+        num_samples=SAMPLES_PER_RANK * 64, num_ranks=64, max_tokens_per_rank=2_048,
+        model="qwen3-235b-a22b", tags=("tight",),
+    ))
+    # Ascend's short-tail comparison: mean ~1.5K, thin tail to 32K, B=4K so the longest needs CP8
+    cases.append(Case(
+        name="ascend-short-tail-N64", workload="ascend-short-tail",
+        params=(("max_len", 32_768), ("mean", 1536.0), ("tail_frac", 0.01)),
+        num_samples=SAMPLES_PER_RANK * 64, num_ranks=64, max_tokens_per_rank=4_096,
+        model="deepseek-v3", profile="ascend-910b-hccs", static_cp_size=8, tags=("ascend",),
+    ))
+    return tuple(cases)
+
+
+SUITE: tuple[Case, ...] = _cases()
+"""The built-in suite (fixed seeds)."""
+
+
+def longest_needs_ranks(lengths: np.ndarray, case: Case) -> int:
+    """Fewest ranks the longest sample of the batch needs under the case's budget."""
+    longest = np.asarray([int(np.max(lengths))], dtype=np.int64)
+    return int(min_group_size(longest, case.max_tokens_per_rank, case.num_ranks)[0])
+
+
+def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """Plan the case's batch with every policy; one result dict per policy (times in seconds).
+
+    A policy that is not available yet (ImportError / NotImplementedError) or rejects the case
+    (ValueError) gives ``{"case", "policy", "error"}`` instead of the figures.
+    """
+    lengths = case.lengths()
+    needs = longest_needs_ranks(lengths, case)
+    out: list[dict[str, Any]] = []
+    for name in policies:
+        try:
+            p = plan(lengths, case.config(name))
+        except (ImportError, NotImplementedError, ValueError) as exc:
+            logger.warning("case %s policy %s: %s: %s", case.name, name, type(exc).__name__, exc)
+            out.append({
+                "case": case.name, "policy": str(name), "longest_needs_ranks": needs,
+                "error": f"{type(exc).__name__}: {exc}",
+            })
+            continue
+        assert p.stats is not None
+        s = p.stats.to_dict()
+        out.append({
+            "case": case.name,
+            "policy": p.policy,
+            "ranks": p.num_ranks,
+            "rounds": s["rounds"],
+            "step_time": s["step_time"],
+            "lower_bound": s["lower_bound"],
+            "efficiency": s["efficiency"],
+            "max_idle_ratio": s["max_idle_ratio"],
+            "cp_degree_hist": s["cp_degree_hist"],
+            "planner_ms": s["planner_ms"],
+            "longest_needs_ranks": needs,
+        })
+    return out

@@ -1,0 +1,207 @@
+"""Seeded sample-length workloads for planner tests, benchmarks and the command line.
+
+Every generator is a pure function of its arguments (``numpy.random.default_rng(seed)``) and
+returns an int64 array of lengths >= 1.  `WORKLOADS` maps a command-line name to a generator
+with sensible defaults, called as ``WORKLOADS[name](n=..., seed=..., **overrides)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "lognormal", "rl_prompt_response", "bimodal", "short_tail", "wikipedia", "read_lengths",
+    "WORKLOADS", "get_workload", "WIKIPEDIA_ENV",
+]
+
+logger = logging.getLogger(__name__)
+
+WIKIPEDIA_ENV = "HDP_WIKIPEDIA_LENGTHS"
+"""Environment variable naming the wikipedia document-length file."""
+
+
+def _check(n: int, seed: int, **positive: float) -> np.random.Generator:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"workload n={n!r}: must be an integer >= 1 (number of samples)")
+    for name, value in positive.items():
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"workload {name}={value!r}: must be a number > 0")
+    return np.random.default_rng(seed)
+
+
+def _lognormal_draw(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
+    # lognormal with E[X] = mean: mu = log(mean) - sigma^2 / 2
+    mu = np.log(mean) - 0.5 * sigma * sigma
+    return rng.lognormal(mu, sigma, n)
+
+
+def _as_lengths(x: np.ndarray, max_len: int) -> np.ndarray:
+    return np.clip(np.rint(x), 1, max_len).astype(np.int64)
+
+
+def lognormal(
+    n: int, mean: float = 2048.0, sigma: float = 1.2, max_len: int = 32_768, seed: int = 0
+) -> np.ndarray:
+    """n lengths from a lognormal with expectation ``mean`` (before clipping to [1, max_len])."""
+    rng = _check(n, seed, mean=mean, sigma=sigma, max_len=max_len)
+    return _as_lengths(_lognormal_draw(rng, mean, sigma, n), max_len)
+
+
+def rl_prompt_response(
+    n: int,
+    prompt_mean: float = 1024.0,
+    response_mean: float = 6144.0,
+    response_cap: int = 16_384,
+    seed: int = 0,
+    *,
+    prompt_sigma: float = 0.6,
+    response_sigma: float = 0.9,
+    prompt_cap: int = 4096,
+) -> np.ndarray:
+    """RL rollouts: prompt (lognormal, capped) + response (lognormal, capped at ``response_cap``).
+
+    With ``response_mean`` a sizeable fraction of the cap, many responses hit the cap, as
+    truncated RL rollouts do; the longest sample is ``prompt_cap + response_cap``.
+    """
+    rng = _check(
+        n, seed, prompt_mean=prompt_mean, response_mean=response_mean, response_cap=response_cap,
+        prompt_sigma=prompt_sigma, response_sigma=response_sigma, prompt_cap=prompt_cap,
+    )
+    prompt = _as_lengths(_lognormal_draw(rng, prompt_mean, prompt_sigma, n), int(prompt_cap))
+    response = _as_lengths(_lognormal_draw(rng, response_mean, response_sigma, n), int(response_cap))
+    return prompt + response
+
+
+def bimodal(
+    n: int,
+    short_mean: float = 1024.0,
+    long_mean: float = 16_384.0,
+    long_frac: float = 0.05,
+    max_len: int = 32_768,
+    seed: int = 0,
+    *,
+    sigma: float = 0.5,
+) -> np.ndarray:
+    """A mix of short samples and a fraction ``long_frac`` of long ones (two lognormals)."""
+    rng = _check(n, seed, short_mean=short_mean, long_mean=long_mean, max_len=max_len, sigma=sigma)
+    if not 0.0 <= long_frac <= 1.0:
+        raise ValueError(f"workload long_frac={long_frac!r}: must be in [0, 1]")
+    is_long = rng.random(n) < long_frac
+    short = _lognormal_draw(rng, short_mean, sigma, n)
+    long = _lognormal_draw(rng, long_mean, sigma, n)
+    return _as_lengths(np.where(is_long, long, short), max_len)
+
+
+def short_tail(
+    n: int,
+    mean: float = 1536.0,
+    tail_frac: float = 0.01,
+    max_len: int = 32_768,
+    seed: int = 0,
+    *,
+    sigma: float = 0.8,
+) -> np.ndarray:
+    """Short samples (lognormal, expectation ``mean``) with a thin tail reaching ``max_len``.
+
+    A fraction ``tail_frac`` is log-uniform in [4 * mean, max_len] and the longest sample is set
+    to ``max_len`` (a batch whose context-length sample decides a static CP size, as in Ascend's
+    short-tail HDP experiments).
+    """
+    rng = _check(n, seed, mean=mean, max_len=max_len, sigma=sigma)
+    if not 0.0 <= tail_frac <= 1.0:
+        raise ValueError(f"workload tail_frac={tail_frac!r}: must be in [0, 1]")
+    bulk = _lognormal_draw(rng, mean, sigma, n)
+    lo = min(4.0 * mean, float(max_len))
+    tail = np.exp(rng.uniform(np.log(lo), np.log(max_len), n))
+    out = _as_lengths(np.where(rng.random(n) < tail_frac, tail, bulk), max_len)
+    out[int(rng.integers(n))] = max_len
+    return out
+
+
+def _default_wikipedia_path() -> Path:
+    env = os.environ.get(WIKIPEDIA_ENV)
+    if env:
+        return Path(env)
+    # packing/workloads.py -> repo root -> ../shared/data
+    candidate = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikipedia_doc_lengths.txt"
+    if candidate.is_file():
+        return candidate
+    raise ValueError(
+        f"wikipedia: document-length file not found at {candidate}; set {WIKIPEDIA_ENV}=/path/to/"
+        "wikipedia_doc_lengths.txt or pass path="
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime: float) -> np.ndarray:
+    arr = read_lengths(path)
+    arr.setflags(write=False)
+    return arr
+
+
+def wikipedia(n: int, max_len: int = 32_768, seed: int = 0, path: str | os.PathLike | None = None) -> np.ndarray:
+    """n document lengths sampled (with replacement) from the wikipedia length file, clipped to max_len.
+
+    ``path`` defaults to ``$HDP_WIKIPEDIA_LENGTHS``, else ``../shared/data/wikipedia_doc_lengths.txt``
+    relative to the repository root.
+    """
+    rng = _check(n, seed, max_len=max_len)
+    p = Path(path) if path is not None else _default_wikipedia_path()
+    if not p.is_file():
+        raise ValueError(f"wikipedia: path={str(p)!r} is not a file; pass the document-length file")
+    pool = _load_cached(str(p.resolve()), p.stat().st_mtime)
+    if pool.size == 0:
+        raise ValueError(f"wikipedia: {p} holds no lengths")
+    idx = rng.integers(0, pool.size, n)
+    return np.clip(pool[idx], 1, max_len).astype(np.int64)
+
+
+def read_lengths(path: str | os.PathLike) -> np.ndarray:
+    """Read one integer length per line; blank lines and ``#`` comments are skipped.
+
+    Raises ValueError naming the line number and content of the first line that is not an
+    integer.  Values are not range-checked here (the planner validates them).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ValueError(f"lengths file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
+    values: list[int] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            values.append(int(line))
+        except ValueError:
+            raise ValueError(
+                f"lengths file {str(p)!r} line {lineno}: {raw.strip()!r} is not an integer; "
+                "write one integer length per line ('#' starts a comment)"
+            ) from None
+    return np.asarray(values, dtype=np.int64)
+
+
+WORKLOADS: dict[str, Callable[..., np.ndarray]] = {
+    "lognormal": lognormal,
+    "rl": rl_prompt_response,
+    "rl-32k": functools.partial(rl_prompt_response, response_mean=12_288.0, response_cap=32_768),
+    "bimodal": bimodal,
+    "ascend-short-tail": short_tail,
+    "wikipedia": wikipedia,
+}
+"""Command-line name -> generator; call as ``WORKLOADS[name](n=..., seed=..., **overrides)``."""
+
+
+def get_workload(name: str) -> Callable[..., np.ndarray]:
+    """Look up a workload by name; raise ValueError naming the known ones."""
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"workload={name!r} is unknown; choose one of: {', '.join(WORKLOADS)}") from None

@@ -1,0 +1,617 @@
+"""The ``hdp`` command line: plan, simulate, benchmark and calibrate.
+
+Human output uses rich tables; ``--json`` prints exactly one JSON object on stdout (logs and
+progress go to stderr).  User errors print ``error: <message>`` to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main", "build_parser"]
+
+logger = logging.getLogger("hdp.cli")
+
+ALL_POLICIES = ("hdp", "static-cp", "megatron-dcp", "ascend-hdp", "verl-kk")
+CONTRACT_KEYS = (
+    "policy", "ranks", "rounds", "step_time", "lower_bound", "efficiency", "max_idle_ratio",
+    "cp_degree_hist", "planner_ms",
+)
+ASCEND_TARGET = 1.39
+EFFICIENCY_TARGET = 0.95
+
+
+class CliError(ValueError):
+    """A user error the CLI reports as ``error: ...`` with exit code 2."""
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _console(stderr: bool = False):  # noqa: ANN202 - rich is imported lazily
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 160  # rich falls back to 80 columns off a terminal
+    return Console(stderr=stderr, highlight=False, width=width)
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--lengths", metavar="FILE", help="text file with one sample length per line")
+    src.add_argument("--workload", metavar="NAME", help="built-in workload generator (see --help-workloads)")
+    p.add_argument("--samples", type=int, default=1024, help="samples to draw with --workload (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --workload (default 0)")
+
+
+def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("--ranks", "-N", type=int, required=required, help="N: ranks in the domain")
+    p.add_argument(
+        "--max-tokens-per-rank", "-B", type=int, required=required, dest="max_tokens_per_rank",
+        help="B: per-rank token budget of one round",
+    )
+    p.add_argument("--group-shape", default="any", help="any (contiguous ranges) or pow2 (aligned blocks)")
+    p.add_argument("--profile", default="h100-nvlink", help="hardware profile (default h100-nvlink)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
+    model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
+    p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
+                   help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
+
+
+def _load_lengths(args: argparse.Namespace) -> np.ndarray:
+    from hdp.packing.workloads import get_workload, read_lengths
+
+    if args.lengths is not None:
+        return read_lengths(args.lengths)
+    if args.samples < 1:
+        raise CliError(f"--samples={args.samples}: must be >= 1")
+    return get_workload(args.workload)(n=args.samples, seed=args.seed)
+
+
+def _cost(args: argparse.Namespace):  # noqa: ANN202
+    from hdp.packing import cost_model
+
+    model: Any = args.linear_coef if args.linear_coef is not None else (args.model or "deepseek-v3")
+    return cost_model(model, args.profile)
+
+
+def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: ANN202
+    from hdp.packing import PlannerConfig
+
+    return PlannerConfig(
+        num_ranks=args.ranks,
+        max_tokens_per_rank=args.max_tokens_per_rank,
+        policy=policy,
+        group_shape=args.group_shape,
+        cost=cost if cost is not None else _cost(args),
+        static_cp_size=args.static_cp,
+    )
+
+
+def _entry(plan: Any) -> dict[str, Any]:
+    s = plan.stats.to_dict()
+    return {
+        "policy": plan.policy,
+        "ranks": plan.num_ranks,
+        "rounds": s["rounds"],
+        "step_time": s["step_time"],
+        "lower_bound": s["lower_bound"],
+        "efficiency": s["efficiency"],
+        "max_idle_ratio": s["max_idle_ratio"],
+        "cp_degree_hist": s["cp_degree_hist"],
+        "planner_ms": s["planner_ms"],
+    }
+
+
+def _hist_text(hist: dict[str, int], top: int = 6) -> str:
+    items = list(hist.items())
+    if len(items) <= top:
+        return " ".join(f"CP{k}:{v}" for k, v in items)
+    shown = sorted(sorted(items, key=lambda kv: -kv[1])[:top], key=lambda kv: int(kv[0]))
+    return " ".join(f"CP{k}:{v}" for k, v in shown) + f" +{len(items) - top} sizes (max CP{items[-1][0]})"
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hdp.packing import plan as make_plan
+
+    lengths = _load_lengths(args)
+    cost = _cost(args)
+    p = make_plan(lengths, _config(args, args.policy, cost))
+    if args.plot:
+        from hdp.trainer.gantt import plot_gantt
+
+        plot_gantt(p, cost, args.plot)
+        logger.info("wrote %s", args.plot)
+    if args.json:
+        _emit_json(p.to_dict())
+        return 0
+    from rich.table import Table
+
+    con = _console()
+    s = p.stats.to_dict()
+    summary = Table(title=f"hdp plan — policy {p.policy}", show_header=False)
+    summary.add_column("field", style="bold")
+    summary.add_column("value")
+    for key, value in (
+        ("samples", p.num_samples), ("ranks N", p.num_ranks), ("budget B", p.max_tokens_per_rank),
+        ("rounds (min)", f"{s['rounds']} ({s['min_rounds']})"),
+        ("step time T", _fmt_s(s["step_time"])), ("lower bound T*", _fmt_s(s["lower_bound"])),
+        ("efficiency", f"{s['efficiency']:.2%}"), ("max idle ratio", f"{s['max_idle_ratio']:.2%}"),
+        ("max tokens/rank", s["max_tokens_per_rank"]), ("CP degrees", _hist_text(s["cp_degree_hist"])),
+        ("planner", f"{s['planner_ms']:.1f} ms"), ("checksum", p.checksum()),
+    ):
+        summary.add_row(key, str(value))
+    con.print(summary)
+    from hdp.packing.simulate import rank_loads
+
+    loads = rank_loads(p, cost) * cost.unit_time_s
+    tokens = p.stats.tokens_per_rank
+    rounds = Table(title="rounds")
+    for col in ("round", "groups", "samples", "max tokens/rank", "round time", "idle ranks"):
+        rounds.add_column(col, justify="right" if col != "groups" else "left")
+    shown = p.rounds[:50]
+    for rnd in shown:
+        sizes: dict[int, int] = {}
+        for g in rnd.groups:
+            sizes[g.size] = sizes.get(g.size, 0) + 1
+        covered = sum(g.size for g in rnd.groups)
+        rounds.add_row(
+            str(rnd.index),
+            " ".join(f"CP{k}×{n}" for k, n in sorted(sizes.items(), reverse=True)),
+            str(sum(len(g.samples) for g in rnd.groups)),
+            str(int(tokens[rnd.index].max())),
+            _fmt_s(float(loads[rnd.index].max())),
+            str(p.num_ranks - covered),
+        )
+    con.print(rounds)
+    if len(p.rounds) > len(shown):
+        con.print(f"... {len(p.rounds) - len(shown)} more rounds (use --json for all)")
+    if args.plot:
+        con.print(f"Gantt chart: {args.plot}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- simulate
+
+
+def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """The megatron-core reference entry, or (None, note) when it is unavailable."""
+    try:
+        peers = importlib.import_module("hdp.trainer.peers")
+    except ImportError as exc:
+        return None, f"megatron-core peer skipped: hdp.trainer.peers unavailable ({exc})"
+    fn = getattr(peers, "megatron_core_plan", None)
+    if fn is None:
+        return None, "megatron-core peer skipped: hdp.trainer.peers has no megatron_core_plan"
+    try:
+        result = fn(lengths, config)
+    except (ImportError, NotImplementedError) as exc:
+        return None, f"megatron-core peer skipped: {type(exc).__name__}: {exc}"
+    from hdp.packing.plan import Plan
+    from hdp.packing.simulate import simulate
+
+    if isinstance(result, Plan):
+        p = result if result.stats is not None else result.with_stats(simulate(result, config.cost))
+        entry = _entry(p)
+    elif isinstance(result, dict):
+        entry = dict(result)
+    else:
+        return None, f"megatron-core peer skipped: unexpected result type {type(result).__name__}"
+    entry["policy"] = "megatron-core"
+    return entry, None
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _cmd_suite(args)
+    if args.lengths is None and args.workload is None:
+        raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
+    if args.ranks is None or args.max_tokens_per_rank is None:
+        raise CliError("simulate: --ranks and --max-tokens-per-rank are required (or use --suite)")
+    from hdp.packing import Policy
+    from hdp.packing import plan as make_plan
+
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    if not policies:
+        raise CliError("--policies: list at least one policy")
+    known = [p.value for p in Policy]
+    for name in policies:
+        if name not in known:
+            raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
+    lengths = _load_lengths(args)
+    cost = _cost(args)
+    cases: list[dict[str, Any]] = []
+    notes: list[str] = []
+    plans = {}
+    for name in policies:
+        config = _config(args, name, cost)
+        try:
+            p = make_plan(lengths, config)
+        except (ImportError, NotImplementedError) as exc:
+            cases.append({"policy": name, "error": f"{type(exc).__name__}: {exc}"})
+            notes.append(f"{name}: not available ({exc})")
+            continue
+        plans[name] = p
+        cases.append(_entry(p))
+    if not args.no_peers:
+        peer, note = _peer_entry(lengths, _config(args, policies[0], cost))
+        if peer is not None:
+            cases.append(peer)
+        if note:
+            notes.append(note)
+            logger.info("%s", note)
+    if args.plot_dir:
+        from hdp.trainer.gantt import plot_gantt
+
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, p in plans.items():
+            plot_gantt(p, cost, out / f"gantt_{name}.png")
+        logger.info("wrote %d Gantt charts to %s", len(plans), out)
+    if args.json:
+        obj: dict[str, Any] = {"cases": cases}
+        if notes:
+            obj["notes"] = notes
+        _emit_json(obj)
+        return 0
+    from rich.table import Table
+
+    t_ref = next((c["step_time"] for c in cases if c["policy"] == "hdp" and "error" not in c), None)
+    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={args.max_tokens_per_rank}")
+    for col in ("policy", "rounds", "T", "T*", "efficiency", "T/T(hdp)", "max idle", "CP degrees", "planner"):
+        table.add_column(col, justify="left" if col in ("policy", "CP degrees") else "right")
+    for c in cases:
+        if "error" in c:
+            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", c["error"][:60], "-")
+            continue
+        ratio = f"{c['step_time'] / t_ref:.3f}" if t_ref else "-"
+        table.add_row(
+            c["policy"], str(c["rounds"]), _fmt_s(c["step_time"]), _fmt_s(c["lower_bound"]),
+            f"{c['efficiency']:.2%}", ratio, f"{c['max_idle_ratio']:.1%}",
+            _hist_text(c["cp_degree_hist"]), f"{c['planner_ms']:.1f} ms",
+        )
+    con = _console()
+    con.print(table)
+    for n in notes:
+        con.print(f"[dim]note: {n}[/dim]")
+    return 0
+
+
+def _suite_checks(results: list[dict[str, Any]], cases: Sequence[Any]) -> list[dict[str, Any]]:
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], {})[r["policy"]] = r
+    checks: list[dict[str, Any]] = []
+
+    # 1. hdp >= 95% efficiency where the longest sample needs <= N/4 ranks
+    fails, n = [], 0
+    for case in cases:
+        h = by_case.get(case.name, {}).get("hdp")
+        if h is None or "error" in h or h["longest_needs_ranks"] > case.num_ranks / 4:
+            if h is not None and "error" in h:
+                fails.append(f"{case.name}: hdp failed ({h['error']})")
+            continue
+        n += 1
+        if h["efficiency"] < EFFICIENCY_TARGET:
+            fails.append(f"{case.name}: {h['efficiency']:.3f}")
+    checks.append({
+        "name": f"hdp efficiency >= {EFFICIENCY_TARGET} where longest needs <= N/4 ranks",
+        "passed": not fails and n > 0, "detail": "; ".join(fails) or f"{n} cases",
+    })
+
+    # 2. hdp at least as fast as every other policy on every case
+    fails, n = [], 0
+    for case in cases:
+        row = by_case.get(case.name, {})
+        h = row.get("hdp")
+        if h is None or "error" in h:
+            fails.append(f"{case.name}: no hdp result")
+            continue
+        for name, r in row.items():
+            if name == "hdp" or "error" in r:
+                continue
+            n += 1
+            if h["step_time"] > r["step_time"] * (1 + 1e-9):
+                fails.append(f"{case.name}: {name} {r['step_time'] / h['step_time']:.3f}x")
+    checks.append({
+        "name": "hdp >= every other policy on every case",
+        "passed": not fails and n > 0, "detail": "; ".join(fails) or f"{n} comparisons",
+    })
+
+    # 3. Ascend short-tail: static CP8 at least 1.39x slower than hdp
+    ascend = [c for c in cases if "ascend" in c.tags]
+    fails, details = [], []
+    for case in ascend:
+        row = by_case.get(case.name, {})
+        h, s = row.get("hdp"), row.get("static-cp")
+        if h is None or s is None or "error" in h or "error" in s:
+            fails.append(f"{case.name}: missing hdp or static-cp result")
+            continue
+        ratio = s["step_time"] / h["step_time"]
+        details.append(f"{case.name}: {ratio:.3f}")
+        if ratio < ASCEND_TARGET:
+            fails.append(f"{case.name}: {ratio:.3f}")
+    checks.append({
+        "name": f"T(static-cp CP8)/T(hdp) >= {ASCEND_TARGET} on ascend-short-tail",
+        "passed": bool(ascend) and not fails, "detail": "; ".join(fails or details) or "no ascend case",
+    })
+    return checks
+
+
+def _cmd_suite(args: argparse.Namespace) -> int:
+    from hdp.packing.suite import SUITE, run_case
+
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    cases = [c for c in SUITE if not args.quick or c.num_ranks in (8, 64)]
+    results: list[dict[str, Any]] = []
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=_console(stderr=True), transient=True,
+    ) as progress:
+        task = progress.add_task("suite", total=len(cases))
+        for case in cases:
+            progress.update(task, description=f"suite {case.name}")
+            results.extend(run_case(case, policies))
+            progress.advance(task)
+    checks = _suite_checks(results, cases)
+    failed = any(not c["passed"] for c in checks)
+    if args.json:
+        _emit_json({"cases": results, "checks": checks, "passed": not failed})
+    else:
+        from rich.table import Table
+
+        by_case: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in results:
+            by_case.setdefault(r["case"], {})[r["policy"]] = r
+        table = Table(title="hdp suite — efficiency (T(policy)/T(hdp))")
+        table.add_column("case")
+        table.add_column("N", justify="right")
+        table.add_column("needs", justify="right")
+        for name in policies:
+            table.add_column(name, justify="right")
+        for case in cases:
+            row = by_case.get(case.name, {})
+            h = row.get("hdp")
+            t_ref = h["step_time"] if h is not None and "error" not in h else None
+            cells = []
+            for name in policies:
+                r = row.get(name)
+                if r is None or "error" in r:
+                    cells.append("[red]error[/red]")
+                    continue
+                cell = f"{r['efficiency']:.3f}"
+                if t_ref and name != "hdp":
+                    cell += f" ({r['step_time'] / t_ref:.2f}x)"
+                cells.append(cell)
+            needs = next(iter(row.values()))["longest_needs_ranks"] if row else "-"
+            table.add_row(case.name, str(case.num_ranks), str(needs), *cells)
+        con = _console()
+        con.print(table)
+        errors = [r for r in results if "error" in r]
+        for r in errors[:10]:
+            con.print(f"[dim]{r['case']} / {r['policy']}: {r['error'][:120]}[/dim]")
+        for c in checks:
+            mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
+            con.print(f"{mark} {c['name']} — {c['detail']}")
+    return 1 if (failed and args.strict) else 0
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "attention":
+        return _bench_attention(args)
+    return _bench_planner(args)
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module("hdp.trainer.bench_attention")
+    except ImportError as exc:
+        raise CliError(f"bench attention: hdp.trainer.bench_attention is not available ({exc})") from exc
+    result = mod.bench_attention(ranks=args.ranks or 2, tokens=args.tokens, algo=args.algo)
+    result = dict(result)
+    if args.json:
+        _emit_json(result)
+        return 0
+    _print_dict(result, f"attention benchmark: {args.algo}, {args.ranks or 2} ranks, {args.tokens} tokens")
+    return 0
+
+
+def _print_dict(d: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", justify="right")
+    for k, v in d.items():
+        table.add_row(str(k), f"{v:.6g}" if isinstance(v, float) else str(v))
+    _console().print(table)
+
+
+def _bench_planner(args: argparse.Namespace) -> int:
+    from hdp.packing import PlannerConfig
+    from hdp.packing import plan as make_plan
+    from hdp.packing.workloads import lognormal
+
+    runs = [
+        ("8192 samples / 512 ranks", 8_192, 512, args.repeats, 50.0),
+        ("131072 samples / 8192 ranks", 131_072, 8_192, args.large_repeats, 1000.0),
+    ]
+    if args.small_only:
+        runs = runs[:1]
+    out: list[dict[str, Any]] = []
+    for label, s, n, repeats, target in runs:
+        lengths = lognormal(s, mean=2048.0, sigma=1.2, max_len=32_768, seed=args.seed)
+        config = PlannerConfig(num_ranks=n, max_tokens_per_rank=4_096, policy=args.policy)
+        walls, policy_ms = [], []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            p = make_plan(lengths, config)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            policy_ms.append(p.stats.planner_ms)
+        med = statistics.median(walls)
+        out.append({
+            "name": label, "samples": s, "ranks": n, "policy": args.policy, "repeats": len(walls),
+            "median_ms": med, "policy_median_ms": statistics.median(policy_ms), "target_ms": target,
+            "passed": med <= target, "efficiency": p.stats.efficiency,
+        })
+        logger.info("%s: median %.1f ms", label, med)
+    if args.json:
+        _emit_json({"planner": out, "passed": all(r["passed"] for r in out)})
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"planner speed (policy {args.policy}, lognormal lengths, B=4096)")
+    for col in ("case", "repeats", "median plan() ms", "policy ms", "target ms", "efficiency", "result"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in out:
+        table.add_row(
+            r["name"], str(r["repeats"]), f"{r['median_ms']:.1f}", f"{r['policy_median_ms']:.1f}",
+            f"{r['target_ms']:.0f}", f"{r['efficiency']:.3f}",
+            "[green]PASS[/green]" if r["passed"] else "[red]FAIL[/red]",
+        )
+    _console().print(table)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- calibrate
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from hdp.packing.calibrate import calibrate, load_records
+
+    base = None
+    if args.profile or args.model:
+        from hdp.packing import cost_model
+
+        base = cost_model(args.model or "deepseek-v3", args.profile or "h100-nvlink")
+    result = calibrate(load_records(args.records), base=base)
+    d = result.to_dict()
+    if args.json:
+        _emit_json(d)
+        return 0
+    _print_dict(d, f"calibrated cost model ({result.n_records} records)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``hdp`` command."""
+    from hdp.packing.workloads import WORKLOADS
+
+    parser = argparse.ArgumentParser(
+        prog="hdp", description="Sequence-length-aware hybrid data/context parallel planner.",
+        epilog=f"workloads: {', '.join(WORKLOADS)}",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan one step and print it", epilog=f"workloads: {', '.join(WORKLOADS)}")
+    _add_batch_args(p)
+    _add_domain_args(p)
+    p.add_argument("--policy", default="hdp", help="packing policy (default hdp)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="also write a Gantt chart")
+    p.set_defaults(func=_cmd_plan)
+
+    s = sub.add_parser("simulate", help="compare policies on a batch, or run the built-in suite",
+                       epilog=f"workloads: {', '.join(WORKLOADS)}")
+    _add_batch_args(s, required=False)
+    _add_domain_args(s, required=False)
+    s.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated policies")
+    s.add_argument("--suite", action="store_true", help="run the built-in benchmark suite")
+    s.add_argument("--quick", action="store_true", help="suite: only N in {8, 64}")
+    s.add_argument("--strict", action="store_true", help="suite: exit 1 when a check fails")
+    s.add_argument("--no-peers", action="store_true", help="skip the megatron-core reference entry")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot-dir", metavar="DIR", help="write a Gantt chart per policy")
+    s.set_defaults(func=_cmd_simulate)
+
+    b = sub.add_parser("bench", help="benchmarks: attention kernels or planner speed")
+    b.add_argument("what", choices=("attention", "planner"))
+    b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
+    b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
+    b.add_argument("--algo", default="ring", help="attention: ring or allgather")
+    b.add_argument("--policy", default="hdp", help="planner: policy (default hdp)")
+    b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 512-rank case")
+    b.add_argument("--large-repeats", type=int, default=2, help="planner: repeats of the 8192-rank case")
+    b.add_argument("--small-only", action="store_true", help="planner: skip the 8192-rank case")
+    b.add_argument("--seed", type=int, default=0, help="planner: workload seed")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=_cmd_bench)
+
+    c = sub.add_parser("calibrate", help="fit the cost model to measured records (JSON lines)")
+    c.add_argument("--records", required=True, metavar="FILE.jsonl", help="measured records")
+    c.add_argument("--profile", default=None, help="base profile for parameters the records cannot fit")
+    c.add_argument("--model", default=None, help="base model preset")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=_cmd_calibrate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hdp``; returns the exit code (2 for user errors)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse usage errors (already printed) and --help
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
