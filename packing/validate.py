@@ -25,7 +25,7 @@ def validate_lengths(lengths: Sequence[int] | np.ndarray, num_ranks: int, budget
         bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"lengths[{i}]={arr[i]!r} is not an integer; token counts are whole numbers")
+            raise ValueError(f"lengths[{i}]={float(arr[i])!r} is not an integer; token counts are whole numbers")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero(arr <= 0)
     if bad.size:

@@ -46,7 +46,7 @@ __all__ = ["assign"]
 _log = logging.getLogger(__name__)
 
 
-_KK_MAX_SAMPLES = 4096  # above this the balanced-bins construction costs too much time
+_KK_MAX_SAMPLES = 16384  # above this the balanced-bins construction costs too much time
 _FILL = 0.97  # token fill a round is planned to (bin packing needs slack)
 
 
@@ -327,7 +327,7 @@ def _kk_rounds(
         _grow_sizes(lengths, k, height, reach, config, sizes)
     multi = np.flatnonzero(k > 1)
     single = np.flatnonzero(k == 1)
-    m = min(rounds * N - int(k[multi].sum()), single.size)
+    m = max(0, min(rounds * N - int(k[multi].sum()), single.size))
     if single.size and m < 1:
         raise _Infeasible
     bins = np.zeros(0, dtype=np.int64)

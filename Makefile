@@ -1,0 +1,32 @@
+# Two commands for a fresh machine (see README):
+#   make demo   — set up .venv and run the main job
+#   make test   — set up .venv and run the tests
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test suite clean
+
+$(BIN)/hdp: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned, so pip takes the CPU wheel from local disk, never a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/hdp
+
+setup: $(BIN)/hdp
+
+demo: setup
+	$(BIN)/hdp simulate --workload ascend-short-tail --samples 1024 --ranks 64 \
+		--max-tokens-per-rank 4096 --model deepseek-v3 --profile ascend-910b-hccs \
+		--plot-dir out/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+suite: setup
+	$(BIN)/hdp simulate --suite
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,146 @@
+"""Planner invariants (DESIGN 1-3) for every policy, determinism, bad input, and the hdp policy
+against the exact optimum on small instances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hdp.packing import PlannerConfig, Policy, check_plan, cost_model, plan, zigzag_bounds
+from hdp.packing.exact import exact_search
+from hdp.packing.plan import Plan
+
+POLICIES = [p.value for p in Policy]
+COSTS = {
+    "h100": cost_model("deepseek-v3", "h100-nvlink"),
+    "ascend": cost_model("deepseek-v3", "ascend-910b-hccs"),
+    "cpu": cost_model("cpu-tiny", "cpu-gloo"),
+}
+
+
+@st.composite
+def batches(draw):
+    n_ranks = draw(st.integers(1, 12))
+    budget = draw(st.integers(8, 4096))
+    n = draw(st.integers(1, 40))
+    # lengths from 1 up to the whole domain's capacity, skewed to short ones
+    lengths = draw(
+        st.lists(st.integers(1, n_ranks * (budget - 1)), min_size=n, max_size=n).map(
+            lambda xs: [max(1, x // 7) if i % 3 else x for i, x in enumerate(xs)]
+        )
+    )
+    return lengths, n_ranks, budget
+
+
+def _check_cover(p: Plan) -> None:
+    # invariant 1: every sample in exactly one group of one round, chunks cover it exactly
+    seen = np.zeros(p.num_samples, dtype=np.int64)
+    for rnd in p.rounds:
+        for g in rnd.groups:
+            for pos, s in enumerate(g.samples):
+                seen[s] += 1
+                b = g.chunk_bounds(pos)
+                assert b[0] == 0 and b[-1] == p.lengths[s] and np.all(np.diff(b) >= 0)
+                assert len(b) == 2 * g.size + 1
+            held = sum(
+                (fe - fs) + (be - bs) for r in g.ranks for _, (fs, fe), (bs, be) in g.rank_chunks(r)
+            )
+            assert held == g.tokens
+    assert np.all(seen == 1)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), shape=st.sampled_from(["any", "pow2"]), cost=st.sampled_from(sorted(COSTS)))
+def test_invariants_every_policy(policy, batch, shape, cost):
+    lengths, n_ranks, budget = batch
+    if shape == "pow2" and policy == "hdp":
+        n_ranks = 1 << int(np.log2(n_ranks))  # pow2 blocks need a power-of-two domain to hold N*B
+        lengths = [min(x, n_ranks * (budget - 1)) for x in lengths]
+    cfg = PlannerConfig(
+        num_ranks=n_ranks, max_tokens_per_rank=budget, policy=policy, group_shape=shape,
+        cost=COSTS[cost],
+    )
+    p = plan(lengths, cfg)
+    check_plan(p, pow2=(policy == "hdp" and shape == "pow2"))
+    _check_cover(p)
+    # invariant 3: a pure function of (lengths, config)
+    assert plan(list(lengths), cfg) == p
+    assert plan(np.asarray(lengths), cfg).checksum() == p.checksum()
+    assert p.stats is not None and 0 < p.stats.efficiency <= 1.0 + 1e-6
+
+
+def test_plan_roundtrip_and_views():
+    cfg = PlannerConfig(num_ranks=4, max_tokens_per_rank=100)
+    p = plan([30, 250, 7, 1, 99, 40], cfg)
+    q = Plan.from_dict(p.to_dict())
+    assert q == p and q.checksum() == p.checksum()
+    sched = p.rank_schedule(2)
+    assert len(sched) == p.num_rounds
+    assert zigzag_bounds(10, 2).tolist() == [0, 2, 5, 7, 10]
+
+
+@pytest.mark.parametrize(
+    "lengths, ranks, budget, match",
+    [
+        ([], 4, 100, "lengths: the batch is empty"),
+        ([10, 0, 5], 4, 100, r"lengths\[1\]=0"),
+        ([10, -3], 4, 100, r"lengths\[1\]=-3"),
+        ([10, 2.5], 4, 100, r"lengths\[1\]=2.5 is not an integer"),
+        ([10, 401, 5], 4, 100, r"lengths\[1\]=401 does not fit .* at least 101"),
+    ],
+)
+def test_bad_lengths(lengths, ranks, budget, match):
+    with pytest.raises(ValueError, match=match):
+        plan(lengths, PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_ranks=0, max_tokens_per_rank=10), "config.num_ranks=0"),
+        (dict(num_ranks=4, max_tokens_per_rank=0), "config.max_tokens_per_rank=0"),
+        (dict(num_ranks=4, max_tokens_per_rank=10, policy="magic"), "config.policy='magic' is unknown"),
+        (dict(num_ranks=4, max_tokens_per_rank=10, group_shape="hex"), "config.group_shape='hex'"),
+        (dict(num_ranks=4, max_tokens_per_rank=10, static_cp_size=8), "config.static_cp_size=8"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(**kwargs)
+
+
+def test_unknown_profile_and_model():
+    with pytest.raises(ValueError, match="profile='tpu' is unknown"):
+        cost_model("dense-8b", "tpu")
+    with pytest.raises(ValueError, match="model='gpt5' is unknown"):
+        cost_model("gpt5", "h100-nvlink")
+
+
+def test_hdp_beats_static_cp_on_short_tail():
+    # mostly short samples and a thin tail: static CP pays ring overhead on every short sample
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([rng.integers(200, 3000, 120), [16000, 9000]])
+    cfg = dict(num_ranks=8, max_tokens_per_rank=4096, cost=COSTS["ascend"])
+    hdp = plan(lengths, PlannerConfig(**cfg)).stats
+    static = plan(lengths, PlannerConfig(policy="static-cp", **cfg)).stats
+    assert hdp.step_time < static.step_time / 1.2, (hdp.step_time, static.step_time)
+    assert hdp.efficiency > 0.95
+
+
+def test_hdp_close_to_exact_optimum_on_small_instances():
+    """hdp within a stated gap of the exact optimum (B&B over all plans) on small instances."""
+    rng = np.random.default_rng(7)
+    gaps = []
+    for _ in range(6):
+        n_ranks = int(rng.integers(2, 5))
+        budget = 1024
+        lengths = rng.integers(16, 2 * budget, int(rng.integers(3, 7))).tolist()
+        cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, cost=COSTS["ascend"])
+        res = exact_search(lengths, cfg, time_limit_s=5.0)
+        hdp = plan(lengths, cfg).stats.step_time
+        assert hdp >= res.step_time * (1 - 1e-9)  # the optimum is a true lower bound
+        gaps.append(hdp / res.step_time - 1)
+    assert max(gaps) < 0.35, gaps
