@@ -1,57 +1,53 @@
 """The `hdp` policy: sequence-length-aware hybrid data/context parallel packing.
 
-For a candidate number of rounds R (from the token-budget minimum upwards):
+A plan is built from *columns*: a column is a group of k ranks (k = 1 is a plain data-parallel
+rank) running a packed bin of samples for one round; its height is the per-rank time of the bin.
+The construction, for a choice of group size per sample and a number of rounds R:
 
-1. **Group sizes.**  Every sample starts at its smallest feasible group size k_min (zigzag-exact
-   ``ceil(L/B)``).  The target round height is ``tau = sum_i k_i * c(L_i, k_i) / (N * R)`` — the
-   rank-time of the step spread evenly over the R rounds — where ``c(L, k)`` is the per-rank cost
-   of a sample on k ranks (quadratic-aware, with CP overheads).  A sample taller than ``tau``
-   would make its round longer than every other rank can fill within the token budget, so its
-   group grows to the smallest k (any size, or powers of two with ``group_shape=pow2``) whose
-   height fits under ``tau``; ``tau`` is then recomputed (rank-time grows a little with k).
-2. **Groups.**  Multi-rank samples, tallest first, go to the round where they raise the round's
-   height above ``max(roof, tau)`` the least — either as a new contiguous (or aligned) block of
-   free ranks, or stacked onto an existing group of the same size that still has token room —
-   ties going to the round with the fewest free ranks left (shelf packing).
-3. **Single-rank samples** fill every free (round, rank) slot by longest-processing-time-first:
-   each sample, tallest first, to the least-loaded slot that still has token room.  Big batches
-   are placed a slot-sized slice at a time with numpy (largest remaining samples matched to the
-   least-loaded slots); the tail is placed one by one with a heap.
-4. **Refinement.**  Samples move from the tallest rank of each round to the least-loaded rank
-   with room (single-rank samples only) while that lowers the step time.
+1. **Group sizes.**  Every sample needs at least k_min ranks (zigzag-exact ``ceil(L/B)``).  Three
+   variants are tried: every sample at k_min; samples taller than what the other ranks of a round
+   reach widened (`_grow_sizes`: the k minimising extra rank-time plus the idle time a too-tall
+   group causes); and all samples on one common size (uniform plans, the static-CP family — so
+   hdp is never worse than static CP under the same cost model).
+2. **Bins per size.**  The R*N rank slots are shared among the sizes in proportion to their
+   rank-time (at least what their tokens need under the budget B); the samples of each size are
+   balanced over that size's bins — Karmarkar–Karp (largest differencing) when bins hold few
+   samples, otherwise slot-sized slices of the tallest samples matched to the least-loaded bins,
+   with a heap for the samples that overflow a bin's token budget.
+3. **Rounds.**  Columns are laid out tallest first: each round takes the tallest remaining column
+   and every further column that still fits its free ranks (shelf packing; for single-rank columns
+   this minimises the sum of round maxima).  Wider columns sit left, so power-of-two blocks stay
+   aligned with ``group_shape=pow2``.
 
-The R with the lowest simulated step time ``sum_r max_rank load + R * beta`` wins, so extra
-rounds are used only when they lower T (e.g. when the budget forces imbalance).
+Every candidate (variant x R from the token minimum upwards, stopping when T stops improving) is
+scored by ``sum_r max column height + rounds * beta`` and the best kept.  The cost model, not the
+group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
-from dataclasses import replace
+from collections.abc import Callable
 
 import numpy as np
 
 from hdp.packing.config import GroupShape, PlannerConfig
-from hdp.packing.cost import max_rank_tokens, min_group_size
-from hdp.packing.plan import Plan
-from hdp.packing.policies import static_cp
+from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
 from hdp.packing.policies.common import Assignment, pow2_ceil
-from hdp.packing.policies.kk import bins_fit, karmarkar_karp, lpt_with_capacity
-from hdp.packing.simulate import min_rounds, rank_loads
+from hdp.packing.policies.kk import karmarkar_karp
 
 __all__ = ["assign"]
 
 _log = logging.getLogger(__name__)
 
-
-_KK_MAX_SAMPLES = 16384  # above this the balanced-bins construction costs too much time
-_FILL = 0.97  # token fill a round is planned to (bin packing needs slack)
+_KK_MAX_WORK = 2_000_000  # Karmarkar-Karp (O(n * m)) only while n * m stays small enough to be fast
+_KK_MAX_ITEMS = 2048
+_MAX_EXTRA_ROUNDS_LARGE = 1  # fewer round counts are tried for batches above 4,096 samples
 
 
 class _Infeasible(Exception):
-    """R rounds cannot hold the batch under the token budget."""
+    """The candidate cannot hold the batch under the token budget."""
 
 
 def _allowed_sizes(num_ranks: int, shape: GroupShape) -> np.ndarray:
@@ -66,9 +62,9 @@ def _grow_sizes(
 ) -> None:
     """In place: widen the groups of samples taller than ``reach``, the height other ranks reach.
 
-    A sample of height h(k) on k ranks in a round whose other N - k ranks can only reach
-    ``reach`` wastes about (N - k) * (h(k) - reach); a wider group costs k * h(k) - k0 * h(k0)
-    extra rank-time (CP overhead).  Each tall sample takes the k minimising the sum.
+    A sample of height h(k) on k ranks in a round whose other N - k ranks only reach ``reach``
+    idles them for about (N - k) * (h(k) - reach); a wider group costs k * h(k) - k0 * h(k0) extra
+    rank-time (CP overhead).  Each tall sample takes the allowed k minimising the sum.
     """
     cost, N = config.cost, config.num_ranks
     tall = np.flatnonzero(height > reach * (1 + 1e-9))
@@ -82,279 +78,311 @@ def _grow_sizes(
     k[tall], height[tall] = sizes[j], h[np.arange(tall.size), j]
 
 
-class _Round:
-    """Slots of one round being filled: plain ranks and multi-rank groups ("super-slots")."""
+def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> np.ndarray:
+    """Balance items (height, tokens) over m bins of token capacity ``budget``; bin of each item.
 
-    def __init__(self, num_ranks: int, budget: int):
-        self.N, self.B = num_ranks, budget
-        self.next_free = 0
-        self.groups: list[list] = []  # [start, k, load, tokens_per_rank]
-
-    def add_group(self, k: int, shape: GroupShape) -> list | None:
-        start = self.next_free
-        if shape is GroupShape.POW2 and start % k:
-            start += k - start % k
-        if start + k > self.N:
-            return None
-        g = [start, k, 0.0, 0]
-        self.groups.append(g)
-        self.next_free = start + k
-        return g
-
-
-def _fill_round(
-    items: np.ndarray, lengths: np.ndarray, height1: np.ndarray, rnd: _Round,
-    config: PlannerConfig, slot_of: np.ndarray,
-) -> list[int]:
-    """LPT (earliest finish) of single-rank samples over a round's free ranks and group slots.
-
-    Returns the samples that did not fit the token budget.  ``slot_of[i]`` receives the group start
-    rank (for samples joining a group, negative-encoded as -(start + 1)) or the plain rank.
+    Karmarkar–Karp when bins hold few items; otherwise slices of m items, tallest first, go to the
+    bins sorted by load (largest to least loaded), and items that overflow a bin are placed by a
+    heap (least-loaded bin with room).  Raises _Infeasible when an item finds no room.
     """
-    cost, N, B = config.cost, rnd.N, rnd.B
-    plain = np.arange(rnd.next_free, N, dtype=np.int64)
-    # group ranks that appear before next_free but are padding (pow2 alignment) are plain too
-    covered = np.zeros(N, dtype=bool)
-    for g in rnd.groups:
-        covered[g[0] : g[0] + g[1]] = True
-    plain = np.flatnonzero(~covered)
-    load = np.zeros(N)
-    tok = np.zeros(N, dtype=np.int64)
-    failed: list[int] = []
-    order = items  # already tallest first
-    m = plain.size
+    n = height.size
+    out = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return out
+    if m >= n:
+        out[np.lexsort((np.arange(n), -height))] = np.arange(n)
+        return out
+    if n <= _KK_MAX_ITEMS and n * m <= _KK_MAX_WORK:
+        bins = karmarkar_karp(height, m)
+        if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
+            return bins
+    order = np.lexsort((np.arange(n), -height))
+    load = np.zeros(m)
+    used = np.zeros(m, dtype=np.int64)
+    deferred: list[np.ndarray] = []
     pos = 0
-    # Bulk phase: a slot-sized slice at a time, largest samples to least-loaded plain ranks.
-    while m and order.size - pos > m:
-        chunk = order[pos : pos + m]
-        pos += m
-        slots = plain[np.argsort(load[plain], kind="stable")]
-        fits = tok[slots] + lengths[chunk] <= B
-        load[slots[fits]] += height1[chunk[fits]]
-        tok[slots[fits]] += lengths[chunk[fits]]
-        slot_of[chunk[fits]] = slots[fits]
-        failed.extend(chunk[~fits].tolist())
-    rest = order[pos:]
-    if failed:
-        rest = np.concatenate([np.asarray(failed, dtype=np.int64), rest])
-        rest = rest[np.lexsort((rest, -height1[rest]))]
-        failed = []
-    # Heap phase: exact earliest-finish list scheduling over plain ranks and group slots.
-    plain_heap = [(float(load[s]), int(s)) for s in plain if tok[s] < B]
-    heapq.heapify(plain_heap)
-    plain_stash: list[tuple[int, int]] = []  # (-room, rank): ranks too full for the current length
-    group_heap = [(g[2], g[0], gi) for gi, g in enumerate(rnd.groups) if g[3] < B]
-    heapq.heapify(group_heap)
-    # per group size: tokens per rank and per-rank cost of every remaining sample joining it
-    join_tok: dict[int, dict[int, int]] = {}
-    join_cost: dict[int, dict[int, float]] = {}
-    if group_heap and rest.size:
-        for gk in {g[1] for g in rnd.groups}:
-            kk = np.full(rest.size, gk, dtype=np.int64)
-            join_tok[gk] = dict(zip(rest.tolist(), max_rank_tokens(lengths[rest], kk).tolist()))
-            join_cost[gk] = dict(zip(rest.tolist(), cost.sample_cost(lengths[rest], kk).tolist()))
-    for i in rest.tolist():
-        need = int(lengths[i])
-        while plain_stash and -plain_stash[0][0] >= need:
-            _, s = heapq.heappop(plain_stash)
-            heapq.heappush(plain_heap, (float(load[s]), s))
-        while plain_heap and B - int(tok[plain_heap[0][1]]) < need:
-            _, s = heapq.heappop(plain_heap)
-            room = B - int(tok[s])
-            if room > 0:
-                heapq.heappush(plain_stash, (-room, s))
-        best_finish, choice = np.inf, None
-        if plain_heap:
-            best_finish, choice = plain_heap[0][0] + float(height1[i]), ("p", plain_heap[0][1])
-        if group_heap:
-            # the least-loaded group, if it has token room for this sample
-            gl, _, gi = group_heap[0]
-            g = rnd.groups[gi]
-            t = join_tok[g[1]][i]
-            if g[3] + t <= B:
-                f = gl + join_cost[g[1]][i]
-                if f < best_finish:
-                    best_finish, choice = f, ("g", gi, t)
-        if choice is None:
-            failed.append(i)
-            continue
-        if choice[0] == "p":
-            _, s = heapq.heappop(plain_heap)
-            load[s] += float(height1[i])
-            tok[s] += need
-            slot_of[i] = s
-            if tok[s] < B:
-                heapq.heappush(plain_heap, (float(load[s]), s))
-        else:
-            gi, t = choice[1], choice[2]
-            g = rnd.groups[gi]
-            heapq.heappop(group_heap)  # the chosen group is the heap's top
-            g[2] = best_finish
-            g[3] += t
-            slot_of[i] = -(g[0] + 1)
-            if g[3] < B:
-                heapq.heappush(group_heap, (g[2], g[0], gi))
-    rnd.plain_load = load
-    return failed
-
-
-def _assign_rounds(
-    lengths: np.ndarray, k0: np.ndarray, rounds: int, cap: float | None,
-    config: PlannerConfig, sizes: np.ndarray,
-) -> tuple[Assignment, float]:
-    """Shelf-pack the batch into at most ``rounds`` rounds; return the plan and its step time."""
-    cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
-    k = k0.copy()
-    height = cost.sample_cost(lengths, k)
-    if cap is not None:
-        _grow_sizes(lengths, k, height, cap, config, sizes)
-    height1 = cost.work(lengths)  # height of a sample on one rank
-    tokens = max_rank_tokens(lengths, k)
-    work = k * height
-    remaining = np.lexsort((np.arange(lengths.size), -height))  # tallest first
-    round_of = np.full(lengths.size, -1, dtype=np.int64)
-    start = np.zeros(lengths.size, dtype=np.int64)
-    size = k.copy()
-    slot_of = np.zeros(lengths.size, dtype=np.int64)
-    step = 0.0
-    for r in range(rounds):
-        if remaining.size == 0:
-            break
-        last = r == rounds - 1
-        w = work[remaining]
-        target = max(float(w.sum()) / (N * (rounds - r)), float(height[remaining[0]]))
-        # Segment: the longest prefix within the round's work target, token capacity and ranks.
-        if last:
-            take = remaining.size
-        else:
-            multi = k[remaining] > 1
-            cum_w = np.cumsum(w)
-            cum_t = np.cumsum(lengths[remaining])
-            # rank footprint: groups take k whole ranks; a single of more than B/2 tokens takes
-            # a rank of its own; the others share ranks by tokens
-            big = ~multi & (2 * lengths[remaining] > B)
-            cum_k = np.cumsum(np.where(multi, k[remaining], 0) + big)
-            cum_f = np.cumsum(np.where(multi, k[remaining], lengths[remaining] / B))
-            # at least the tokens the later rounds cannot hold, at most this round's capacity
-            need_t = int(lengths[remaining].sum()) - (rounds - r - 1) * N * B * _FILL
-            ok = ((cum_w <= target * N * (1 + 1e-9)) | (cum_t <= need_t)) & (cum_f <= N * _FILL) & (cum_k <= N)
-            take = max(1, int(np.argmin(ok)) if not ok.all() else ok.size)
-        seg, remaining = remaining[:take], remaining[take:]
-        rnd = _Round(N, B)
-        carry: list[int] = []
-        multi_items = seg[k[seg] > 1]
-        if config.group_shape is GroupShape.POW2:
-            multi_items = multi_items[np.lexsort((multi_items, -height[multi_items], -k[multi_items]))]
-        for i in multi_items.tolist():
-            g = rnd.add_group(int(k[i]), config.group_shape)
-            if g is None:
-                carry.append(i)
-                continue
-            g[2] += float(height[i])
-            g[3] += int(tokens[i])
-            round_of[i], start[i] = r, g[0]
-        singles = seg[k[seg] == 1]
-        slot_of[singles] = 0
-        failed = _fill_round(singles, lengths, height1, rnd, config, slot_of)
-        placed = np.setdiff1d(singles, np.asarray(failed, dtype=np.int64), assume_unique=True)
-        joined = placed[slot_of[placed] < 0]
-        plain = placed[slot_of[placed] >= 0]
-        round_of[plain], start[plain] = r, slot_of[plain]
-        round_of[joined] = r
-        start[joined] = -slot_of[joined] - 1
-        if joined.size:
-            k_of_start = {g[0]: g[1] for g in rnd.groups}
-            size[joined] = [k_of_start[int(s)] for s in start[joined]]
-        carry.extend(failed)
-        _log.debug("round %d/%d: take %d tokens %d carry %d remaining %d", r, rounds, take,
-                   int(lengths[seg].sum()), len(carry), remaining.size)
-        if carry:
-            if last:
+    while n - pos > 0:
+        chunk = order[pos : pos + m]  # [<=m] tallest remaining items
+        pos += chunk.size
+        target = np.argsort(load, kind="stable")[: chunk.size]  # least-loaded bins first
+        fits = used[target] + tokens[chunk] <= budget
+        ok_i, ok_b = chunk[fits], target[fits]
+        load[ok_b] += height[ok_i]
+        used[ok_b] += tokens[ok_i]
+        out[ok_i] = ok_b
+        if not fits.all():
+            deferred.append(chunk[~fits])
+    if deferred:
+        rest = np.concatenate(deferred)
+        rest = rest[np.lexsort((rest, -tokens[rest]))]  # most tokens first: hardest to place
+        heap = [(float(load[b]), int(b)) for b in range(m)]
+        heapq.heapify(heap)
+        stash: list[tuple[int, int]] = []  # (-room, bin): bins too full for the current item
+        for i in rest.tolist():
+            t = int(tokens[i])
+            while stash and -stash[0][0] >= t:  # items shrink: stashed bins may fit again
+                _, b = heapq.heappop(stash)
+                heapq.heappush(heap, (float(load[b]), b))
+            while heap and used[heap[0][1]] + t > budget:
+                _, b = heapq.heappop(heap)
+                heapq.heappush(stash, (-(budget - int(used[b])), b))
+            if not heap:
                 raise _Infeasible
-            back = np.asarray(carry, dtype=np.int64)
-            remaining = np.concatenate([back, remaining])
-            remaining = remaining[np.lexsort((remaining, -height[remaining]))]
-        round_max = max([g[2] for g in rnd.groups] + [float(rnd.plain_load.max())] if rnd.N else [0.0])
-        step += round_max + cost.round_cost
-    if remaining.size:
-        raise _Infeasible
-    return Assignment(round_of=round_of, group_start=start, group_size=size), step
+            lb, b = heapq.heappop(heap)
+            load[b], used[b], out[i] = lb + height[i], used[b] + t, b
+            heapq.heappush(heap, (float(load[b]), b))
+    return out
 
 
-def _layout_columns(
-    widths: np.ndarray, heights: np.ndarray, num_ranks: int, shape: GroupShape
-) -> tuple[np.ndarray, np.ndarray]:
-    """Lay columns (width = ranks, height = time) out as rounds of N ranks, tallest first.
+def _layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shelf layout of columns into rounds of ``num_ranks`` ranks; (round, first rank) of each.
 
-    Each round takes the tallest remaining column and then, in height order, every column that
-    still fits its free ranks (shelf packing; for width-1 columns this minimises the sum of round
-    maxima).  Within a round, wider columns go left so power-of-two blocks stay aligned.
-    Returns the round and first rank of every column.
+    Each round takes the tallest remaining column, then every column in height order that still
+    fits its free ranks.  Single-rank columns are taken in vectorised runs; wider columns (few)
+    one by one.  Within a round wider columns go left (aligned power-of-two blocks stay aligned).
     """
-    order = list(np.lexsort((np.arange(widths.size), -heights)))
-    rnd = np.zeros(widths.size, dtype=np.int64)
-    start = np.zeros(widths.size, dtype=np.int64)
+    n = widths.size
+    rnd = np.zeros(n, dtype=np.int64)
+    start = np.zeros(n, dtype=np.int64)
+    ones = np.flatnonzero(widths == 1)
+    ones = ones[np.lexsort((ones, -heights[ones]))]  # [n1] tallest first
+    wide = np.flatnonzero(widths > 1)
+    wide = list(wide[np.lexsort((wide, -heights[wide]))])
+    p = 0  # next single-rank column
     r = 0
-    while order:
-        free, members, rest = num_ranks, [], []
-        for c in order:
-            w = int(widths[c])
-            if w <= free:
-                members.append(c)
-                free -= w
-            else:
-                rest.append(c)
-        members.sort(key=lambda c: (-int(widths[c]), c))
+    neg_ones_h = -heights[ones]  # ascending, for searchsorted
+    while p < ones.size or wide:
+        free = num_ranks
+        members: list[int] = []
+        runs: list[tuple[int, int]] = []
+        skipped: list[int] = []
+        wi = 0
+        while free > 0 and (p < ones.size or wi < len(wide)):
+            w_next = wide[wi] if wi < len(wide) else None
+            if w_next is not None and (p >= ones.size or heights[w_next] >= heights[ones[p]]):
+                if widths[w_next] <= free:
+                    members.append(w_next)
+                    free -= int(widths[w_next])
+                else:
+                    skipped.append(w_next)
+                wi += 1
+                continue
+            # single-rank columns taller than the next wide one, as many as fit
+            stop = ones.size
+            if w_next is not None:
+                stop = int(np.searchsorted(neg_ones_h, -heights[w_next], side="left"))
+            take = max(1, min(free, stop - p))
+            runs.append((p, p + take))
+            p += take
+            free -= take
+        skipped.extend(wide[wi:])
+        wide = skipped
         pos = 0
-        for c in members:
+        for c in sorted(members, key=lambda c: (-int(widths[c]), c)):
             rnd[c], start[c] = r, pos
             pos += int(widths[c])
-        order, r = rest, r + 1
+        for a, b in runs:
+            idx = ones[a:b]
+            rnd[idx] = r
+            start[idx] = pos + np.arange(b - a)
+            pos += b - a
+        r += 1
     return rnd, start
 
 
-def _kk_rounds(
-    lengths: np.ndarray, k0: np.ndarray, rounds: int, reach: float | None,
-    config: PlannerConfig, sizes: np.ndarray,
+def _build(
+    lengths: np.ndarray, k: np.ndarray, height: np.ndarray, rounds: int, config: PlannerConfig,
+    own_columns: bool, tokens: np.ndarray,
 ) -> tuple[Assignment, float]:
-    """Balanced-bins construction: multi-rank samples as blocks, single-rank samples
-    Karmarkar-Karp-partitioned into the remaining rank slots of ``rounds`` rounds, all laid out
-    by `_layout_columns`."""
-    cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
-    k = k0.copy()
-    height = cost.sample_cost(lengths, k)
-    if reach is not None:
-        _grow_sizes(lengths, k, height, reach, config, sizes)
-    multi = np.flatnonzero(k > 1)
-    single = np.flatnonzero(k == 1)
-    m = max(0, min(rounds * N - int(k[multi].sum()), single.size))
-    if single.size and m < 1:
-        raise _Infeasible
-    bins = np.zeros(0, dtype=np.int64)
-    if single.size:
-        w = height[single]
-        tok = lengths[single]
-        bins = karmarkar_karp(w, m)
-        if not bins_fit(bins, tok, m, B):
-            lpt = lpt_with_capacity(w, tok, m, B)
-            if lpt is None:
-                raise _Infeasible
-            bins = lpt
-    bin_h = np.bincount(bins, weights=height[single], minlength=m) if single.size else np.zeros(0)
-    widths = np.concatenate([k[multi], np.ones(m, dtype=np.int64)])
-    heights = np.concatenate([height[multi], bin_h])
-    col_round, col_start = _layout_columns(widths, heights, N, config.group_shape)
-    round_of = np.zeros(lengths.size, dtype=np.int64)
-    start = np.zeros(lengths.size, dtype=np.int64)
-    round_of[multi], start[multi] = col_round[: multi.size], col_start[: multi.size]
-    if single.size:
-        round_of[single] = col_round[multi.size + bins]
-        start[single] = col_start[multi.size + bins]
-    n_rounds = int(col_round.max(initial=0)) + 1
+    """Columns for ``rounds`` rounds of N ranks given each sample's group size, height and
+    tokens per rank."""
+    N, B = config.num_ranks, config.max_tokens_per_rank
+    work = k * height
+    sizes, cls = np.unique(k, return_inverse=True)
+    slots = rounds * N
+    # bins per size: enough for the tokens, otherwise in proportion to rank-time
+    need = np.maximum(1, -(-np.bincount(cls, weights=tokens).astype(np.int64) // B))  # [C]
+    share = np.bincount(cls, weights=work, minlength=sizes.size) / max(float(work.sum()), 1e-300)
+    bins = np.maximum(need, np.floor(share * slots / sizes).astype(np.int64))
+    count = np.bincount(cls, minlength=sizes.size)
+    if own_columns:  # every multi-rank sample its own group (mixed sizes: few, tall samples)
+        bins = np.where(sizes > 1, count, bins)
+    bins = np.minimum(bins, count)
+    if sizes[0] == 1:  # single-rank bins take every slot the wider sizes leave
+        bins[0] = max(need[0], min(count[0], slots - int((bins[1:] * sizes[1:]).sum())))
+    while int((bins * sizes).sum()) > slots:  # over budget: take bins from the most generous size
+        spare = np.flatnonzero(bins > need)
+        if spare.size == 0:
+            raise _Infeasible
+        c = spare[np.argmax((bins[spare] - need[spare]) * sizes[spare])]
+        bins[c] -= 1
+    col_width, col_height = [], []
+    col_of = np.zeros(lengths.size, dtype=np.int64)
+    base = 0
+    for c in range(sizes.size):
+        members = np.flatnonzero(cls == c)
+        b = _partition(height[members], tokens[members], int(bins[c]), B)
+        col_of[members] = base + b
+        col_height.append(np.bincount(b, weights=height[members], minlength=int(bins[c])))
+        col_width.append(np.full(int(bins[c]), sizes[c], dtype=np.int64))
+        base += int(bins[c])
+    widths = np.concatenate(col_width)
+    heights = np.concatenate(col_height)
+    used = heights > 0
+    # exact per-rank cost of each packed column (samples of a group share ring steps)
+    padded = padded_length(lengths, k).astype(np.float64)
+    n_cols = widths.size
+    heights = config.cost.group_cost(
+        np.bincount(col_of, weights=config.cost.work(padded), minlength=n_cols),
+        np.bincount(col_of, weights=padded, minlength=n_cols),
+        np.bincount(col_of, weights=padded * padded, minlength=n_cols),
+        widths,
+    )
+    remap = np.cumsum(used) - 1  # drop empty bins
+    widths, heights = widths[used], heights[used]
+    col_of = remap[col_of]
+    col_round, col_start = _layout(widths, heights, N)
+    col_of = _fill_gaps(col_of, col_round, widths, heights, height, tokens, k, B)
+    col_of, col_round, col_start, widths, heights = _spread_last_round(
+        col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
+    )
+    used = np.bincount(col_of, minlength=widths.size) > 0
+    rounds_used = np.unique(col_round[used])
+    renum = np.zeros(int(col_round.max(initial=0)) + 1, dtype=np.int64)
+    renum[rounds_used] = np.arange(rounds_used.size)
+    col_round = renum[col_round]
+    heights = np.where(used, heights, 0.0)
+    round_max = np.zeros(rounds_used.size)
+    np.maximum.at(round_max, col_round[used], heights[used])
+    step = float(round_max.sum()) + rounds_used.size * config.cost.round_cost
+    a = Assignment(round_of=col_round[col_of], group_start=col_start[col_of], group_size=k)
+    return a, step
+
+
+def _spread_last_round(
+    col_of: np.ndarray, col_round: np.ndarray, col_start: np.ndarray, widths: np.ndarray,
+    heights: np.ndarray, height: np.ndarray, tokens: np.ndarray, k: np.ndarray,
+    num_ranks: int, budget: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Re-balance a partly filled last round of single-rank samples over all N ranks.
+
+    Balanced bins make equal-height columns; when the layout leaves the last round only partly
+    filled, its height is that of a full column while the other ranks idle.  Spreading its
+    samples over every rank of the round (by the same balancing) lowers it.
+    """
+    last = int(col_round.max(initial=0))
+    in_last = np.flatnonzero(col_round[col_of] == last)
+    cols = np.unique(col_of[in_last])
+    if cols.size == 0 or cols.size >= num_ranks or np.any(widths[cols] > 1) or np.any(k[in_last] > 1):
+        return col_of, col_round, col_start, widths, heights
+    try:
+        b = _partition(height[in_last], tokens[in_last], num_ranks, budget)
+    except _Infeasible:
+        return col_of, col_round, col_start, widths, heights
+    new_h = np.bincount(b, weights=height[in_last], minlength=num_ranks)
+    if new_h.max() >= heights[cols].max():
+        return col_of, col_round, col_start, widths, heights
+    base = widths.size
+    col_of = col_of.copy()
+    col_of[in_last] = base + b
+    heights = np.concatenate([np.where(np.isin(np.arange(base), cols), 0.0, heights), new_h])
+    widths = np.concatenate([widths, np.ones(num_ranks, dtype=np.int64)])
+    col_round = np.concatenate([col_round, np.full(num_ranks, last, dtype=np.int64)])
+    col_start = np.concatenate([col_start, np.arange(num_ranks, dtype=np.int64)])
+    return col_of, col_round, col_start, widths, heights
+
+
+def _fill_gaps(
+    col_of: np.ndarray, col_round: np.ndarray, widths: np.ndarray, heights: np.ndarray,
+    height: np.ndarray, tokens: np.ndarray, k: np.ndarray, budget: int,
+) -> np.ndarray:
+    """Move the last round's single-rank samples into gaps below other rounds' maxima.
+
+    The last round of a shelf layout is often partly filled.  Its samples, tallest first, move
+    (best fit) into single-rank columns of earlier rounds whose height stays under their round's
+    maximum and whose token room allows; the last round disappears when it empties.  ``heights``
+    is updated in place; returns the new column of every sample.
+    """
+    last = int(col_round.max(initial=0))
+    if last == 0:
+        return col_of
+    col_of = col_of.copy()
+    movers = np.flatnonzero((col_round[col_of] == last) & (k == 1))
+    if movers.size == 0:
+        return col_of
+    n_rounds = last + 1
     round_max = np.zeros(n_rounds)
     np.maximum.at(round_max, col_round, heights)
-    step = float(round_max.sum()) + n_rounds * cost.round_cost
-    return Assignment(round_of=round_of, group_start=start, group_size=k), step
+    col_tok = np.bincount(col_of, weights=tokens, minlength=widths.size)
+    target = (widths == 1) & (col_round != last)  # [C] columns that may receive samples
+    cand = np.flatnonzero(target)
+    gap = round_max[col_round[cand]] - heights[cand]  # [c] room under each round's maximum
+    room = budget - col_tok[cand]
+    for i in movers[np.lexsort((movers, -height[movers]))].tolist():
+        ok = np.flatnonzero((gap >= height[i]) & (room >= tokens[i]))
+        if ok.size == 0:
+            continue
+        j = ok[np.argmin(gap[ok])]  # best fit: keep large gaps for large samples
+        src = col_of[i]
+        heights[src] -= height[i]
+        col_of[i] = cand[j]
+        heights[cand[j]] += height[i]
+        gap[j] -= height[i]
+        room[j] -= tokens[i]
+    return col_of
+
+
+def _variants(
+    lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig, sizes: np.ndarray,
+) -> list[tuple[str, Callable[[int], tuple[np.ndarray, np.ndarray]]]]:
+    """(name, R -> (group size, height) of every sample) for each variant worth trying.
+
+    ``grow-tau`` widens samples taller than tau(R) = rank-time / (N * R), the height a round of R
+    reaches when perfectly balanced; ``grow-single`` only those taller than max(tau(R), tallest
+    single-rank sample); ``uniform-u`` puts every sample on u ranks.
+    """
+    cost, N = config.cost, config.num_ranks
+    h0 = cost.sample_cost(lengths, k_min)
+    single = h0[k_min == 1]
+    h1max = float(single.max()) if single.size else 0.0
+    total = float((k_min * h0).sum())
+
+    def grown(reach_of: Callable[[float], float]) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+        def at(rounds: int) -> tuple[np.ndarray, np.ndarray]:
+            k, h = k_min.copy(), h0.copy()
+            _grow_sizes(lengths, k, h, reach_of(total / (N * rounds)), config, sizes)
+            return k, h
+        return at
+
+    out: list[tuple[str, Callable[[int], tuple[np.ndarray, np.ndarray]]]] = [
+        ("k_min", lambda rounds: (k_min, h0)),
+        ("grow-single", grown(lambda tau: max(tau, h1max))),
+        ("grow-tau", grown(lambda tau: tau)),
+    ]
+    need = int(k_min.max())
+    for u in sizes[(sizes >= need) & (sizes <= 4 * need)]:
+        u = int(u)
+        if config.group_shape is GroupShape.ANY and u != need and u & (u - 1):
+            continue  # uniform plans: the smallest fitting size and powers of two above it
+        ku = np.full(lengths.size, u, dtype=np.int64)
+        hu = cost.sample_cost(lengths, ku)
+        out.append((f"uniform-{u}", lambda rounds, ku=ku, hu=hu: (ku, hu)))
+    return out
+
+
+def _floor(lengths: np.ndarray, k: np.ndarray, config: PlannerConfig) -> float:
+    """A lower bound of the compute time of any plan with these group sizes (units).
+
+    Every group of k > 1 ranks pays sum work(Lp)/k plus (k-1) un-hidable ring-step overheads per
+    rank, and a size needs at least (its tokens per rank) / B groups; packing can share the rest.
+    """
+    cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
+    padded = padded_length(lengths, k)
+    rank_time = float(cost.work(padded).sum())
+    sizes, cls = np.unique(k, return_inverse=True)
+    groups = -(-np.bincount(cls, weights=max_rank_tokens(lengths, k)).astype(np.int64) // B)
+    rank_time += float((groups * sizes * (sizes - 1)).sum()) * cost.step_overhead
+    return rank_time / N
 
 
 def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
@@ -371,66 +399,57 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 f"power-of-two block of the domain ({int(sizes[-1])} of {N} ranks); use "
                 "group_shape='any' or a larger max_tokens_per_rank"
             )
-    cost = config.cost
-    height0 = cost.sample_cost(lengths, k_min)
-    single_h = height0[k_min == 1]
-    h1max = float(single_h.max()) if single_h.size else 0.0
-    total = float((k_min * height0).sum())
-    r_min = min_rounds(lengths, N, B)
-    best: tuple[float, Assignment] | None = None
-    large = lengths.size > _KK_MAX_SAMPLES
-    builders = [_assign_rounds] if large else [_assign_rounds, _kk_rounds]
-    modes = ("none", "single") if large else ("none", "single", "tau")
-    extra_rounds = min(config.max_extra_rounds, 1) if large else config.max_extra_rounds
-    for builder, cap_mode in itertools.product(builders, modes):
-        r, tried, worse, infeasible = r_min, 0, 0, 0
-        while tried <= extra_rounds and r <= r_min + lengths.size:
-            tau = total / (N * r)
-            cap = {"none": None, "single": max(tau, h1max), "tau": tau}[cap_mode]
-            try:
-                a, step = builder(lengths, k_min, r, cap, config, sizes)
-            except _Infeasible:
+    r_min = max(1, -(-int(lengths.sum()) // (N * B)))
+    extra = config.max_extra_rounds if lengths.size <= 4096 else min(
+        config.max_extra_rounds, _MAX_EXTRA_ROUNDS_LARGE
+    )
+    best: tuple[float, Assignment, str] | None = None
+    variants = _variants(lengths, k_min, config, sizes)
+    # a lower bound of each variant's step time (at the minimum rounds): try the cheapest first
+    # and skip those that cannot beat the best plan found
+    floor_t = [
+        _floor(lengths, fn(r_min)[0], config) + r_min * config.cost.round_cost for _, fn in variants
+    ]
+    for vi in np.argsort(floor_t, kind="stable"):
+        name, fn = variants[vi]
+        if best is not None and floor_t[vi] >= best[0]:
+            continue
+        own = not name.startswith("uniform")
+        r = r_min
+        tried, worse, misses = 0, 0, 0
+        seen: set[bytes] = set()
+        while tried <= extra and misses <= 8:
+            k, height = fn(r)
+            tok = max_rank_tokens(lengths, k)
+            # rounds at least what the token budget of every size needs
+            sz, cls = np.unique(k, return_inverse=True)
+            need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)
+            if own:
+                need = np.where(sz > 1, np.bincount(cls), need)
+            r = max(r, -(-int((need * sz).sum()) // N))
+            key = k.tobytes() + r.to_bytes(8, "little")
+            if key in seen:
                 r += 1
-                infeasible += 1
-                if infeasible > 8:
-                    break
+                continue
+            seen.add(key)
+            try:
+                a, step = _build(lengths, k, height, r, config, own, tok)
+            except _Infeasible:
+                r, misses = r + 1, misses + 1
                 continue
             tried += 1
-            step = _step_time(lengths, a, config)
             if best is None or step < best[0] * (1 - 1e-9):
-                best, worse = (step, a), 0
+                best, worse = (step, a, f"{name} R={r}"), 0
             else:
                 worse += 1
                 if worse >= 2:
                     break
             r += 1
-    # Uniform plans (one group size for every sample, Karmarkar-Karp balanced) are part of the
-    # search space too: on batches where one size suits everything they are the best plans.
-    for k in _uniform_sizes(k_min, sizes)[: 1 if large else None]:
-        a = static_cp.assign(lengths, replace(config, static_cp_size=int(k)))
-        step = _step_time(lengths, a, config)
-        if best is None or step < best[0] * (1 - 1e-9):
-            best = (step, a)
-    assert best is not None, "no feasible round count found"
+    if best is None:  # every variant overflowed the budget: one sample per column always fits
+        a, step = _build(
+            lengths, k_min, config.cost.sample_cost(lengths, k_min), lengths.size, config, True,
+            max_rank_tokens(lengths, k_min),
+        )
+        best = (step, a, "one-per-column")
+    _log.debug("hdp: chose %s, estimated step %.4g", best[2], best[0])
     return best[1]
-
-
-def _uniform_sizes(k_min: np.ndarray, sizes: np.ndarray) -> list[int]:
-    """Group sizes worth trying for a uniform plan: the smallest that fits every sample, and the
-    power-of-two sizes above it up to 4x."""
-    need = int(k_min.max())
-    cand = {int(s) for s in sizes if need <= s <= 4 * need and (s & (s - 1)) == 0}
-    if need in set(sizes.tolist()):
-        cand.add(need)
-    return sorted(cand)
-
-
-def _step_time(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> float:
-    """Simulated step time of an assignment (units)."""
-    p = Plan.from_columns(
-        num_ranks=config.num_ranks, max_tokens_per_rank=config.max_tokens_per_rank,
-        policy="hdp", lengths=lengths, round_of=a.round_of, group_start=a.group_start,
-        group_size=a.group_size,
-    )
-    loads = rank_loads(p, config.cost)
-    return float(loads.max(axis=1).sum()) + p.num_rounds * config.cost.round_cost
