@@ -392,6 +392,12 @@ def _cmd_suite(args: argparse.Namespace) -> int:
         for case in cases:
             progress.update(task, description=f"suite {case.name}")
             results.extend(run_case(case, policies))
+            if not args.no_peers:
+                entry, _ = _peer_entry(case.lengths(), case.config("hdp"))
+                if entry is not None:
+                    entry["case"] = case.name
+                    entry["longest_needs_ranks"] = results[-1].get("longest_needs_ranks")
+                    results.append(entry)
             progress.advance(task)
     checks = _suite_checks(results, cases)
     failed = any(not c["passed"] for c in checks)
@@ -407,14 +413,15 @@ def _cmd_suite(args: argparse.Namespace) -> int:
         table.add_column("case")
         table.add_column("N", justify="right")
         table.add_column("needs", justify="right")
-        for name in policies:
+        shown = policies + (["megatron-core"] if any(r["policy"] == "megatron-core" for r in results) else [])
+        for name in shown:
             table.add_column(name, justify="right")
         for case in cases:
             row = by_case.get(case.name, {})
             h = row.get("hdp")
             t_ref = h["step_time"] if h is not None and "error" not in h else None
             cells = []
-            for name in policies:
+            for name in shown:
                 r = row.get(name)
                 if r is None or "error" in r:
                     cells.append("[red]error[/red]")
