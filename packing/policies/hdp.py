@@ -43,6 +43,7 @@ _log = logging.getLogger(__name__)
 
 _KK_MAX_WORK = 2_000_000  # Karmarkar-Karp (O(n * m)) only while n * m stays small enough to be fast
 _KK_MAX_ITEMS = 2048
+_GAP_FILL_MAX_WORK = 20_000_000  # samples x columns searched when filling gaps
 _MAX_EXTRA_ROUNDS_LARGE = 1  # fewer round counts are tried for batches above 4,096 samples
 
 
@@ -70,12 +71,23 @@ def _grow_sizes(
     tall = np.flatnonzero(height > reach * (1 + 1e-9))
     if tall.size == 0:
         return
-    cand = sizes[None, :]  # [1, K]
+    cand = _candidate_sizes(sizes, int(k[tall].max()))[None, :]  # [1, K]
     h = cost.sample_cost(lengths[tall][:, None], cand)  # [S, K]
     score = cand * h + (N - cand) * np.maximum(0.0, h - reach)
     score = np.where(cand >= k[tall][:, None], score, np.inf)  # only sizes >= the current one
     j = np.argmin(score, axis=1)
-    k[tall], height[tall] = sizes[j], h[np.arange(tall.size), j]
+    k[tall], height[tall] = cand[0, j], h[np.arange(tall.size), j]
+
+
+def _candidate_sizes(sizes: np.ndarray, k_max: int) -> np.ndarray:
+    """Group sizes worth widening to: every allowed size up to 32, then about 10% apart, up to
+    8x the widest current group (wider groups only add ring overhead)."""
+    sizes = sizes[sizes <= max(32, 8 * k_max)]
+    small, large = sizes[sizes <= 32], sizes[sizes > 32]
+    if large.size:
+        keep = np.unique(np.searchsorted(large, np.geomspace(large[0], large[-1], 48)))
+        large = large[np.minimum(keep, large.size - 1)]
+    return np.unique(np.concatenate([small, large]))
 
 
 def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> np.ndarray:
@@ -316,6 +328,8 @@ def _fill_gaps(
     col_tok = np.bincount(col_of, weights=tokens, minlength=widths.size)
     target = (widths == 1) & (col_round != last)  # [C] columns that may receive samples
     cand = np.flatnonzero(target)
+    if movers.size * cand.size > _GAP_FILL_MAX_WORK:
+        return col_of  # too large to search per sample; the layout stands as it is
     gap = round_max[col_round[cand]] - heights[cand]  # [c] room under each round's maximum
     room = budget - col_tok[cand]
     for i in movers[np.lexsort((movers, -height[movers]))].tolist():
@@ -400,9 +414,11 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 "group_shape='any' or a larger max_tokens_per_rank"
             )
     r_min = max(1, -(-int(lengths.sum()) // (N * B)))
-    extra = config.max_extra_rounds if lengths.size <= 4096 else min(
-        config.max_extra_rounds, _MAX_EXTRA_ROUNDS_LARGE
-    )
+    extra = config.max_extra_rounds
+    if lengths.size > 4096:
+        extra = min(extra, _MAX_EXTRA_ROUNDS_LARGE)
+    if lengths.size > 32768:  # cluster-scale batches: one round count per variant
+        extra = 0
     best: tuple[float, Assignment, str] | None = None
     variants = _variants(lengths, k_min, config, sizes)
     # a lower bound of each variant's step time (at the minimum rounds): try the cheapest first
