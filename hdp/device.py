@@ -170,4 +170,4 @@ def memory_stats(device: torch.device) -> dict[str, int]:
             current = int(fh.read().split()[1]) * resource.getpagesize()
     except OSError:
         pass
-    return {"allocated_bytes": int(current), "peak_bytes": int(peak)}
+    return {"allocated_bytes": int(current), "peak_bytes": int(max(peak, current))}

@@ -1,0 +1,162 @@
+"""Cross-rank plan agreement and pre-communication validation.
+
+DESIGN invariant 3: every rank of the domain computes the same plan from the same lengths and
+config.  If one rank's plan differs (different lengths, config or code version), the ranks would
+post different collectives and hang.  :func:`verify_plan` catches that with one fixed-size
+all-gather that every rank takes part in, so it can never hang itself, and raises the same
+``ValueError`` on every rank naming the ranks whose plan differs.
+
+The other checks here are pure and run before any communication: local ``cu_seqlens`` against the
+tensors they describe, and every group of a plan inside the domain.
+
+Dimension legend:
+    N   ranks in the domain
+    W   words of the gathered digest record (fixed, ``_RECORD``)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hdp import device as _device
+from hdp.packing.plan import Plan
+
+__all__ = [
+    "plan_digest",
+    "verify_plan",
+    "check_cu_seqlens",
+    "check_plan_domain",
+    "collective_device",
+]
+
+logger = logging.getLogger(__name__)
+
+# record gathered from every rank: [digest, num_samples, num_rounds, num_ranks]
+_RECORD = 4
+
+
+def collective_device(group: dist.ProcessGroup, hint: torch.Tensor | None = None) -> torch.device:
+    """Device for a small control tensor on ``group``: ``hint``'s device, else CPU for gloo, else the accelerator."""
+    if hint is not None:
+        return hint.device
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:  # gloo alone, or a "cpu:gloo,cuda:nccl" pair that still serves CPU tensors
+        return torch.device("cpu")
+    return _device.select_device()
+
+
+def plan_digest(plan: Plan) -> int:
+    """The plan checksum as a signed 64-bit integer (what :func:`verify_plan` compares)."""
+    value = int(plan.checksum(), 16)  # 16 hex digits = 64 bits
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def verify_plan(plan: Plan, domain_group: dist.ProcessGroup, *, device: torch.device | None = None) -> None:
+    """Check that every rank of ``domain_group`` holds the same plan; raise ``ValueError`` on every rank if not.
+
+    Call it before the first collective of a step.  One ``all_gather`` of a fixed-size int64
+    record ``[digest, num_samples, num_rounds, num_ranks]`` over the explicit ``domain_group``;
+    every rank takes part whatever its plan, so the check never hangs.  ``device`` defaults to
+    CPU for gloo groups and the accelerator otherwise.  Also raises when the plan's ``num_ranks``
+    differs from the domain size.
+    """
+    if domain_group is None:
+        raise ValueError("domain_group=None: pass the domain's process group explicitly (None means the whole world)")
+    dev = device if device is not None else collective_device(domain_group)
+    n = dist.get_world_size(domain_group)
+    mine = torch.tensor(
+        [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks], dtype=torch.int64, device=dev
+    )  # [W]
+    records = [torch.empty_like(mine) for _ in range(n)]  # N x [W]
+    dist.all_gather(records, mine, group=domain_group)
+    table = np.stack([r.cpu().numpy() for r in records])  # [N, W]
+    keys = [tuple(int(x) for x in row) for row in table]
+    counts = Counter(keys)
+    if len(counts) > 1:
+        # the reference is the most common plan; ties go to the plan of domain rank 0
+        best = max(counts.values())
+        ref = next(key for key in keys if counts[key] == best)
+        bad = [r for r, key in enumerate(keys) if key != ref]
+        detail = "; ".join(
+            f"rank {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
+            f"{keys[r][2]} rounds, num_ranks={keys[r][3]}"
+            for r in bad
+        )
+        raise ValueError(
+            f"plan mismatch across the domain of {n} ranks: ranks {bad} differ from the plan of "
+            f"{best} rank(s) (digest {ref[0] & ((1 << 64) - 1):016x}, {ref[1]} samples, {ref[2]} rounds, "
+            f"num_ranks={ref[3]}) [{detail}]; every rank must call hdp.packing.plan with the same "
+            "lengths and PlannerConfig (same batch, same config, same hdp version)"
+        )
+    if plan.num_ranks != n:
+        raise ValueError(
+            f"plan.num_ranks={plan.num_ranks} but the domain group has {n} ranks; "
+            f"plan with PlannerConfig(num_ranks={n}, ...) for this domain"
+        )
+    logger.debug("plan %s agreed on %d ranks", plan.checksum(), n)
+
+
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    num_tokens: int,
+    *,
+    lengths: Sequence[int] | None = None,
+    field: str = "cu_seqlens",
+) -> None:
+    """Raise ``ValueError`` unless ``cu_seqlens`` starts at 0, never decreases and ends at ``num_tokens``.
+
+    With ``lengths`` (the per-sequence local token counts) the differences must equal them too.
+    Pure: call it before any communication.
+    """
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if not cu or cu[0] != 0:
+        raise ValueError(f"{field}={cu}: must start with 0 (one entry per sequence boundary); prepend 0")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{field}={cu}: must be non-decreasing; pass cumulative sequence lengths")
+    if cu[-1] != num_tokens:
+        raise ValueError(
+            f"{field}={cu}: ends at {cu[-1]} but the tensor holds {num_tokens} tokens; "
+            "build cu_seqlens from the same local layout as the tensor (hdp.dispatch.local_meta)"
+        )
+    if lengths is not None:
+        diffs = [b - a for a, b in zip(cu, cu[1:])]
+        if diffs != [int(x) for x in lengths]:
+            raise ValueError(
+                f"{field}={cu}: sequence lengths {diffs} differ from the expected {list(lengths)}; "
+                "build cu_seqlens from the same local layout as the tensor"
+            )
+
+
+def check_plan_domain(plan: Plan, domain_size: int) -> None:
+    """Raise ``ValueError`` unless the plan is for ``domain_size`` ranks and every group lies inside the domain.
+
+    Pure: call it before any communication.
+    """
+    if plan.num_ranks != domain_size:
+        raise ValueError(
+            f"plan.num_ranks={plan.num_ranks} but the domain has {domain_size} ranks; "
+            f"plan with PlannerConfig(num_ranks={domain_size}, ...)"
+        )
+    if plan.num_samples == 0:
+        return
+    start, size = plan.group_start, plan.group_size
+    bad = np.flatnonzero((size < 1) | (start < 0) | (start + size > domain_size))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(
+            f"plan.group_start[{s}]={int(start[s])}, plan.group_size[{s}]={int(size[s])}: the group of sample {s} "
+            f"spans ranks outside the domain [0, {domain_size}); re-plan with num_ranks={domain_size}"
+        )
+    bad_round = np.flatnonzero((plan.round_of < 0) | (plan.round_of >= plan.num_rounds))
+    if bad_round.size:
+        s = int(bad_round[0])
+        raise ValueError(
+            f"plan.round_of[{s}]={int(plan.round_of[s])}: outside [0, {plan.num_rounds}); every sample "
+            "needs a round (build plans with Plan.from_columns or hdp.packing.plan)"
+        )

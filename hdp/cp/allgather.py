@@ -1,0 +1,143 @@
+"""All-gather K/V context parallelism over a cached aligned power-of-two block group.
+
+Dimension legend:
+    T       tokens held by this rank (THD layout); P = pad, rows per rank in the gathered buffer
+    Tk'     packed key prefixes this rank attends (sum over its chunks of the chunk's end position)
+    Hq/Hkv  query / key-value heads (GQA); D head dim; k group size
+
+Every rank all-gathers the (padded) local K/V of the group, rebuilds for each local chunk the
+key prefix [0, end of chunk) of its sample (:func:`hdp.cp.metadata.allgather_index`), and runs one
+bottom-right causal varlen kernel call with every chunk as its own query sequence: the front chunk
+attends keys [0, end_of_front), the back chunk keys [0, end_of_back) (Llama-3 style CP).
+Backward re-gathers K/V (nothing of size k·T is saved between passes), scatters the key-prefix
+gradients into the gathered layout and reduce-scatters them back to their owners.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hdp.cp.metadata import AllGatherIndex
+from hdp.kernels import AttentionKernel
+
+__all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention", "allgather_attention"]
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn);
+# same signatures.  Drop the fallbacks once torch < 2.13 is no longer supported.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index: AllGatherIndex) -> torch.Tensor:
+    """All-gather local K/V padded to ``index.pad`` rows: returns [k·P, 2, Hkv, D]."""
+    size = dist.get_world_size(group)
+    buf = torch.zeros((index.pad, 2) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)  # [P, 2, Hkv, D]
+    buf[: k.shape[0], 0] = k
+    buf[: k.shape[0], 1] = v
+    gathered = torch.empty((size * index.pad,) + tuple(buf.shape[1:]), dtype=k.dtype, device=k.device)
+    _all_gather_single(gathered, buf, group=group)  # [k·P, 2, Hkv, D]
+    return gathered
+
+
+def _reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``full [k·P, ...]`` over the group and return this rank's rows [P, ...]."""
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    rows = full.shape[0] // size
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all-reduce, keep our slice
+        dist.all_reduce(full, group=group)
+        return full[rank * rows : (rank + 1) * rows]
+    part = torch.empty((rows,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+    _reduce_scatter_single(part, full, group=group)
+    return part
+
+
+def _keys(gathered: torch.Tensor, index: AllGatherIndex) -> torch.Tensor:
+    return gathered.index_select(0, index.key_index.to(gathered.device))  # [Tk', 2, Hkv, D]
+
+
+def allgather_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    index: AllGatherIndex,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather CP forward on the block ``group``: returns ``(out [T, Hq, D], lse [Hq, T])``."""
+    keys = _keys(_gather_kv(k, v, group, index), index)  # [Tk', 2, Hkv, D]
+    return kernel.fwd(q, keys[:, 0], keys[:, 1], index.cu_q, index.cu_k, True, scale)
+
+
+def allgather_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    index: AllGatherIndex,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-gather CP backward: re-gathers K/V, reduce-scatters dK/dV; returns ``(dq, dk, dv)``."""
+    size = dist.get_world_size(group)
+    keys = _keys(_gather_kv(k, v, group, index), index)  # [Tk', 2, Hkv, D]
+    dq, dkp, dvp = kernel.bwd(dout, q, keys[:, 0], keys[:, 1], out, lse, index.cu_q, index.cu_k, True, scale)
+    acc_t = _acc_dtype(k.dtype)
+    full = torch.zeros((size * index.pad, 2) + tuple(k.shape[1:]), dtype=acc_t, device=k.device)  # [k·P, 2, Hkv, D]
+    dkv = torch.stack([dkp, dvp], dim=1).to(acc_t)  # [Tk', 2, Hkv, D]
+    full.index_add_(0, index.key_index.to(k.device), dkv)
+    mine = _reduce_scatter(full, group)[: k.shape[0]]  # [T, 2, Hkv, D]
+    return dq, mine[:, 0].to(k.dtype).contiguous(), mine[:, 1].to(v.dtype).contiguous()
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Autograd wrapper: ``apply(q, k, v, group, index, kernel, scale) -> (out, lse)``; lse has no grad."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        index: AllGatherIndex,
+        kernel: AttentionKernel,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = allgather_forward(q, k, v, group, index, kernel, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.index, ctx.kernel, ctx.scale = group, index, kernel, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = allgather_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.index, ctx.kernel, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    index: AllGatherIndex,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable all-gather CP attention: ``(out [T, Hq, D], lse [Hq, T])``."""
+    return AllGatherAttention.apply(q, k, v, group, index, kernel, scale)

@@ -1,0 +1,473 @@
+"""Moving samples to the ranks a plan assigns them to, and outputs back to the caller's order.
+
+Dimension legend:
+    S    samples of the step, in the caller's order (plan columns are indexed by them)
+    Sg   samples of one group, in group order
+    L_i  length of sample i
+    T    tokens this rank holds in one round (its local zigzag chunks, packed)
+    Tr   tokens this rank holds over all rounds (sum of T)
+    F    trailing feature elements of a per-token tensor, flattened (prod of shape[1:])
+    N    ranks in the domain; R rounds
+
+Local token order (the same as :mod:`hdp.cp.metadata`, whose ``rank_layout`` computes it): for
+each sample of the rank's group in group order, its front chunk then its back chunk (zigzag
+chunks j and 2k-1-j with boundaries ``floor(c * L / 2k)``, :mod:`hdp.packing.chunks`).  The
+position id of a local token is its offset inside its own sample, so RoPE sees the positions of
+the unsplit sample.
+
+Three ways in and out:
+
+* :func:`select_local` — every rank holds the whole batch (verl hands each rank the mini-batch):
+  pick this rank's chunks, no communication.
+* :func:`redistribute` — rank r holds only the samples it owns (``i % N == r`` or an explicit
+  owner list): one ``all_to_all_single`` over the domain group delivers every rank its chunks of
+  every round at once.  Split sizes follow from the plan on both ends, so only a fixed-size header
+  (dtype and feature shape, plus an error flag so a bad input raises on every rank instead of
+  hanging) is exchanged first.
+* :func:`gather_outputs` — per-token outputs of the local chunks (log-probs, entropies) go back as
+  full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``).
+
+Every collective names its process group; none runs on ``group=None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hdp.checksum import check_cu_seqlens, check_plan_domain, collective_device
+from hdp.cp.metadata import positions, rank_layout
+from hdp.packing.plan import Plan
+
+__all__ = [
+    "LocalMeta",
+    "LocalBatch",
+    "local_meta",
+    "local_metas",
+    "pack",
+    "unpack_into",
+    "select_local",
+    "owners_by_modulo",
+    "redistribute",
+    "gather_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalMeta:
+    """Where this rank's local tokens of one round come from (CPU tensors; move them with ``.to``)."""
+
+    round_index: int
+    """Round of the plan."""
+    rank: int
+    """Domain rank."""
+    idle: bool
+    """True when no group of the round covers this rank: it runs an empty micro-batch (k = 1, no samples)."""
+    group_start: int
+    """First domain rank of the group (this rank itself when idle)."""
+    k: int
+    """Group size (1 = plain data parallel, or idle)."""
+    j: int
+    """This rank's position in the group (0-based ring position)."""
+    samples: tuple[int, ...]
+    """Caller indices of the group's samples, in group order."""
+    group_lengths: tuple[int, ...]
+    """Full lengths of those samples (what ``hdp.cp.cp_attention`` takes as ``group_lengths``)."""
+    front: tuple[tuple[int, int], ...]
+    """Per sample, the (start, end) of the front chunk in sample coordinates."""
+    back: tuple[tuple[int, int], ...]
+    """Per sample, the (start, end) of the back chunk in sample coordinates."""
+    cu_seqlens: torch.Tensor
+    """[Sg+1] int32: local token boundaries of each sample (front and back chunk together)."""
+    position_ids: torch.Tensor
+    """[T] int64: offset of each local token inside its own sample (RoPE positions)."""
+    sample_index: torch.Tensor
+    """[T] int64: caller index of the sample each local token belongs to."""
+
+    @property
+    def num_tokens(self) -> int:
+        """T: tokens held locally in this round."""
+        return int(self.position_ids.numel())
+
+    @property
+    def token_offset(self) -> torch.Tensor:
+        """[T] int64: offset of each local token inside its sample (same as ``position_ids``)."""
+        return self.position_ids
+
+
+@dataclass(frozen=True, eq=False)
+class LocalBatch:
+    """This rank's packed tokens of one round and their metadata."""
+
+    meta: LocalMeta
+    """Layout of ``values``."""
+    values: torch.Tensor
+    """[T, ...] local tokens in the canonical order (per sample: front chunk, back chunk)."""
+
+    def __post_init__(self) -> None:
+        if self.values.dim() < 1:
+            raise ValueError(f"values.shape={tuple(self.values.shape)}: expected [T, ...] with tokens on dim 0")
+        check_cu_seqlens(self.meta.cu_seqlens, int(self.values.shape[0]), field="meta.cu_seqlens")
+
+
+def local_meta(plan: Plan, rank: int, round_index: int) -> LocalMeta:
+    """Metadata of domain ``rank``'s local tokens in round ``round_index`` (pure; no communication)."""
+    if not 0 <= round_index < plan.num_rounds:
+        raise ValueError(f"round_index={round_index}: the plan has rounds 0..{plan.num_rounds - 1}")
+    if not 0 <= rank < plan.num_ranks:
+        raise ValueError(f"rank={rank}: outside the domain [0, {plan.num_ranks}) of the plan")
+    group = plan.rounds[round_index].group_of(rank)
+    if group is None:
+        start, k, samples, lengths = rank, 1, (), ()
+    else:
+        start, k, samples, lengths = group.start, group.size, group.samples, group.lengths
+    j = rank - start
+    lay = rank_layout(lengths, k, j)
+    counts = torch.diff(lay.cu_seqlens.to(torch.int64))  # [Sg] local tokens per sample
+    sample_index = torch.repeat_interleave(torch.tensor(samples, dtype=torch.int64), counts)  # [T]
+    return LocalMeta(
+        round_index=round_index,
+        rank=rank,
+        idle=group is None,
+        group_start=start,
+        k=k,
+        j=j,
+        samples=tuple(samples),
+        group_lengths=tuple(lengths),
+        front=lay.front,
+        back=lay.back,
+        cu_seqlens=lay.cu_seqlens,
+        position_ids=positions(lengths, k, j),
+        sample_index=sample_index,
+    )
+
+
+def local_metas(plan: Plan, rank: int) -> tuple[LocalMeta, ...]:
+    """:func:`local_meta` of ``rank`` for every round of the plan, in round order."""
+    return tuple(local_meta(plan, rank, r) for r in range(plan.num_rounds))
+
+
+def _check_sample_tensor(name: str, index: int, tensor: object, length: int) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}[{index}] is {type(tensor).__name__}; pass a torch.Tensor [L_i, ...] per sample")
+    if tensor.dim() < 1 or tensor.shape[0] != length:
+        raise ValueError(
+            f"{name}[{index}].shape={tuple(tensor.shape)}: the plan gives sample {index} length {length}; "
+            "pass one tensor per sample with the sample's tokens on dim 0"
+        )
+    return tensor
+
+
+def pack(meta: LocalMeta, tensors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """[T, ...]: the local chunks of ``tensors[i]`` ([L_i, ...] per caller sample i) in canonical order.
+
+    Differentiable (slices and one ``cat``).  Only the group's samples are read; an idle or empty
+    round needs at least one tensor to take trailing shape, dtype and device from.
+    """
+    parts: list[torch.Tensor] = []
+    for s, length, (fs, fe), (bs, be) in zip(meta.samples, meta.group_lengths, meta.front, meta.back):
+        t = _check_sample_tensor("tensors", s, tensors[s], length)
+        parts += [t[fs:fe], t[bs:be]]
+    if parts:
+        return torch.cat(parts)  # [T, ...]
+    like = next(iter(tensors.values() if isinstance(tensors, Mapping) else tensors), None)
+    if like is None:
+        raise ValueError("tensors is empty: pass the per-sample tensors (needed for dtype and trailing shape)")
+    return like.new_empty((0, *like.shape[1:]))  # [0, ...]
+
+
+def unpack_into(meta: LocalMeta, values: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Write local ``values`` [T, ...] into per-sample ``outputs[i]`` [L_i, ...] in place (inverse of `pack`)."""
+    if values.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"values.shape[0]={values.shape[0]}: round {meta.round_index} of rank {meta.rank} holds "
+            f"{meta.num_tokens} tokens"
+        )
+    cu = meta.cu_seqlens.tolist()
+    for n, (s, (fs, fe), (bs, be)) in enumerate(zip(meta.samples, meta.front, meta.back)):
+        off = cu[n]
+        outputs[s][fs:fe] = values[off : off + fe - fs]
+        outputs[s][bs:be] = values[off + fe - fs : cu[n + 1]]
+
+
+def select_local(plan: Plan, rank: int, round_index: int, tensors: Sequence[torch.Tensor]) -> LocalBatch:
+    """This rank's chunks of round ``round_index`` from a batch every rank holds; no communication.
+
+    ``tensors[i]`` is caller sample i, ``[L_i, ...]`` with ``L_i == plan.lengths[i]``.  Returns the
+    packed local tensor ``[T, ...]`` (per sample of the group in group order: front chunk, then
+    back chunk) with its :class:`LocalMeta` (group lengths, k, j, position ids, cu_seqlens, and the
+    map ``sample_index``/``position_ids`` back to (sample, token offset)).
+    """
+    if len(tensors) != plan.num_samples:
+        raise ValueError(
+            f"len(tensors)={len(tensors)}: the plan has {plan.num_samples} samples; pass one tensor per sample"
+        )
+    meta = local_meta(plan, rank, round_index)
+    return LocalBatch(meta=meta, values=pack(meta, tensors))
+
+
+def owners_by_modulo(num_samples: int, num_ranks: int) -> np.ndarray:
+    """[S] owner rank of each sample when rank r holds the samples with ``i % N == r``."""
+    return np.arange(num_samples, dtype=np.int64) % num_ranks
+
+
+# ---------------------------------------------------------------- header agreement (fixed size)
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_MAX_FEATURE_DIMS = 8
+# [error flag, key (must agree), dtype code (-1 unknown), ndim (-1 unknown), dims...]
+_HEADER = 4 + _MAX_FEATURE_DIMS
+
+
+def _header(error: str | None, like: torch.Tensor | None, key: int) -> list[int]:
+    head = [1 if error else 0, key, -1, -1] + [0] * _MAX_FEATURE_DIMS
+    if like is not None and not error:
+        head[2] = _DTYPES.index(like.dtype)
+        head[3] = like.dim() - 1
+        head[4 : 4 + like.dim() - 1] = list(like.shape[1:])
+    return head
+
+
+def _digest(values: np.ndarray) -> int:
+    """Signed 64-bit digest of an int64 array (compared across ranks)."""
+    raw = int.from_bytes(hashlib.sha256(np.ascontiguousarray(values, dtype=np.int64).tobytes()).digest()[:8], "little")
+    return raw - (1 << 64) if raw >= (1 << 63) else raw
+
+
+def _agree(
+    what: str,
+    error: str | None,
+    like: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    dev: torch.device,
+    key: int = 0,
+) -> tuple[torch.dtype, tuple[int, ...]]:
+    """All-gather a fixed-size header; raise the same ValueError on every rank if any rank is bad.
+
+    ``key`` (e.g. a digest of the owner list) must be equal on every rank.
+    """
+    if like is not None and not error:
+        if like.dtype not in _DTYPES:
+            error = f"dtype {like.dtype} is not supported; use one of {list(_DTYPES)}"
+        elif like.dim() - 1 > _MAX_FEATURE_DIMS:
+            error = f"{like.dim() - 1} trailing dims; at most {_MAX_FEATURE_DIMS} are supported (flatten them)"
+    mine = torch.tensor(_header(error, like, key), dtype=torch.int64, device=dev)  # [_HEADER]
+    n = dist.get_world_size(group)
+    heads = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(heads, mine, group=group)
+    table = [h.cpu().tolist() for h in heads]  # N x [_HEADER]
+    if error:
+        raise ValueError(f"{what} on domain rank {dist.get_rank(group)}: {error}")
+    failed = [r for r, h in enumerate(table) if h[0]]
+    if failed:
+        raise ValueError(f"{what}: invalid input on domain ranks {failed} (see their errors); no data was sent")
+    keys = [h[1] for h in table]
+    if len(set(keys)) > 1:
+        odd = [r for r, k in enumerate(keys) if k != keys[0]]
+        raise ValueError(f"{what}: domain ranks {odd} passed different arguments (e.g. owners) than rank 0; "
+                         "pass the same on every rank")
+    known = {(h[2], h[3], tuple(h[4 : 4 + h[3]])) for h in table if h[2] >= 0}
+    if len(known) > 1:
+        described = sorted((_DTYPES[c], shape) for c, _, shape in known)
+        raise ValueError(f"{what}: ranks disagree on (dtype, trailing shape): {described}; pass the same on every rank")
+    if not known:
+        raise ValueError(f"{what}: no rank has a tensor to take dtype and trailing shape from; pass like=")
+    code, _, shape = known.pop()
+    return _DTYPES[code], shape
+
+
+def _check_domain(plan: Plan, group: dist.ProcessGroup) -> int:
+    if group is None:
+        raise ValueError("domain_group=None: pass the domain's process group explicitly (None means the whole world)")
+    check_plan_domain(plan, dist.get_world_size(group))
+    return dist.get_rank(group)
+
+
+# ---------------------------------------------------------------- redistribute
+
+
+def _check_shards(
+    plan: Plan, shards: Mapping[int, torch.Tensor], mine: set[int], template: torch.Tensor | None
+) -> str | None:
+    """The first problem with this rank's shards, or None (reported through the header, never raised alone)."""
+    if set(shards) != mine:
+        missing, extra = sorted(mine - set(shards)), sorted(set(shards) - mine)
+        return f"shards keys differ from the samples this rank owns: missing {missing[:8]}, not owned {extra[:8]}"
+    try:
+        for s, t in shards.items():
+            _check_sample_tensor("shards", s, t, int(plan.lengths[s]))
+            if template is not None and (t.dtype != template.dtype or t.shape[1:] != template.shape[1:]):
+                raise ValueError(f"shards[{s}] has dtype {t.dtype}, shape {tuple(t.shape)}; all shards must agree")
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def redistribute(
+    plan: Plan,
+    shards: Mapping[int, torch.Tensor],
+    domain_group: dist.ProcessGroup,
+    *,
+    owners: Sequence[int] | np.ndarray | None = None,
+    like: torch.Tensor | None = None,
+) -> tuple[LocalBatch, ...]:
+    """Send every rank its chunks of every round, from ranks that each hold only some samples.
+
+    ``shards`` maps caller sample index -> ``[L_i, ...]`` for exactly the samples this rank owns;
+    ``owners[i]`` is the owning domain rank of sample i (default ``i % N``).  One
+    ``all_to_all_single`` over ``domain_group`` (after a fixed-size header all-gather that agrees
+    on dtype and trailing shape and turns a bad input on any rank into a ``ValueError`` on every
+    rank) moves all rounds at once.  ``like`` gives dtype, trailing shape and device when this rank
+    owns no sample.  Returns one :class:`LocalBatch` per round, equal to :func:`select_local` on
+    the full batch.  Not differentiable (data movement of inputs).
+
+    gloo supports ``all_to_all_single`` with uneven splits on CPU in the supported torch versions,
+    so no point-to-point fallback is needed.
+    """
+    me = _check_domain(plan, domain_group)
+    n = plan.num_ranks
+    own = owners_by_modulo(plan.num_samples, n) if owners is None else np.asarray(owners, dtype=np.int64)
+    error: str | None = None
+    if own.shape != (plan.num_samples,) or (own.size and (own.min() < 0 or own.max() >= n)):
+        error = (
+            f"owners: expected {plan.num_samples} domain ranks in [0, {n}); got shape {own.shape}; "
+            "pass one owner per sample (or None for i % N)"
+        )
+        own = owners_by_modulo(plan.num_samples, n)
+    mine = set(np.flatnonzero(own == me).tolist())
+    first = next(iter(shards.values()), None) if shards else None
+    template = first if first is not None else like
+    error = error or _check_shards(plan, shards, mine, template)
+    dev = collective_device(domain_group, template)
+    dtype, feat = _agree("redistribute", error, template, domain_group, dev, key=_digest(own))
+    width = int(np.prod(feat, dtype=np.int64))  # F
+
+    # send side: for every destination, its rounds in order, its canonical tokens of my samples
+    send_parts: list[torch.Tensor] = []
+    send_sizes = []
+    for d in range(n):
+        count = 0
+        for meta in local_metas(plan, d):
+            for s, (fs, fe), (bs, be) in zip(meta.samples, meta.front, meta.back):
+                if own[s] == me:
+                    t = shards[s].reshape(int(plan.lengths[s]), width)  # [L_i, F]
+                    send_parts += [t[fs:fe], t[bs:be]]
+                    count += (fe - fs) + (be - bs)
+        send_sizes.append(count)
+    send = torch.cat(send_parts) if send_parts else torch.empty((0, width), dtype=dtype, device=dev)  # [sum, F]
+
+    # receive side: my canonical tokens over all rounds, grouped by owner (stable)
+    metas = local_metas(plan, me)
+    sample_of = torch.cat([m.sample_index for m in metas]) if metas else torch.zeros(0, dtype=torch.int64)  # [Tr]
+    owner_of = torch.from_numpy(own)[sample_of]  # [Tr]
+    recv_sizes = torch.bincount(owner_of, minlength=n).tolist()
+    recv = torch.empty((int(sample_of.numel()), width), dtype=dtype, device=dev)  # [Tr, F]
+    dist.all_to_all_single(
+        recv, send.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=domain_group
+    )
+    order = torch.sort(owner_of, stable=True).indices.to(dev)  # [Tr] canonical position of each received row
+    local = torch.empty_like(recv)  # [Tr, F]
+    local[order] = recv
+    out: list[LocalBatch] = []
+    off = 0
+    for meta in metas:
+        vals = local[off : off + meta.num_tokens].reshape(meta.num_tokens, *feat)  # [T, ...]
+        out.append(LocalBatch(meta=meta, values=vals))
+        off += meta.num_tokens
+    logger.debug("redistribute: rank %d sent %s, received %s tokens", me, send_sizes, recv_sizes)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- gather outputs
+
+
+def gather_outputs(
+    plan: Plan,
+    rank: int,
+    local_outputs_per_round: Sequence[torch.Tensor],
+    domain_group: dist.ProcessGroup,
+    dst: int | Literal["all"] | None = "all",
+) -> list[torch.Tensor] | None:
+    """Full per-sample outputs ``[L_i, ...]`` in the caller's order from every rank's local chunks.
+
+    ``local_outputs_per_round[r]`` is this rank's ``[T_r, ...]`` output of round r in the local
+    order of :func:`local_meta` (empty ``[0, ...]`` for idle rounds, still with the trailing
+    shape).  Tensors are padded to the largest per-rank token count (known from the plan on every
+    rank) and gathered over the explicit ``domain_group``: ``dst="all"`` or ``None`` returns the
+    result on every rank (``all_gather``); ``dst=r`` only on domain rank r (``gather``), ``None``
+    elsewhere.  Detached: outputs for the caller, not for backward.
+    """
+    me = _check_domain(plan, domain_group)
+    if rank != me:
+        raise ValueError(f"rank={rank} but this process is domain rank {me} of domain_group; pass its own rank")
+    target = "all" if dst is None else dst
+    bad_dst = isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < plan.num_ranks
+    if target != "all" and bad_dst:
+        raise ValueError(f"dst={dst!r}: pass 'all' (or None) or a domain rank in [0, {plan.num_ranks})")
+    metas = local_metas(plan, me)
+    error: str | None = None
+    if len(local_outputs_per_round) != plan.num_rounds:
+        error = f"len(local_outputs_per_round)={len(local_outputs_per_round)}; the plan has {plan.num_rounds} rounds"
+    else:
+        for meta, t in zip(metas, local_outputs_per_round):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != meta.num_tokens:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                error = (
+                    f"local_outputs_per_round[{meta.round_index}] is {shape}; rank {me} holds "
+                    f"{meta.num_tokens} tokens in round {meta.round_index}"
+                )
+                break
+            if t.dtype != local_outputs_per_round[0].dtype or t.shape[1:] != local_outputs_per_round[0].shape[1:]:
+                error = "local outputs of different rounds must share dtype and trailing shape"
+                break
+    template = local_outputs_per_round[0] if not error and local_outputs_per_round else None
+    dev = collective_device(domain_group, template)
+    dtype, feat = _agree("gather_outputs", error, template, domain_group, dev)
+    width = int(np.prod(feat, dtype=np.int64))  # F
+
+    per_rank = plan.tokens_per_rank().sum(axis=0) if plan.num_rounds else np.zeros(plan.num_ranks, np.int64)  # [N]
+    pad = int(per_rank.max(initial=0))
+    mine = (
+        torch.cat([t.detach().reshape(t.shape[0], width) for t in local_outputs_per_round])
+        if local_outputs_per_round
+        else torch.empty((0, width), dtype=dtype, device=dev)
+    )  # [Tr, F]
+    buf = torch.zeros((pad, width), dtype=dtype, device=dev)  # [P, F]
+    buf[: mine.shape[0]] = mine
+    if target == "all":
+        bufs = [torch.empty_like(buf) for _ in range(plan.num_ranks)]  # N x [P, F]
+        dist.all_gather(bufs, buf, group=domain_group)
+    else:
+        bufs = [torch.empty_like(buf) for _ in range(plan.num_ranks)] if me == target else None
+        dist.gather(buf, bufs, group=domain_group, group_dst=target)
+        if bufs is None:
+            return None
+
+    lengths = plan.lengths
+    starts = np.zeros(plan.num_samples + 1, dtype=np.int64)  # [S+1] offsets in the flat output
+    np.cumsum(lengths, out=starts[1:])
+    flat = torch.empty((int(starts[-1]), width), dtype=dtype, device=dev)  # [sum L, F]
+    starts_t = torch.from_numpy(starts[:-1])
+    for r in range(plan.num_ranks):
+        ms = local_metas(plan, r)
+        if not ms or sum(m.num_tokens for m in ms) == 0:
+            continue
+        sample_of = torch.cat([m.sample_index for m in ms])  # [Tr]
+        offset = torch.cat([m.position_ids for m in ms])  # [Tr]
+        rows = (starts_t[sample_of] + offset).to(dev)  # [Tr] row in flat
+        flat[rows] = bufs[r][: rows.numel()]
+    return [
+        flat[int(starts[i]) : int(starts[i + 1])].reshape(int(lengths[i]), *feat)  # [L_i, ...]
+        for i in range(plan.num_samples)
+    ]

@@ -1,0 +1,151 @@
+"""Process groups of one domain: cached power-of-two blocks and point-to-point rings.
+
+A domain of N ranks (see ../shared/DESIGN.md) runs groups of two shapes:
+
+* aligned power-of-two blocks ``[start, start + size)`` with ``size`` in 2, 4, ..., and
+  ``start % size == 0`` — each gets a cached torch.distributed sub-group (built once, collectively,
+  by :meth:`DomainGroups.build`); the whole domain is the domain group itself.  Collectives such as
+  all-gather need these.
+* any contiguous range of domain ranks — a :class:`RingSpec` whose point-to-point ops run over the
+  domain group with global peer ranks, so no new communicator is ever created (CP3, CP5, ...).
+
+Every collective or P2P op in hdp takes its group explicitly; nothing here is a module global.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import torch.distributed as dist
+
+__all__ = ["DomainGroups", "RingSpec", "aligned_blocks"]
+
+logger = logging.getLogger(__name__)
+
+
+def aligned_blocks(n: int) -> list[tuple[int, int]]:
+    """All ``(start, size)`` aligned power-of-two blocks of size >= 2 inside a domain of ``n`` ranks."""
+    out: list[tuple[int, int]] = []
+    size = 2
+    while size <= n:
+        out.extend((start, size) for start in range(0, n - size + 1, size))
+        size *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """A contiguous range of domain ranks used as a point-to-point ring over the domain group."""
+
+    group: dist.ProcessGroup
+    """The domain process group every P2P op of the ring runs on."""
+    start: int
+    """Domain rank of the first ring member."""
+    ranks: tuple[int, ...]
+    """Global ranks of the ring members, in ring order."""
+    position: int
+    """This rank's index in ``ranks`` (its position j inside the CP group)."""
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the ring (the CP group size k)."""
+        return len(self.ranks)
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank this rank receives from."""
+        return self.ranks[(self.position - 1) % self.size]
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank this rank sends to."""
+        return self.ranks[(self.position + 1) % self.size]
+
+
+@dataclass(frozen=True)
+class DomainGroups:
+    """The domain group, its global ranks, and the cached aligned power-of-two sub-groups."""
+
+    domain: dist.ProcessGroup
+    """The domain process group."""
+    global_ranks: tuple[int, ...]
+    """Global rank of every domain rank, indexed by domain rank."""
+    domain_rank: int
+    """This process's rank inside the domain."""
+    blocks: Mapping[tuple[int, int], dist.ProcessGroup]
+    """(start, size) -> process group, for the blocks this rank belongs to (read-only)."""
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the domain (N)."""
+        return len(self.global_ranks)
+
+    @classmethod
+    def build(cls, domain_group: dist.ProcessGroup) -> "DomainGroups":
+        """Build the block sub-groups of ``domain_group``; every domain rank must call this once.
+
+        Sub-groups are created with ``use_local_synchronization=True`` so only the members of a
+        block take part in its creation (other domains of the job need not call in step).
+        Building twice for the same domain is an error of torch.distributed (same group name).
+        """
+        if domain_group is None:
+            raise ValueError("domain_group=None: pass the domain's process group explicitly")
+        global_ranks = tuple(int(r) for r in dist.get_process_group_ranks(domain_group))
+        n = len(global_ranks)
+        me = dist.get_rank(domain_group)
+        blocks: dict[tuple[int, int], dist.ProcessGroup] = {(0, n): domain_group}
+        for start, size in aligned_blocks(n):
+            if (start, size) == (0, n) or not start <= me < start + size:
+                continue
+            members = list(global_ranks[start : start + size])
+            pg = dist.new_group(ranks=members, use_local_synchronization=True)
+            blocks[(start, size)] = pg
+        # one collective on the domain group, so its communicator exists before any rank starts a
+        # P2P ring on a subset of it (NCCL requires the first op on a group to involve all ranks)
+        dist.barrier(group=domain_group)
+        logger.debug("domain rank %d: built %d block groups", me, len(blocks))
+        return cls(
+            domain=domain_group,
+            global_ranks=global_ranks,
+            domain_rank=me,
+            blocks=MappingProxyType(blocks),
+        )
+
+    def _check_range(self, start: int, size: int) -> None:
+        if size < 1 or start < 0 or start + size > self.size:
+            raise ValueError(
+                f"rank range (start={start}, size={size}) is outside the domain of {self.size} ranks; "
+                f"ask for 0 <= start and start + size <= {self.size}"
+            )
+
+    def block_group(self, start: int, size: int) -> dist.ProcessGroup:
+        """The cached group of the aligned power-of-two block ``(start, size)`` this rank belongs to."""
+        self._check_range(start, size)
+        if size == 1:
+            raise ValueError(f"block (start={start}, size=1): a single rank needs no process group")
+        pg = self.blocks.get((start, size))
+        if pg is None:
+            if size & (size - 1) or start % size:
+                why = "it is not an aligned power-of-two block (size 2^i, start % size == 0)"
+            else:
+                why = f"domain rank {self.domain_rank} is not a member of it"
+            raise ValueError(f"block (start={start}, size={size}) was not built: {why}; use ring() instead")
+        return pg
+
+    def ring(self, start: int, size: int) -> RingSpec:
+        """P2P ring over domain ranks ``[start, start + size)``; this rank must be one of them."""
+        self._check_range(start, size)
+        if not start <= self.domain_rank < start + size:
+            raise ValueError(
+                f"ring (start={start}, size={size}) does not contain domain rank {self.domain_rank}; "
+                "only members build their ring"
+            )
+        return RingSpec(
+            group=self.domain,
+            start=start,
+            ranks=self.global_ranks[start : start + size],
+            position=self.domain_rank - start,
+        )

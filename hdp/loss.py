@@ -1,0 +1,191 @@
+"""Loss aggregation across split samples: per-token weights that make the domain sum exact.
+
+Dimension legend:
+    S    samples of the global batch (caller order); L_i length of sample i
+    T    tokens of this rank in one round (local zigzag chunks, packed)
+
+verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``, 0.7+ with ``global_batch_info``) reduces a
+padded ``[S, Lmax]`` loss matrix ``ℓ`` with mask ``m`` over the *global* mini-batch.  With
+n_i = Σ_t m_it the masked tokens of sample i and S' = #{i : n_i > 0} the samples that have any
+(verl's ``global_batch_size``; fully masked samples are excluded from the seq-mean):
+
+    token-mean               Σ_it m_it ℓ_it / Σ_it m_it
+    seq-mean-token-mean      (1/S') Σ_{i: n_i>0} (Σ_t m_it ℓ_it / n_i)
+    seq-mean-token-sum       (1/S') Σ_{i: n_i>0} Σ_t m_it ℓ_it
+    seq-mean-token-sum-norm  (1/S') Σ_{i: n_i>0} Σ_t m_it ℓ_it / loss_scale_factor
+                             (Dr. GRPO; verl's default factor is the padded width Lmax)
+
+Each mode is linear in ℓ, so it equals Σ_it w_it ℓ_it with a weight per token that depends only on
+the masks of the whole global batch:  w_it = m_it · c_i with
+c_i = 1/Σm, 1/(S'·n_i), 1/S', 1/(S'·loss_scale_factor) respectively.  A rank computes its local
+``Σ_t ℓ_t w_t`` over its chunks; the sum over all ranks and rounds is the single-process loss, even
+though a sample's normaliser n_i counts tokens that other ranks hold.
+
+Gradients: with these weights the step gradient is the **sum** of the ranks' gradients, so
+the engine must all-reduce gradients with SUM over the domain.  Megatron's DDP *averages* over its
+data-parallel group (the whole domain: hdp runs Megatron with CP=1), i.e. divides by N — the
+caller must multiply the local loss by N before backward (:func:`ddp_average_scale`), or configure
+DDP not to average.  (verl's Megatron engine does the same ``loss * dp_size`` for token-mean.)
+
+Where hdp differs from verl: seq-mean-token-mean divides by n_i exactly (verl by n_i + 1e-8, a
+relative difference below 1e-8); the global batch is always the reference (no per-micro-batch
+normalisation); a batch without any masked token gives weights 0 (verl returns a zero loss).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import torch
+
+from hdp.dispatch import local_meta, pack
+from hdp.packing.plan import Plan
+
+__all__ = [
+    "LossAggregation",
+    "aggregate_loss",
+    "sample_token_weights",
+    "local_loss_weights",
+    "ddp_average_scale",
+]
+
+
+class LossAggregation(str, enum.Enum):
+    """How per-token losses reduce to one scalar (verl's ``loss_agg_mode`` names)."""
+
+    TOKEN_MEAN = "token-mean"
+    """Sum of masked token losses over the global batch / number of masked tokens."""
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    """Mean over samples of each sample's masked token mean."""
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    """Mean over samples of each sample's masked token sum."""
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+    """seq-mean-token-sum / loss_scale_factor (Dr. GRPO; default factor: the longest sample)."""
+
+
+def _mode(mode: LossAggregation | str) -> LossAggregation:
+    try:
+        return LossAggregation(mode)
+    except ValueError as exc:
+        raise ValueError(f"mode={mode!r}: choose one of {[m.value for m in LossAggregation]}") from exc
+
+
+def _coefficients(
+    masks: Sequence[torch.Tensor],
+    mode: LossAggregation,
+    loss_scale_factor: float | None,
+    global_batch_size: int | None,
+) -> list[float]:
+    """Per-sample coefficient c_i (python floats, exact in float64)."""
+    if not masks:
+        raise ValueError("masks is empty: the global batch needs at least one sample")
+    for i, m in enumerate(masks):
+        if not isinstance(m, torch.Tensor) or m.dim() != 1:
+            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"masks[{i}] is {shape}; pass one 1-D mask [L_i] per sample")
+    counts = [float(m.to(torch.float64).sum()) for m in masks]
+    if mode is LossAggregation.TOKEN_MEAN:
+        total = sum(counts)
+        return [1.0 / total if total > 0 else 0.0] * len(masks)
+    if global_batch_size is None:
+        num = float(sum(1 for c in counts if c > 0))  # S': samples with any masked token
+    elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
+        raise ValueError(f"global_batch_size={global_batch_size!r}: must be a positive integer or None (count samples)")
+    else:
+        num = float(global_batch_size)
+    if num == 0:
+        return [0.0] * len(masks)
+    if mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+        return [1.0 / (num * c) if c > 0 else 0.0 for c in counts]
+    if mode is LossAggregation.SEQ_MEAN_TOKEN_SUM:
+        return [1.0 / num] * len(masks)
+    norm = float(max(int(m.shape[0]) for m in masks)) if loss_scale_factor is None else float(loss_scale_factor)
+    if norm <= 0:
+        raise ValueError(f"loss_scale_factor={loss_scale_factor}: must be > 0 (e.g. the max response length)")
+    return [1.0 / (num * norm)] * len(masks)
+
+
+def sample_token_weights(
+    masks: Sequence[torch.Tensor],
+    mode: LossAggregation | str,
+    *,
+    loss_scale_factor: float | None = None,
+    global_batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """Per-sample token weights ``[L_i]`` with ``Σ_i Σ_t w_it ℓ_it == aggregate_loss(ℓ, masks, mode)``.
+
+    ``masks[i]`` is sample i's loss mask ``[L_i]`` (bool or numeric) of the *global* batch.  Device
+    follows each mask.  ``loss_scale_factor`` is used by seq-mean-token-sum-norm only (default:
+    the longest sample, like verl's padded width; pass a constant for Dr. GRPO).
+    ``global_batch_size`` overrides S' (the number of samples with a masked token), like verl's
+    ``global_batch_info["global_batch_size"]``.
+    """
+    coef = _coefficients(masks, _mode(mode), loss_scale_factor, global_batch_size)
+    return [mask.to(dtype) * c for mask, c in zip(masks, coef)]
+
+
+def aggregate_loss(
+    losses: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    mode: LossAggregation | str,
+    *,
+    loss_scale_factor: float | None = None,
+    global_batch_size: int | None = None,
+) -> torch.Tensor:
+    """Single-process reference: aggregate per-sample token losses ``[L_i]`` like verl's ``agg_loss``.
+
+    Written as the formulas of the module docstring (sums and divisions), not through the weights.
+    """
+    m = _mode(mode)
+    if len(losses) != len(masks):
+        raise ValueError(f"len(losses)={len(losses)} != len(masks)={len(masks)}; pass one of each per sample")
+    _coefficients(masks, m, loss_scale_factor, global_batch_size)  # validation only
+    sums = [(loss * mask.to(loss.dtype)).sum() for loss, mask in zip(losses, masks)]  # [S] masked token sums
+    counts = [float(mask.to(torch.float64).sum()) for mask in masks]  # [S] n_i
+    zero = torch.stack(sums).sum() * 0.0
+    if m is LossAggregation.TOKEN_MEAN:
+        total = sum(counts)
+        return torch.stack(sums).sum() / total if total > 0 else zero
+    valid = [i for i, c in enumerate(counts) if c > 0]
+    num = float(len(valid)) if global_batch_size is None else float(global_batch_size)
+    if not valid or num == 0:
+        return zero
+    if m is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+        return torch.stack([sums[i] / counts[i] for i in valid]).sum() / num
+    seq_sum = torch.stack([sums[i] for i in valid]).sum() / num
+    if m is LossAggregation.SEQ_MEAN_TOKEN_SUM:
+        return seq_sum
+    norm = float(max(int(mask.shape[0]) for mask in masks)) if loss_scale_factor is None else float(loss_scale_factor)
+    return seq_sum / norm
+
+
+def local_loss_weights(
+    plan: Plan,
+    rank: int,
+    round_index: int,
+    masks: Sequence[torch.Tensor],
+    mode: LossAggregation | str,
+    *,
+    loss_scale_factor: float | None = None,
+    global_batch_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[T] weights of ``rank``'s local tokens in round ``round_index`` (canonical local order).
+
+    ``Σ_ranks Σ_rounds Σ_t local_loss[t] · weight[t]`` equals :func:`aggregate_loss` of the whole
+    global batch; pure (masks of the global batch are known on every rank).  For many rounds,
+    compute :func:`sample_token_weights` once and :func:`hdp.dispatch.pack` it per round instead.
+    """
+    if len(masks) != plan.num_samples:
+        raise ValueError(f"len(masks)={len(masks)}: the plan has {plan.num_samples} samples; pass one mask per sample")
+    weights = sample_token_weights(
+        masks, mode, loss_scale_factor=loss_scale_factor, global_batch_size=global_batch_size, dtype=dtype
+    )
+    return pack(local_meta(plan, rank, round_index), weights)
+
+
+def ddp_average_scale(plan: Plan) -> float:
+    """Factor to multiply the local loss by when gradients are *averaged* over the domain (Megatron DDP): N."""
+    return float(plan.num_ranks)

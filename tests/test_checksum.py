@@ -1,0 +1,76 @@
+"""verify_plan raises the same clear ValueError on every rank when one rank's plan differs (no hang)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helper import run_distributed
+from hdp.checksum import check_cu_seqlens, check_plan_domain, plan_digest, verify_plan
+from hdp.packing import PlannerConfig, plan as make_plan
+from hdp.packing.plan import Plan
+
+LENGTHS = [30, 7, 12, 1, 19, 25, 3, 8]
+
+
+def _plan(lengths, num_ranks=4):
+    return make_plan(np.asarray(lengths), PlannerConfig(num_ranks=num_ranks, max_tokens_per_rank=16))
+
+
+def _raises_naming(fn, *needles):
+    try:
+        fn()
+    except ValueError as exc:
+        for needle in needles:
+            assert needle in str(exc), f"{needle!r} not in {exc}"
+        return
+    raise AssertionError(f"no ValueError (expected one naming {needles})")
+
+
+def _worker(rank, world_size):
+    domain = dist.new_group(list(range(world_size)))
+    verify_plan(_plan(LENGTHS), domain)  # identical plans pass
+    # rank 2 sees a different batch: every rank raises, naming rank 2
+    lengths = list(LENGTHS)
+    if rank == 2:
+        lengths[0] += 1
+    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "ranks [2]", "plan mismatch", "same")
+    # two ranks differ in different ways
+    lengths = list(LENGTHS) + ([5] if rank == 0 else [6] if rank == 3 else [])
+    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "ranks [0, 3]")
+    # a plan for the wrong domain size fails on every rank too
+    _raises_naming(lambda: verify_plan(_plan(LENGTHS, num_ranks=2), domain), "plan.num_ranks=2", "4 ranks")
+    verify_plan(_plan(LENGTHS), domain)  # the group is still usable afterwards
+    dist.barrier(group=domain)
+
+
+@pytest.mark.dist
+def test_verify_plan_mismatch_raises_everywhere():
+    run_distributed(_worker, 4, timeout=60)
+
+
+def test_digest_is_signed_int64():
+    d = plan_digest(_plan(LENGTHS))
+    assert -(1 << 63) <= d < (1 << 63)
+    assert d == plan_digest(_plan(LENGTHS)) and d != plan_digest(_plan(LENGTHS[:-1]))
+
+
+def test_check_cu_seqlens():
+    check_cu_seqlens(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7, lengths=[3, 0, 4])
+    _raises_naming(lambda: check_cu_seqlens([1, 3], 3), "cu_seqlens=[1, 3]", "start with 0")
+    _raises_naming(lambda: check_cu_seqlens([0, 3, 2], 2), "non-decreasing")
+    _raises_naming(lambda: check_cu_seqlens([0, 3, 7], 8, field="meta.cu_seqlens"), "meta.cu_seqlens", "8 tokens")
+    _raises_naming(lambda: check_cu_seqlens([0, 3, 7], 7, lengths=[4, 3]), "[3, 4]", "[4, 3]")
+
+
+def test_check_plan_domain():
+    plan = _plan(LENGTHS)
+    check_plan_domain(plan, 4)
+    _raises_naming(lambda: check_plan_domain(plan, 8), "plan.num_ranks=4", "8 ranks")
+    bad = Plan.from_columns(
+        num_ranks=4, max_tokens_per_rank=16, policy="x", lengths=np.array([4, 5]),
+        round_of=np.array([0, 0]), group_start=np.array([0, 3]), group_size=np.array([1, 2]),
+    )
+    _raises_naming(lambda: check_plan_domain(bad, 4), "plan.group_start[1]=3", "plan.group_size[1]=2", "[0, 4)")

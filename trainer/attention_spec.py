@@ -1,0 +1,322 @@
+"""The core-attention seam of hdp's Megatron GPT: backends, the per-micro-batch CP context, RoPE.
+
+Megatron's ``SelfAttention`` computes q/k/v, (optionally) applies its own RoPE, and calls
+``core_attention(query, key, value, attention_mask, attn_mask_type=, attention_bias=,
+packed_seq_params=)``.  hdp builds the model with ``position_embedding_type="none"`` and does both
+RoPE and attention in :class:`HdpCoreAttention`, because Megatron's THD RoPE cannot express hdp's
+context-parallel layout (see below).  Other backends (TransformerEngine on CUDA, MindSpeed on
+Ascend) plug in through :func:`core_attention_module` later.
+
+Why not Megatron's RoPE (megatron-core 0.16.1, ``rope_utils._apply_rotary_pos_emb_thd``): it takes
+the CP split from Megatron's context-parallel group (``cp_group.size()/rank()``, here size 1 since
+hdp initialises Megatron with CP = 1) and assumes every sample is cut into ``2·cp`` *equal* chunks
+of a *padded* ``cu_seqlens``.  hdp's groups vary per round (k ranks, not Megatron's CP group), the
+zigzag chunks are ``floor(c·L/2k)`` (unequal, no padding) and the local ``cu_seqlens`` covers only
+this rank's front+back chunks, so Megatron would give the back chunk positions ``front_len ..``
+instead of its true positions.  Correct RoPE needs each local token's position inside its sample,
+which :func:`hdp.cp.metadata.positions` provides and :class:`CPContext` carries.
+
+Legend: T local tokens (THD, packed), Hq/Hkv query/kv heads, D head dim, S samples.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from hdp.cp import CPAlgorithm, cp_attention
+from hdp.cp import metadata as cp_metadata
+from hdp.groups import DomainGroups, RingSpec
+from hdp.kernels import AttentionKernel, get_kernel, kernel_attention
+from hdp.megatron_compat import AttnMaskType, MegatronModule, PackedSeqParams, TransformerConfig
+from hdp.rope import apply_rope, rope_cos_sin
+
+__all__ = [
+    "CoreAttentionBackend",
+    "RopeConfig",
+    "CPContext",
+    "HdpPackedSeqParams",
+    "packed_seq_params",
+    "HdpCoreAttention",
+    "core_attention_module",
+    "sample_positions",
+]
+
+
+class CoreAttentionBackend(enum.Enum):
+    """Which module computes core attention inside Megatron's ``SelfAttention``."""
+
+    HDP = "hdp"
+    """hdp's context-parallel attention over packed THD samples (any device)."""
+    TE = "te"
+    """TransformerEngine ``TEDotProductAttention`` (CUDA); not wired yet."""
+    MINDSPEED = "mindspeed"
+    """MindSpeed flash attention (Ascend NPU); not wired yet."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding applied by :class:`HdpCoreAttention` (Megatron's non-interleaved form)."""
+
+    base: float = 10000.0
+    """Rotary base theta."""
+    percent: float = 1.0
+    """Fraction of the head dim that is rotated (Megatron's ``rotary_percent``)."""
+    enabled: bool = True
+    """Whether to apply RoPE at all."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.percent <= 1.0:
+            raise ValueError(f"RopeConfig.percent={self.percent}: must be in (0, 1]")
+        if self.base <= 0:
+            raise ValueError(f"RopeConfig.base={self.base}: must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CPContext:
+    """This rank's part of one packed CP group in one micro-batch (round).
+
+    Built per micro-batch by the engine and handed to attention through
+    :class:`HdpPackedSeqParams` — never through module state.
+    """
+
+    group_lengths: tuple[int, ...]
+    """Full lengths of the group's samples, in group order."""
+    k_group: int
+    """Ranks in the CP group (1: plain data parallel)."""
+    ring: RingSpec | None = None
+    """This rank's ring (``DomainGroups.ring``); required when ``k_group > 1``."""
+    groups: DomainGroups | None = None
+    """The domain's groups; required for ``CPAlgorithm.ALLGATHER``."""
+    algo: CPAlgorithm = CPAlgorithm.RING
+    """CP attention algorithm."""
+    kernel: AttentionKernel | None = None
+    """Local kernel; ``None``: :func:`hdp.kernels.get_kernel` of the input's device."""
+
+    def __post_init__(self) -> None:
+        if self.k_group < 1:
+            raise ValueError(f"CPContext.k_group={self.k_group}: must be >= 1")
+        if self.k_group > 1 and self.ring is None:
+            raise ValueError(f"CPContext.ring=None: k_group={self.k_group} needs this rank's RingSpec")
+        if self.ring is not None and self.ring.size != self.k_group:
+            raise ValueError(f"CPContext.ring has {self.ring.size} ranks but k_group={self.k_group}")
+
+    @property
+    def position(self) -> int:
+        """This rank's position j in the group."""
+        return self.ring.position if self.ring is not None and self.k_group > 1 else 0
+
+    def layout(self) -> cp_metadata.RankLayout:
+        """This rank's zigzag token layout."""
+        return cp_metadata.rank_layout(self.group_lengths, self.k_group, self.position)
+
+    def positions(self) -> torch.Tensor:
+        """[T] int64: each local token's position inside its sample (for RoPE)."""
+        return cp_metadata.positions(self.group_lengths, self.k_group, self.position)
+
+
+@dataclass
+class HdpPackedSeqParams(PackedSeqParams):
+    """Megatron's ``PackedSeqParams`` (``qkv_format='thd'``) plus hdp's per-micro-batch state.
+
+    Megatron passes ``packed_seq_params`` unchanged from ``GPTModel.forward`` to every core
+    attention call, so this is the explicit channel for the CP context and the RoPE positions.
+    """
+
+    cp: CPContext | None = None
+    """The CP context of this micro-batch; ``None``: every sample is local (k = 1)."""
+    positions: torch.Tensor | None = field(default=None, repr=False)
+    """[T] int64 position of every local token inside its sample (precomputed once per micro-batch)."""
+    rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """RoPE cos/sin of this micro-batch, filled by the first attention layer and reused by the rest."""
+
+
+def _cu(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)  # [S+1]
+    if lengths:
+        cu[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0).to(torch.int32)
+    return cu.to(device)
+
+
+def sample_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] int64 positions 0..L-1 of each sample of a packed batch with boundaries ``cu_seqlens``."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]  # [S]
+    total = int(cu[-1])
+    starts = torch.repeat_interleave(cu[:-1], lens, output_size=total)  # [T]
+    return torch.arange(total, dtype=torch.int64, device=cu.device) - starts
+
+
+def packed_seq_params(
+    lengths: Sequence[int],
+    device: torch.device,
+    cp: CPContext | None = None,
+) -> HdpPackedSeqParams:
+    """THD ``PackedSeqParams`` for one micro-batch.
+
+    Without ``cp``: ``lengths`` are the local samples, each whole.  With ``cp``: ``lengths`` must be
+    ``cp.group_lengths`` and the batch holds this rank's zigzag chunks (front then back per
+    sample); ``cu_seqlens`` then delimits the local chunks of each sample.
+    """
+    lengths = tuple(int(x) for x in lengths)
+    if cp is not None:
+        if lengths != tuple(cp.group_lengths):
+            raise ValueError(f"lengths={list(lengths)} differ from cp.group_lengths={list(cp.group_lengths)}")
+        lay = cp.layout()
+        cu = lay.cu_seqlens.to(device)
+        positions = cp.positions().to(device)
+    else:
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"lengths={list(lengths)}: sample lengths must be >= 0")
+        cu = _cu(lengths, device)
+        positions = sample_positions(cu)
+    local = (cu[1:] - cu[:-1]).tolist()
+    max_len = int(max(local)) if local else 0
+    return HdpPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        cp=cp,
+        positions=positions,
+    )
+
+
+# ---- RoPE ----------------------------------------------------------------------------------------
+
+
+def _rope_cos_sin(
+    psp: "HdpPackedSeqParams", positions: torch.Tensor, head_dim: int, rope: RopeConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, 1, Dr] for this micro-batch, built once and reused by every layer (cached on ``psp``)."""
+    rotary_dim = int(head_dim * rope.percent)
+    rotary_dim -= rotary_dim % 2
+    key = (rotary_dim, float(rope.base), dtype, positions.device)
+    hit = psp.rope_cache.get(key)
+    if hit is None:
+        hit = rope_cos_sin(positions, rotary_dim, base=rope.base, dtype=dtype)
+        psp.rope_cache[key] = hit
+    return hit
+
+
+# ---- core attention ------------------------------------------------------------------------------
+
+
+class HdpCoreAttention(MegatronModule):
+    """Core attention with Megatron's call signature, over packed THD micro-batches.
+
+    ``forward(query [T,Hq,D], key [T,Hkv,D], value [T,Hkv,D], attention_mask, attn_mask_type=,
+    attention_bias=, packed_seq_params=) -> [T, Hq·D]``.  Applies RoPE at the positions carried by
+    ``packed_seq_params`` (see :class:`HdpPackedSeqParams`), then causal attention per sample:
+    :func:`hdp.cp.cp_attention` when a :class:`CPContext` is set, else the local kernel (k = 1).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        rope: RopeConfig | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        del cp_comm_type, pg_collection  # Megatron's CP is off (size 1); hdp supplies CP itself
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type={attn_mask_type}: hdp core attention is causal only")
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: hdp core attention supports 'self' only")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"TransformerConfig.attention_dropout={dropout}: hdp core attention has no dropout; set it to 0.0"
+            )
+        self.layer_number = layer_number
+        self.rope = rope if rope is not None else RopeConfig()
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the packed samples; returns [T, Hq·D]."""
+        del attention_mask  # causality and sample boundaries come from packed_seq_params
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type={attn_mask_type}: hdp core attention is causal only")
+        if attention_bias is not None:
+            raise ValueError("attention_bias: not supported by hdp core attention")
+        if not isinstance(packed_seq_params, HdpPackedSeqParams) or packed_seq_params.qkv_format != "thd":
+            raise ValueError(
+                "packed_seq_params: hdp core attention needs an HdpPackedSeqParams with qkv_format='thd' "
+                "(build it with hdp.trainer.attention_spec.packed_seq_params)"
+            )
+        psp = packed_seq_params
+        q, k, v = query, key, value  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        positions = psp.positions if psp.positions is not None else sample_positions(psp.cu_seqlens_q)
+        if positions.shape[0] != q.shape[0]:
+            raise ValueError(f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]}")
+        if self.rope.enabled:
+            cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [T, 1, Dr]
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        cp = psp.cp
+        if cp is None:
+            kernel = get_kernel(q.device)
+            cu = psp.cu_seqlens_q
+            out, _ = kernel_attention(q, k, v, cu, cu, True, scale, kernel)  # [T, Hq, D]
+        else:
+            out = cp_attention(
+                q,
+                k,
+                v,
+                cp.group_lengths,
+                cp.k_group,
+                ring=cp.ring,
+                groups=cp.groups,
+                algo=cp.algo,
+                kernel=cp.kernel,
+                scale=scale,
+            )  # [T, Hq, D]
+        return out.reshape(out.shape[0], -1)  # [T, Hq*D]
+
+
+def core_attention_module(backend: CoreAttentionBackend | str, rope: RopeConfig | None = None) -> Any:
+    """The ``core_attention`` entry of Megatron's ``SelfAttentionSubmodules`` for ``backend``.
+
+    Returns a ``ModuleSpec`` (HDP).  TE and MindSpeed raise ``NotImplementedError`` naming the
+    dependency they need.
+    """
+    from hdp.megatron_compat import ModuleSpec
+
+    try:
+        backend = CoreAttentionBackend(backend)
+    except ValueError as exc:
+        raise ValueError(
+            f"attention_backend={backend!r}: choose one of {[b.value for b in CoreAttentionBackend]}"
+        ) from exc
+    if backend is CoreAttentionBackend.HDP:
+        return ModuleSpec(module=HdpCoreAttention, params={"rope": rope if rope is not None else RopeConfig()})
+    if backend is CoreAttentionBackend.TE:
+        raise NotImplementedError(
+            "attention_backend=te: needs NVIDIA TransformerEngine (transformer_engine.pytorch, CUDA) and its "
+            "TEDotProductAttention adapter, which hdp does not ship yet; use attention_backend=hdp"
+        )
+    raise NotImplementedError(
+        "attention_backend=mindspeed: needs MindSpeed (mindspeed, with torch_npu on Ascend) and an hdp adapter, "
+        "which hdp does not ship yet; use attention_backend=hdp"
+    )
