@@ -32,6 +32,7 @@ __all__ = [
     "verify_plan",
     "check_cu_seqlens",
     "check_plan_domain",
+    "check_plan_budget",
     "collective_device",
 ]
 
@@ -160,3 +161,26 @@ def check_plan_domain(plan: Plan, domain_size: int) -> None:
             f"plan.round_of[{s}]={int(plan.round_of[s])}: outside [0, {plan.num_rounds}); every sample "
             "needs a round (build plans with Plan.from_columns or hdp.packing.plan)"
         )
+
+
+def check_plan_budget(plan: Plan) -> None:
+    """Raise ``ValueError`` when a rank of the plan holds more than ``plan.max_tokens_per_rank`` tokens.
+
+    Pure: every rank holds the same (verified) plan, so every rank raises the same error before
+    the round's first collective.  Names the round, the rank, the group and its samples.
+    """
+    tokens = plan.tokens_per_rank()  # [R, N] exact zigzag counts
+    if tokens.size == 0 or int(tokens.max()) <= plan.max_tokens_per_rank:
+        return
+    r, n = (int(x) for x in np.unravel_index(int(np.argmax(tokens)), tokens.shape))
+    group = plan.rounds[r].group_of(n)
+    assert group is not None, "a rank with tokens belongs to a group"
+    biggest = int(np.argmax(group.lengths))
+    need = -(-group.tokens // group.size)
+    raise ValueError(
+        f"plan round {r}: rank {n} holds {int(tokens[r, n])} tokens > max_tokens_per_rank="
+        f"{plan.max_tokens_per_rank} (group ranks {group.start}..{group.start + group.size - 1}, "
+        f"samples {list(group.samples)}, longest lengths[{group.samples[biggest]}]="
+        f"{group.lengths[biggest]}); give the group at least {need} tokens per rank of budget, "
+        "or re-plan with hdp.packing.plan so every sample gets enough ranks"
+    )

@@ -74,3 +74,18 @@ def test_check_plan_domain():
         round_of=np.array([0, 0]), group_start=np.array([0, 3]), group_size=np.array([1, 2]),
     )
     _raises_naming(lambda: check_plan_domain(bad, 4), "plan.group_start[1]=3", "plan.group_size[1]=2", "[0, 4)")
+
+
+def test_check_plan_budget_names_round_rank_and_samples():
+    p = _plan(LENGTHS)
+    from hdp.checksum import check_plan_budget
+
+    check_plan_budget(p)  # a planner-made plan respects its budget
+    # the same assignment declared with a smaller budget: a sample longer than its group's budget
+    tight = Plan.from_columns(
+        num_ranks=p.num_ranks, max_tokens_per_rank=8, policy=p.policy, lengths=p.lengths,
+        round_of=p.round_of, group_start=p.group_start, group_size=p.group_size,
+        num_rounds=p.num_rounds,
+    )
+    with pytest.raises(ValueError, match=r"plan round \d+: rank \d+ holds \d+ tokens > max_tokens_per_rank=8"):
+        check_plan_budget(tight)

@@ -38,6 +38,14 @@ CASES = [
     {(0, 2): [1], (2, 2): [2, 1]},
     {(0, 3): [2, 40], (3, 1): []},  # the 4th rank runs an empty micro-batch
 ]
+# The same checks on a 2-rank domain.
+CASES_2 = [
+    {(0, 2): [37, 5, 1, 8, 20]},
+    {(0, 1): [13, 1, 7], (1, 1): [3, 2, 30]},
+    {(0, 2): [3, 1, 2]},  # samples shorter than 2k = 4
+    {(0, 2): [1]},  # the second rank holds no token
+]
+CASE_SETS = {4: CASES, 2: CASES_2}
 
 
 def naive_causal(q, k, v, lengths, scale):
@@ -113,7 +121,8 @@ def small_block_kernel():
 def _cp_worker(rank, world_size, dtype_names):
     groups = DomainGroups.build(dist.group.WORLD)
     kernels = [get_kernel(torch.device("cpu")), small_block_kernel()]
-    for case_id, case in enumerate(CASES):
+    cases = CASE_SETS[world_size]
+    for case_id, case in enumerate(cases):
         for dtype, kernel in itertools.product([getattr(torch, n) for n in dtype_names], kernels):
             for algo in (CPAlgorithm.RING, CPAlgorithm.ALLGATHER):
                 for (start, size), lengths in case.items():
@@ -126,7 +135,7 @@ def _cp_worker(rank, world_size, dtype_names):
 
     # bf16 inputs (float32 accumulation and merges) on a CP4 and a CP2 case: plumbing of dtypes
     for case_id in (0, 1):
-        for (start, size), lengths in CASES[case_id].items():
+        for (start, size), lengths in cases[case_id].items():
             if start <= rank < start + size:
                 for algo in CPAlgorithm:
                     check_group(case_id, start, size, lengths, rank, torch.bfloat16, algo, kernels[0], groups)
@@ -142,18 +151,19 @@ def _cp_worker(rank, world_size, dtype_names):
     else:
         raise AssertionError("mismatched local tokens did not raise")
     try:
-        cp_attention(bad, kv, kv, [10], 2, ring=ring)
+        cp_attention(bad, kv, kv, [10], world_size + 1, ring=ring)
     except ValueError as exc:
-        assert "k_group=2" in str(exc), str(exc)
+        assert f"k_group={world_size + 1}" in str(exc), str(exc)
     else:
         raise AssertionError("ring/k_group mismatch did not raise")
     dist.barrier(group=dist.group.WORLD)
 
 
 @pytest.mark.dist
-def test_cp_attention_matches_single_process():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_attention_matches_single_process(world_size):
     """Both dtypes, both kernels' block sizes and all cases in one spawn (process start-up dominates)."""
-    run_distributed(_cp_worker, 4, ("float64", "float32"), timeout=150)
+    run_distributed(_cp_worker, world_size, ("float64", "float32"), timeout=150)
 
 
 def test_cp_attention_single_rank_and_validation():
