@@ -1,0 +1,49 @@
+"""Mixture-of-experts memory savings: zero-memory recomputation of the expert path.
+
+:class:`ZeroMemoryMoELayer` is Megatron-core's ``MoELayer`` (all-to-all dispatcher) whose expert path
+frees its activations in forward and recomputes them in backward, with the re-dispatch all-to-all
+hidden behind the fc1 input-gradient GEMM (MindSpeed ``--moe-zero-memory`` behaviour).  Apply it
+with :func:`apply_zero_memory` on a built model or :func:`zero_memory_layer_spec` on a layer spec.
+:mod:`hdp.moe.budget` turns the memory saved into a larger planner token budget.
+
+The levels and the budget model are pure (importable by the planner without torch or Megatron);
+the layer, the metadata and the spec helpers load Megatron-core on first use.
+"""
+
+from typing import Any
+
+from hdp.moe.budget import ActivationMemoryModel, MoEShape, token_budget_with_zero_memory
+from hdp.moe.levels import ZeroMemoryLevel, layer_levels
+
+__all__ = [
+    "ZeroMemoryLevel",
+    "layer_levels",
+    "MoEShape",
+    "ActivationMemoryModel",
+    "token_budget_with_zero_memory",
+    "ZeroMemoryMoELayer",
+    "ZeroMemoryTrace",
+    "apply_zero_memory",
+    "zero_memory_layer_spec",
+    "DispatchMeta",
+    "dispatch_meta",
+    "permutation_indices",
+]
+
+_LAZY = {
+    "ZeroMemoryMoELayer": "hdp.moe.zero_memory",
+    "ZeroMemoryTrace": "hdp.moe.zero_memory",
+    "apply_zero_memory": "hdp.moe.zero_memory",
+    "zero_memory_layer_spec": "hdp.moe.zero_memory",
+    "DispatchMeta": "hdp.moe.metadata",
+    "dispatch_meta": "hdp.moe.metadata",
+    "permutation_indices": "hdp.moe.metadata",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hdp.moe' has no attribute {name!r}")

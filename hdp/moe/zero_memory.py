@@ -1,0 +1,491 @@
+"""MoE zero-memory recomputation: free expert activations in forward, recompute them in backward.
+
+Reference behaviour: MindSpeed ``--moe-zero-memory level0|level1`` (written from its description;
+device-agnostic, on Megatron-core's ``MoELayer`` with the all-to-all dispatcher and
+``SequentialMLP`` experts).
+
+Dimension legend (one MoE layer on one rank):
+    T   tokens of the layer input (flattened [s, b] -> T);  H hidden size
+    S   rows sent = T · topk (permutation 1, ordered by expert);  R rows received (local experts)
+    F   expert FFN width;  F1 fc1 output width (2F for gated units such as SwiGLU, else F)
+    n_l rows of local expert l (sum_l n_l = R)
+
+The expert path is one autograd node, :class:`_ZeroMemoryExperts` (input x [T, H], permuted probs
+[S], expert weights -> combined expert output [S, H]); unpermutation (scatter-add) stays outside::
+
+    x_perm = x[sorted_indices]                   [S, H]   permutation 1
+    x_recv = all_to_all(x_perm)                  [R, H]   dispatch (EP group)
+    x_g    = x_recv[group_index]                 [R, H]   regroup by local expert
+    h_l    = x_l @ W1_l^T                        [n_l, F1] fc1
+    z_l    = (act(h_l) * p_l[:, None]).to(dt)    [n_l, F]  activation (SwiGLU: silu(h_a)·h_b) x probs
+    y_l    = z_l @ W2_l^T                        [n_l, H]  fc2
+    y_perm = all_to_all(ungroup(y_g))            [S, H]   combine
+
+Saved for backward (everything else -- x_perm, x_recv, x_g, act(h), z, y -- is freed in forward):
+
+* ``level0``: x (the layer input; the router keeps it alive anyway), h [R, F1], p_g [R], indices.
+  Backward: combine-grad all-to-all of dy; re-permute x and issue the dispatch all-to-all
+  **asynchronously**; recompute act(h) for fc2's weight gradient; fc2 input grad; activation and
+  probs backward; fc1 input-gradient GEMM -- all while the re-dispatch is in flight -- then wait;
+  the re-received tokens feed only fc1's weight gradient.
+* ``level1``: x, the pre-dispatch probs [S] and indices only (h and the received probs are freed).
+  Backward: re-dispatch x and probs first (asynchronously, together with dy's all-to-all), then
+  recompute fc1 and the activation, then the same backward as level0.
+
+The order of events of a backward can be recorded through a :class:`ZeroMemoryTrace` set on the
+layer (``layer.trace``); tests use it to check that the re-dispatch is issued before the fc1
+input-gradient GEMM and waited on after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdp import megatron_compat as mc
+from hdp.moe.levels import ZeroMemoryLevel, layer_levels
+from hdp.moe.metadata import DispatchMeta, dispatch_meta, permutation_indices
+
+__all__ = [
+    "ZeroMemoryLevel",
+    "ZeroMemoryTrace",
+    "ZeroMemoryMoELayer",
+    "zero_memory_layer_spec",
+    "apply_zero_memory",
+    "layer_levels",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ZeroMemoryTrace:
+    """Ordered record of the expert path's backward events (for tests and debugging).
+
+    Event names: ``combine_grad_a2a``, ``redispatch_issue``, ``redispatch_wait``,
+    ``fc1_recompute`` (level1), ``fc2_backward``, ``probs_backward``, ``fc1_dgrad_start``,
+    ``fc1_dgrad_end``, ``fc1_wgrad``, ``dispatch_grad_a2a_wait``.
+    """
+
+    events: list[str] = field(default_factory=list)
+    """Event names in the order they happened."""
+
+    def record(self, name: str) -> None:
+        """Append event ``name``."""
+        self.events.append(name)
+
+    def index(self, name: str) -> int:
+        """Position of the first event ``name`` (``ValueError`` naming the events seen if absent)."""
+        try:
+            return self.events.index(name)
+        except ValueError as exc:
+            raise ValueError(f"event {name!r} not recorded; recorded: {self.events}") from exc
+
+
+# --- runtime pieces ----------------------------------------------------------------------------------
+
+
+def _all_to_all(
+    x: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Variable-size all-to-all of rows of ``x`` over ``group``; ``(out, work or None)``.
+
+    ``group`` is ``None`` only for a single-rank EP group (then ``x`` is returned as is).
+    """
+    if group is None:
+        return x, None
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(
+        out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+        group=group, async_op=async_op,
+    )
+    return out, work
+
+
+@dataclass(frozen=True)
+class _ExpertSpec:
+    """Non-tensor arguments of :class:`_ZeroMemoryExperts`."""
+
+    level: ZeroMemoryLevel
+    meta: DispatchMeta
+    group: dist.ProcessGroup | None  # None when ep == 1
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    trace: ZeroMemoryTrace | None
+
+    def record(self, name: str) -> None:
+        """Record event ``name`` on the trace, if one is attached."""
+        if self.trace is not None:
+            self.trace.record(name)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """[(start, end)] row range of each local expert in the grouped layout."""
+        out, off = [], 0
+        for n in self.meta.tokens_per_local_expert:
+            out.append((off, off + n))
+            off += n
+        return out
+
+
+def _regroup(t: torch.Tensor, group_index: torch.Tensor | None) -> torch.Tensor:
+    """Received order -> grouped-by-local-expert order (rows)."""
+    return t if group_index is None else t.index_select(0, group_index)
+
+
+def _ungroup(t: torch.Tensor, group_index: torch.Tensor | None) -> torch.Tensor:
+    """Grouped order -> received order (inverse of :func:`_regroup`)."""
+    return t if group_index is None else torch.empty_like(t).index_copy_(0, group_index, t)
+
+
+def _act_times_probs(spec: _ExpertSpec, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """z = act(h) · p, cast back to h's dtype (Megatron MLP's per_token_scale path)."""
+    a = spec.activation(h)  # [n, F]
+    return (a * p.unsqueeze(-1)).to(a.dtype)
+
+
+class _ZeroMemoryExperts(torch.autograd.Function):
+    """dispatch -> local experts -> combine with explicit saved tensors (see the module docstring)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        spec: _ExpertSpec,
+        x: torch.Tensor,
+        probs_perm: torch.Tensor,
+        sorted_indices: torch.Tensor,
+        group_index: torch.Tensor | None,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        meta = spec.meta
+        n_local = meta.num_local_experts
+        w1, w2 = weights[:n_local], weights[n_local:]
+        x_perm = x.index_select(0, sorted_indices)  # [S, H]
+        x_recv, _ = _all_to_all(x_perm, meta.output_splits, meta.input_splits, spec.group)  # [R, H]
+        p_recv, _ = _all_to_all(probs_perm, meta.output_splits, meta.input_splits, spec.group)  # [R]
+        del x_perm
+        x_g = _regroup(x_recv, group_index)  # [R, H]
+        p_g = _regroup(p_recv, group_index)  # [R]
+        del x_recv, p_recv
+        num_rows, hidden = x_g.shape
+        h_g = x_g.new_empty((num_rows, w1[0].shape[0]))  # [R, F1]
+        y_g = x_g.new_empty((num_rows, hidden))  # [R, H]
+        for (s, e), w1_l, w2_l in zip(spec.chunks(), w1, w2):
+            torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # fc1 [n_l, F1]
+            z = _act_times_probs(spec, h_g[s:e], p_g[s:e])  # [n_l, F]
+            torch.mm(z, w2_l.t(), out=y_g[s:e])  # fc2 [n_l, H]
+            del z
+        del x_g
+        y_perm, _ = _all_to_all(_ungroup(y_g, group_index), meta.input_splits, meta.output_splits, spec.group)
+        ctx.spec = spec
+        ctx.has_group_index = group_index is not None
+        gi = group_index if group_index is not None else sorted_indices.new_empty(0)
+        if spec.level is ZeroMemoryLevel.LEVEL0:
+            ctx.save_for_backward(x, sorted_indices, gi, h_g, p_g, *weights)
+        else:
+            del h_g, p_g
+            ctx.save_for_backward(x, sorted_indices, gi, probs_perm, *weights)
+        return y_perm  # [S, H]
+
+    @staticmethod
+    def backward(ctx: Any, dy_perm: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        spec: _ExpertSpec = ctx.spec
+        meta = spec.meta
+        n_local = meta.num_local_experts
+        level0 = spec.level is ZeroMemoryLevel.LEVEL0
+        if level0:
+            x, sorted_indices, gi, h_g, p_g, *weights = ctx.saved_tensors
+        else:
+            x, sorted_indices, gi, probs_perm, *weights = ctx.saved_tensors
+        group_index = gi if ctx.has_group_index else None
+        w1, w2 = weights[:n_local], weights[n_local:]
+        fwd = (meta.output_splits, meta.input_splits)  # dispatch direction (out, in)
+        bwd = (meta.input_splits, meta.output_splits)  # combine direction
+
+        if level0:
+            # grad of the combine all-to-all: needed by everything below, so synchronous
+            dy_recv, _ = _all_to_all(dy_perm, *fwd, spec.group)  # [R, H]
+            spec.record("combine_grad_a2a")
+            # re-permute the saved layer input and re-issue the dispatch; hidden behind the GEMMs below
+            x_re, x_work = _all_to_all(x.index_select(0, sorted_indices), *fwd, spec.group, async_op=True)
+            spec.record("redispatch_issue")
+            x_g: torch.Tensor | None = None
+        else:
+            # level1: re-dispatch first (tokens and probs), together with dy's all-to-all
+            x_re, x_work = _all_to_all(x.index_select(0, sorted_indices), *fwd, spec.group, async_op=True)
+            p_re, p_work = _all_to_all(probs_perm, *fwd, spec.group, async_op=True)
+            spec.record("redispatch_issue")
+            dy_recv, dy_work = _all_to_all(dy_perm, *fwd, spec.group, async_op=True)
+            for w in (x_work, p_work, dy_work):
+                if w is not None:
+                    w.wait()
+            spec.record("redispatch_wait")
+            spec.record("combine_grad_a2a")
+            x_g = _regroup(x_re, group_index)  # [R, H]
+            p_g = _regroup(p_re, group_index)  # [R]
+            del x_re, p_re
+            h_g = x_g.new_empty((x_g.shape[0], w1[0].shape[0]))  # [R, F1]
+            for (s, e), w1_l in zip(spec.chunks(), w1):
+                torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # recompute fc1
+            spec.record("fc1_recompute")
+        dy_g = _regroup(dy_recv, group_index)  # [R, H]
+        del dy_recv
+
+        dh_g = torch.empty_like(h_g)  # [R, F1]
+        dp_g = torch.empty_like(p_g)  # [R]
+        dw2: list[torch.Tensor] = []
+        for (s, e), w2_l in zip(spec.chunks(), w2):
+            with torch.enable_grad():
+                h_l = h_g[s:e].detach().requires_grad_(True)
+                p_l = p_g[s:e].detach().requires_grad_(True)
+                z = _act_times_probs(spec, h_l, p_l)  # recomputed activation [n_l, F]
+            dy_l = dy_g[s:e]
+            dw2.append(dy_l.t().matmul(z.detach()))  # fc2 weight grad [H, F]
+            dz = dy_l.matmul(w2_l)  # fc2 input grad [n_l, F]
+            dh_l, dp_l = torch.autograd.grad(z, (h_l, p_l), dz)  # activation and probs backward
+            dh_g[s:e] = dh_l
+            dp_g[s:e] = dp_l
+            del z, dz, dh_l, dp_l
+        spec.record("fc2_backward")
+        spec.record("probs_backward")
+        del h_g, p_g, dy_g
+
+        spec.record("fc1_dgrad_start")
+        dx_g = x.new_empty((dh_g.shape[0], x.shape[1]))  # [R, H]
+        for (s, e), w1_l in zip(spec.chunks(), w1):
+            torch.mm(dh_g[s:e], w1_l, out=dx_g[s:e])  # fc1 input grad
+        spec.record("fc1_dgrad_end")
+        # input and probs gradients go home (combine direction) while fc1's weight gradient runs
+        dx_perm, dx_work = _all_to_all(_ungroup(dx_g, group_index), *bwd, spec.group, async_op=True)
+        dp_perm, dp_work = _all_to_all(_ungroup(dp_g, group_index), *bwd, spec.group, async_op=True)
+        del dx_g, dp_g
+
+        if level0:
+            if x_work is not None:
+                x_work.wait()
+            spec.record("redispatch_wait")
+            x_g = _regroup(x_re, group_index)  # [R, H]
+            del x_re
+        assert x_g is not None
+        dw1 = [dh_g[s:e].t().matmul(x_g[s:e]) for (s, e) in spec.chunks()]  # fc1 weight grads [F1, H]
+        spec.record("fc1_wgrad")
+        del x_g, dh_g
+
+        for w in (dx_work, dp_work):
+            if w is not None:
+                w.wait()
+        spec.record("dispatch_grad_a2a_wait")
+        dx = torch.zeros_like(x).index_add_(0, sorted_indices, dx_perm)  # [T, H] (permute's backward)
+        return (None, dx, dp_perm, None, None, *dw1, *dw2)
+
+
+# --- the layer -----------------------------------------------------------------------------------------
+
+
+def _expert_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation of Megatron's expert MLP (non-fused path of ``megatron.core.transformer.mlp.MLP``)."""
+    act = config.activation_func
+    if not config.gated_linear_unit:
+        return act
+    clamp = config.activation_func_clamp_value
+    offset = config.glu_linear_offset
+
+    def glu(h: torch.Tensor) -> torch.Tensor:
+        x_glu, x_linear = torch.chunk(h, 2, dim=-1)  # [n, F] each
+        if clamp is not None:
+            x_glu = x_glu.clamp(min=None, max=clamp)
+            x_linear = x_linear.clamp(min=-clamp, max=clamp)
+        return act(x_glu) * (x_linear + offset)
+
+    return glu
+
+
+class ZeroMemoryMoELayer(mc.MoELayer):
+    """Megatron ``MoELayer`` whose expert path (dispatch -> experts -> combine) frees activations.
+
+    Same parameters, state-dict names and numerics as ``MoELayer``; with ``ZeroMemoryLevel.NONE``
+    it *is* ``MoELayer.forward``.  Supported configuration (checked when a level other than NONE is
+    set): all-to-all dispatcher, ``SequentialMLP`` experts without bias, expert TP = 1, dropless
+    (no capacity factor / padding), no fp8/fp4, no latent projections, no shared-expert overlap,
+    and not combined with Megatron's own ``moe`` recompute.
+
+    ``trace``: optional :class:`ZeroMemoryTrace` receiving the backward's event order.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: Any = None,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
+        zero_memory_level: ZeroMemoryLevel | str = ZeroMemoryLevel.NONE,
+    ) -> None:
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.zero_memory_level = ZeroMemoryLevel.NONE
+        self.trace: ZeroMemoryTrace | None = None
+        self.set_zero_memory_level(zero_memory_level)
+
+    @classmethod
+    def from_moe_layer(cls, layer: Any, level: ZeroMemoryLevel | str) -> "ZeroMemoryMoELayer":
+        """A ``ZeroMemoryMoELayer`` sharing every submodule and parameter of ``layer`` (a ``MoELayer``).
+
+        The new module holds the same parameter objects under the same names, so optimizers, DDP
+        hooks and state dicts built on the old module keep working.
+        """
+        if not isinstance(layer, mc.MoELayer):
+            raise TypeError(f"from_moe_layer: expected a Megatron MoELayer, got {type(layer).__name__}")
+        if isinstance(layer, cls):
+            layer.set_zero_memory_level(level)
+            return layer
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)  # shares _modules/_parameters/_buffers dicts
+        new.zero_memory_level = ZeroMemoryLevel.NONE
+        new.trace = None
+        new.set_zero_memory_level(level)
+        return new
+
+    def set_zero_memory_level(self, level: ZeroMemoryLevel | str) -> None:
+        """Switch this layer's level (validated against the layer's configuration)."""
+        level = ZeroMemoryLevel.parse(level)
+        if level is not ZeroMemoryLevel.NONE:
+            self._check_supported(level)
+        self.zero_memory_level = level
+
+    def _check_supported(self, level: ZeroMemoryLevel) -> None:
+        cfg = self.config
+        where = f"moe zero-memory {level.value} (layer {self.layer_number})"
+        problems = []
+        if cfg.moe_token_dispatcher_type != "alltoall":
+            problems.append(f"moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} (needs 'alltoall')")
+        if type(self.experts).__name__ != "SequentialMLP":
+            problems.append(f"experts are {type(self.experts).__name__} (needs SequentialMLP: moe_grouped_gemm=False)")
+        if cfg.add_bias_linear:
+            problems.append("add_bias_linear=True (expert biases are not supported)")
+        if (cfg.expert_tensor_parallel_size or 1) != 1:
+            problems.append(f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size} (needs 1)")
+        if cfg.moe_expert_capacity_factor is not None or cfg.moe_pad_expert_input_to_capacity:
+            problems.append("token dropping / capacity padding (needs dropless routing)")
+        if cfg.moe_router_padding_for_quantization or cfg.fp8 or cfg.fp4:
+            problems.append("fp8/fp4 or router padding for quantization")
+        if cfg.moe_latent_size:
+            problems.append("moe_latent_size (latent projections)")
+        if cfg.moe_apply_probs_on_input:
+            problems.append("moe_apply_probs_on_input=True")
+        if self.use_shared_expert and self.shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap=True")
+        if self.moe_layer_recompute:
+            problems.append("recompute_modules contains 'moe' (choose Megatron's recompute or zero-memory)")
+        if cfg.use_te_activation_func:
+            problems.append("use_te_activation_func=True")
+        if problems:
+            raise ValueError(f"{where}: unsupported configuration: " + "; ".join(problems))
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """MoE forward; the expert path is :class:`_ZeroMemoryExperts` unless the level is NONE."""
+        if self.zero_memory_level is ZeroMemoryLevel.NONE:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if intermediate_tensors is not None:
+            raise ValueError("moe zero-memory: intermediate_tensors (partial CUDA-graph capture) is not supported")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()  # [b, s] -> [s, b], as MoELayer does
+        shared_out = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)  # [T, E] each
+        hidden = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, hidden)  # [T, H]
+        meta = self._dispatch_meta(routing_map)
+        sorted_indices = permutation_indices(routing_map)  # [S]
+        probs_perm = probs.T.contiguous().masked_select(routing_map.T.contiguous())  # [S]
+        group_index = None if meta.group_index is None else meta.group_index.to(x.device)
+        spec = _ExpertSpec(
+            level=self.zero_memory_level,
+            meta=meta,
+            group=self.ep_group if meta.ep_size > 1 else None,
+            activation=_expert_activation(self.experts.config),
+            trace=self.trace,
+        )
+        experts = self.experts.local_experts
+        weights = [m.linear_fc1.weight for m in experts] + [m.linear_fc2.weight for m in experts]
+        y_perm = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights)  # [S, H]
+        # unpermute (Megatron's moe_utils.unpermute without merging probs): scatter-add rows home
+        out = torch.zeros((x.shape[0], hidden), dtype=y_perm.dtype, device=y_perm.device)
+        out = out.scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, hidden), y_perm)  # [T, H]
+        out = out.to(hidden_states.dtype).view(hidden_states.shape)
+        if shared_out is not None:
+            out = out + shared_out
+        return out, None
+
+    def _dispatch_meta(self, routing_map: torch.Tensor) -> DispatchMeta:
+        """Gather every EP rank's tokens-per-expert over the (explicit) EP group; build the metadata."""
+        local = routing_map.sum(dim=0).long()  # [E]
+        ep = self.ep_group.size()
+        if ep == 1:
+            return dispatch_meta(local.unsqueeze(0), 0)
+        counts = [torch.empty_like(local) for _ in range(ep)]
+        dist.all_gather(counts, local, group=self.ep_group)
+        return dispatch_meta(torch.stack(counts), self.ep_group.rank())  # [ep, E]
+
+
+# --- applying a level to a model ------------------------------------------------------------------------
+
+
+def _moe_parents(model: torch.nn.Module) -> Iterable[tuple[torch.nn.Module, str, Any]]:
+    """(parent, attribute, MoELayer) for every MoE layer of ``model`` in module order."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, mc.MoELayer):
+                yield parent, name, child
+
+
+def apply_zero_memory(
+    model: torch.nn.Module,
+    level: ZeroMemoryLevel | str,
+    first_n_layers: int | None = None,
+) -> list[ZeroMemoryMoELayer]:
+    """Set the zero-memory level of every MoE layer of a built model (one pipeline stage).
+
+    Each Megatron ``MoELayer`` is replaced in its parent by a :class:`ZeroMemoryMoELayer` that shares
+    its parameters and submodules (same names, same tensors: call this before or after building DDP
+    and the optimizer).  Layers are ordered by ``layer_number``; see :func:`layer_levels` for
+    ``first_n_layers``.  Returns the zero-memory layers in that order.
+    """
+    found = sorted(_moe_parents(model), key=lambda t: (t[2].layer_number or 0))
+    levels = layer_levels(level, len(found), first_n_layers)
+    out = []
+    for (parent, name, layer), lv in zip(found, levels):
+        zm = ZeroMemoryMoELayer.from_moe_layer(layer, lv)
+        if zm is not layer:
+            setattr(parent, name, zm)
+        out.append(zm)
+    logger.debug("moe zero-memory: %s", [lv.value for lv in levels])
+    return out
+
+
+def zero_memory_layer_spec(spec: Any, level: ZeroMemoryLevel | str) -> Any:
+    """A copy of a Megatron transformer-layer spec whose MoE MLP is a :class:`ZeroMemoryMoELayer`.
+
+    ``spec``: a ``ModuleSpec`` of a ``TransformerLayer`` (e.g. ``hdp.trainer.model.layer_spec(cfg)``)
+    whose ``submodules.mlp`` builds a ``MoELayer``.  Every layer built from it gets ``level``; use
+    :func:`apply_zero_memory` for per-layer levels.
+    """
+    level = ZeroMemoryLevel.parse(level)
+    mlp = spec.submodules.mlp
+    module = getattr(mlp, "module", None)
+    if not (isinstance(module, type) and issubclass(module, mc.MoELayer)):
+        raise ValueError(f"zero_memory_layer_spec: the layer spec's mlp builds {module!r}, not a MoELayer")
+    params = dict(getattr(mlp, "params", None) or {})
+    params["zero_memory_level"] = level
+    new_mlp = dataclasses.replace(mlp, module=ZeroMemoryMoELayer, params=params)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=new_mlp))
