@@ -129,3 +129,14 @@ def test_calibrate_cli(tmp_path, capsys):
     assert main(["calibrate", "--records", str(f), "--json"]) == 0
     d = _json_out(capsys)
     assert abs(d["linear_coef"] / true.linear_coef - 1) < 0.02 and d["n_records"] == 12
+
+
+def test_simulate_moe_zero_memory_raises_budget(capsys):
+    """--moe-zero-memory plans the batch again with the larger budget the freed memory allows."""
+    main(["simulate", "--workload", "rl-32k", "--samples", "64", "-N", "8", "-B", "4096",
+          "--policies", "static-cp", "--no-peers", "--moe-zero-memory", "level0", "--json"])
+    cases = {c["policy"]: c for c in _json_out(capsys)["cases"]}
+    base, zm = cases["static-cp"], cases["static-cp+level0"]
+    assert zm["max_tokens_per_rank"] > 2 * base["max_tokens_per_rank"]
+    # a larger budget lets static CP use smaller groups
+    assert max(map(int, zm["cp_degree_hist"])) < max(map(int, base["cp_degree_hist"]))

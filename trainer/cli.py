@@ -261,16 +261,35 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cases: list[dict[str, Any]] = []
     notes: list[str] = []
     plans = {}
-    for name in policies:
-        config = _config(args, name, cost)
-        try:
-            p = make_plan(lengths, config)
-        except (ImportError, NotImplementedError) as exc:
-            cases.append({"policy": name, "error": f"{type(exc).__name__}: {exc}"})
-            notes.append(f"{name}: not available ({exc})")
-            continue
-        plans[name] = p
-        cases.append(_entry(p))
+    runs: list[tuple[str, argparse.Namespace]] = [("", args)]
+    if args.moe_zero_memory != "none":
+        # the same memory holds more tokens when MoE activations are freed: plan with both budgets
+        from hdp.moe.budget import MOE_SHAPES, token_budget_with_zero_memory
+
+        if args.moe_shape not in MOE_SHAPES:
+            raise CliError(f"--moe-shape={args.moe_shape!r} is unknown; choose from: {', '.join(MOE_SHAPES)}")
+        b_zm = token_budget_with_zero_memory(
+            args.max_tokens_per_rank, args.moe_zero_memory, MOE_SHAPES[args.moe_shape]
+        )
+        notes.append(
+            f"MoE zero-memory {args.moe_zero_memory} ({args.moe_shape} layer shape): the memory of "
+            f"B={args.max_tokens_per_rank} tokens holds B={b_zm}"
+        )
+        runs.append((f"+{args.moe_zero_memory}", argparse.Namespace(**{**vars(args), "max_tokens_per_rank": b_zm})))
+    for suffix, run_args in runs:
+        for name in policies:
+            config = _config(run_args, name, cost)
+            try:
+                p = make_plan(lengths, config)
+            except (ImportError, NotImplementedError) as exc:
+                cases.append({"policy": name + suffix, "error": f"{type(exc).__name__}: {exc}"})
+                notes.append(f"{name}: not available ({exc})")
+                continue
+            plans[name + suffix] = p
+            entry = _entry(p)
+            entry["policy"] = name + suffix
+            entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+            cases.append(entry)
     if not args.no_peers:
         peer, note = _peer_entry(lengths, _config(args, policies[0], cost))
         if peer is not None:
@@ -449,6 +468,15 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "attention":
         return _bench_attention(args)
+    if args.what == "moe":
+        from hdp.trainer.bench_moe import bench_moe
+
+        result = bench_moe(ep=args.ep)
+        if args.json:
+            _emit_json(result)
+        else:
+            _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
+        return 0
     return _bench_planner(args)
 
 
@@ -464,6 +492,17 @@ def _bench_attention(args: argparse.Namespace) -> int:
         return 0
     _print_dict(result, f"attention benchmark: {args.algo}, {args.ranks or 2} ranks, {args.tokens} tokens")
     return 0
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level of dotted keys (for tables)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _print_dict(d: dict[str, Any], title: str) -> None:
@@ -576,10 +615,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-peers", action="store_true", help="skip the megatron-core reference entry")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot-dir", metavar="DIR", help="write a Gantt chart per policy")
+    s.add_argument("--moe-zero-memory", default="none", choices=("none", "level0", "level1"),
+                   help="also plan with the token budget MoE zero-memory recomputation frees")
+    s.add_argument("--moe-shape", default="qwen3-235b-a22b",
+                   help="MoE layer shape for --moe-zero-memory (qwen3-235b-a22b, deepseek-v3)")
     s.set_defaults(func=_cmd_simulate)
 
-    b = sub.add_parser("bench", help="benchmarks: attention kernels or planner speed")
-    b.add_argument("what", choices=("attention", "planner"))
+    b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory")
+    b.add_argument("what", choices=("attention", "planner", "moe"))
+    b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
     b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
     b.add_argument("--algo", default="ring", help="attention: ring or allgather")

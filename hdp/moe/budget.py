@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from hdp.moe.levels import ZeroMemoryLevel
 
-__all__ = ["MoEShape", "ActivationMemoryModel", "token_budget_with_zero_memory"]
+__all__ = ["MoEShape", "ActivationMemoryModel", "token_budget_with_zero_memory", "MOE_SHAPES"]
 
 _PROB_BYTES = 4  # fp32 router prob per routed row
 _INDEX_BYTES = 8  # int64 permutation index per routed row
@@ -126,3 +126,10 @@ def token_budget_with_zero_memory(
         raise ValueError(f"base_budget={base_budget}: must be >= 1 token")
     model = ActivationMemoryModel(shape)
     return int(math.floor(base_budget * model.bytes_per_token(base_level) / model.bytes_per_token(level)))
+
+
+MOE_SHAPES: dict[str, MoEShape] = {
+    "qwen3-235b-a22b": MoEShape(hidden_size=4096, moe_ffn_hidden_size=1536, topk=8),
+    "deepseek-v3": MoEShape(hidden_size=7168, moe_ffn_hidden_size=2048, topk=8),
+}
+"""MoE layer shapes of public models (config.json of each), for `token_budget_with_zero_memory`."""
