@@ -133,7 +133,7 @@ def test_calibrate_cli(tmp_path, capsys):
 
 def test_simulate_moe_zero_memory_raises_budget(capsys):
     """--moe-zero-memory plans the batch again with the larger budget the freed memory allows."""
-    main(["simulate", "--workload", "rl-32k", "--samples", "64", "-N", "8", "-B", "4096",
+    main(["simulate", "--workload", "rl-32k", "--samples", "64", "-N", "16", "-B", "4096",
           "--policies", "static-cp", "--no-peers", "--moe-zero-memory", "level0", "--json"])
     cases = {c["policy"]: c for c in _json_out(capsys)["cases"]}
     base, zm = cases["static-cp"], cases["static-cp+level0"]
