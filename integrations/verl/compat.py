@@ -1,0 +1,166 @@
+"""The one module that imports verl (0.9.x): public names, plus the private ones hdp must touch.
+
+Every other file of :mod:`hdp.integrations.verl` imports verl through here, so a verl upgrade is
+checked in one place.  Private upstream state used here, and why:
+
+* ``EngineRegistry._engines`` — read only, to make registration idempotent: verl's
+  ``EngineRegistry.register`` asserts on a duplicate key (verl/workers/engine/base.py:389), and the
+  entry point may be loaded twice (``import verl`` in the driver and again in a Ray worker that
+  imports this module directly).  Can go when verl offers ``is_registered``.
+* :func:`without_megatron_strategy_assert` — ``McoreEngineConfig.__post_init__`` asserts
+  ``strategy == "megatron"`` (verl/workers/config/engine.py:217); hdp's engine config subclasses it
+  and keeps the rest of its validation by running it with the strategy set to ``"megatron"`` for the
+  duration of the call.  Can go when verl drops the assert or accepts registered strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import verl
+from verl.trainer.config import CheckpointConfig
+from verl.workers.config import (
+    EngineConfig,
+    McoreActorConfig,
+    McoreCheckpointConfig,
+    McoreEngineConfig,
+    McoreOptimizerConfig,
+    OptimizerConfig,
+)
+
+__all__ = [
+    "VERL_VERSION",
+    "SUPPORTED",
+    "CheckpointConfig",
+    "EngineConfig",
+    "McoreActorConfig",
+    "McoreCheckpointConfig",
+    "McoreEngineConfig",
+    "McoreOptimizerConfig",
+    "OptimizerConfig",
+    "check_version",
+    "registered_keys",
+    "without_megatron_strategy_assert",
+    "megatron_lm_engine",
+    "mindspeed_lm_engine",
+    "engine_registry",
+    "tensordict_utils",
+    "forward_backward_func",
+    "mpu",
+    "unwrap_model",
+    "causal_mask_type",
+    "as_nested",
+]
+
+logger = logging.getLogger(__name__)
+
+VERL_VERSION: str = verl.__version__
+SUPPORTED = ("0.9.",)
+"""verl version prefixes this integration was written against."""
+
+
+def check_version() -> None:
+    """Log a WARNING (never raise) when verl is not a 0.9.x release."""
+    if not VERL_VERSION.startswith(SUPPORTED):
+        logger.warning(
+            "hdp.integrations.verl was written against verl %s; found verl %s. "
+            "Check integrations/verl/VERL_NOTES.md against this version.",
+            "/".join(s + "x" for s in SUPPORTED),
+            VERL_VERSION,
+        )
+
+
+def registered_keys(model_type: str, backend: str) -> set[Any]:
+    """Device keys (``"cuda"`` or ``("cuda", vendor)``) already registered for (model_type, backend)."""
+    from verl.workers.engine import EngineRegistry
+
+    return set(EngineRegistry._engines.get(model_type, {}).get(backend, {}))
+
+
+@contextlib.contextmanager
+def without_megatron_strategy_assert(config: McoreEngineConfig) -> Iterator[None]:
+    """Run ``McoreEngineConfig.__post_init__`` on a config whose strategy is not "megatron".
+
+    Sets ``strategy`` to "megatron" for the duration and restores it after (``object.__setattr__``
+    because verl's ``BaseConfig`` freezes set fields).
+    """
+    strategy = config.strategy
+    object.__setattr__(config, "strategy", "megatron")
+    try:
+        yield
+    finally:
+        object.__setattr__(config, "strategy", strategy)
+
+
+# ---- engine-side imports (heavy: Megatron; only the engine module calls these) --------------------
+
+
+def megatron_lm_engine() -> type:
+    """verl's ``MegatronEngineWithLMHead`` (verl/workers/engine/megatron/transformer_impl.py:1172).
+
+    Imported through the ``verl.workers.engine`` package so that MindSpeed's patches (imported
+    there before Megatron's engine, verl/workers/engine/__init__.py:54) keep their order on NPUs.
+    """
+    import verl.workers.engine as engines
+
+    if engines.MegatronEngineWithLMHead is None:
+        raise ImportError("verl's Megatron engine is unavailable (see verl's 'megatron engine is not available' warning)")
+    return engines.MegatronEngineWithLMHead
+
+
+def mindspeed_lm_engine() -> type | None:
+    """verl's ``MindspeedEngineWithLMHead`` (NPU), or None when MindSpeed is not installed."""
+    import verl.workers.engine as engines
+
+    return engines.MindspeedEngineWithLMHead
+
+
+def engine_registry() -> Any:
+    """``verl.workers.engine.EngineRegistry``."""
+    from verl.workers.engine import EngineRegistry
+
+    return EngineRegistry
+
+
+def tensordict_utils() -> Any:
+    """``verl.utils.tensordict_utils`` (non-tensor fields of verl's TensorDict batches)."""
+    from verl.utils import tensordict_utils
+
+    return tensordict_utils
+
+
+def forward_backward_func() -> Callable[..., Any]:
+    """Megatron's schedule for the current PP layout (``get_forward_backward_func``)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def mpu() -> Any:
+    """``megatron.core.parallel_state`` (verl's Megatron engine initialises it)."""
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def unwrap_model(chunk: Any) -> Any:
+    """The bare GPTModel inside verl's DDP/Float16 wrappers (``verl.utils.megatron_utils.unwrap_model``)."""
+    from verl.utils.megatron_utils import unwrap_model as _unwrap
+
+    return _unwrap(chunk)
+
+
+def causal_mask_type() -> Any:
+    """Megatron's ``AttnMaskType.causal``."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return AttnMaskType.causal
+
+
+def as_nested(tensors: list[Any]) -> Any:
+    """A jagged nested tensor of per-sample tensors (verl's no-padding layout); keeps autograd."""
+    import torch
+
+    return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)

@@ -1,0 +1,233 @@
+"""hdp's config classes for verl: ``actor_rollout_ref.actor.strategy=hdp`` with stock verl 0.9.x.
+
+verl picks the engine by ``engine_config.strategy`` (verl/workers/engine_workers.py:138), but its
+Megatron classes cannot carry ``"hdp"``: ``McoreEngineConfig.__post_init__`` asserts "megatron" and
+``McoreActorConfig`` never copies ``actor.strategy`` into its engine config.  So hdp ships its own:
+
+* :class:`HdpOptions` — hdp's knobs, under the one key ``actor_rollout_ref.actor.hdp``;
+* :class:`HdpEngineConfig` — verl's Megatron engine config with ``strategy="hdp"`` and the options;
+* :class:`HdpActorConfig` — verl's Megatron actor config that hands both to the engine (actor and ref);
+* converters from whatever engine/optimizer/checkpoint config verl built (stock ``ppo_trainer`` with
+  only ``strategy=hdp`` gives FSDP-shaped ones) to the Megatron-shaped ones the engine needs.
+
+Two ways in (see integrations/verl/VERL_NOTES.md, "Switching to hdp"):
+
+1. ``actor_rollout_ref.actor.strategy=hdp`` on verl's own ``ppo_trainer``: actor and ref resolve to
+   the hdp engine, which converts the FSDP-shaped configs with :func:`to_hdp_engine_config` (TP = PP =
+   EP = 1, hdp defaults, token budget = verl's ``ppo_max_token_len_per_gpu``).
+2. ``model_engine=hdp`` (the plugin adds hdp's config directory to Hydra's search path) or
+   ``--config-name hdp_ppo_trainer``: :class:`HdpActorConfig` with every ``megatron.*`` option and
+   ``hdp.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hdp.cp import CPAlgorithm
+from hdp.integrations.verl import compat
+from hdp.moe.zero_memory import ZeroMemoryLevel
+from hdp.packing import GroupShape, PlannerConfig, Policy, cost_model
+
+__all__ = [
+    "HDP_STRATEGY",
+    "HdpOptions",
+    "HdpEngineConfig",
+    "HdpActorConfig",
+    "to_hdp_engine_config",
+    "to_mcore_optimizer_config",
+    "to_mcore_checkpoint_config",
+]
+
+HDP_STRATEGY = "hdp"
+"""The value of ``actor_rollout_ref.actor.strategy`` (and the EngineRegistry backend) that selects hdp."""
+
+_KEY = "actor_rollout_ref.actor"
+
+
+def _enum(cls: type, value: object, name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError as exc:
+        choices = [m.value for m in cls]  # type: ignore[attr-defined]
+        raise ValueError(f"{name}={value!r}: choose one of {choices}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class HdpOptions:
+    """hdp's own options for verl (``actor_rollout_ref.actor.hdp.*``); the domain size comes from Megatron."""
+
+    _target_: str = "hdp.integrations.verl.config.HdpOptions"
+    """Hydra instantiation target (verl builds configs with ``hydra.utils.instantiate``)."""
+    max_tokens_per_rank: Optional[int] = None
+    """B: tokens one rank holds in one round; None: verl's per-GPU budget (ppo/log_prob_max_token_len_per_gpu)."""
+    policy: Policy = Policy.HDP
+    """Packing policy: hdp, static-cp, megatron-dcp, ascend-hdp, verl-kk."""
+    group_shape: GroupShape = GroupShape.ANY
+    """CP group shapes: ``any`` contiguous rank range (P2P rings) or aligned ``pow2`` blocks."""
+    cp_algorithm: CPAlgorithm = CPAlgorithm.RING
+    """CP attention: ``ring`` everywhere, or ``allgather`` on aligned power-of-two groups."""
+    zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
+    """MoE expert-path recomputation: none, level0, level1 (MindSpeed ``--moe-zero-memory`` semantics)."""
+    max_extra_rounds: int = 3
+    """hdp policy: rounds beyond the minimum it may try."""
+    cost_model: str = "dense-8b"
+    """Planner cost-model preset (hdp.packing.MODELS): dense-8b, qwen3-235b-a22b, deepseek-v3, cpu-tiny."""
+    hardware_profile: str = "h100-nvlink"
+    """Planner hardware profile (hdp.packing.PROFILES): h100-nvlink, ascend-910b-hccs, cpu-gloo."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", _enum(Policy, self.policy, f"{_KEY}.hdp.policy"))
+        object.__setattr__(self, "group_shape", _enum(GroupShape, self.group_shape, f"{_KEY}.hdp.group_shape"))
+        object.__setattr__(self, "cp_algorithm", _enum(CPAlgorithm, self.cp_algorithm, f"{_KEY}.hdp.cp_algorithm"))
+        object.__setattr__(
+            self, "zero_memory", _enum(ZeroMemoryLevel, self.zero_memory, f"{_KEY}.hdp.zero_memory")
+        )
+        b = self.max_tokens_per_rank
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(
+                f"{_KEY}.hdp.max_tokens_per_rank={b!r}: pass a positive token budget per rank and round "
+                "(e.g. 16384) or null to use actor.ppo_max_token_len_per_gpu"
+            )
+        if isinstance(self.max_extra_rounds, bool) or not isinstance(self.max_extra_rounds, int) or self.max_extra_rounds < 0:
+            raise ValueError(f"{_KEY}.hdp.max_extra_rounds={self.max_extra_rounds!r}: pass an integer >= 0")
+        try:
+            cost_model(self.cost_model, self.hardware_profile)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(
+                f"{_KEY}.hdp.cost_model={self.cost_model!r} / hardware_profile={self.hardware_profile!r}: "
+                f"unknown preset ({exc}); see hdp.packing.MODELS and hdp.packing.PROFILES"
+            ) from exc
+
+    def planner_config(self, num_ranks: int, default_budget: int | None) -> PlannerConfig:
+        """The planner config for a domain of ``num_ranks``; ``default_budget`` is verl's per-GPU token budget."""
+        budget = self.max_tokens_per_rank if self.max_tokens_per_rank is not None else default_budget
+        if budget is None:
+            raise ValueError(
+                f"{_KEY}.hdp.max_tokens_per_rank is null and verl passed no max_token_len_per_gpu: "
+                "set actor_rollout_ref.actor.hdp.max_tokens_per_rank"
+            )
+        return PlannerConfig(
+            num_ranks=num_ranks,
+            max_tokens_per_rank=int(budget),
+            policy=self.policy,
+            group_shape=self.group_shape,
+            cost=cost_model(self.cost_model, self.hardware_profile),
+            max_extra_rounds=self.max_extra_rounds,
+        )
+
+
+@dataclass
+class HdpEngineConfig(compat.McoreEngineConfig):
+    """verl's ``McoreEngineConfig`` with ``strategy="hdp"`` and hdp's options (what the hdp engine receives)."""
+
+    strategy: str = HDP_STRATEGY
+    hdp: HdpOptions = field(default_factory=HdpOptions)
+
+    def __post_init__(self) -> None:
+        if self.strategy != HDP_STRATEGY:
+            raise ValueError(
+                f"{_KEY}.megatron.strategy={self.strategy!r}: HdpEngineConfig is the hdp engine's config; "
+                f"set it to {HDP_STRATEGY!r} or use verl's McoreEngineConfig"
+            )
+        if isinstance(self.hdp, dict):  # OmegaConf merge paths hand plain dicts
+            object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
+        # hdp runs Megatron as pure DP over the domain and supplies CP inside attention (DESIGN.md)
+        fixes = {
+            "context_parallel_size": (1, "hdp splits long samples itself; bound memory with hdp.max_tokens_per_rank"),
+            "dynamic_context_parallel": (False, "hdp replaces Megatron's dynamic CP"),
+            "pipeline_model_parallel_size": (1, "pipeline parallelism under hdp rounds is not implemented yet"),
+            "tensor_model_parallel_size": (1, "tensor parallelism under hdp is not implemented yet"),
+        }
+        for name, (want, why) in fixes.items():
+            if getattr(self, name) != want:
+                raise ValueError(f"{_KEY}.megatron.{name}={getattr(self, name)!r}: set {want!r} ({why})")
+        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+            raise ValueError(
+                f"{_KEY}.megatron.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size!r}: "
+                "set null (hdp runs PP = 1)"
+            )
+        with compat.without_megatron_strategy_assert(self):
+            super().__post_init__()
+
+
+@dataclass
+class HdpActorConfig(compat.McoreActorConfig):
+    """verl's ``McoreActorConfig`` whose engine is a :class:`HdpEngineConfig` carrying ``hdp`` (actor and ref)."""
+
+    strategy: str = HDP_STRATEGY
+    megatron: HdpEngineConfig = field(default_factory=HdpEngineConfig)
+    hdp: HdpOptions = field(default_factory=HdpOptions)
+
+    def __post_init__(self) -> None:
+        if self.strategy != HDP_STRATEGY:
+            raise ValueError(
+                f"{_KEY}.strategy={self.strategy!r}: HdpActorConfig runs the hdp engine; set {HDP_STRATEGY!r}"
+            )
+        if isinstance(self.hdp, dict):
+            object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
+        super().__post_init__()  # ActorConfig checks; engine = megatron
+        engine = to_hdp_engine_config(self.megatron, self.hdp)
+        object.__setattr__(self, "megatron", engine)
+        self.engine = engine
+
+
+# ---- converters --------------------------------------------------------------------------------
+
+
+def _common(src: Any, base: type, exclude: tuple[str, ...] = ("_target_",)) -> dict[str, Any]:
+    """Values of ``src`` for the dataclass fields of ``base`` (a common ancestor)."""
+    return {f.name: getattr(src, f.name) for f in dataclasses.fields(base) if f.init and f.name not in exclude}
+
+
+def to_hdp_engine_config(engine: Any, hdp: HdpOptions | None = None) -> HdpEngineConfig:
+    """The :class:`HdpEngineConfig` for any engine config verl built.
+
+    * ``HdpEngineConfig``: itself (with ``hdp`` replaced when given);
+    * ``McoreEngineConfig``: every Megatron field kept, strategy "hdp";
+    * any other ``EngineConfig`` (stock ``ppo_trainer`` + ``strategy=hdp`` gives ``FSDPEngineConfig``):
+      the fields all engines share (offload, dtype, batch budgets, seed, router replay), Megatron
+      defaults for the rest.
+    """
+    if isinstance(engine, HdpEngineConfig):
+        if hdp is None or hdp == engine.hdp:
+            return engine
+        return dataclasses.replace(engine, hdp=hdp)
+    if not isinstance(engine, compat.EngineConfig):
+        raise TypeError(
+            f"engine config is {type(engine).__name__}; the hdp engine takes a verl EngineConfig "
+            "(McoreEngineConfig, FSDPEngineConfig, ...) or HdpEngineConfig"
+        )
+    base = compat.McoreEngineConfig if isinstance(engine, compat.McoreEngineConfig) else compat.EngineConfig
+    values = _common(engine, base, exclude=("_target_", "strategy"))
+    return HdpEngineConfig(**values, strategy=HDP_STRATEGY, hdp=hdp if hdp is not None else HdpOptions())
+
+
+def to_mcore_optimizer_config(optim: Any) -> Any:
+    """verl's ``McoreOptimizerConfig`` for any verl optimizer config (FSDP's keeps lr, betas, decay, clip, warmup)."""
+    if isinstance(optim, compat.McoreOptimizerConfig) or optim is None:
+        return optim
+    if not isinstance(optim, compat.OptimizerConfig):
+        raise TypeError(f"optimizer config is {type(optim).__name__}; pass a verl OptimizerConfig")
+    values = _common(optim, compat.OptimizerConfig)
+    extra: dict[str, Any] = {}
+    min_lr_ratio = getattr(optim, "min_lr_ratio", None)
+    if min_lr_ratio is not None:
+        extra["min_lr"] = float(optim.lr) * float(min_lr_ratio)
+    style = getattr(optim, "lr_scheduler_type", None)
+    if style in ("constant", "cosine"):
+        extra["lr_decay_style"] = style
+    return compat.McoreOptimizerConfig(**values, **extra)
+
+
+def to_mcore_checkpoint_config(ckpt: Any) -> Any:
+    """verl's ``McoreCheckpointConfig`` for a plain ``CheckpointConfig`` (adds empty ``mbridge_config``)."""
+    if isinstance(ckpt, compat.McoreCheckpointConfig) or ckpt is None:
+        return ckpt
+    if not isinstance(ckpt, compat.CheckpointConfig):
+        raise TypeError(f"checkpoint config is {type(ckpt).__name__}; pass a verl CheckpointConfig")
+    return compat.McoreCheckpointConfig(**_common(ckpt, compat.CheckpointConfig))

@@ -1,0 +1,441 @@
+"""``HdpMegatronEngine``: verl's Megatron engine with hdp plans instead of micro-batches.
+
+Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation (with CP = 1:
+Megatron sees pure DP over the domain), model building through Megatron-Bridge, optimizer and LR
+scheduler, checkpointing, HF weight export to the rollout, offloading, train/eval contexts.
+
+Replaced:
+
+* **verl's data-parallel view.**  Like verl's dynamic-CP mode, every rank of the domain receives the
+  whole mini-batch (``get_data_parallel_size() == 1``, rank 0, a one-rank group), so the single
+  controller sends it unsplit and hdp decides who runs what.
+* **micro-batching and forward/backward** (:meth:`forward_backward_batch`): one hdp plan over the
+  domain (:func:`hdp.packing.plan`, verified by checksum), each round run by every rank in lock-step
+  through Megatron's ``forward_backward_func`` (so DDP's no-sync and grad finalisation stay
+  Megatron's), each rank packing its zigzag chunks (:func:`hdp.dispatch.pack`) with hdp's CP
+  attention context (:class:`hdp.trainer.attention_spec.HdpPackedSeqParams`).
+* **loss normalisation.**  After a round the group's ranks exchange their chunk log-probs so each
+  holds its samples whole (its own chunk keeps the graph); verl's *real* loss function then runs on
+  whole samples with the global normalisers of the mini-batch (``batch_num_tokens``,
+  ``global_batch_size`` from the trainer, ``dp_size = N``: verl's agg_loss multiplies by dp_size,
+  which cancels Megatron DDP's 1/N averaging).  Every rank of a group computes the same loss but
+  differentiates only through its own tokens, so the domain sum of gradients is the single-process
+  gradient for every ``loss_agg_mode`` whose normalisers are global (token-mean, token-sum,
+  seq-mean-token-mean, seq-mean-token-sum; seq-mean-token-sum-norm with ``actor.loss_scale_factor``
+  set — without it verl itself divides by the padded width of each micro-batch).
+* **outputs** — log-probs / entropies gathered to domain rank 0 in verl's sample order
+  (:func:`hdp.dispatch.gather_outputs`); metrics reduced over the domain, counting each group once.
+
+Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
+round, V vocabulary, N domain size (Megatron's DP world), R rounds.
+
+Status: the pure parts (batch → lengths, round inputs, metric reduction) are tested on CPU; the
+model path needs Megatron-Bridge and was not run (see VERL_NOTES.md, "What is missing").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdp.checksum import collective_device, verify_plan
+from hdp.cp import CPAlgorithm
+from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack, unpack_into
+from hdp.groups import DomainGroups
+from hdp.integrations.verl import compat
+from hdp.integrations.verl.config import (
+    HdpEngineConfig,
+    to_hdp_engine_config,
+    to_mcore_checkpoint_config,
+    to_mcore_optimizer_config,
+)
+from hdp.packing import Plan, plan as make_plan
+from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, RopeConfig, packed_seq_params
+
+__all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics"]
+
+logger = logging.getLogger(__name__)
+
+_MegatronLM = compat.megatron_lm_engine()
+
+
+# ---- pure helpers (tested on CPU) ----------------------------------------------------------------
+
+
+def sample_lengths(data: Any) -> list[int]:
+    """L_i of every sample of verl's batch (``input_ids`` is a jagged nested tensor [S, j1])."""
+    ids = data["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError(
+            "the hdp engine takes verl's no-padding batch (nested input_ids); "
+            "set actor_rollout_ref.model.use_remove_padding=True"
+        )
+    return [int(x) for x in ids.offsets().diff().tolist()]
+
+
+@dataclass(frozen=True, eq=False)
+class RoundInputs:
+    """This rank's inputs of one round (CPU tensors)."""
+
+    meta: LocalMeta
+    """Layout of the local tokens (group, chunk boundaries, positions)."""
+    tokens: torch.Tensor
+    """[T] int64 local input ids (one pad token when the rank is idle)."""
+    targets: torch.Tensor
+    """[T] int64 the token each local position predicts (token p+1 of its sample; pad after the last)."""
+    temperature: torch.Tensor
+    """[T] float32 sampling temperature of each local token's sample."""
+
+
+def round_inputs(
+    meta: LocalMeta,
+    samples: Sequence[torch.Tensor],
+    temperature: torch.Tensor | float,
+    pad_token_id: int,
+) -> RoundInputs:
+    """Pack this rank's chunks of one round from the whole batch (every rank holds it; no communication).
+
+    ``samples[i]`` is sample i's ids [L_i]; ``temperature`` a scalar or one value per sample [S].
+    Targets follow verl's alignment: position p predicts token p+1 (``no_padding_2_padding``
+    left-shifts by one), so the log-prob at the last position of a sample is never used.
+    """
+    if meta.num_tokens == 0:
+        pad = torch.full((1,), pad_token_id, dtype=torch.int64)
+        return RoundInputs(meta, pad, pad.clone(), torch.ones(1, dtype=torch.float32))
+    targets = [torch.cat([s[1:], s.new_full((1,), pad_token_id)]) for s in samples]  # S x [L_i]
+    temp = torch.as_tensor(temperature, dtype=torch.float32)
+    if temp.dim() == 0:
+        per_token = torch.full((meta.num_tokens,), float(temp))  # [T]
+    else:
+        per_token = temp[meta.sample_index]  # [T]
+    return RoundInputs(
+        meta=meta,
+        tokens=pack(meta, samples).to(torch.int64),
+        targets=pack(meta, targets).to(torch.int64),
+        temperature=per_token.clamp_min(1e-8),
+    )
+
+
+def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int) -> dict[str, list[Any]]:
+    """verl metrics of one step from every rank's group-leader metric dicts.
+
+    ``per_rank[r]`` holds the metric dicts of the groups rank r led (one per round it led).  verl's
+    ``Metric`` values: SUM metrics (``actor/pg_loss``, computed with ``dp_size = N``) add up over
+    groups and divide by N, which is verl's "mean over DP ranks of per-rank sums"; MEAN metrics
+    average over groups (verl: over micro-batches and DP ranks); MIN/MAX reduce.  Plain numbers are
+    averaged.  Returns ``{name: [Metric]}`` — one DP entry, as verl's worker aggregates it.
+    """
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    values: dict[str, list[float]] = {}
+    kinds: dict[str, Any] = {}
+    for dicts in per_rank:
+        for d in dicts:
+            for name, m in d.items():
+                if isinstance(m, Metric):
+                    kinds[name] = m.aggregation
+                    values.setdefault(name, []).append(float(Metric._aggregate(m.values, m.aggregation)))
+                else:
+                    kinds.setdefault(name, None)
+                    values.setdefault(name, []).append(float(m))
+    out: dict[str, list[Any]] = {}
+    for name, vals in values.items():
+        kind = kinds[name]
+        if kind is AggregationType.SUM:
+            out[name] = [Metric(AggregationType.SUM, sum(vals) / num_ranks)]
+        elif kind is AggregationType.MIN:
+            out[name] = [Metric(AggregationType.MIN, min(vals))]
+        elif kind is AggregationType.MAX:
+            out[name] = [Metric(AggregationType.MAX, max(vals))]
+        elif kind is AggregationType.MEAN:
+            out[name] = [Metric(AggregationType.MEAN, sum(vals) / len(vals))]
+        else:
+            out[name] = [sum(vals) / len(vals)]
+    return out
+
+
+# ---- the domain ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Domain:
+    """hdp's domain (Megatron's DP group with CP = 1) and the one-rank group verl sees as "DP"."""
+
+    group: dist.ProcessGroup
+    groups: DomainGroups
+    verl_dp_group: dist.ProcessGroup
+
+    @property
+    def rank(self) -> int:
+        return self.groups.domain_rank
+
+    @property
+    def size(self) -> int:
+        return self.groups.size
+
+    @classmethod
+    def build(cls, dp_group: dist.ProcessGroup) -> "_Domain":
+        # every rank calls new_subgroups (collective); each gets the group holding only itself
+        mine, _ = dist.new_subgroups(group_size=1)
+        return cls(group=dp_group, groups=DomainGroups.build(dp_group), verl_dp_group=mine)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+class HdpMegatronEngine(_MegatronLM):
+    """verl's ``MegatronEngineWithLMHead`` running hdp plans over the whole DP×CP domain."""
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+        engine_config = to_hdp_engine_config(engine_config)
+        super().__init__(
+            model_config,
+            engine_config,
+            to_mcore_optimizer_config(optimizer_config),
+            to_mcore_checkpoint_config(checkpoint_config),
+        )
+        self.hdp_config: HdpEngineConfig = engine_config
+        self._domain: _Domain | None = None
+        logger.info("hdp engine: %s", engine_config.hdp)
+
+    # -- Megatron groups and verl's DP view --
+
+    def _init_device_mesh(self) -> None:
+        super()._init_device_mesh()  # Megatron with CP = 1 (HdpEngineConfig enforces it)
+        dp_group = compat.mpu().get_data_parallel_group()
+        self._domain = _Domain.build(dp_group)
+
+    @property
+    def domain(self) -> _Domain:
+        """hdp's domain; raises if Megatron was not initialised by this engine."""
+        if self._domain is None:
+            raise RuntimeError("HdpMegatronEngine.domain: Megatron groups are not built (engine not constructed?)")
+        return self._domain
+
+    def get_data_parallel_rank(self) -> int:
+        return 0  # every rank receives the whole mini-batch (as in verl's dynamic-CP mode)
+
+    def get_data_parallel_size(self) -> int:
+        return 1
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.domain.verl_dp_group
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return bool(super().is_mp_src_rank_with_outputs()) and self.domain.rank == 0
+
+    # -- model --
+
+    def _build_megatron_module(self) -> Any:
+        module = super()._build_megatron_module()
+        for chunk in module:
+            _install_hdp_attention(chunk, self.model_config.hf_config)
+        if self.hdp_config.hdp.zero_memory.value != "none":
+            from hdp.moe import apply_zero_memory
+
+            for chunk in module:
+                apply_zero_memory(compat.unwrap_model(chunk), self.hdp_config.hdp.zero_memory)
+        return module
+
+    # -- one step --
+
+    def forward_backward_batch(self, data: Any, loss_function: Callable | None, forward_only: bool = False) -> Any:
+        tu = compat.tensordict_utils()
+        dom = self.domain
+        t0 = time.perf_counter()
+        lengths = sample_lengths(data)
+        budget_key = "max_token_len_per_gpu"
+        default_budget = tu.get_non_tensor_data(data, key=budget_key, default=None)
+        planner = self.hdp_config.hdp.planner_config(dom.size, default_budget)
+        plan = make_plan(lengths, planner)
+        planner_ms = (time.perf_counter() - t0) * 1e3
+        verify_plan(plan, dom.group, device=collective_device(dom.group))
+
+        # verl's loss normalisers over the whole (replicated) mini-batch; dp_size = N cancels DDP's 1/N
+        loss_mask = data["loss_mask"]
+        num_tokens = int(loss_mask.values().sum().item()) if loss_mask.is_nested else int(loss_mask.sum().item())
+        tu.assign_non_tensor(data, batch_num_tokens=num_tokens, dp_size=dom.size)
+
+        samples = list(data["input_ids"].unbind())  # S x [L_i]
+        temperature = data["temperature"] if "temperature" in data.keys() else 1.0
+        pad_id = int(self.model_config.tokenizer.pad_token_id or 0)
+        rounds = [
+            round_inputs(local_meta(plan, dom.rank, r), samples, temperature, pad_id) for r in range(plan.num_rounds)
+        ]
+        state = _StepState(plan=plan, data=data, loss_function=loss_function, forward_only=forward_only)
+
+        fb = compat.forward_backward_func()
+        fb(
+            forward_step_func=partial(self._hdp_forward_step, state=state),
+            data_iterator=iter(rounds),
+            model=self.module,
+            num_microbatches=plan.num_rounds,
+            seq_length=1,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        return self._collect(state, planner_ms)
+
+    def _hdp_forward_step(self, data_iterator: Iterator[RoundInputs], model: Any, *, state: "_StepState") -> Any:
+        """Megatron forward step of one round: logits of this rank's chunks, then the group's verl loss."""
+        inp = next(data_iterator)
+        meta = inp.meta
+        dev = next(model.parameters()).device
+        psp = self._packed_seq_params(meta, dev)
+        logits = model(
+            input_ids=inp.tokens.to(dev)[None, :], position_ids=None, attention_mask=None, packed_seq_params=psp
+        )[0]  # [T, V]
+        logits = logits.float() / inp.temperature.to(dev)[:, None]
+        logp_all = torch.log_softmax(logits, dim=-1)  # [T, V]
+        logp = logp_all.gather(-1, inp.targets.to(dev)[:, None])[:, 0]  # [T]
+        ent = -(logp_all.exp() * logp_all).sum(-1)  # [T]
+        state.local_outputs.append(torch.stack([logp, ent], dim=-1).detach()[: meta.num_tokens])  # [T, 2]; [0, 2] idle
+        return logits, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
+
+    def _hdp_loss(self, output: Any, *, inp: RoundInputs, logp: torch.Tensor, ent: torch.Tensor, state: "_StepState") -> Any:
+        """verl's loss on the group's whole samples; Megatron divides by R, so it is scaled by R."""
+        del output
+        meta = inp.meta
+        zero = logp.sum() * 0.0  # idle rank: backward still runs (EP all-to-alls line up)
+        if state.loss_function is None:
+            return zero, {}
+        local = torch.stack([logp, ent], dim=-1)[: meta.num_tokens]  # [T, 2]; [0, 2] when idle
+        full = _group_full_samples(state.plan, meta, local, self.domain.group)  # collective: idle ranks too
+        if meta.num_tokens == 0:
+            return zero, {}
+        tu = compat.tensordict_utils()
+        sub = tu.index_select_tensor_dict(state.data, list(meta.samples))  # group order
+        model_output = {"log_probs": compat.as_nested([f[:, 0] for f in full])}  # Sg x [L_i]
+        if tu.get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+            model_output["entropy"] = compat.as_nested([f[:, 1] for f in full])
+        loss, metrics = state.loss_function(model_output=model_output, data=sub, dp_group=self.get_data_parallel_group())
+        if meta.j == 0:  # one copy per group; plain floats so they can be gathered
+            state.leader_metrics.append(
+                {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+            )
+        state.losses.append(float(loss.detach()))
+        return loss * state.plan.num_rounds, {}
+
+    def _packed_seq_params(self, meta: LocalMeta, dev: torch.device) -> HdpPackedSeqParams:
+        if meta.num_tokens == 0:
+            return packed_seq_params([1], dev)
+        if meta.k == 1:
+            return packed_seq_params(meta.group_lengths, dev)
+        aligned = meta.k & (meta.k - 1) == 0 and meta.group_start % meta.k == 0
+        algo = CPAlgorithm.ALLGATHER if self.hdp_config.hdp.cp_algorithm is CPAlgorithm.ALLGATHER and aligned else CPAlgorithm.RING
+        cp = CPContext(
+            group_lengths=meta.group_lengths,
+            k_group=meta.k,
+            ring=self.domain.groups.ring(meta.group_start, meta.k),
+            groups=self.domain.groups,
+            algo=algo,
+        )
+        return packed_seq_params(meta.group_lengths, dev, cp=cp)
+
+    def _collect(self, state: "_StepState", planner_ms: float) -> dict[str, Any]:
+        """verl's output dict: model_output in sample order and metrics on domain rank 0."""
+        dom = self.domain
+        full = gather_outputs(state.plan, dom.rank, state.local_outputs, dom.group, dst=0)  # S x [L_i, 2] on rank 0
+        gathered: list[Any] = [None] * dom.size
+        dist.all_gather_object(gathered, state.leader_metrics, group=dom.group)
+        if dom.rank != 0:
+            return {}
+        assert full is not None
+        metrics = reduce_metrics(gathered, dom.size) if state.loss_function is not None else {}
+        stats = state.plan.stats
+        metrics.update(
+            {
+                "hdp/rounds": [state.plan.num_rounds],
+                "hdp/planner_ms": [planner_ms],
+                "hdp/efficiency_planned": [float(stats.efficiency) if stats else float("nan")],
+            }
+        )
+        lp = [x[:, 0] for x in full]
+        out: dict[str, Any] = {"log_probs": compat.as_nested(lp)}
+        if compat.tensordict_utils().get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+            out["entropy"] = compat.as_nested([x[:, 1] for x in full])
+        return {"model_output": out, "loss": [sum(state.losses)], "metrics": metrics}
+
+
+@dataclass(eq=False)
+class _StepState:
+    """Per-step state passed to the forward/loss callbacks (never module state)."""
+
+    plan: Plan
+    data: Any
+    loss_function: Callable | None
+    forward_only: bool
+
+    def __post_init__(self) -> None:
+        self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2]
+        self.leader_metrics: list[dict[str, Any]] = []
+        self.losses: list[float] = []
+
+
+def _group_full_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Whole per-sample tensors [L_i, ...] of this rank's group from the group's chunks; own chunk keeps its graph.
+
+    ``local`` is this rank's [T, ...] values of the round (``[0, ...]`` when idle).  Collective over
+    ``group`` (the domain): every rank calls it every round.  One padded all-gather of log-prob-sized
+    tensors; every rank of a group then computes the same loss but differentiates only through its
+    own tokens, so the domain sum of gradients is the gradient of the group's loss.
+    TODO: gather over the group's ring only.
+    """
+    n = plan.num_ranks
+    feat = tuple(local.shape[1:])
+    width = max(local_meta(plan, q, meta.round_index).num_tokens for q in range(n))
+    buf = local.new_zeros((max(width, 1), *feat))  # [P, ...]
+    buf[: local.shape[0]] = local.detach()
+    bufs = [torch.empty_like(buf) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    outs = [local.new_zeros((length, *feat)) for length in meta.group_lengths]  # Sg x [L_i, ...], group order
+    by_caller = dict(zip(meta.samples, outs))
+    for q in range(meta.group_start, meta.group_start + meta.k):
+        if q == meta.rank:
+            continue
+        mq = local_meta(plan, q, meta.round_index)
+        unpack_into(mq, bufs[q][: mq.num_tokens], by_caller)  # type: ignore[arg-type]
+    result = []
+    sample_index = meta.sample_index.to(local.device)
+    positions = meta.position_ids.to(local.device)
+    for s, out in zip(meta.samples, outs):
+        idx = torch.nonzero(sample_index == s).flatten()  # local rows of sample s
+        result.append(out.index_put((positions[idx],), local[idx]))  # out-of-place: grad flows to `local`
+    return result
+
+
+def _install_hdp_attention(chunk: Any, hf_config: Any) -> None:
+    """Swap every layer's core attention for hdp's and move RoPE into it (positions of the unsplit sample).
+
+    Megatron's own RoPE takes positions from ``cu_seqlens``, which for zigzag chunks are not the
+    sample positions; hdp's core attention applies RoPE at ``HdpPackedSeqParams.positions``.
+    """
+    from hdp.trainer.attention_spec import HdpCoreAttention
+
+    model = compat.unwrap_model(chunk)
+    rope = RopeConfig(base=float(getattr(hf_config, "rope_theta", 10000.0)))
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        old = attn.core_attention
+        attn.core_attention = HdpCoreAttention(  # parameter-free: nothing to move to the device
+            config=old.config,
+            layer_number=old.layer_number,
+            attn_mask_type=compat.causal_mask_type(),
+            attention_type="self",
+            rope=rope,
+        )
+    model.position_embedding_type = "none"  # RoPE now happens inside hdp's core attention
+
+
+def npu_engine_class() -> type | None:
+    """The hdp engine for Ascend NPUs (on verl's MindSpeed engine), or None when MindSpeed is absent."""
+    base = compat.mindspeed_lm_engine()
+    if base is None:
+        return None
+    return type("HdpMindspeedEngine", (HdpMegatronEngine, base), {"__doc__": "HdpMegatronEngine on verl's MindSpeed engine (NPU)."})

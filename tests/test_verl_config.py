@@ -1,0 +1,206 @@
+"""verl integration: ``actor_rollout_ref.actor.strategy=hdp`` resolves actor and ref to the hdp engine.
+
+Runs only where verl is installed (``pip install verl==0.9.1`` without its ``[megatron]`` extra);
+the main test run skips this module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+warnings.filterwarnings("ignore", message=".*engine is not available.*")
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+import verl.trainer.config as verl_trainer_config  # noqa: E402
+from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: E402
+from verl.utils.config import omega_conf_to_dataclass, validate_config  # noqa: E402
+
+from hdp.integrations.verl import config_dir  # noqa: E402
+from hdp.integrations.verl import plugin  # noqa: E402  (registers the engine, as `import verl` would)
+from hdp.integrations.verl.config import (  # noqa: E402
+    HdpActorConfig,
+    HdpEngineConfig,
+    HdpOptions,
+    to_hdp_engine_config,
+    to_mcore_optimizer_config,
+)
+from hdp.integrations.verl.engine import HdpMegatronEngine, reduce_metrics, round_inputs  # noqa: E402
+
+VERL_CONFIG_DIR = os.path.dirname(verl_trainer_config.__file__)
+
+# what every GRPO run sets anyway (verl's ppo_trainer leaves micro-batch sizes unset)
+BASE = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.actor.use_kl_loss=true",  # turns the reference model on
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+]
+
+
+def _compose(config_name: str, overrides: list[str], config_path: str = VERL_CONFIG_DIR):
+    with initialize_config_dir(config_dir=config_path, version_base=None):
+        return compose(config_name, overrides=overrides)
+
+
+def _ref_config(cfg):
+    """The ref's dataclass exactly as ActorRolloutRefWorker.init_model builds it (engine_workers.py:546-560)."""
+    ref = cfg.actor_rollout_ref.ref.copy()
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    return omega_conf_to_dataclass(ref)
+
+
+def _engine_cls(engine_config):
+    from verl.workers.engine import EngineRegistry
+
+    return EngineRegistry.get_engine_cls("language_model", engine_config.strategy)
+
+
+def _validate(cfg) -> None:
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def test_strategy_hdp_on_stock_ppo_trainer_selects_hdp_for_actor_and_ref():
+    cfg = _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp"])
+    assert need_reference_policy(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref = _ref_config(cfg)
+    assert actor.engine.strategy == "hdp" and ref.engine.strategy == "hdp"
+    assert _engine_cls(actor.engine) is HdpMegatronEngine
+    assert _engine_cls(ref.engine) is HdpMegatronEngine
+    _validate(cfg)
+    # what the engine makes of verl's FSDP-shaped configs
+    eng = to_hdp_engine_config(actor.engine)
+    assert isinstance(eng, HdpEngineConfig) and eng.strategy == "hdp"
+    assert eng.tensor_model_parallel_size == 1 and eng.context_parallel_size == 1
+    assert eng.hdp == HdpOptions()
+    assert to_hdp_engine_config(ref.engine).forward_only
+    optim = to_mcore_optimizer_config(actor.optim)
+    assert type(optim).__name__ == "McoreOptimizerConfig" and optim.lr == actor.optim.lr
+
+
+def test_model_engine_hdp_gives_hdp_configs_with_options():
+    overrides = BASE + [
+        "model_engine=hdp",
+        "actor_rollout_ref.actor.hdp.max_tokens_per_rank=8192",
+        "actor_rollout_ref.actor.hdp.group_shape=pow2",
+        "actor_rollout_ref.actor.hdp.zero_memory=level1",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+    ]
+    cfg = _compose("ppo_trainer", overrides)
+    assert cfg.actor_rollout_ref.actor.strategy == "hdp"
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref = _ref_config(cfg)
+    for c in (actor, ref):
+        assert isinstance(c, HdpActorConfig)
+        assert isinstance(c.engine, HdpEngineConfig) and c.engine.strategy == "hdp"
+        assert c.engine.hdp.max_tokens_per_rank == 8192
+        assert c.engine.hdp.group_shape.value == "pow2"
+        assert c.engine.hdp.zero_memory.value == "level1"
+        assert c.engine.expert_model_parallel_size == 2
+        assert _engine_cls(c.engine) is HdpMegatronEngine
+    assert ref.engine.forward_only and not actor.engine.forward_only
+    _validate(cfg)
+
+
+def test_hdp_ppo_trainer_config_name():
+    cfg = _compose("hdp_ppo_trainer", BASE, config_path=config_dir())
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, HdpActorConfig) and _engine_cls(actor.engine) is HdpMegatronEngine
+    _validate(cfg)
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.policy='nope'"):
+        HdpOptions(policy="nope")
+    with pytest.raises(ValueError, match=r"max_tokens_per_rank=0"):
+        HdpOptions(max_tokens_per_rank=0)
+    with pytest.raises(ValueError, match=r"megatron\.context_parallel_size=4"):
+        HdpEngineConfig(context_parallel_size=4)
+    with pytest.raises(ValueError, match=r"strategy='megatron'"):
+        HdpEngineConfig(strategy="megatron")
+    with pytest.raises(ValueError, match=r"hdp.max_tokens_per_rank"):
+        HdpOptions().planner_config(4, None)
+    assert HdpOptions().planner_config(4, 4096).max_tokens_per_rank == 4096
+    assert HdpOptions(max_tokens_per_rank=100).planner_config(4, 4096).max_tokens_per_rank == 100
+
+
+def test_plugin_registration_is_idempotent():
+    from verl.workers.engine import EngineRegistry
+
+    before = dict(EngineRegistry._engines["language_model"]["hdp"])
+    assert plugin.register() and plugin.register()
+    assert plugin.register_engines() == []
+    assert EngineRegistry._engines["language_model"]["hdp"] == before
+    assert before["cuda"] is HdpMegatronEngine and before["cpu"] is HdpMegatronEngine
+
+
+@pytest.mark.slow
+def test_import_verl_loads_the_entry_point(tmp_path: Path):
+    """A `verl.plugins` entry point naming the plugin module registers `hdp` during `import verl`."""
+    dist_info = tmp_path / "hdp_ep_probe-0.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hdp-ep-probe\nVersion: 0.0\n")
+    (dist_info / "entry_points.txt").write_text("[verl.plugins]\nhdp = hdp.integrations.verl.plugin\n")
+    code = textwrap.dedent(
+        """
+        import verl
+        from verl.workers.engine import EngineRegistry
+        print(EngineRegistry.get_engine_cls("language_model", "hdp").__name__)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "HdpMegatronEngine"
+
+
+def test_round_inputs_follow_verls_alignment():
+    from hdp.dispatch import local_meta
+    from hdp.packing import PlannerConfig, plan
+
+    samples = [torch.arange(10, 10 + n) for n in (9, 4, 12)]
+    p = plan([9, 4, 12], PlannerConfig(num_ranks=2, max_tokens_per_rank=12))
+    seen = {}
+    for r in range(p.num_rounds):
+        for rank in range(2):
+            inp = round_inputs(local_meta(p, rank, r), samples, torch.tensor([1.0, 0.5, 2.0]), pad_token_id=0)
+            meta = inp.meta
+            for t in range(meta.num_tokens):
+                s, pos = int(meta.sample_index[t]), int(meta.position_ids[t])
+                assert int(inp.tokens[t]) == int(samples[s][pos])
+                want = int(samples[s][pos + 1]) if pos + 1 < len(samples[s]) else 0
+                assert int(inp.targets[t]) == want
+                assert float(inp.temperature[t]) == [1.0, 0.5, 2.0][s]
+                seen[(s, pos)] = seen.get((s, pos), 0) + 1
+    assert seen == {(s, i): 1 for s, x in enumerate(samples) for i in range(len(x))}
+
+
+def test_reduce_metrics_matches_verls_dp_aggregation():
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    # 2 ranks; rank 0 led two groups, rank 1 one.  SUM metrics were computed with dp_size = N = 2.
+    per_rank = [
+        [{"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.1)},
+         {"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.3)}],
+        [{"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}],
+    ]
+    out = reduce_metrics(per_rank, num_ranks=2)
+    assert Metric.aggregate_dp(out["actor/pg_loss"]) == pytest.approx(0.6)
+    assert Metric.aggregate_dp(out["actor/pg_clipfrac"]) == pytest.approx(0.2)
