@@ -132,6 +132,11 @@ def _default_wikipedia_path() -> Path:
     candidate = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikipedia_doc_lengths.txt"
     if candidate.is_file():
         return candidate
+    # a fresh machine without ../shared: the 50,000-document sample shipped with the package
+    bundled = Path(__file__).resolve().parent / "data" / "wikipedia_sample.txt"
+    if bundled.is_file():
+        logger.info("wikipedia: %s not found; using the bundled sample %s", candidate, bundled)
+        return bundled
     raise ValueError(
         f"wikipedia: document-length file not found at {candidate}; set {WIKIPEDIA_ENV}=/path/to/"
         "wikipedia_doc_lengths.txt or pass path="
