@@ -114,6 +114,9 @@ _PROXIED_MODULES: dict[str, str] = {
     # transformer.utils.get_default_causal_mask: torch.ones(sq, sq, device="cuda"), used by
     # Megatron's local DotProductAttention (hdp's tests use it as the reference).
     "megatron.core.transformer.utils": "local attention causal-mask device literal",
+    # forward_backward_no_pipelining / _with_interleaving: total_num_tokens = torch.zeros(...,
+    # device="cuda") (hit by every get_forward_backward_func() call; hdp's verl engine runs it).
+    "megatron.core.pipeline_parallel.schedules": "schedule token-count device literal",
 }
 # Not proxied (megatron-core 0.16.1 paths hdp does not take): DDP's torch.cuda.Stream (only with
 # num_distributed_optimizer_instances > 1), moe_utils' aux-loss logging tracker (device="cuda",

@@ -468,6 +468,15 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "attention":
         return _bench_attention(args)
+    if args.what == "verl":
+        from hdp.trainer.bench_verl import bench_verl
+
+        result = bench_verl(ranks=args.ranks or 4, steps=args.steps, json=args.json)
+        if args.json:
+            _emit_json(result)
+        else:
+            _print_dict(_flatten(result), f"verl engine benchmark, {args.ranks or 4} ranks")
+        return 0
     if args.what == "moe":
         from hdp.trainer.bench_moe import bench_moe
 
@@ -621,8 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE layer shape for --moe-zero-memory (qwen3-235b-a22b, deepseek-v3)")
     s.set_defaults(func=_cmd_simulate)
 
-    b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory")
-    b.add_argument("what", choices=("attention", "planner", "moe"))
+    b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine")
+    b.add_argument("what", choices=("attention", "planner", "moe", "verl"))
+    b.add_argument("--steps", type=int, default=5, help="verl: timed steps per path")
     b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
     b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")

@@ -29,8 +29,12 @@ Replaced:
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
 round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 
-Status: the pure parts (batch → lengths, round inputs, metric reduction) are tested on CPU; the
-model path needs Megatron-Bridge and was not run (see VERL_NOTES.md, "What is missing").
+Status: on CPU (gloo, 2 and 4 ranks) the round loop runs end to end on a Megatron ``GPTModel`` built
+by :mod:`hdp.trainer.model` and wrapped by :meth:`HdpMegatronEngine.from_modules`, inside verl's own
+``train_batch``/``infer_batch``; gradients and log-probs match one process
+(tests/test_verl_engine_dist.py).  Not run anywhere: the Megatron-Bridge model building of
+``__init__``/``initialize`` (and :func:`_install_hdp_attention` on a Bridge-built model),
+checkpointing, weight export and offload under hdp, and any GPU/NPU run.
 """
 
 from __future__ import annotations
@@ -204,6 +208,36 @@ class HdpMegatronEngine(_MegatronLM):
         self._domain: _Domain | None = None
         logger.info("hdp engine: %s", engine_config.hdp)
 
+    @classmethod
+    def from_modules(
+        cls,
+        *,
+        module: list[Any],
+        optimizer: Any,
+        engine_config: Any,
+        pad_token_id: int,
+        domain_group: dist.ProcessGroup,
+    ) -> "HdpMegatronEngine":
+        """The engine around an already-built Megatron model, skipping verl's Megatron-Bridge initialisation.
+
+        For CPU tests and ``hdp bench verl``: verl's ``MegatronEngine.__init__``/``initialize`` need
+        Megatron-Bridge and an HF checkpoint.  ``module`` is the list of Megatron DDP chunks (PP = 1:
+        one chunk) whose ``TransformerConfig`` has ``finalize_model_grads_func`` set, ``optimizer`` a
+        Megatron optimizer over them, ``domain_group`` the domain (Megatron's DP group with CP = 1).
+        What runs is verl's ``train_batch``/``infer_batch``/``optimizer_*`` and hdp's round loop;
+        model building, checkpointing, weight export and offload stay verl's and are not set up.
+        """
+        from types import SimpleNamespace
+
+        self = cls.__new__(cls)
+        self.engine_config = to_hdp_engine_config(engine_config)
+        self.hdp_config = self.engine_config
+        self.model_config = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=int(pad_token_id)), hf_config=None)
+        self.module = module
+        self.optimizer = optimizer
+        self._domain = _Domain.build(domain_group)
+        return self
+
     # -- Megatron groups and verl's DP view --
 
     def _init_device_mesh(self) -> None:
@@ -249,11 +283,7 @@ class HdpMegatronEngine(_MegatronLM):
         tu = compat.tensordict_utils()
         dom = self.domain
         t0 = time.perf_counter()
-        lengths = sample_lengths(data)
-        budget_key = "max_token_len_per_gpu"
-        default_budget = tu.get_non_tensor_data(data, key=budget_key, default=None)
-        planner = self.hdp_config.hdp.planner_config(dom.size, default_budget)
-        plan = make_plan(lengths, planner)
+        plan = self._make_plan(data)
         planner_ms = (time.perf_counter() - t0) * 1e3
         verify_plan(plan, dom.group, device=collective_device(dom.group))
 
@@ -281,6 +311,13 @@ class HdpMegatronEngine(_MegatronLM):
             forward_only=forward_only,
         )
         return self._collect(state, planner_ms)
+
+    def _make_plan(self, data: Any) -> Plan:
+        """The hdp plan of this mini-batch over the domain (pure; every rank computes the same one)."""
+        tu = compat.tensordict_utils()
+        default_budget = tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
+        planner = self.hdp_config.hdp.planner_config(self.domain.size, default_budget)
+        return make_plan(sample_lengths(data), planner)
 
     def _hdp_forward_step(self, data_iterator: Iterator[RoundInputs], model: Any, *, state: "_StepState") -> Any:
         """Megatron forward step of one round: logits of this rank's chunks, then the group's verl loss."""

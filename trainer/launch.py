@@ -1,0 +1,142 @@
+"""Start the ranks of a domain: local spawning (gloo on CPU) or ``torchrun``'s environment.
+
+``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes, joins them into one
+process group through a TCPStore the parent owns (free port, no race), calls
+``fn(rank, world_size, *args)`` in each and returns the ranks' return values; a failure in any
+rank raises :class:`WorkerError` with every failing rank's traceback, and the other ranks are
+stopped.  Workers are *not* daemonic, so they may start helper processes of their own (Megatron's
+checkpoint writer does).
+
+``init_from_env()`` joins the process group that ``torchrun`` describes with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (returns False when those are absent).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hdp import device as _device
+
+__all__ = ["spawn", "init_from_env", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """One or more spawned ranks failed; the message holds their tracebacks."""
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    timeout: float,
+) -> None:
+    try:
+        torch.set_num_threads(threads)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report everything (assertions included) to the parent
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    threads: int = 1,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results by rank.
+
+    ``fn``, ``args`` and the results must be picklable (``fn`` a module-level function).  Each
+    worker runs with ``torch.set_num_threads(threads)``.  Raises :class:`WorkerError` when a rank
+    fails and ``TimeoutError`` after ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, store.port, backend, threads, fn, args, results, timeout))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    done: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    try:
+        while len(done) + len(failed) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+                (done if ok else failed)[rank] = payload
+                continue
+            except queue.Empty:
+                pass
+            if failed:
+                time.sleep(1.0)  # let the other ranks report too
+                break
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in done and r not in failed]
+            if dead and results.empty():
+                time.sleep(0.5)
+                if results.empty():
+                    failed.update({r: f"exited with code {procs[r].exitcode} without a report" for r in dead})
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', fn)} exceeded {timeout:.0f} s on {world_size} ranks; "
+                    f"ranks still running: {[r for r in range(world_size) if r not in done]}"
+                )
+    finally:
+        for p in procs:
+            if p.is_alive() and (failed or len(done) < world_size):
+                p.kill()
+        for p in procs:
+            p.join(timeout=30)
+        while True:
+            try:
+                rank, ok, payload = results.get_nowait()
+            except queue.Empty:
+                break
+            (done if ok else failed)[rank] = payload
+        del store
+    if failed:
+        msgs = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failed)}:\n{msgs}")
+    return [done[r] for r in range(world_size)]
+
+
+def init_from_env(device: str | torch.device = "cpu") -> bool:
+    """Join the process group ``torchrun`` describes; False when not launched by torchrun.
+
+    The backend follows the device (gloo for CPU, nccl for CUDA, hccl for NPU).
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    if not dist.is_initialized():
+        dist.init_process_group(_device.backend_for(torch.device(device)), init_method="env://")
+    return True
