@@ -18,9 +18,7 @@ $(BIN)/hdp: pyproject.toml
 setup: $(BIN)/hdp
 
 demo: setup
-	$(BIN)/hdp simulate --workload ascend-short-tail --samples 1024 --ranks 64 \
-		--max-tokens-per-rank 4096 --model deepseek-v3 --profile ascend-910b-hccs \
-		--plot-dir out/demo
+	$(BIN)/hdp demo --out out/demo
 
 test: setup
 	$(BIN)/python -m pytest -q

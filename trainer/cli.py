@@ -468,10 +468,12 @@ def _cmd_suite(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "attention":
         return _bench_attention(args)
+    if args.what == "train":
+        return _bench_train(args)
     if args.what == "verl":
         from hdp.trainer.bench_verl import bench_verl
 
-        result = bench_verl(ranks=args.ranks or 4, steps=args.steps, json=args.json)
+        result = bench_verl(ranks=args.ranks or 4, steps=args.steps or 5, json=args.json)
         if args.json:
             _emit_json(result)
         else:
@@ -487,6 +489,100 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
         return 0
     return _bench_planner(args)
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from hdp.trainer.bench_train import TrainBenchSpec, bench_train, compare_with_baseline
+
+    try:
+        spec = TrainBenchSpec(
+            ranks=args.ranks or 4, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
+            steps=args.steps or 4, workload=args.workload,
+        )
+    except ValueError as exc:
+        raise CliError(f"bench train: {exc}") from exc
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = json.loads(Path(args.baseline).read_text())
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--baseline={args.baseline!r}: cannot read a JSON result ({exc})") from exc
+    result = bench_train(spec)
+    if not result:  # a non-zero rank under torchrun
+        return 0
+    problems = compare_with_baseline(result, baseline, args.tolerance) if baseline else []
+    result["regressions"] = problems
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, default=str, indent=1))
+    if args.json:
+        _emit_json(result)
+    else:
+        _print_train_table(result, f"bench train: {spec.workload}, {spec.ranks} ranks, {spec.steps} steps per policy")
+    for msg in problems:
+        print(f"regression: {msg}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _print_train_table(result: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    con = _console()
+    table = Table(title=title)
+    for col in ("policy", "tokens/s/rank", "step time", "rounds", "planned eff.", "CP degrees (first step)"):
+        table.add_column(col, justify="left" if col in ("policy", "CP degrees (first step)") else "right")
+    for p, r in result["results"].items():
+        table.add_row(p, f"{r['tokens_per_s']:.0f}", _fmt_s(r["step_time_s"]), ",".join(map(str, r["rounds"])),
+                      f"{r['efficiency_planned']:.1%}", _hist_text(r["cp_degree_hist"]))
+    con.print(table)
+    steps = Table(title="loss of every step (the update does not depend on the plan)")
+    steps.add_column("step", justify="right")
+    for p in result["results"]:
+        steps.add_column(f"{p} loss", justify="right")
+        steps.add_column(f"{p} time", justify="right")
+    n = len(next(iter(result["results"].values()))["losses"])
+    for s in range(n):
+        cells = []
+        for r in result["results"].values():
+            cells += [f"{r['losses'][s]:.6f}", _fmt_s(r["step_times_s"][s])]
+        steps.add_row(str(s) + (" (warm-up)" if s == 0 else ""), *cells)
+    con.print(steps)
+    sp = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
+    con.print(f"speedup (tokens/s): {sp}; losses match: {result['loss_match']} "
+              f"(max rel. diff {result['loss_max_rel_diff']:.1e})")
+    cal = result.get("calibration", {})
+    if "predicted_over_measured" in cal:
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())
+        con.print(f"cost model fitted to this run's records (R² {cal.get('r2', float('nan')):.3f}); "
+                  f"simulated / measured step time: {ratios}")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hdp.packing.cost import CostModel
+    from hdp.packing.plan import Plan
+    from hdp.trainer.bench_train import TrainBenchSpec, bench_train
+    from hdp.trainer.gantt import plot_gantt
+
+    spec = TrainBenchSpec(ranks=args.ranks, steps=args.steps, alternate=False, workload="short-tail")
+    con = _console()
+    con.print(f"hdp demo: {spec.ranks} gloo ranks on CPU, GPT {spec.num_layers} layers x {spec.hidden_size}, "
+              f"vocab {spec.vocab_size}, {spec.samples} samples per step, B={spec.max_tokens_per_rank} tokens/rank; "
+              "static CP first, then HDP, on the same batches")
+    result = bench_train(spec)
+    _print_train_table(result, "static CP vs HDP (CPU demo)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cal = result.get("calibration", {})
+    fields = ("linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token", "unit_time_s")
+    cost = CostModel(**{k: cal[k] for k in fields}) if all(k in cal for k in fields) else None
+    if cost is None:
+        from hdp.trainer.config import PlanningConfig
+
+        cost = PlanningConfig().cost
+    gantt = out / "demo_hdp_plan.png"
+    plot_gantt(Plan.from_dict(result["plans"]["hdp"]), cost, gantt, title="HDP plan of the demo batch (step 1)")
+    (out / "demo_result.json").write_text(json.dumps(result, default=str, indent=1))
+    con.print(f"Gantt chart of the HDP plan: {gantt}; full result: {out / 'demo_result.json'}")
+    return 0 if result["loss_match"] else 1
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
@@ -631,8 +727,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine")
-    b.add_argument("what", choices=("attention", "planner", "moe", "verl"))
-    b.add_argument("--steps", type=int, default=5, help="verl: timed steps per path")
+    b.add_argument("what", choices=("attention", "planner", "moe", "verl", "train"))
+    b.add_argument("--policies", default="static-cp,hdp", help="train: policies compared side by side")
+    b.add_argument("--workload", default="short-tail", help="train: short-tail or long-response")
+    b.add_argument("--baseline", metavar="FILE", help="train: stored result to compare with")
+    b.add_argument("--tolerance", type=float, default=0.05, help="train: allowed regression vs --baseline")
+    b.add_argument("--output", metavar="FILE", help="train: also write the JSON result to FILE")
+    b.add_argument("--steps", type=int, default=None, help="verl / train: steps per policy (default 5 / 4)")
     b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
     b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
@@ -644,6 +745,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="planner: workload seed")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_cmd_bench)
+
+    d = sub.add_parser("demo", help="CPU demo: train a small GPT on 4 gloo ranks with static CP, then HDP")
+    d.add_argument("--ranks", type=int, default=4, help="local gloo ranks (default 4)")
+    d.add_argument("--steps", type=int, default=3, help="steps per policy, the first a warm-up (default 3)")
+    d.add_argument("--out", default="out/demo", help="folder for the Gantt chart and the JSON result")
+    d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("calibrate", help="fit the cost model to measured records (JSON lines)")
     c.add_argument("--records", required=True, metavar="FILE.jsonl", help="measured records")

@@ -1,0 +1,337 @@
+"""`hdp bench train` and `hdp demo`: the same training on the same data under several policies.
+
+Every rank builds one `HdpEngine` per policy from the same weights (set by parameter name, so
+every policy starts identically), then runs the same batches through each.  In the benchmark the
+policies alternate step by step (and which goes first alternates too), so slow phases of a shared
+machine hit both alike; the demo runs static CP first and HDP after it.  The first step of each
+policy is a warm-up and is not timed.
+
+Output (`bench_train`): tokens/s per rank and step time per policy (medians of the timed steps),
+the planned efficiency, the losses of every step (they must agree across policies: the update is
+exact whatever the plan), the environment, and — from the calibration records the engines write —
+a cost model fitted to this machine with the ratio of simulated to measured step time per policy.
+
+Works under ``torchrun`` (any device): every rank runs the worker directly; otherwise ranks are
+spawned locally with gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hdp.packing.cost import CostModel
+
+__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "train_batch_lengths"]
+
+logger = logging.getLogger(__name__)
+
+TRAIN_WORKLOADS = ("short-tail", "long-response")
+"""Synthetic batches: most samples on one rank with a few needing all ranks, or most needing 2-4."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBenchSpec:
+    """What one benchmark run trains (picklable: it travels to spawned ranks)."""
+
+    ranks: int = 4
+    """Domain size (local ranks when spawned)."""
+    policies: tuple[str, ...] = ("static-cp", "hdp")
+    """Policies compared side by side."""
+    steps: int = 4
+    """Steps per policy, the first one untimed."""
+    workload: str = "short-tail"
+    """One of TRAIN_WORKLOADS."""
+    samples: int = 40
+    """Samples per global batch."""
+    max_tokens_per_rank: int = 1024
+    """Planner token budget B."""
+    num_layers: int = 4
+    """Transformer layers of the GPT."""
+    hidden_size: int = 256
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    vocab_size: int = 1024
+    """Vocabulary."""
+    alternate: bool = True
+    """Alternate policies step by step (benchmark) or run them one after another (demo)."""
+    device: str = "cpu"
+    """Device of every rank."""
+    seed: int = 0
+    """Batch seed."""
+    records_dir: str | None = None
+    """Where the engines write calibration records (one file per policy); None: a temp dir."""
+
+    def __post_init__(self) -> None:
+        if self.workload not in TRAIN_WORKLOADS:
+            raise ValueError(f"workload={self.workload!r} is unknown; choose one of: {', '.join(TRAIN_WORKLOADS)}")
+        if self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks}: need at least 1 rank")
+        if self.steps < 2:
+            raise ValueError(f"steps={self.steps}: need at least 2 (the first step is a warm-up)")
+        if not self.policies:
+            raise ValueError("policies: name at least one policy")
+
+
+def train_batch_lengths(spec: TrainBenchSpec, step: int) -> list[int]:
+    """Sample lengths of the batch of ``step`` (deterministic in the spec's seed)."""
+    rng = np.random.default_rng([spec.seed, step])
+    budget, n = spec.max_tokens_per_rank, spec.samples
+    full = spec.ranks * budget - 2 * spec.ranks  # longest that fits all ranks (zigzag rounding)
+    if spec.workload == "short-tail":
+        # most samples well under one rank's budget, a thin tail needing all ranks
+        lengths = rng.lognormal(np.log(0.25 * budget), 0.6, n)
+        n_long = max(1, n // 16)
+        lengths[:n_long] = rng.uniform(0.75 * full, full, n_long)
+    else:
+        # long RL responses: most samples need 2..N ranks
+        lengths = rng.uniform(1.1 * budget, full, n)
+    lengths = np.clip(lengths.astype(np.int64), 16, full)
+    return rng.permutation(lengths).tolist()
+
+
+def _init_param(name: str, p: torch.Tensor) -> None:
+    """Weights keyed by the global parameter name: every policy and layout starts identically."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    val = torch.randn(p.shape, generator=g, dtype=torch.float32)
+    p.copy_(1.0 + 0.02 * val if p.dim() == 1 else 0.02 * val)
+
+
+def _batch(spec: TrainBenchSpec, step: int):
+    from hdp.trainer.engine import Batch
+
+    g = torch.Generator().manual_seed(1000 * spec.seed + step)
+    lengths = train_batch_lengths(spec, step)
+    tokens = [torch.randint(0, spec.vocab_size, (n,), generator=g) for n in lengths]
+    # RL-style: the prompt (first quarter) carries no loss
+    masks = [torch.cat([torch.zeros(n // 4), torch.ones(n - n // 4)]) for n in lengths]
+    return Batch(tokens=tokens, loss_mask=masks)
+
+
+def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.model import ModelConfig, OptimConfig
+
+    longest = spec.ranks * spec.max_tokens_per_rank
+    return EngineConfig(
+        model=ModelConfig(
+            num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_attention_heads, vocab_size=spec.vocab_size,
+            max_sequence_length=max(4096, longest),
+        ),
+        optim=OptimConfig(lr=1e-4),
+        planning=PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank, policy=policy),
+        device=spec.device,
+        calibration_path=records,
+    )
+
+
+def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> dict[str, Any]:
+    from hdp.packing import PlannerConfig
+    from hdp.packing import plan as make_plan
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    torch.set_num_threads(1)
+    engines = {
+        p: HdpEngine.build(_engine_config(spec, p, os.path.join(records_dir, f"{p}.jsonl")), init_fn=_init_param)
+        for p in spec.policies
+    }
+    batches = [_batch(spec, s) for s in range(spec.steps)]
+    history: dict[str, list[dict[str, Any]]] = {p: [] for p in spec.policies}
+    plans: dict[str, Any] = {}
+    # warm-up: one untimed step per policy, which also measures this machine for the cost model
+    for p in spec.policies:
+        m = engines[p].train_step(batches[0], nll_loss)
+        history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+    cost = _fitted_cost(spec, records_dir, rank)
+    steps = range(1, spec.steps)
+    if spec.alternate:
+        order = [(s, p) for s in steps for p in (spec.policies if s % 2 else spec.policies[::-1])]
+    else:
+        order = [(s, p) for p in spec.policies for s in steps]
+    for s, p in order:
+        plan = make_plan(batches[s].lengths, PlannerConfig(
+            num_ranks=world, max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
+        if s == 1:
+            plans[p] = plan.to_dict()
+        m = engines[p].train_step(batches[s], nll_loss, plan=plan)
+        history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+    if dist.is_initialized():
+        dist.barrier(group=dist.group.WORLD)
+    return {"history": history, "plans": plans} if rank == 0 else {}
+
+
+def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int) -> "CostModel":
+    """The cost model fitted on rank 0 to the warm-up records, broadcast over the world.
+
+    Falls back to the engine's default cost model when the records cannot be fitted.
+    """
+    from hdp.packing.calibrate import calibrate, load_records
+    from hdp.trainer.config import PlanningConfig
+
+    fitted: list[Any] = [None]
+    if rank == 0:
+        records = []
+        for p in spec.policies:
+            path = Path(records_dir) / f"{p}.jsonl"
+            if path.is_file():
+                records.extend(load_records(path))
+        try:
+            fitted[0] = asdict(calibrate(records).cost)
+        except ValueError as exc:
+            logger.warning("bench train: cost model not fitted (%s); planning with the default", exc)
+    if dist.is_initialized():
+        dist.broadcast_object_list(fitted, src=0, group=dist.group.WORLD)
+    return CostModel(**fitted[0]) if fitted[0] else PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank).cost
+
+
+def _environment(spec: TrainBenchSpec) -> dict[str, Any]:
+    from importlib import metadata
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "megatron-core": version("megatron-core"),
+        "hdp-engine": version("hdp-engine"), "device": spec.device, "ranks": spec.ranks,
+        "threads_per_rank": 1, "cpu_count": os.cpu_count(),
+    }
+
+
+def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> dict[str, Any]:
+    hist = out["history"]
+    results: dict[str, Any] = {}
+    for p, steps in hist.items():
+        timed = steps[1:]
+        results[p] = {
+            "tokens_per_s": statistics.median(m["perf/throughput"] for m in timed),
+            "step_time_s": statistics.median(m["perf/step_time"] for m in timed),
+            "step_times_s": [m["perf/step_time"] for m in steps],
+            "losses": [m["loss"] for m in steps],
+            "rounds": [m["hdp/rounds"] for m in steps],
+            "efficiency_planned": statistics.mean(m["hdp/efficiency_planned"] for m in steps),
+            "cp_degree_hist": steps[0]["hdp/cp_degree_hist"],
+        }
+    pols = list(hist)
+    speedup = {
+        f"{p}_vs_{q}": results[p]["tokens_per_s"] / results[q]["tokens_per_s"]
+        for p in pols for q in pols if p != q and p == "hdp"
+    }
+    ref = np.asarray(results[pols[0]]["losses"])
+    loss_diff = max(float(np.max(np.abs(np.asarray(results[p]["losses"]) - ref) / np.maximum(np.abs(ref), 1e-12))) for p in pols)
+    result = {
+        "spec": asdict(spec), "results": results, "speedup": speedup,
+        "loss_match": loss_diff <= 1e-4, "loss_max_rel_diff": loss_diff,
+        "environment": _environment(spec), "plans": out["plans"],
+    }
+    result["calibration"] = _calibration(spec, hist, records_dir)
+    return result
+
+
+def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], records_dir: str) -> dict[str, Any]:
+    """Fit the cost model to all policies' records; simulated / measured step time per policy."""
+    from hdp.packing import PlannerConfig, plan, simulate
+    from hdp.packing.calibrate import calibrate, load_records
+
+    records: list[Any] = []
+    for p in spec.policies:
+        path = Path(records_dir) / f"{p}.jsonl"
+        if path.is_file():
+            records.extend(load_records(path))
+    if not records:
+        return {"error": "no calibration records were written"}
+    try:
+        fit = calibrate(records)
+    except ValueError as exc:
+        return {"error": f"calibrate: {exc}"}
+    ratios = {}
+    for p, steps in hist.items():
+        predicted = []
+        for s in range(1, len(steps)):
+            lengths = train_batch_lengths(spec, s)
+            cfg = PlannerConfig(num_ranks=spec.ranks, max_tokens_per_rank=spec.max_tokens_per_rank,
+                                policy=p, cost=fit.cost)
+            predicted.append(simulate(plan(lengths, cfg), fit.cost).step_time_s)
+        measured = statistics.median(m["perf/step_time"] for m in steps[1:])
+        ratios[p] = statistics.median(predicted) / measured
+    out = fit.to_dict() if hasattr(fit, "to_dict") else {"r2": fit.r2}
+    out["predicted_over_measured"] = ratios
+    return out
+
+
+def bench_train(spec: TrainBenchSpec) -> dict[str, Any]:
+    """Run the comparison (spawning ``spec.ranks`` gloo ranks, or in place under torchrun)."""
+    from hdp.trainer.launch import init_from_env, spawn
+
+    records_dir = spec.records_dir or tempfile.mkdtemp(prefix="hdp-bench-train-")
+    for p in spec.policies:
+        (Path(records_dir) / f"{p}.jsonl").unlink(missing_ok=True)
+    if init_from_env(spec.device):
+        world = dist.get_world_size()
+        if world != spec.ranks:
+            spec = TrainBenchSpec(**{**asdict(spec), "ranks": world, "policies": tuple(spec.policies)})
+        out = _worker(dist.get_rank(), world, spec, records_dir)
+        if dist.get_rank() != 0:
+            return {}
+    else:
+        out = spawn(_worker, spec.ranks, spec, records_dir, timeout=1800.0)[0]
+    return _summarise(spec, out, records_dir)
+
+
+def compare_with_baseline(result: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> list[str]:
+    """Regressions of ``result`` against a stored ``baseline`` beyond ``tolerance`` (empty: none).
+
+    Compares tokens/s of every policy both ran and every speedup ratio.
+    """
+    problems = []
+    for p, r in result.get("results", {}).items():
+        b = baseline.get("results", {}).get(p)
+        if b and r["tokens_per_s"] < b["tokens_per_s"] * (1 - tolerance):
+            problems.append(f"{p}: {r['tokens_per_s']:.1f} tokens/s < baseline {b['tokens_per_s']:.1f} - {tolerance:.0%}")
+    for k, v in result.get("speedup", {}).items():
+        b = baseline.get("speedup", {}).get(k)
+        if b and v < b * (1 - tolerance):
+            problems.append(f"speedup {k}: {v:.3f} < baseline {b:.3f} - {tolerance:.0%}")
+    if not result.get("loss_match", False):
+        problems.append("losses differ between policies (the update must not depend on the plan)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hdp.trainer.bench_train` (the CLI's `hdp bench train` calls the same code)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--policies", default="static-cp,hdp")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--workload", default="short-tail", choices=TRAIN_WORKLOADS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    spec = TrainBenchSpec(ranks=args.ranks, policies=tuple(args.policies.split(",")), steps=args.steps,
+                          workload=args.workload)
+    res = bench_train(spec)
+    if res:
+        print(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
