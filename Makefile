@@ -12,7 +12,8 @@ $(BIN)/hdp: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned, so pip takes the CPU wheel from local disk, never a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# verl 0.9.1 without its [megatron] extra (that extra pins torch 2.11)
+	$(BIN)/pip install -q -e '.[test,verl]'
 	touch $(BIN)/hdp
 
 setup: $(BIN)/hdp

@@ -22,10 +22,13 @@ c_i = 1/Σm, 1/(S'·n_i), 1/S', 1/(S'·loss_scale_factor) respectively.  A rank 
 though a sample's normaliser n_i counts tokens that other ranks hold.
 
 Gradients: with these weights the step gradient is the **sum** of the ranks' gradients, so
-the engine must all-reduce gradients with SUM over the domain.  Megatron's DDP *averages* over its
-data-parallel group (the whole domain: hdp runs Megatron with CP=1), i.e. divides by N — the
-caller must multiply the local loss by N before backward (:func:`ddp_average_scale`), or configure
-DDP not to average.  (verl's Megatron engine does the same ``loss * dp_size`` for token-mean.)
+gradients must be all-reduced with SUM over the domain.  hdp's Megatron model sets
+``TransformerConfig.calculate_per_token_loss=True`` (:mod:`hdp.trainer.model`), which makes
+Megatron's DDP sum over its data-parallel group (the whole domain: hdp runs Megatron with CP=1)
+without the 1/N scaling, so the local loss is used as is: no factor N.  Only a DDP that
+*averages* (Megatron's default, ``calculate_per_token_loss=False``) needs the local loss
+multiplied by N before backward (:func:`ddp_average_scale`; verl's Megatron engine does that
+``loss * dp_size`` for token-mean).
 
 Where hdp differs from verl: seq-mean-token-mean divides by n_i exactly (verl by n_i + 1e-8, a
 relative difference below 1e-8); the global batch is always the reference (no per-micro-batch
@@ -187,5 +190,8 @@ def local_loss_weights(
 
 
 def ddp_average_scale(plan: Plan) -> float:
-    """Factor to multiply the local loss by when gradients are *averaged* over the domain (Megatron DDP): N."""
+    """N: the factor for the local loss when a DDP *averages* gradients over the domain.
+
+    Not needed with hdp's Megatron model, whose ``calculate_per_token_loss=True`` makes DDP sum.
+    """
     return float(plan.num_ranks)

@@ -20,6 +20,10 @@ How the patches work
   module is never modified, and code outside those modules is unaffected.
 * **CPU RNG tracker** (:class:`_CpuRNGStatesTracker`): Megatron's ``CudaRNGStatesTracker`` keeps
   CUDA generator states; on CPU it tracks the CPU generator instead.
+* **Distributed checkpointing**: ``dist_checkpointing`` (re-exported here) runs on CPU through the
+  two proxied ``dist_checkpointing.strategies`` modules below; its torch_dist writer also needs
+  ``psutil`` and starts a ``multiprocessing`` Manager and forked writers, so the calling process
+  must not be daemonic.
 * **``Tensor.type()`` names**: the distributed optimizer and grad clipping dispatch on
   ``param.type() == 'torch.cuda.FloatTensor'``; during those calls only, CPU tensors report the
   ``torch.cuda.*`` name of the same dtype.
@@ -36,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 # --- Megatron-core names hdp uses (public and private), imported in this module only ------------
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -57,6 +61,7 @@ __all__ = [
     "initialize_megatron",
     "destroy_megatron",
     "manual_seed",
+    "dist_checkpointing",
     "parallel_state",
     "tensor_parallel",
     "DistributedDataParallel",
@@ -95,8 +100,9 @@ _PROXIED_MODULES: dict[str, str] = {
     # MixedPrecisionOptimizer.__init__: found_inf / _dummy_overflow_buf / _scale_one created with
     # device='cuda' (hit by get_megatron_optimizer).
     "megatron.core.optimizer.optimizer": "optimizer device literals",
-    # DistributedOptimizer: optimizer-state shards for (distributed) checkpoint save/load are
-    # allocated on torch.cuda.current_device() (on the checkpoint path; not exercised by the tests yet).
+    # DistributedOptimizer: load_state_dict of an optimizer without state allocates its dummy
+    # shards, and the gather-based checkpoint formats their buffers, on torch.cuda.current_device()
+    # (hdp's engine allocates the state before loading and saves 'dp_reshardable', so neither is hit).
     "megatron.core.optimizer.distrib_optimizer": "distributed optimizer checkpoint buffers",
     # get_grad_norm_fp32 / clip_grad_by_total_norm_fp32: device='cuda' literals (hit by step()).
     "megatron.core.optimizer.clip_grads": "grad-norm device literals",
@@ -117,6 +123,12 @@ _PROXIED_MODULES: dict[str, str] = {
     # forward_backward_no_pipelining / _with_interleaving: total_num_tokens = torch.zeros(...,
     # device="cuda") (hit by every get_forward_backward_func() call; hdp's verl engine runs it).
     "megatron.core.pipeline_parallel.schedules": "schedule token-count device literal",
+    # FileSystemWriterAsync.preload_tensors: torch.cuda.synchronize() after staging the tensors to
+    # host memory (hit by every dist_checkpointing.save with the torch_dist backend).
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer synchronize",
+    # verify_global_md_reuse: all_results with device='cuda'; save_state_dict_async_finalize:
+    # failures_occurred on torch.cuda.current_device() (hit by every dist_checkpointing.save).
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint save flags device",
 }
 # Not proxied (megatron-core 0.16.1 paths hdp does not take): DDP's torch.cuda.Stream (only with
 # num_distributed_optimizer_instances > 1), moe_utils' aux-loss logging tracker (device="cuda",

@@ -3,7 +3,12 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), joins them
 into a gloo group through a TCPStore the parent owns on a free port (no port race), calls
 ``fn(rank, world_size, *args)`` in each, and raises with every failing child's full traceback.
-Children that outlive ``timeout`` seconds are killed and a ``TimeoutError`` is raised.
+Children that outlive ``timeout`` seconds are killed (with the processes they started, when
+``psutil`` is installed) and a ``TimeoutError`` is raised.
+
+Children are not daemonic: Megatron's distributed-checkpoint writer (megatron-core 0.16.1,
+``filesystem_async``) starts a ``multiprocessing`` Manager and forked writer processes, which a
+daemonic process may not do.  The ``finally`` block below kills and joins every child instead.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from typing import Any, Callable
@@ -47,6 +53,28 @@ def _child(
         raise SystemExit(1)
 
 
+def _descendants(pids: list[int | None]) -> list[int]:
+    """Process ids started (recursively) by ``pids``; empty without ``psutil``."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    out: list[int] = []
+    for pid in pids:
+        try:
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except (psutil.Error, TypeError):  # already gone (or never started: pid None)
+            continue
+    return out
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -64,7 +92,7 @@ def run_distributed(
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     errors = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, store.port, threads, fn, args, errors, timeout), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, store.port, threads, fn, args, errors, timeout), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -86,9 +114,11 @@ def run_distributed(
                     f"{world_size} ranks; alive ranks: {[r for r, p in enumerate(procs) if p.is_alive()]}"
                 )
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        alive = [p for p in procs if p.is_alive()]
+        for pid in _descendants([p.pid for p in alive]):
+            _kill(pid)
+        for p in alive:
+            p.kill()
         for p in procs:
             p.join(timeout=10)
         while True:

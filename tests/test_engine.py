@@ -1,5 +1,8 @@
 """HdpEngine on 4 gloo ranks: exactness against a single process, checkpoints, bad input.
 
+Checkpoints: Megatron distributed checkpointing (``format="auto"``/``"dist"``, dense and MoE EP=2)
+and the per-rank format must both resume bit for bit.
+
 Reference: a plain Megatron GPT in one process (same deterministic weights), the whole batch as
 one packed micro-batch, the loss of :func:`hdp.loss.aggregate_loss` (the formulas, not the
 weights), torch AdamW + grad clipping (Megatron's optimizer falls back to torch AdamW on CPU).
@@ -205,7 +208,8 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
                             "hdp/idle_ratio_max", "hdp/cp_degree_hist", "hdp/planner_ms", "loss", "grad_norm"):
                     assert key in m, key
                 if name == "hdp":
-                    engine.save_checkpoint(ckpt_dir)
+                    engine.save_checkpoint(ckpt_dir)  # auto: Megatron distributed checkpointing
+                    assert os.path.exists(os.path.join(ckpt_dir, "metadata.json")), os.listdir(ckpt_dir)
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=name)
         _assert_params(_params(engine), ref_params[-1], tol=5 * PARAM_TOL, what=f"{name} step {STEPS}")
         if name == "hdp":
@@ -232,27 +236,42 @@ def test_dense_hdp_static_cp_and_single_process_agree_and_checkpoint_resumes_bit
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
 
 
-def _moe_exactness(rank: int, world: int) -> None:
+def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
     from hdp import megatron_compat as mc
     from hdp.trainer.engine import HdpEngine, global_param_name, nll_loss
 
     batches = [_batch(s) for s in range(2)]
     mc.initialize_megatron(expert_model_parallel_size=1, seed=1)  # reference: all 4 experts local
     ref_losses, ref_params = _reference_run(batches, "token-mean", 2, **MOE)
-    for policy in ("hdp", "static-cp"):
-        engine = HdpEngine.build(_engine_cfg(policy=policy, expert_model_parallel_size=2, **MOE), init_fn=init_param)
+    # each run also saves after step 1, and a fresh engine resumes from there bit for bit
+    for policy, fmt, marker in (("hdp", "dist", "metadata.json"), ("static-cp", "per-rank", f"rank_{rank}.pt")):
+        cfg = _engine_cfg(policy=policy, expert_model_parallel_size=2, **MOE)
+        ckpt = os.path.join(ckpt_root, policy)
+        engine = HdpEngine.build(cfg, init_fn=init_param)
         ep_rank = mc.parallel_state.get_expert_model_parallel_rank()
-        losses = [engine.train_step(b, nll_loss)["loss"] for b in batches]
+        losses = []
+        for s, b in enumerate(batches):
+            losses.append(engine.train_step(b, nll_loss)["loss"])
+            if s == 0:
+                engine.save_checkpoint(ckpt, format=fmt)
+                assert os.path.exists(os.path.join(ckpt, marker)), (fmt, os.listdir(ckpt))
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=policy)
         got = {global_param_name(n, ep_rank, 2): p for n, p in _params(engine).items()}
         assert any("local_experts.3" in n for n in got) == (ep_rank == 1)
         expect = {n: ref_params[-1][n] for n in got}
         _assert_params(got, expect, tol=5 * PARAM_TOL, what=f"moe {policy}")
+        resumed = HdpEngine.build(cfg)  # default init: every weight comes from the checkpoint
+        resumed.load_checkpoint(ckpt)
+        assert resumed.step == 1
+        resumed.train_step(batches[1], nll_loss)
+        uninterrupted = _params(engine)
+        for k, v in _params(resumed).items():
+            assert torch.equal(v, uninterrupted[k]), f"moe {fmt} checkpoint resume differs at {k}"
     mc.destroy_megatron()
 
 
-def test_moe_ep2_hdp_static_cp_and_single_process_agree() -> None:
-    run_distributed(_moe_exactness, 4, timeout=300)
+def test_moe_ep2_hdp_static_cp_and_single_process_agree_and_checkpoints_resume_bitwise(tmp_path) -> None:
+    run_distributed(_moe_exactness, 4, str(tmp_path), timeout=300)
 
 
 # ---- (3) every loss aggregation is exact (per-token extras reach the loss chunked like the tokens) ---
@@ -282,6 +301,53 @@ def _aggregations(rank: int, world: int) -> None:
 
 def test_every_loss_aggregation_is_exact() -> None:
     run_distributed(_aggregations, 4, timeout=300)
+
+
+# ---- (3b) a CP4 group of samples shorter than 2k = 8: a group rank holds no token ---------------------
+
+SHORT_LENGTHS = [3, 2, 1, 30, 20, 12, 25]
+
+
+def _short_plan():
+    """Round 0: samples of 3, 2 and 1 tokens on a CP4 group (rank 1 holds none); round 1: CP1 groups."""
+    from hdp.packing import Plan
+
+    return Plan.from_columns(num_ranks=4, max_tokens_per_rank=B, policy="explicit", lengths=np.array(SHORT_LENGTHS),
+                             round_of=np.array([0, 0, 0, 1, 1, 1, 1]), group_start=np.array([0, 0, 0, 0, 1, 2, 3]),
+                             group_size=np.array([4, 4, 4, 1, 1, 1, 1]))
+
+
+def _short_samples(rank: int, world: int) -> None:
+    from hdp import megatron_compat as mc
+    from hdp.cp.metadata import rank_layout
+    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.trainer.engine import Batch, HdpEngine, nll_loss
+    from hdp.trainer.model import packed_logits, token_logprobs
+
+    assert [rank_layout(SHORT_LENGTHS[:3], 4, j).num_tokens for j in range(4)] == [3, 0, 2, 1]
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, VOCAB, (n,), generator=g) for n in SHORT_LENGTHS]
+    batch = Batch(tokens=tokens, loss_mask=[torch.ones(n) for n in SHORT_LENGTHS])
+    mc.initialize_megatron(seed=1)
+    ref_losses, ref_params = _reference_run([batch], "token-mean", 1)
+    ref = _reference_model()
+    with torch.no_grad():
+        ref_lp = [token_logprobs(packed_logits(ref, t, packed_seq_params([t.numel()], t.device))[:-1], t[1:])
+                  for t in tokens]
+    for algo in ("ring", "allgather"):  # the CP4 group on ranks 0-3 is aligned: all-gather runs there too
+        engine = HdpEngine.build(_engine_cfg(cp_algorithm=algo), init_fn=init_param)
+        out = engine.forward(batch, plan=_short_plan())
+        for i, lp in enumerate(ref_lp):
+            torch.testing.assert_close(out.logprobs[i][1:], lp, atol=1e-5, rtol=0, msg=lambda m, i=i: f"{algo} {i}: {m}")
+        m = engine.train_step(batch, nll_loss, plan=_short_plan())
+        assert m["hdp/rounds"] == 2 and m["hdp/cp_degree_hist"] == {4: 3, 1: 4}, m
+        np.testing.assert_allclose([m["loss"]], ref_losses, rtol=LOSS_RTOL, err_msg=algo)
+        _assert_params(_params(engine), ref_params[0], what=f"short samples {algo}")
+    mc.destroy_megatron()
+
+
+def test_cp_group_rank_without_tokens_runs_a_pad_token_and_matches_single_process() -> None:
+    run_distributed(_short_samples, 4, timeout=300)
 
 
 # ---- (4) bad input: a clear error on every rank, no hang, no partial update --------------------------

@@ -160,7 +160,9 @@ def packed_seq_params(
 
     Without ``cp``: ``lengths`` are the local samples, each whole.  With ``cp``: ``lengths`` must be
     ``cp.group_lengths`` and the batch holds this rank's zigzag chunks (front then back per
-    sample); ``cu_seqlens`` then delimits the local chunks of each sample.
+    sample); ``cu_seqlens`` then delimits the local chunks of each sample.  When this rank's
+    layout holds no token, the micro-batch may be one pad token: :class:`HdpCoreAttention` then
+    runs the group's communication with 0 local tokens and returns zeros for it.
     """
     lengths = tuple(int(x) for x in lengths)
     if cp is not None:
@@ -214,6 +216,9 @@ class HdpCoreAttention(MegatronModule):
     attention_bias=, packed_seq_params=) -> [T, Hq·D]``.  Applies RoPE at the positions carried by
     ``packed_seq_params`` (see :class:`HdpPackedSeqParams`), then causal attention per sample:
     :func:`hdp.cp.cp_attention` when a :class:`CPContext` is set, else the local kernel (k = 1).
+    A single query token under a :class:`CPContext` whose layout holds no token is the engine's
+    pad token for a group rank without tokens: it runs the group's communication with 0 local
+    tokens and returns zeros (see :meth:`_dummy_token`).
     """
 
     def __init__(
@@ -266,6 +271,9 @@ class HdpCoreAttention(MegatronModule):
             )
         psp = packed_seq_params
         q, k, v = query, key, value  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        cp = psp.cp
+        if cp is not None and q.shape[0] == 1 and cp.layout().num_tokens == 0:
+            return self._dummy_token(q, k, v, cp)
         positions = psp.positions if psp.positions is not None else sample_positions(psp.cu_seqlens_q)
         if positions.shape[0] != q.shape[0]:
             raise ValueError(f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]}")
@@ -273,8 +281,7 @@ class HdpCoreAttention(MegatronModule):
             cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [T, 1, Dr]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        cp = psp.cp
+        scale = self._scale(q)
         if cp is None:
             kernel = get_kernel(q.device)
             cu = psp.cu_seqlens_q
@@ -293,6 +300,33 @@ class HdpCoreAttention(MegatronModule):
                 scale=scale,
             )  # [T, Hq, D]
         return out.reshape(out.shape[0], -1)  # [T, Hq*D]
+
+    def _scale(self, q: torch.Tensor) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+    def _dummy_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext) -> torch.Tensor:
+        """[1, Hq·D] zeros for the pad token of a group rank that holds none of the group's tokens.
+
+        Megatron's ``SelfAttention`` cannot run an empty micro-batch, so the engine feeds such a
+        rank one pad token (loss weight 0) with the group's :class:`CPContext`, whose layout has 0
+        local tokens.  The rank still joins the group's ring / all-gather (forward and backward)
+        with its 0 real tokens, so the peers' communication lines up; the pad token attends to
+        nothing and its output is 0.
+        """
+        empty = cp_attention(
+            q[:0],
+            k[:0],
+            v[:0],
+            cp.group_lengths,
+            cp.k_group,
+            ring=cp.ring,
+            groups=cp.groups,
+            algo=cp.algo,
+            kernel=cp.kernel,
+            scale=self._scale(q),
+        )  # [0, Hq, D]; part of the graph so that its backward (and its communication) runs too
+        out = torch.cat([empty, q.new_zeros((1, *empty.shape[1:]))])  # [1, Hq, D]
+        return out.reshape(1, -1)  # [1, Hq*D]
 
 
 def core_attention_module(backend: CoreAttentionBackend | str, rope: RopeConfig | None = None) -> Any:

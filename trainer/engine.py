@@ -14,8 +14,9 @@ A step, on every rank of the domain (DESIGN.md):
    Σ_t w_t ℓ_t is the exact single-process loss of the configured aggregation;
 3. every rank runs every round (lock-step, so EP all-to-alls and CP rings line up): its chunks of
    its group's samples with a :class:`~hdp.trainer.attention_spec.CPContext` for the group (ring,
-   or all-gather on aligned power-of-two blocks when configured); an idle rank runs one pad token
-   with loss 0 (Megatron's attention cannot run 0 tokens);
+   or all-gather on aligned power-of-two blocks when configured); a rank without tokens (idle, or
+   holding none of its group's short samples) runs one pad token with loss 0 (Megatron's
+   attention cannot run 0 tokens), inside its group's CP communication when it has a group;
 4. one all-reduce of (loss, per-sample non-finite flags); a non-finite loss anywhere skips the
    update on every rank (grads zeroed, parameters unchanged) and raises
    :class:`NonFiniteLossError` naming the step and the samples;
@@ -40,6 +41,7 @@ import importlib.util
 import json
 import logging
 import math
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,8 +50,6 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-# Megatron's public distributed-checkpointing API; to be re-exported by hdp.megatron_compat
-from megatron.core import dist_checkpointing
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
@@ -58,6 +58,7 @@ from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
 from hdp.groups import DomainGroups
 from hdp.loss import sample_token_weights
+from hdp.megatron_compat import dist_checkpointing
 from hdp.packing import Plan, check_plan, simulate
 from hdp.packing import plan as make_plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
@@ -432,16 +433,17 @@ class HdpEngine:
         return packed_seq_params(meta.group_lengths, self.device, cp=cp)
 
     def _round_logits(self, prep: _Prepared, meta: LocalMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, V] of this rank's round (a single pad token when idle) and the packed tokens."""
+        """Logits [T, V] of this rank's round and the packed tokens (``None`` for a pad-token round).
+
+        A rank without tokens runs one pad token (Megatron's attention cannot run 0 tokens; its
+        loss weight is 0): alone when idle, else with its group's CP context, whose layout holds
+        0 tokens here (samples shorter than 2k on k ranks), so that the group's ring or
+        all-gather still lines up (:class:`~hdp.trainer.attention_spec.HdpCoreAttention`).
+        """
         if meta.num_tokens == 0:
-            if not meta.idle:
-                raise RuntimeError(
-                    f"round {meta.round_index}: domain rank {self.rank} holds 0 tokens of a group of "
-                    f"{meta.k} ranks (samples {list(meta.samples)}); the planner must not put samples "
-                    "shorter than 2k tokens on k ranks"
-                )
             pad = torch.full((1,), self.config.pad_token_id, dtype=torch.int64, device=self.device)
-            return packed_logits(self.model, pad, packed_seq_params([1], self.device)), None
+            psp = packed_seq_params([1], self.device) if meta.idle else self._context(meta)
+            return packed_logits(self.model, pad, psp), None
         tokens = pack(meta, prep.tokens).to(self.device)  # [T]
         return packed_logits(self.model, tokens, self._context(meta)), tokens
 
@@ -621,6 +623,7 @@ class HdpEngine:
         return {"model": self.model.module.state_dict(), "step": self.step}
 
     def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        _ensure_optimizer_state(self.optimizer)
         model_sd = self.model.module.sharded_state_dict()
         # megatron-core 0.16.1: the default 'fully_sharded_model_space' relies on flattened_range,
         # which dist_checkpointing rejects, and 'fully_reshardable' gathers through a hard-coded
@@ -637,12 +640,30 @@ class HdpEngine:
         """Save model, optimizer and step counter into the directory ``path`` (collective).
 
         ``dist``: Megatron distributed checkpointing (model + distributed-optimizer sharded state
-        dicts; needs ``psutil``, which megatron-core 0.16.1's writer imports).  ``per-rank``: every
-        rank writes ``rank_{r}.pt`` with its model state, the optimizer's common state and its own
-        optimizer shard (no communication; load with the same domain and EP size).  ``auto``:
-        ``dist`` when psutil is installed, else ``per-rank``.
+        dicts, torch_dist backend, optimizer as ``dp_reshardable``: load with the same domain
+        size).  megatron-core 0.16.1's writer needs ``psutil`` and starts worker processes, so the
+        rank must not run in a daemonic process.  ``per-rank``: every rank writes ``rank_{r}.pt``
+        with its model state, the optimizer's common state and its own optimizer shard (no
+        communication; load with the same domain and EP size).  ``auto``: ``dist`` when every rank
+        of the domain can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when
+        ``dist`` is asked for and some rank cannot write it.
         """
         fmt = _checkpoint_format(format)
+        if fmt is not CheckpointFormat.PER_RANK:
+            problem = _dist_checkpoint_problem()
+            flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64,
+                                device=collective_device(self.domain_group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.domain_group)  # one decision for all
+            if int(flag.item()) == 0:
+                fmt = CheckpointFormat.DIST
+            elif fmt is CheckpointFormat.AUTO:
+                logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
+                fmt = CheckpointFormat.PER_RANK
+            else:
+                raise ValueError(
+                    f"save_checkpoint(format='dist'): {problem or 'another domain rank cannot write it (see its error)'}; "
+                    "use format='per-rank' or 'auto'"
+                )
         path = Path(path)
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -670,7 +691,11 @@ class HdpEngine:
         if (path / "metadata.json").exists():
             state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
             self.model.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            # no_grad: for fp32 models the optimizer's main parameters are views of the model's
+            # leaf parameters, which Megatron's loader copies into in place
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
+            _restore_adam_steps(self.optimizer, state["optimizer"])
             self.step = int(state["hdp_step"])
             return
         mine = path / f"rank_{self.rank}.pt"
@@ -698,7 +723,7 @@ class CheckpointFormat(str, enum.Enum):
     """On-disk format of :meth:`HdpEngine.save_checkpoint`."""
 
     AUTO = "auto"
-    """``dist`` when its dependencies are installed, else ``per-rank``."""
+    """``dist`` when every rank can write it (psutil installed, non-daemonic process), else ``per-rank``."""
     DIST = "dist"
     """Megatron distributed checkpointing (``megatron.core.dist_checkpointing``, torch_dist)."""
     PER_RANK = "per-rank"
@@ -710,14 +735,66 @@ def _checkpoint_format(value: CheckpointFormat | str) -> CheckpointFormat:
         fmt = CheckpointFormat(value)
     except ValueError as exc:
         raise ValueError(f"format={value!r}: choose one of {[f.value for f in CheckpointFormat]}") from exc
-    if fmt is CheckpointFormat.AUTO:
-        fmt = CheckpointFormat.DIST if importlib.util.find_spec("psutil") is not None else CheckpointFormat.PER_RANK
     return fmt
+
+
+def _dist_checkpoint_problem() -> str | None:
+    """Why this process cannot write a Megatron distributed checkpoint, or ``None``."""
+    if importlib.util.find_spec("psutil") is None:
+        return "megatron-core's checkpoint writer imports psutil, which is not installed (pip install psutil)"
+    if multiprocessing.current_process().daemon:
+        return (
+            "megatron-core's checkpoint writer starts worker processes, which a daemonic process "
+            "(this rank) may not do; start the ranks as non-daemonic processes"
+        )
+    return None
 
 
 def _optimizers(optimizer: Any) -> list[Any]:
     """The distributed optimizers inside Megatron's (possibly chained) optimizer."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Allocate the inner torch optimizer's state where no step has created it yet.
+
+    megatron-core 0.16.1 ``DistributedOptimizer.state_dict`` (called by ``sharded_state_dict``,
+    also when loading) reads the ``step`` of every state entry when neither Apex nor
+    TransformerEngine is installed (the CPU case) and asserts that there is exactly one, so it
+    fails on an optimizer that has not stepped yet (a fresh engine about to load).  Zero moments
+    and ``step = 0`` are what torch Adam/AdamW start from anyway, and loading overwrites them.
+    """
+    for opt in _optimizers(optimizer):
+        inner = opt.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if all(len(inner.state[p]) for p in params):
+            continue
+        opt.init_state_fn(inner, opt.config)  # Megatron's own allocation of exp_avg / exp_avg_sq
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in params:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _restore_adam_steps(optimizer: Any, loaded: Mapping[Any, Any]) -> None:
+    """Set the torch Adam ``step`` of every state entry to the loaded step, one tensor per entry.
+
+    megatron-core 0.16.1, no Apex/TE (the CPU case), ``dp_reshardable``: ``load_state_dict``
+    first sets every entry's ``step`` to the step saved in the param groups (one tensor shared by
+    all entries), then ``load_parameter_state_from_dp_reshardable`` copies into it the *local
+    placeholder* ``step`` captured when the loading state dict was built (``LocalNonpersistentObject``,
+    the fresh optimizer's 0).  torch's AdamW also increments ``step`` in place, so a shared tensor
+    would advance once per parameter.  ``loaded`` is the optimizer part of the loaded state dict.
+    """
+    subs = _optimizers(optimizer)
+    states = [loaded] if len(subs) == 1 else [v for _, v in sorted(loaded.items())]
+    for opt, st in zip(subs, states):
+        steps = {g["step"] for g in st["optimizer"]["param_groups"] if g.get("step") is not None}
+        if len(steps) != 1:
+            continue  # Apex/TE optimizers keep the step in their param groups
+        step = float(steps.pop())
+        for entry in opt.optimizer.state.values():
+            if "step" in entry:
+                entry["step"] = torch.tensor(step, dtype=entry["step"].dtype, device=entry["step"].device)
 
 
 def _shard_state(opt: Any) -> dict[str, Any]:
