@@ -44,7 +44,7 @@ _log = logging.getLogger(__name__)
 _KK_MAX_WORK = 2_000_000  # Karmarkar-Karp (O(n * m)) only while n * m stays small enough to be fast
 _KK_MAX_ITEMS = 2048
 _GAP_FILL_MAX_WORK = 20_000_000  # samples x columns searched when filling gaps
-_MAX_EXTRA_ROUNDS_LARGE = 1  # fewer round counts are tried for batches above 4,096 samples
+_MAX_EXTRA_ROUNDS_LARGE = 0  # batches above 4,096 samples: one round count per variant
 
 
 class _Infeasible(Exception):
@@ -421,6 +421,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
         extra = 0
     best: tuple[float, Assignment, str] | None = None
     variants = _variants(lengths, k_min, config, sizes)
+    tok_cache: dict[bytes, np.ndarray] = {}  # tokens per rank of each group-size vector
     # a lower bound of each variant's step time (at the minimum rounds): try the cheapest first
     # and skip those that cannot beat the best plan found
     floor_t = [
@@ -436,7 +437,10 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
         seen: set[bytes] = set()
         while tried <= extra and misses <= 8:
             k, height = fn(r)
-            tok = max_rank_tokens(lengths, k)
+            key_k = k.tobytes()
+            if key_k not in tok_cache:
+                tok_cache[key_k] = max_rank_tokens(lengths, k)
+            tok = tok_cache[key_k]
             # rounds at least what the token budget of every size needs
             sz, cls = np.unique(k, return_inverse=True)
             need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)
