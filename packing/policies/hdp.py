@@ -93,9 +93,10 @@ def _candidate_sizes(sizes: np.ndarray, k_max: int) -> np.ndarray:
 def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> np.ndarray:
     """Balance items (height, tokens) over m bins of token capacity ``budget``; bin of each item.
 
-    Karmarkar–Karp when bins hold few items; otherwise slices of m items, tallest first, go to the
-    bins sorted by load (largest to least loaded), and items that overflow a bin are placed by a
-    heap (least-loaded bin with room).  Raises _Infeasible when an item finds no room.
+    Karmarkar–Karp when the instance is small; otherwise slices of m items, tallest first, go to
+    the bins sorted by load (largest to least loaded), and the last m..2m items plus those that
+    overflowed a bin are placed one by one, tallest first, on the least-loaded bin with room
+    (longest-processing-time with a heap).  Raises _Infeasible when an item finds no room.
     """
     n = height.size
     out = np.full(n, -1, dtype=np.int64)
@@ -113,8 +114,8 @@ def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> n
     used = np.zeros(m, dtype=np.int64)
     deferred: list[np.ndarray] = []
     pos = 0
-    while n - pos > 0:
-        chunk = order[pos : pos + m]  # [<=m] tallest remaining items
+    while n - pos >= 2 * m:  # the last m..2m items go one by one (exact LPT) for the fine levelling
+        chunk = order[pos : pos + m]  # [m] tallest remaining items
         pos += chunk.size
         target = np.argsort(load, kind="stable")[: chunk.size]  # least-loaded bins first
         fits = used[target] + tokens[chunk] <= budget
@@ -124,9 +125,9 @@ def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> n
         out[ok_i] = ok_b
         if not fits.all():
             deferred.append(chunk[~fits])
-    if deferred:
-        rest = np.concatenate(deferred)
-        rest = rest[np.lexsort((rest, -tokens[rest]))]  # most tokens first: hardest to place
+    rest = np.concatenate(deferred + [order[pos:]])
+    if rest.size:
+        rest = rest[np.lexsort((rest, -height[rest]))]  # tallest first (longest first within a size)
         heap = [(float(load[b]), int(b)) for b in range(m)]
         heapq.heapify(heap)
         stash: list[tuple[int, int]] = []  # (-room, bin): bins too full for the current item
@@ -435,7 +436,9 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
         r = r_min
         tried, worse, misses = 0, 0, 0
         seen: set[bytes] = set()
-        while tried <= extra and misses <= 8:
+        # uniform plans are cheap to build and their best round count varies: always try two
+        v_extra = max(extra, 1) if not own and lengths.size <= 16384 else extra
+        while tried <= v_extra and misses <= 8:
             k, height = fn(r)
             key_k = k.tobytes()
             if key_k not in tok_cache:
