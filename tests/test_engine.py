@@ -14,6 +14,7 @@ scale instead of ~lr·sign(g)); losses and grad norms 1e-5 relative; log-probs 1
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import zlib
@@ -267,6 +268,18 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
         uninterrupted = _params(engine)
         for k, v in _params(resumed).items():
             assert torch.equal(v, uninterrupted[k]), f"moe {fmt} checkpoint resume differs at {k}"
+    # MoE zero-memory recomputation under the engine: the same update (level1 on the first MoE
+    # layer, level0 on the others)
+    cfg = dataclasses.replace(
+        _engine_cfg(policy="hdp", expert_model_parallel_size=2, **MOE),
+        moe_zero_memory="level1", moe_zero_memory_num_layers=1,
+    )
+    engine = HdpEngine.build(cfg, init_fn=init_param)
+    assert type(engine.model.module.decoder.layers[0].mlp).__name__ == "ZeroMemoryMoELayer"
+    losses = [engine.train_step(b, nll_loss)["loss"] for b in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg="zero-memory")
+    got = {global_param_name(n, ep_rank, 2): p for n, p in _params(engine).items()}
+    _assert_params(got, {n: ref_params[-1][n] for n in got}, tol=5 * PARAM_TOL, what="moe zero-memory")
     mc.destroy_megatron()
 
 
@@ -425,6 +438,10 @@ def test_engine_config_validation_names_the_field() -> None:
         EngineConfig(loss_aggregation="mean")
     with pytest.raises(ValueError, match="EngineConfig.device='tpu'"):
         EngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="EngineConfig.moe_zero_memory='level0' needs a MoE model"):
+        EngineConfig(moe_zero_memory="level0")
+    with pytest.raises(ValueError, match="EngineConfig.moe_zero_memory='level2' is unknown|moe_zero_memory"):
+        EngineConfig(moe_zero_memory="level2")
     cfg = EngineConfig(planning=PlanningConfig(policy="static-cp", cp_algorithm="allgather"))
     assert cfg.planning.planner_config(4).num_ranks == 4
     with pytest.raises(Exception):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from hdp.cp import CPAlgorithm
 from hdp.loss import LossAggregation
+from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing import CostModel, GroupShape, PlannerConfig, Policy, cost_model
 from hdp.trainer.model import ModelConfig, OptimConfig
 
@@ -106,6 +107,10 @@ class EngineConfig:
     """If set, every rank appends measured (lengths, group size, seconds) records here (JSON lines)."""
     pad_token_id: int = 0
     """Token an idle rank runs in a round (one token, loss weight 0)."""
+    moe_zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
+    """MoE zero-memory recomputation level (`hdp.moe`): none, level0 or level1."""
+    moe_zero_memory_num_layers: int | None = None
+    """level1 only on the first n MoE layers of the stage (the others level0); None: all layers."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -119,6 +124,19 @@ class EngineConfig:
             "loss_aggregation",
             _enum(LossAggregation, self.loss_aggregation, "EngineConfig.loss_aggregation"),
         )
+        object.__setattr__(
+            self, "moe_zero_memory", _enum(ZeroMemoryLevel, self.moe_zero_memory, "EngineConfig.moe_zero_memory")
+        )
+        if self.moe_zero_memory is not ZeroMemoryLevel.NONE and not self.model.num_moe_experts:
+            raise ValueError(
+                f"EngineConfig.moe_zero_memory={self.moe_zero_memory.value!r} needs a MoE model; "
+                "set model.num_moe_experts or moe_zero_memory='none'"
+            )
+        if self.moe_zero_memory_num_layers is not None and self.moe_zero_memory is not ZeroMemoryLevel.LEVEL1:
+            raise ValueError(
+                f"EngineConfig.moe_zero_memory_num_layers={self.moe_zero_memory_num_layers}: only with "
+                "moe_zero_memory='level1' (the first n layers level1, the rest level0)"
+            )
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             raise ValueError(f"EngineConfig.loss_scale_factor={self.loss_scale_factor}: must be > 0 or None")
         kind = str(self.device).split(":", 1)[0]

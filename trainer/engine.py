@@ -53,6 +53,8 @@ import torch.distributed as dist
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
+from hdp.moe.levels import ZeroMemoryLevel
+from hdp.moe.zero_memory import apply_zero_memory
 from hdp.checksum import collective_device, verify_plan
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
@@ -274,6 +276,9 @@ class HdpEngine:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     init_fn(global_param_name(name, ep_rank, per_rank), p)
+        if config.moe_zero_memory is not ZeroMemoryLevel.NONE:
+            # MoE layers become ZeroMemoryMoELayer (same parameters and names) before DDP wraps them
+            apply_zero_memory(model, config.moe_zero_memory, config.moe_zero_memory_num_layers)
         ddp = wrap_ddp(model, config.optim)
         ddp.broadcast_params()  # replicas start identical even if the init was rank-dependent
         optimizer = build_optimizer(ddp, config.optim)
