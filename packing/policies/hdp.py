@@ -255,6 +255,7 @@ def _build(
     widths, heights = widths[used], heights[used]
     col_of = remap[col_of]
     col_round, col_start = _layout(widths, heights, N)
+    col_of = _rebalance_singles(col_of, col_round, widths, heights, height, tokens, k, B)
     col_of = _fill_gaps(col_of, col_round, widths, heights, height, tokens, k, B)
     col_of, col_round, col_start, widths, heights = _spread_last_round(
         col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
@@ -272,36 +273,114 @@ def _build(
     return a, step
 
 
+def _rebalance_singles(
+    col_of: np.ndarray, col_round: np.ndarray, widths: np.ndarray, heights: np.ndarray,
+    height: np.ndarray, tokens: np.ndarray, k: np.ndarray, budget: int,
+) -> np.ndarray:
+    """Re-spread single-rank samples so each round's single-rank columns reach that round's roof.
+
+    Balanced bins give every single-rank column the same height, but a round holding a tall
+    multi-rank group idles its other ranks below the group.  With M_r the tallest multi-rank column
+    of round r, the level lambda solving sum_r s_r * max(lambda, M_r) = single-rank work (s_r the
+    round's single-rank columns) gives each column the target max(lambda, M_r); samples are placed
+    tallest first on the column with the most room below its target (and token room).  Kept only
+    when the sum of round maxima drops.  ``heights`` is updated in place; returns the columns.
+    """
+    singles = np.flatnonzero(k == 1)
+    ones = np.flatnonzero(widths == 1)
+    if singles.size == 0 or ones.size == 0:
+        return col_of
+    n_rounds = int(col_round.max()) + 1
+    multi_max = np.zeros(n_rounds)
+    wide = widths > 1
+    np.maximum.at(multi_max, col_round[wide], heights[wide])
+    if not np.any(multi_max > 0):
+        return col_of  # no tall groups: the balanced bins are already level
+    s_r = np.bincount(col_round[ones], minlength=n_rounds)
+    work = float(height[singles].sum())
+    lo, hi = 0.0, work / max(1, ones.size) + float(multi_max.max())
+    for _ in range(60):  # bisection on the common level
+        mid = 0.5 * (lo + hi)
+        if float((s_r * np.maximum(mid, multi_max)).sum()) < work:
+            lo = mid
+        else:
+            hi = mid
+    target = np.maximum(hi, multi_max)[col_round[ones]]  # [c]
+    load = np.zeros(ones.size)
+    used = np.zeros(ones.size, dtype=np.int64)
+    new_col = np.full(singles.size, -1, dtype=np.int64)
+    order = np.lexsort((singles, -height[singles]))
+    heap = [(-float(target[c]), int(c)) for c in range(ones.size)]  # max room first
+    heapq.heapify(heap)
+    for pos in order.tolist():
+        i = singles[pos]
+        t = int(tokens[i])
+        skipped = []
+        while heap and used[heap[0][1]] + t > budget:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return col_of  # the budget does not allow this spread: keep the balanced bins
+        _, c = heapq.heappop(heap)
+        load[c] += height[i]
+        used[c] += t
+        new_col[pos] = c
+        heapq.heappush(heap, (-(float(target[c]) - load[c]), c))
+        for e in skipped:
+            heapq.heappush(heap, e)
+    old_max = np.zeros(n_rounds)
+    np.maximum.at(old_max, col_round, heights)
+    new_heights = heights.copy()
+    new_heights[ones] = load
+    new_max = np.zeros(n_rounds)
+    np.maximum.at(new_max, col_round, new_heights)
+    if new_max.sum() >= old_max.sum():
+        return col_of
+    heights[:] = new_heights
+    col_of = col_of.copy()
+    col_of[singles[order]] = ones[new_col[order]]
+    return col_of
+
+
 def _spread_last_round(
     col_of: np.ndarray, col_round: np.ndarray, col_start: np.ndarray, widths: np.ndarray,
     heights: np.ndarray, height: np.ndarray, tokens: np.ndarray, k: np.ndarray,
     num_ranks: int, budget: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Re-balance a partly filled last round of single-rank samples over all N ranks.
+    """Re-balance the single-rank samples of a partly filled last round over all its free ranks.
 
     Balanced bins make equal-height columns; when the layout leaves the last round only partly
-    filled, its height is that of a full column while the other ranks idle.  Spreading its
-    samples over every rank of the round (by the same balancing) lowers it.
+    filled, its height is that of a full column while other ranks idle.  The round's multi-rank
+    groups stay where they are; its single-rank samples are spread over every rank no group
+    covers.  Kept only when the round's maximum drops.
     """
     last = int(col_round.max(initial=0))
-    in_last = np.flatnonzero(col_round[col_of] == last)
+    in_last = np.flatnonzero((col_round[col_of] == last) & (k == 1))
+    if in_last.size == 0:
+        return col_of, col_round, col_start, widths, heights
+    last_cols = np.flatnonzero(col_round == last)
+    wide = last_cols[widths[last_cols] > 1]
+    covered = np.zeros(num_ranks, dtype=bool)
+    for c in wide.tolist():
+        covered[col_start[c] : col_start[c] + widths[c]] = True
+    free = np.flatnonzero(~covered)  # [F] ranks the round's groups leave
     cols = np.unique(col_of[in_last])
-    if cols.size == 0 or cols.size >= num_ranks or np.any(widths[cols] > 1) or np.any(k[in_last] > 1):
+    if free.size <= cols.size:
         return col_of, col_round, col_start, widths, heights
     try:
-        b = _partition(height[in_last], tokens[in_last], num_ranks, budget)
+        b = _partition(height[in_last], tokens[in_last], free.size, budget)
     except _Infeasible:
         return col_of, col_round, col_start, widths, heights
-    new_h = np.bincount(b, weights=height[in_last], minlength=num_ranks)
-    if new_h.max() >= heights[cols].max():
+    new_h = np.bincount(b, weights=height[in_last], minlength=free.size)
+    roof = float(heights[wide].max()) if wide.size else 0.0
+    if max(roof, float(new_h.max())) >= float(heights[last_cols].max()):
         return col_of, col_round, col_start, widths, heights
     base = widths.size
     col_of = col_of.copy()
     col_of[in_last] = base + b
     heights = np.concatenate([np.where(np.isin(np.arange(base), cols), 0.0, heights), new_h])
-    widths = np.concatenate([widths, np.ones(num_ranks, dtype=np.int64)])
-    col_round = np.concatenate([col_round, np.full(num_ranks, last, dtype=np.int64)])
-    col_start = np.concatenate([col_start, np.arange(num_ranks, dtype=np.int64)])
+    widths = np.concatenate([widths, np.ones(free.size, dtype=np.int64)])
+    col_round = np.concatenate([col_round, np.full(free.size, last, dtype=np.int64)])
+    col_start = np.concatenate([col_start, free])
     return col_of, col_round, col_start, widths, heights
 
 
@@ -353,8 +432,9 @@ def _variants(
     """(name, R -> (group size, height) of every sample) for each variant worth trying.
 
     ``grow-tau`` widens samples taller than tau(R) = rank-time / (N * R), the height a round of R
-    reaches when perfectly balanced; ``grow-single`` only those taller than max(tau(R), tallest
-    single-rank sample); ``uniform-u`` puts every sample on u ranks.
+    reaches when perfectly balanced (``grow-1.25tau`` / ``grow-1.5tau``: taller than 1.25 / 1.5 tau,
+    for rounds that a tight token budget keeps below tau); ``grow-single`` only those taller than
+    max(tau(R), tallest single-rank sample); ``uniform-u`` puts every sample on u ranks.
     """
     cost, N = config.cost, config.num_ranks
     h0 = cost.sample_cost(lengths, k_min)
@@ -374,6 +454,8 @@ def _variants(
         ("grow-single", grown(lambda tau: max(tau, h1max))),
         ("grow-tau", grown(lambda tau: tau)),
     ]
+    if lengths.size <= 4096:  # looser reaches: worth their time on smaller batches
+        out += [("grow-1.25tau", grown(lambda tau: 1.25 * tau)), ("grow-1.5tau", grown(lambda tau: 1.5 * tau))]
     need = int(k_min.max())
     for u in sizes[(sizes >= need) & (sizes <= 4 * need)]:
         u = int(u)
