@@ -6,7 +6,8 @@ policies alternate step by step (and which goes first alternates too), so slow p
 machine hit both alike; the demo runs static CP first and HDP after it.  The first step of each
 policy is a warm-up and is not timed.
 
-Output (`bench_train`): tokens/s per rank and step time per policy (medians of the timed steps),
+Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
+step time per policy,
 the planned efficiency, the losses of every step (they must agree across policies: the update is
 exact whatever the plan), the environment, and — from the calibration records the engines write —
 a cost model fitted to this machine with the ratio of simulated to measured step time per policy.
@@ -56,8 +57,8 @@ class TrainBenchSpec:
     """Steps per policy, the first one untimed."""
     workload: str = "short-tail"
     """One of TRAIN_WORKLOADS."""
-    samples: int = 40
-    """Samples per global batch."""
+    samples: int | None = None
+    """Samples per global batch; None: 40 for short-tail, 12 for long-response (each ~1-4K tokens)."""
     max_tokens_per_rank: int = 1024
     """Planner token budget B."""
     num_layers: int = 4
@@ -78,6 +79,8 @@ class TrainBenchSpec:
     """Where the engines write calibration records (one file per policy); None: a temp dir."""
 
     def __post_init__(self) -> None:
+        if self.samples is None:
+            object.__setattr__(self, "samples", 40 if self.workload == "short-tail" else 12)
         if self.workload not in TRAIN_WORKLOADS:
             raise ValueError(f"workload={self.workload!r} is unknown; choose one of: {', '.join(TRAIN_WORKLOADS)}")
         if self.ranks < 1:
@@ -223,7 +226,8 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
     for p, steps in hist.items():
         timed = steps[1:]
         results[p] = {
-            "tokens_per_s": statistics.median(m["perf/throughput"] for m in timed),
+            # throughput of the timed steps together: their tokens over their time, per rank
+            "tokens_per_s": sum(m["perf/tokens"] for m in timed) / sum(m["perf/step_time"] for m in timed) / spec.ranks,
             "step_time_s": statistics.median(m["perf/step_time"] for m in timed),
             "step_times_s": [m["perf/step_time"] for m in steps],
             "losses": [m["loss"] for m in steps],

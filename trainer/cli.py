@@ -499,7 +499,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     try:
         spec = TrainBenchSpec(
             ranks=args.ranks or 4, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=args.steps or 4, workload=args.workload,
+            steps=args.steps or 5, workload=args.workload,
         )
     except ValueError as exc:
         raise CliError(f"bench train: {exc}") from exc
@@ -735,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", metavar="FILE", help="train: stored result to compare with")
     b.add_argument("--tolerance", type=float, default=0.05, help="train: allowed regression vs --baseline")
     b.add_argument("--output", metavar="FILE", help="train: also write the JSON result to FILE")
-    b.add_argument("--steps", type=int, default=None, help="verl / train: steps per policy (default 5 / 4)")
+    b.add_argument("--steps", type=int, default=None, help="verl / train: steps per policy, the first untimed (default 5)")
     b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
     b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
