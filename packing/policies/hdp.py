@@ -90,27 +90,30 @@ def _candidate_sizes(sizes: np.ndarray, k_max: int) -> np.ndarray:
     return np.unique(np.concatenate([small, large]))
 
 
-def _partition(height: np.ndarray, tokens: np.ndarray, m: int, budget: int) -> np.ndarray:
+def _partition(
+    height: np.ndarray, tokens: np.ndarray, m: int, budget: int, offset: np.ndarray | None = None
+) -> np.ndarray:
     """Balance items (height, tokens) over m bins of token capacity ``budget``; bin of each item.
 
     Karmarkar–Karp when the instance is small; otherwise slices of m items, tallest first, go to
     the bins sorted by load (largest to least loaded), and the last m..2m items plus those that
     overflowed a bin are placed one by one, tallest first, on the least-loaded bin with room
-    (longest-processing-time with a heap).  Raises _Infeasible when an item finds no room.
+    (longest-processing-time with a heap).  ``offset`` [m] starts the bins at unequal loads (a
+    bin with offset -x has x more room).  Raises _Infeasible when an item finds no room.
     """
     n = height.size
     out = np.full(n, -1, dtype=np.int64)
     if n == 0:
         return out
-    if m >= n:
+    if m >= n and offset is None:
         out[np.lexsort((np.arange(n), -height))] = np.arange(n)
         return out
-    if n <= _KK_MAX_ITEMS and n * m <= _KK_MAX_WORK:
+    if offset is None and n <= _KK_MAX_ITEMS and n * m <= _KK_MAX_WORK:
         bins = karmarkar_karp(height, m)
         if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
             return bins
     order = np.lexsort((np.arange(n), -height))
-    load = np.zeros(m)
+    load = np.zeros(m) if offset is None else np.asarray(offset, dtype=np.float64).copy()
     used = np.zeros(m, dtype=np.int64)
     deferred: list[np.ndarray] = []
     pos = 0
@@ -255,7 +258,8 @@ def _build(
     widths, heights = widths[used], heights[used]
     col_of = remap[col_of]
     col_round, col_start = _layout(widths, heights, N)
-    col_of = _rebalance_singles(col_of, col_round, widths, heights, height, tokens, k, B)
+    if lengths.size <= 32768:  # cluster-scale batches: the balanced bins stand (time budget)
+        col_of = _rebalance_singles(col_of, col_round, widths, heights, height, tokens, k, B)
     col_of = _fill_gaps(col_of, col_round, widths, heights, height, tokens, k, B)
     col_of, col_round, col_start, widths, heights = _spread_last_round(
         col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
@@ -306,27 +310,11 @@ def _rebalance_singles(
         else:
             hi = mid
     target = np.maximum(hi, multi_max)[col_round[ones]]  # [c]
-    load = np.zeros(ones.size)
-    used = np.zeros(ones.size, dtype=np.int64)
-    new_col = np.full(singles.size, -1, dtype=np.int64)
-    order = np.lexsort((singles, -height[singles]))
-    heap = [(-float(target[c]), int(c)) for c in range(ones.size)]  # max room first
-    heapq.heapify(heap)
-    for pos in order.tolist():
-        i = singles[pos]
-        t = int(tokens[i])
-        skipped = []
-        while heap and used[heap[0][1]] + t > budget:
-            skipped.append(heapq.heappop(heap))
-        if not heap:
-            return col_of  # the budget does not allow this spread: keep the balanced bins
-        _, c = heapq.heappop(heap)
-        load[c] += height[i]
-        used[c] += t
-        new_col[pos] = c
-        heapq.heappush(heap, (-(float(target[c]) - load[c]), c))
-        for e in skipped:
-            heapq.heappush(heap, e)
+    try:  # least loaded with an offset of -target = most room below the target
+        new_col = _partition(height[singles], tokens[singles], ones.size, budget, offset=-target)
+    except _Infeasible:
+        return col_of  # the budget does not allow this spread: keep the balanced bins
+    load = np.bincount(new_col, weights=height[singles], minlength=ones.size)
     old_max = np.zeros(n_rounds)
     np.maximum.at(old_max, col_round, heights)
     new_heights = heights.copy()
@@ -337,7 +325,7 @@ def _rebalance_singles(
         return col_of
     heights[:] = new_heights
     col_of = col_of.copy()
-    col_of[singles[order]] = ones[new_col[order]]
+    col_of[singles] = ones[new_col]
     return col_of
 
 
