@@ -17,6 +17,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from typing import Any, Callable
@@ -58,6 +59,26 @@ def _worker(
     except BaseException:  # report everything (assertions included) to the parent
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
+
+
+def _descendants(pids: list[int | None]) -> list[int]:
+    """Process ids started (recursively) by ``pids``."""
+    import psutil
+
+    out: list[int] = []
+    for pid in pids:
+        try:
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except (psutil.Error, TypeError):  # already gone (or never started: pid None)
+            continue
+    return out
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def spawn(
@@ -112,9 +133,11 @@ def spawn(
                     f"ranks still running: {[r for r in range(world_size) if r not in done]}"
                 )
     finally:
-        for p in procs:
-            if p.is_alive() and (failed or len(done) < world_size):
-                p.kill()
+        stuck = [p for p in procs if p.is_alive() and (failed or len(done) < world_size)]
+        for pid in _descendants([p.pid for p in stuck]):  # e.g. checkpoint writer processes
+            _kill(pid)
+        for p in stuck:
+            p.kill()
         for p in procs:
             p.join(timeout=30)
         while True:
