@@ -8,7 +8,7 @@ from enum import Enum
 from hdp.packing.cost import CostModel
 from hdp.packing.profiles import cost_model
 
-__all__ = ["Policy", "GroupShape", "PlannerConfig"]
+__all__ = ["Policy", "GroupShape", "PlannerConfig", "parse_enum"]
 
 
 class Policy(str, Enum):
@@ -30,7 +30,8 @@ class GroupShape(str, Enum):
     """Aligned power-of-two blocks (cached process groups; all-gather kernels allowed)."""
 
 
-def _enum(enum_cls: type[Enum], value: object, field_name: str) -> Enum:
+def parse_enum(enum_cls: type[Enum], value: object, field_name: str) -> Enum:
+    """``value`` as a member of ``enum_cls``; ValueError naming the field, the value and the choices."""
     if isinstance(value, enum_cls):
         return value
     try:
@@ -60,9 +61,9 @@ class PlannerConfig:
     """hdp: how many rounds beyond the minimum it may try when more rounds lower the step time."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", _enum(Policy, self.policy, "config.policy"))
+        object.__setattr__(self, "policy", parse_enum(Policy, self.policy, "config.policy"))
         object.__setattr__(
-            self, "group_shape", _enum(GroupShape, self.group_shape, "config.group_shape")
+            self, "group_shape", parse_enum(GroupShape, self.group_shape, "config.group_shape")
         )
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
             raise ValueError(f"config.num_ranks={self.num_ranks!r}: must be an integer >= 1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hdp.packing.config import parse_enum
 from hdp.cp import CPAlgorithm
 from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
@@ -19,16 +20,6 @@ from hdp.packing import CostModel, GroupShape, PlannerConfig, Policy, cost_model
 from hdp.trainer.model import ModelConfig, OptimConfig
 
 __all__ = ["PlanningConfig", "EngineConfig"]
-
-
-def _enum(cls: type, value: object, name: str) -> object:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError as exc:
-        choices = [m.value for m in cls]  # type: ignore[attr-defined]
-        raise ValueError(f"{name}={value!r}: choose one of {choices}") from exc
 
 
 def _default_cost() -> CostModel:
@@ -55,10 +46,10 @@ class PlanningConfig:
     """CP attention: ``ring`` for every group, or ``allgather`` on aligned power-of-two blocks (ring elsewhere)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", _enum(Policy, self.policy, "PlanningConfig.policy"))
-        object.__setattr__(self, "group_shape", _enum(GroupShape, self.group_shape, "PlanningConfig.group_shape"))
+        object.__setattr__(self, "policy", parse_enum(Policy, self.policy, "PlanningConfig.policy"))
+        object.__setattr__(self, "group_shape", parse_enum(GroupShape, self.group_shape, "PlanningConfig.group_shape"))
         object.__setattr__(
-            self, "cp_algorithm", _enum(CPAlgorithm, self.cp_algorithm, "PlanningConfig.cp_algorithm")
+            self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, "PlanningConfig.cp_algorithm")
         )
         b = self.max_tokens_per_rank
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -122,10 +113,10 @@ class EngineConfig:
         object.__setattr__(
             self,
             "loss_aggregation",
-            _enum(LossAggregation, self.loss_aggregation, "EngineConfig.loss_aggregation"),
+            parse_enum(LossAggregation, self.loss_aggregation, "EngineConfig.loss_aggregation"),
         )
         object.__setattr__(
-            self, "moe_zero_memory", _enum(ZeroMemoryLevel, self.moe_zero_memory, "EngineConfig.moe_zero_memory")
+            self, "moe_zero_memory", parse_enum(ZeroMemoryLevel, self.moe_zero_memory, "EngineConfig.moe_zero_memory")
         )
         if self.moe_zero_memory is not ZeroMemoryLevel.NONE and not self.model.num_moe_experts:
             raise ValueError(

@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hdp.packing.config import parse_enum
 from hdp.cp import CPAlgorithm
 from hdp.integrations.verl import compat
 from hdp.moe.zero_memory import ZeroMemoryLevel
@@ -45,16 +46,6 @@ HDP_STRATEGY = "hdp"
 """The value of ``actor_rollout_ref.actor.strategy`` (and the EngineRegistry backend) that selects hdp."""
 
 _KEY = "actor_rollout_ref.actor"
-
-
-def _enum(cls: type, value: object, name: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError as exc:
-        choices = [m.value for m in cls]  # type: ignore[attr-defined]
-        raise ValueError(f"{name}={value!r}: choose one of {choices}") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +72,11 @@ class HdpOptions:
     """Planner hardware profile (hdp.packing.PROFILES): h100-nvlink, ascend-910b-hccs, cpu-gloo."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", _enum(Policy, self.policy, f"{_KEY}.hdp.policy"))
-        object.__setattr__(self, "group_shape", _enum(GroupShape, self.group_shape, f"{_KEY}.hdp.group_shape"))
-        object.__setattr__(self, "cp_algorithm", _enum(CPAlgorithm, self.cp_algorithm, f"{_KEY}.hdp.cp_algorithm"))
+        object.__setattr__(self, "policy", parse_enum(Policy, self.policy, f"{_KEY}.hdp.policy"))
+        object.__setattr__(self, "group_shape", parse_enum(GroupShape, self.group_shape, f"{_KEY}.hdp.group_shape"))
+        object.__setattr__(self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, f"{_KEY}.hdp.cp_algorithm"))
         object.__setattr__(
-            self, "zero_memory", _enum(ZeroMemoryLevel, self.zero_memory, f"{_KEY}.hdp.zero_memory")
+            self, "zero_memory", parse_enum(ZeroMemoryLevel, self.zero_memory, f"{_KEY}.hdp.zero_memory")
         )
         b = self.max_tokens_per_rank
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
