@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DEVICE_KINDS",
     "select_device",
     "backend_for",
     "current_stream",
@@ -44,6 +45,9 @@ def _torch_npu_importable() -> bool:
         return False
     return True
 
+
+DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "npu")
+"""Device kinds hdp runs on (the part of a device string before ``:``)."""
 
 def cuda_available() -> bool:
     """Whether a CUDA device is usable."""

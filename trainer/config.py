@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hdp.device import DEVICE_KINDS
 from hdp.packing.config import parse_enum
 from hdp.cp import CPAlgorithm
 from hdp.loss import LossAggregation
@@ -131,8 +132,10 @@ class EngineConfig:
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             raise ValueError(f"EngineConfig.loss_scale_factor={self.loss_scale_factor}: must be > 0 or None")
         kind = str(self.device).split(":", 1)[0]
-        if kind not in ("cpu", "cuda", "npu"):
-            raise ValueError(f"EngineConfig.device={self.device!r}: pass 'cpu', 'cuda[:i]' or 'npu[:i]'")
+        if kind not in DEVICE_KINDS:
+            raise ValueError(
+                f"EngineConfig.device={self.device!r}: pass one of {', '.join(DEVICE_KINDS)} (with ':i' for an index)"
+            )
         if not 0 <= self.pad_token_id < self.model.vocab_size:
             raise ValueError(
                 f"EngineConfig.pad_token_id={self.pad_token_id}: must be in [0, model.vocab_size={self.model.vocab_size})"

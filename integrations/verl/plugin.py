@@ -30,6 +30,7 @@ BACKEND = "hdp"
 
 def register_engines() -> list[str]:
     """Register the hdp engine for every device not registered yet; returns the device keys added."""
+    from hdp.device import DEVICE_KINDS
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.engine import HdpMegatronEngine, npu_engine_class
 
@@ -37,7 +38,7 @@ def register_engines() -> list[str]:
     registry = compat.engine_registry()
     have = compat.registered_keys("language_model", BACKEND)
     added: list[str] = []
-    gpu_cpu = [d for d in ("cuda", "cpu") if d not in have]
+    gpu_cpu = [d for d in DEVICE_KINDS if d != "npu" and d not in have]  # npu gets its own class below
     if gpu_cpu:
         registry.register(model_type="language_model", backend=BACKEND, device=gpu_cpu)(HdpMegatronEngine)
         added += gpu_cpu
