@@ -44,25 +44,22 @@ def padded_length(lengths: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
 
 
 def max_rank_tokens(lengths: np.ndarray | int, k: np.ndarray | int) -> np.ndarray:
-    """Most tokens any rank of a k-group holds of a sample under zigzag chunking (exact).
+    """Most tokens any rank of a k-group holds of a sample under zigzag chunking (exact, O(1) each).
 
-    Rank j holds chunks j and 2k-1-j with boundaries floor(c*L/2k) (`hdp.packing.chunks`), so its
-    count is ``floor((j+1)L/2k) - floor(jL/2k) + ceil((j+1)L/2k) - ceil(jL/2k)``; the maximum over
-    j is ``ceil(L/k)`` or one more.  Computed exactly over j for every sample.
+    Rank j holds chunks j and 2k-1-j with boundaries floor(c*L/2k) (`hdp.packing.chunks`), i.e.
+    ``floor((j+1)L/2k) - floor(jL/2k) + ceil((j+1)L/2k) - ceil(jL/2k)`` tokens.  With
+    L = 2k*q + r (0 <= r < 2k) that is 2q + e_j, where e_j counts the floor and the ceil step
+    inside (jr, (j+1)r]; both steps fall in one rank's range exactly when a multiple of 2k lies
+    strictly inside (jr, (j+1)r) for some j < k, which happens iff r > 2 and r does not divide 2k
+    (the first multiple, 2k itself, then sits at j = floor(2k/r) < k).  So the maximum is 2q for
+    r = 0, 2q + 2 in that case and 2q + 1 otherwise.  k = 1 holds the whole sample.
     """
     length = np.atleast_1d(np.asarray(lengths, dtype=np.int64))
     k = np.broadcast_to(np.asarray(k, dtype=np.int64), length.shape)
-    out = -(-length // k)  # ceil(L/k) is a lower bound of the max and exact for k == 1
-    multi = np.nonzero(k > 1)[0]
-    for kk in np.unique(k[multi]):
-        sel = multi[k[multi] == kk]
-        length_k = length[sel][:, None]  # [S, 1]
-        j = np.arange(kk, dtype=np.int64)[None, :]  # [1, k]
-        two_k = 2 * kk
-        lo, hi = j * length_k, (j + 1) * length_k  # [S, k]
-        # front chunk j: floor diff; back chunk 2k-1-j: ceil diff (module docstring of chunks.py)
-        count = (hi // two_k - lo // two_k) + (-(-hi // two_k) + (-lo // two_k))
-        out[sel] = count.max(axis=1)
+    two_k = 2 * k
+    q, r = np.divmod(length, two_k)
+    split = (r > 2) & (two_k % np.maximum(r, 1) != 0)  # one rank takes a floor and a ceil step
+    out = np.where(k > 1, 2 * q + np.where(r == 0, 0, np.where(split, 2, 1)), length)
     return out if np.ndim(lengths) else out[:1]
 
 

@@ -144,3 +144,18 @@ def test_hdp_close_to_exact_optimum_on_small_instances():
         assert hdp >= res.step_time * (1 - 1e-9)  # the optimum is a true lower bound
         gaps.append(hdp / res.step_time - 1)
     assert max(gaps) < 0.35, gaps
+
+
+def test_max_rank_tokens_matches_zigzag_chunks():
+    """The closed form of the busiest rank's tokens equals the count over the actual chunks."""
+    from hdp.packing.chunks import rank_token_count
+    from hdp.packing.cost import max_rank_tokens
+
+    lengths, ks, want = [], [], []
+    for length in range(1, 260):
+        for k in range(1, 34):
+            lengths.append(length)
+            ks.append(k)
+            want.append(max(rank_token_count(length, k, j) for j in range(k)))
+    got = max_rank_tokens(np.array(lengths), np.array(ks))
+    assert np.array_equal(got, np.array(want))

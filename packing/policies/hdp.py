@@ -26,7 +26,6 @@ group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Callable
 
@@ -55,6 +54,14 @@ def _allowed_sizes(num_ranks: int, shape: GroupShape) -> np.ndarray:
     if shape is GroupShape.POW2:
         return 1 << np.arange(int(np.log2(num_ranks)) + 1, dtype=np.int64)
     return np.arange(1, num_ranks + 1, dtype=np.int64)
+
+
+def _size_classes(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct group sizes, class of every sample): ``np.unique(k, return_inverse=True)``
+    in O(n + max k) without a sort."""
+    present = np.bincount(k) > 0
+    sizes = np.flatnonzero(present)
+    return sizes, (np.cumsum(present) - 1)[k]
 
 
 def _grow_sizes(
@@ -131,23 +138,48 @@ def _partition(
     rest = np.concatenate(deferred + [order[pos:]])
     if rest.size:
         rest = rest[np.lexsort((rest, -height[rest]))]  # tallest first (longest first within a size)
-        heap = [(float(load[b]), int(b)) for b in range(m)]
-        heapq.heapify(heap)
-        stash: list[tuple[int, int]] = []  # (-room, bin): bins too full for the current item
-        for i in rest.tolist():
-            t = int(tokens[i])
-            while stash and -stash[0][0] >= t:  # items shrink: stashed bins may fit again
-                _, b = heapq.heappop(stash)
-                heapq.heappush(heap, (float(load[b]), b))
-            while heap and used[heap[0][1]] + t > budget:
-                _, b = heapq.heappop(heap)
-                heapq.heappush(stash, (-(budget - int(used[b])), b))
-            if not heap:
-                raise _Infeasible
-            lb, b = heapq.heappop(heap)
-            load[b], used[b], out[i] = lb + height[i], used[b] + t, b
-            heapq.heappush(heap, (float(load[b]), b))
+        _lpt(rest, height, tokens, load, used, budget, out)
     return out
+
+
+def _lpt(
+    items: np.ndarray, height: np.ndarray, tokens: np.ndarray, load: np.ndarray, used: np.ndarray,
+    budget: int, out: np.ndarray,
+) -> None:
+    """Exact longest-processing-time placement, in waves: ``items`` (tallest first) each go to
+    the least-loaded bin (ties: lowest index) with token room; ``load``, ``used``, ``out`` in place.
+
+    One-by-one LPT would send item i of a wave to the i-th least-loaded bin as long as that bin is
+    still below every bin the wave already raised; a wave takes that whole prefix at once (numpy),
+    so a batch needs a few sorts instead of one heap operation per item.  A wave only uses bins
+    with room for its largest item (a bin each at most, so every item fits); when no bin has, the
+    item goes alone to the least-loaded bin with room.
+    Raises _Infeasible when an item fits no bin.
+    """
+    m = load.size
+    idx = np.arange(m)
+    pos = 0
+    while pos < items.size:
+        it = items[pos : pos + m]  # [b] next items, tallest first
+        elig = np.flatnonzero(used + int(tokens[it].max()) <= budget)  # bins any of them fits
+        if elig.size == 0:  # one item alone: the least-loaded bin with room
+            i = int(it[0])
+            room = np.flatnonzero(used + tokens[i] <= budget)
+            if room.size == 0:
+                raise _Infeasible
+            it, bins = it[:1], room[np.lexsort((room, load[room]))[:1]]
+        else:
+            bins = elig[np.lexsort((elig, load[elig]))[: it.size]]  # least-loaded first
+            it = it[: bins.size]
+            low = load[bins]
+            raised = np.minimum.accumulate(low + height[it])  # lowest bin the wave raised so far
+            late = np.flatnonzero(low[1:] >= raised[:-1])
+            if late.size:
+                it, bins = it[: late[0] + 1], bins[: late[0] + 1]
+        load[bins] += height[it]
+        used[bins] += tokens[it]
+        out[it] = bins
+        pos += it.size
 
 
 def _layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -194,9 +226,12 @@ def _layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np
         skipped.extend(wide[wi:])
         wide = skipped
         pos = 0
-        for c in sorted(members, key=lambda c: (-int(widths[c]), c)):
-            rnd[c], start[c] = r, pos
-            pos += int(widths[c])
+        if members:
+            mem = np.asarray(members, dtype=np.int64)
+            mem = mem[np.lexsort((mem, -widths[mem]))]  # wider groups left
+            rnd[mem] = r
+            start[mem] = np.cumsum(widths[mem]) - widths[mem]
+            pos = int(widths[mem].sum())
         for a, b in runs:
             idx = ones[a:b]
             rnd[idx] = r
@@ -214,7 +249,7 @@ def _build(
     tokens per rank."""
     N, B = config.num_ranks, config.max_tokens_per_rank
     work = k * height
-    sizes, cls = np.unique(k, return_inverse=True)
+    sizes, cls = _size_classes(k)
     slots = rounds * N
     # bins per size: enough for the tokens, otherwise in proportion to rank-time
     need = np.maximum(1, -(-np.bincount(cls, weights=tokens).astype(np.int64) // B))  # [C]
@@ -464,7 +499,7 @@ def _floor(lengths: np.ndarray, k: np.ndarray, config: PlannerConfig) -> float:
     cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
     padded = padded_length(lengths, k)
     rank_time = float(cost.work(padded).sum())
-    sizes, cls = np.unique(k, return_inverse=True)
+    sizes, cls = _size_classes(k)
     groups = -(-np.bincount(cls, weights=max_rank_tokens(lengths, k)).astype(np.int64) // B)
     rank_time += float((groups * sizes * (sizes - 1)).sum()) * cost.step_overhead
     return rank_time / N
@@ -493,6 +528,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     best: tuple[float, Assignment, str] | None = None
     variants = _variants(lengths, k_min, config, sizes)
     tok_cache: dict[bytes, np.ndarray] = {}  # tokens per rank of each group-size vector
+    built: dict[bytes, float | None] = {}  # (columns, sizes, rounds) -> step time (None: infeasible)
     # a lower bound of each variant's step time (at the minimum rounds): try the cheapest first
     # and skip those that cannot beat the best plan found
     floor_t = [
@@ -506,6 +542,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
         r = r_min
         tried, worse, misses = 0, 0, 0
         seen: set[bytes] = set()
+        own_key = b"o" if own else b"u"
         # uniform plans are cheap to build and their best round count varies: always try two
         v_extra = max(extra, 1) if not own and lengths.size <= 16384 else extra
         while tried <= v_extra and misses <= 8:
@@ -515,7 +552,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 tok_cache[key_k] = max_rank_tokens(lengths, k)
             tok = tok_cache[key_k]
             # rounds at least what the token budget of every size needs
-            sz, cls = np.unique(k, return_inverse=True)
+            sz, cls = _size_classes(k)
             need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)
             if own:
                 need = np.where(sz > 1, np.bincount(cls), need)
@@ -525,11 +562,24 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 r += 1
                 continue
             seen.add(key)
+            if own_key + key in built:  # an earlier variant built this very candidate
+                step = built[own_key + key]
+                if step is None:
+                    r, misses = r + 1, misses + 1
+                    continue
+                tried += 1
+                worse += 1
+                if worse >= 2:
+                    break
+                r += 1
+                continue
             try:
                 a, step = _build(lengths, k, height, r, config, own, tok)
             except _Infeasible:
+                built[own_key + key] = None
                 r, misses = r + 1, misses + 1
                 continue
+            built[own_key + key] = step
             tried += 1
             if best is None or step < best[0] * (1 - 1e-9):
                 best, worse = (step, a, f"{name} R={r}"), 0
