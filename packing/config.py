@@ -58,7 +58,8 @@ class PlannerConfig:
     static_cp_size: int | None = None
     """CP size k for static-cp / ascend-hdp / verl-kk; None = smallest power of two fitting the longest sample."""
     max_extra_rounds: int = 3
-    """hdp: how many rounds beyond the minimum it may try when more rounds lower the step time."""
+    """hdp: rounds beyond the minimum it tries per candidate family; on batches of up to 4,096
+    samples it goes on (to 8) while each further round still lowers the step time."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_enum(Policy, self.policy, "config.policy"))

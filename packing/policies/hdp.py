@@ -26,6 +26,7 @@ group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable
 
@@ -102,11 +103,57 @@ def _partition(
 ) -> np.ndarray:
     """Balance items (height, tokens) over m bins of token capacity ``budget``; bin of each item.
 
+    Balances heights (`_balance`); when that leaves an item without token room -- a budget
+    filled to the last percent -- every item goes by longest-processing-time to the least-loaded
+    bin with room (`_lpt`), which fills tighter than the sliced balance (static CP's packer
+    reaches such fills too).  Raises _Infeasible when neither fits.
+    """
+    try:
+        return _balance(height, tokens, m, budget, offset)
+    except _Infeasible:
+        if offset is not None:
+            raise
+    n = height.size  # every item by exact LPT, none pre-placed in slices
+    out = np.full(n, -1, dtype=np.int64)
+    order = np.lexsort((np.arange(n), -height))
+    _lpt_exact(order, height, tokens, np.zeros(m), np.zeros(m, np.int64), budget, out)
+    return out
+
+
+def _lpt_exact(
+    items: np.ndarray, height: np.ndarray, tokens: np.ndarray, load: np.ndarray, used: np.ndarray,
+    budget: int, out: np.ndarray,
+) -> None:
+    """`_lpt` one item at a time with a heap: exactly the least-loaded bin with room each time
+    (bins too full for an item wait in a stash ordered by room).  For token-tight batches."""
+    heap = [(float(load[b]), b) for b in range(load.size)]
+    heapq.heapify(heap)
+    stash: list[tuple[int, int]] = []  # (-room, bin): bins too full for the current item
+    for i in items.tolist():
+        t = int(tokens[i])
+        while stash and -stash[0][0] >= t:  # a smaller item: stashed bins may fit again
+            _, b = heapq.heappop(stash)
+            heapq.heappush(heap, (float(load[b]), b))
+        while heap and used[heap[0][1]] + t > budget:
+            _, b = heapq.heappop(heap)
+            heapq.heappush(stash, (-(budget - int(used[b])), b))
+        if not heap:
+            raise _Infeasible
+        lb, b = heapq.heappop(heap)
+        load[b], used[b], out[i] = lb + height[i], used[b] + t, b
+        heapq.heappush(heap, (float(load[b]), b))
+
+
+def _balance(
+    height: np.ndarray, tokens: np.ndarray, m: int, budget: int, offset: np.ndarray | None = None
+) -> np.ndarray:
+    """Balance items by ``height`` over m bins of token capacity ``budget``; bin of each item.
+
     Karmarkar–Karp when the instance is small; otherwise slices of m items, tallest first, go to
     the bins sorted by load (largest to least loaded), and the last m..2m items plus those that
-    overflowed a bin are placed one by one, tallest first, on the least-loaded bin with room
-    (longest-processing-time with a heap).  ``offset`` [m] starts the bins at unequal loads (a
-    bin with offset -x has x more room).  Raises _Infeasible when an item finds no room.
+    overflowed a bin are placed tallest first on the least-loaded bin with room (`_lpt`).
+    ``offset`` [m] starts the bins at unequal loads (a bin with offset -x has x more room).
+    Raises _Infeasible when an item finds no room.
     """
     n = height.size
     out = np.full(n, -1, dtype=np.int64)
@@ -534,6 +581,20 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     floor_t = [
         _floor(lengths, fn(r_min)[0], config) + r_min * config.cost.round_cost for _, fn in variants
     ]
+
+    def sizing(fn: Callable[[int], tuple[np.ndarray, np.ndarray]], rounds: int, own: bool) -> tuple:
+        """(group sizes, heights, tokens per rank, rounds >= ``rounds`` their tokens need)."""
+        k, height = fn(rounds)
+        key_k = k.tobytes()
+        if key_k not in tok_cache:
+            tok_cache[key_k] = max_rank_tokens(lengths, k)
+        tok = tok_cache[key_k]
+        sz, cls = _size_classes(k)
+        need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)
+        if own:  # multi-rank samples each take their own group
+            need = np.where(sz > 1, np.bincount(cls), need)
+        return k, height, tok, max(rounds, -(-int((need * sz).sum()) // N))
+
     for vi in np.argsort(floor_t, kind="stable"):
         name, fn = variants[vi]
         if best is not None and floor_t[vi] >= best[0]:
@@ -541,53 +602,46 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
         own = not name.startswith("uniform")
         r = r_min
         tried, worse, misses = 0, 0, 0
-        seen: set[bytes] = set()
+        seen: set[bytes] = set()  # candidates of this variant
         own_key = b"o" if own else b"u"
         # uniform plans are cheap to build and their best round count varies: always try two
         v_extra = max(extra, 1) if not own and lengths.size <= 16384 else extra
-        while tried <= v_extra and misses <= 8:
-            k, height = fn(r)
-            key_k = k.tobytes()
-            if key_k not in tok_cache:
-                tok_cache[key_k] = max_rank_tokens(lengths, k)
-            tok = tok_cache[key_k]
-            # rounds at least what the token budget of every size needs
-            sz, cls = _size_classes(k)
-            need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)
-            if own:
-                need = np.where(sz > 1, np.bincount(cls), need)
-            r = max(r, -(-int((need * sz).sum()) // N))
-            key = k.tobytes() + r.to_bytes(8, "little")
-            if key in seen:
-                r += 1
-                continue
-            seen.add(key)
-            if own_key + key in built:  # an earlier variant built this very candidate
-                step = built[own_key + key]
+        # beyond v_extra only while each build still improved (smaller batches, at most 8 builds)
+        while (tried <= v_extra or (worse == 0 and tried < 8 and lengths.size <= 4096)) and misses <= 8:
+            # group sizes for r rounds, then the rounds their tokens need; on smaller batches also
+            # the sizes re-chosen for those rounds (fixed point), on large ones only the latter
+            cands = [sizing(fn, r, own)]
+            while cands[-1][3] > r and len(cands) < 4:
+                r = cands[-1][3]
+                cands.append(sizing(fn, r, own))
+            if lengths.size > 4096:
+                cands = cands[-1:]
+            stop = False
+            for k, height, tok, r_c in cands:
+                key = own_key + k.tobytes() + r_c.to_bytes(8, "little")
+                if key in seen:
+                    continue
+                seen.add(key)
+                step = built.get(key, -1.0)
+                if step == -1.0:  # not built by an earlier variant yet
+                    try:
+                        a, step = _build(lengths, k, height, r_c, config, own, tok)
+                        if best is None or step < best[0] * (1 - 1e-9):
+                            best, worse = (step, a, f"{name} R={r_c}"), -1
+                    except _Infeasible:
+                        step = None
+                    built[key] = step
                 if step is None:
-                    r, misses = r + 1, misses + 1
+                    misses += 1
                     continue
                 tried += 1
                 worse += 1
                 if worse >= 2:
+                    stop = True
                     break
-                r += 1
-                continue
-            try:
-                a, step = _build(lengths, k, height, r, config, own, tok)
-            except _Infeasible:
-                built[own_key + key] = None
-                r, misses = r + 1, misses + 1
-                continue
-            built[own_key + key] = step
-            tried += 1
-            if best is None or step < best[0] * (1 - 1e-9):
-                best, worse = (step, a, f"{name} R={r}"), 0
-            else:
-                worse += 1
-                if worse >= 2:
-                    break
-            r += 1
+            if stop:
+                break
+            r = cands[0][3] + 1
     if best is None:  # every variant overflowed the budget: one sample per column always fits
         a, step = _build(
             lengths, k_min, config.cost.sample_cost(lengths, k_min), lengths.size, config, True,
