@@ -159,3 +159,14 @@ def test_max_rank_tokens_matches_zigzag_chunks():
             want.append(max(rank_token_count(length, k, j) for j in range(k)))
     got = max_rank_tokens(np.array(lengths), np.array(ks))
     assert np.array_equal(got, np.array(want))
+
+
+def test_window_max_matches_brute_force():
+    """The log-doubling sliding-window maximum of the round-swap pass equals the direct one."""
+    from hdp.packing.policies.hdp import _window_max
+
+    rng = np.random.default_rng(3)
+    hg = rng.random((4, 37))
+    for w in range(1, 38):
+        want = np.array([[row[i : i + w].max() for i in range(37 - w + 1)] for row in hg])
+        assert np.array_equal(_window_max(hg, w), want), w

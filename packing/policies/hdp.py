@@ -99,24 +99,26 @@ def _candidate_sizes(sizes: np.ndarray, k_max: int) -> np.ndarray:
 
 
 def _partition(
-    height: np.ndarray, tokens: np.ndarray, m: int, budget: int, offset: np.ndarray | None = None
+    height: np.ndarray, tokens: np.ndarray, m: int, budget: int, offset: np.ndarray | None = None,
+    exact: bool = False,
 ) -> np.ndarray:
     """Balance items (height, tokens) over m bins of token capacity ``budget``; bin of each item.
 
     Balances heights (`_balance`); when that leaves an item without token room -- a budget
     filled to the last percent -- every item goes by longest-processing-time to the least-loaded
-    bin with room (`_lpt`), which fills tighter than the sliced balance (static CP's packer
-    reaches such fills too).  Raises _Infeasible when neither fits.
+    bin with room (`_lpt`; one by one once bins fill up when ``exact``), which fills tighter than
+    the sliced balance (static CP's packer reaches such fills too).  Raises _Infeasible when
+    neither fits.
     """
     try:
         return _balance(height, tokens, m, budget, offset)
     except _Infeasible:
         if offset is not None:
             raise
-    n = height.size  # every item by exact LPT, none pre-placed in slices
+    n = height.size  # every item by LPT, none pre-placed in slices
     out = np.full(n, -1, dtype=np.int64)
     order = np.lexsort((np.arange(n), -height))
-    _lpt_exact(order, height, tokens, np.zeros(m), np.zeros(m, np.int64), budget, out)
+    _lpt(order, height, tokens, np.zeros(m), np.zeros(m, np.int64), budget, out, exact=exact)
     return out
 
 
@@ -191,7 +193,7 @@ def _balance(
 
 def _lpt(
     items: np.ndarray, height: np.ndarray, tokens: np.ndarray, load: np.ndarray, used: np.ndarray,
-    budget: int, out: np.ndarray,
+    budget: int, out: np.ndarray, exact: bool = False,
 ) -> None:
     """Exact longest-processing-time placement, in waves: ``items`` (tallest first) each go to
     the least-loaded bin (ties: lowest index) with token room; ``load``, ``used``, ``out`` in place.
@@ -200,8 +202,9 @@ def _lpt(
     still below every bin the wave already raised; a wave takes that whole prefix at once (numpy),
     so a batch needs a few sorts instead of one heap operation per item.  A wave only uses bins
     with room for its largest item (a bin each at most, so every item fits); when no bin has, the
-    item goes alone to the least-loaded bin with room.
-    Raises _Infeasible when an item fits no bin.
+    item goes alone to the least-loaded bin with room.  With ``exact``, once some bin lacks room
+    for a wave's largest item the rest go one by one (`_lpt_exact`), so the result is exactly
+    one-by-one LPT.  Raises _Infeasible when an item fits no bin.
     """
     m = load.size
     idx = np.arange(m)
@@ -209,6 +212,9 @@ def _lpt(
     while pos < items.size:
         it = items[pos : pos + m]  # [b] next items, tallest first
         elig = np.flatnonzero(used + int(tokens[it].max()) <= budget)  # bins any of them fits
+        if exact and elig.size < m:
+            _lpt_exact(items[pos:], height, tokens, load, used, budget, out)
+            return
         if elig.size == 0:  # one item alone: the least-loaded bin with room
             i = int(it[0])
             room = np.flatnonzero(used + tokens[i] <= budget)
@@ -290,10 +296,10 @@ def _layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np
 
 def _build(
     lengths: np.ndarray, k: np.ndarray, height: np.ndarray, rounds: int, config: PlannerConfig,
-    own_columns: bool, tokens: np.ndarray,
+    own_columns: bool, tokens: np.ndarray, exact: bool = False,
 ) -> tuple[Assignment, float]:
     """Columns for ``rounds`` rounds of N ranks given each sample's group size, height and
-    tokens per rank."""
+    tokens per rank (``exact``: exact LPT where a size's token budget is tight, `_partition`)."""
     N, B = config.num_ranks, config.max_tokens_per_rank
     work = k * height
     sizes, cls = _size_classes(k)
@@ -319,7 +325,7 @@ def _build(
     base = 0
     for c in range(sizes.size):
         members = np.flatnonzero(cls == c)
-        b = _partition(height[members], tokens[members], int(bins[c]), B)
+        b = _partition(height[members], tokens[members], int(bins[c]), B, exact=exact)
         col_of[members] = base + b
         col_height.append(np.bincount(b, weights=height[members], minlength=int(bins[c])))
         col_width.append(np.full(int(bins[c]), sizes[c], dtype=np.int64))
@@ -347,6 +353,10 @@ def _build(
         col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
     )
     used = np.bincount(col_of, minlength=widths.size) > 0
+    col_round, col_start = _swap_rounds(
+        col_round, col_start, widths, np.where(used, heights, -1.0), N,
+        config.group_shape is GroupShape.POW2,
+    )
     rounds_used = np.unique(col_round[used])
     renum = np.zeros(int(col_round.max(initial=0)) + 1, dtype=np.int64)
     renum[rounds_used] = np.arange(rounds_used.size)
@@ -357,6 +367,111 @@ def _build(
     step = float(round_max.sum()) + rounds_used.size * config.cost.round_cost
     a = Assignment(round_of=col_round[col_of], group_start=col_start[col_of], group_size=k)
     return a, step
+
+
+def _window_max(hg: np.ndarray, w: int) -> np.ndarray:
+    """[R, N - w + 1]: max of every window of w consecutive ranks of each row (log-doubling)."""
+    out, span = hg, 1
+    while 2 * span <= w:
+        out = np.maximum(out[:, :-span], out[:, span:])
+        span *= 2
+    if span < w:  # two overlapping windows of ``span`` cover w
+        out = np.maximum(out[:, : hg.shape[1] - w + 1], out[:, w - span :])
+    return out[:, : hg.shape[1] - w + 1]
+
+
+def _swap_rounds(
+    col_round: np.ndarray, col_start: np.ndarray, widths: np.ndarray, heights: np.ndarray,
+    num_ranks: int, pow2: bool, max_swaps: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lower round maxima by trading a round's roof column with work of another round.
+
+    A round p's height is its tallest column G (ranks [s, e), width w).  Two trades are tried
+    against every other round q: (a) q's work on the same ranks [s, e) when q's columns there lie
+    inside [s, e); (b) any w consecutive single-rank (or idle) ranks of q -- G moves there (an
+    aligned block under ``pow2``) and those single-rank columns move to [s, e) of round p.  The
+    trade lowering max(p) + max(q) most is applied; rounds are visited by how far their roof
+    stands above the rest, and the first round with a gain is taken.  Up to ``max_swaps``
+    (default 4R + 32) trades.  ``heights`` < 0 marks unused columns.  Returns (round, start) of
+    every column.
+    """
+    live = np.flatnonzero(heights >= 0)
+    col_round, col_start = col_round.copy(), col_start.copy()
+    if live.size == 0:
+        return col_round, col_start
+    n_rounds = int(col_round[live].max()) + 1
+    if n_rounds < 2:
+        return col_round, col_start
+    grid = np.full((n_rounds, num_ranks), -1, dtype=np.int64)  # [R, N] column on each rank
+    span = np.repeat(live, widths[live])  # [sum w] column of every covered rank
+    offs = np.arange(span.size) - np.repeat(np.cumsum(widths[live]) - widths[live], widths[live])
+    grid[col_round[span], col_start[span] + offs] = span
+    h_ext = np.append(np.maximum(heights, 0.0), 0.0)  # index -1 -> idle, height 0
+    w_ext = np.append(widths, 1)  # idle ranks trade like single-rank columns
+    zeros = np.zeros((n_rounds, 1))
+    for _ in range(max_swaps if max_swaps is not None else 4 * n_rounds + 32):
+        hg = h_ext[grid]  # [R, N]
+        pre = np.concatenate([zeros, np.maximum.accumulate(hg, axis=1)], axis=1)  # [R, N+1]
+        suf = np.concatenate([np.maximum.accumulate(hg[:, ::-1], axis=1)[:, ::-1], zeros], axis=1)
+        top = hg.max(axis=1)  # [R]
+        roof = grid[np.arange(n_rounds), np.argmax(hg, axis=1)]  # [R] roof column of each round
+        rest = np.maximum(pre[np.arange(n_rounds), col_start[roof]], suf[np.arange(n_rounds), col_start[roof] + widths[roof]])
+        eps = 1e-9 * float(top.sum())
+        trade = None
+        for p in np.argsort(rest - top, kind="stable").tolist():  # tallest roof over the rest first
+            if top[p] - rest[p] <= eps:
+                break
+            g = int(roof[p])
+            w, s = int(widths[g]), int(col_start[g])
+            e = s + w
+            outside = np.maximum(pre[:, s], suf[:, e])  # [R]
+            # (a) the same ranks of round q, when q's columns there stay inside [s, e)
+            block = grid[:, s:e]  # [R, w]
+            inside = ((np.append(col_start, num_ranks)[block] >= s)
+                      & (np.append(col_start + widths, 0)[block] <= e)).all(axis=1)
+            inside[p] = False
+            gain_a = np.where(
+                inside,
+                top[p] + top - np.maximum(rest[p], h_ext[block].max(axis=1))
+                - np.maximum(outside, heights[g]),
+                -np.inf,
+            )
+            best_q = int(np.argmax(gain_a))
+            best = (float(gain_a[best_q]), best_q, s)
+            # (b) w single-rank or idle ranks of round q anywhere (aligned under pow2)
+            if w > 1:
+                single = (w_ext[grid] == 1).astype(np.int64)  # [R, N]
+                csum = np.concatenate([np.zeros((n_rounds, 1), np.int64), np.cumsum(single, axis=1)], axis=1)
+                ok = (csum[:, w:] - csum[:, :-w]) == w  # [R, N-w+1] window of singles only
+                if pow2:
+                    ok[:, np.arange(ok.shape[1]) % w != 0] = False
+                ok[p] = False
+                if ok.any():
+                    wmax = _window_max(hg, w)  # [R, N-w+1]
+                    out_q = np.maximum(pre[:, : num_ranks - w + 1], suf[:, w:])
+                    gain_b = np.where(
+                        ok,
+                        top[p] + top[:, None] - np.maximum(rest[p], wmax) - np.maximum(out_q, heights[g]),
+                        -np.inf,
+                    )
+                    q, s2 = np.unravel_index(int(np.argmax(gain_b)), gain_b.shape)
+                    if gain_b[q, s2] > best[0]:
+                        best = (float(gain_b[q, s2]), int(q), int(s2))
+            if best[0] > eps:
+                trade = (p, g, s, e) + best[1:]
+                break
+        if trade is None:
+            break
+        p, g, s, e, q, s2 = trade
+        a = grid[p, s:e].copy()  # G (one column)
+        b = grid[q, s2 : s2 + (e - s)].copy()  # columns of q that trade places with G
+        grid[p, s:e] = b
+        grid[q, s2 : s2 + (e - s)] = a
+        col_round[g], col_start[g] = q, s2
+        bl = b[b >= 0]
+        col_round[bl] = p
+        col_start[bl] += s - s2  # same offsets inside the block
+    return col_round, col_start
 
 
 def _rebalance_singles(
@@ -496,6 +611,78 @@ def _fill_gaps(
     return col_of
 
 
+def _round_heights(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """([R] height, [R] rank-time) of every round of an assignment, from exact group costs."""
+    N = config.num_ranks
+    gid, gi = np.unique(a.round_of * N + a.group_start, return_inverse=True)  # groups
+    size = np.zeros(gid.size, dtype=np.int64)
+    size[gi] = a.group_size
+    padded = padded_length(lengths, a.group_size).astype(np.float64)
+    h = config.cost.group_cost(
+        np.bincount(gi, weights=config.cost.work(padded), minlength=gid.size),
+        np.bincount(gi, weights=padded, minlength=gid.size),
+        np.bincount(gi, weights=padded * padded, minlength=gid.size),
+        size,
+    )
+    rnd = gid // N
+    n_rounds = int(rnd.max()) + 1
+    top = np.zeros(n_rounds)
+    np.maximum.at(top, rnd, h)
+    return top, np.bincount(rnd, weights=h * size, minlength=n_rounds)
+
+
+def _replan_rounds(
+    lengths: np.ndarray, a: Assignment, config: PlannerConfig, sizes: np.ndarray, tries: int = 3,
+) -> Assignment:
+    """Re-plan the rounds with the most idle rank-time on their own, as one-round problems.
+
+    A round's samples are planned again for one round of N ranks, with every sample taller than
+    the round's balanced level (its rank-time / N) widened as `_grow_sizes` chooses; kept when
+    the round's height drops (the others do not change).  The rounds idling most are tried
+    first, up to ``tries``.  Mostly it is the last round, whose shortest multi-rank groups the
+    layout left next to too little work.
+    """
+    N = config.num_ranks
+    top, busy = _round_heights(lengths, a, config)
+    idle = top * N - busy
+    round_of, start, size = a.round_of.copy(), a.group_start.copy(), a.group_size.copy()
+    changed = False
+    for r in np.argsort(-idle, kind="stable")[:tries].tolist():
+        if idle[r] <= 0.02 * top[r] * N:
+            break
+        sel = np.flatnonzero(round_of == r)
+        sub_len = lengths[sel]
+        best_h, best_sub = float(top[r]), None
+        k_top = int(size[sel].max())
+        options: list[tuple[str, int]] = [("grow-all", 0), ("grow-multi", 0)]
+        for u in sorted({int(sizes[np.searchsorted(sizes, v)]) for v in (k_top, pow2_ceil(k_top), 2 * k_top)
+                         if v <= sizes[-1]}):
+            options += [("uniform", u), ("multi-uniform", u)]
+        for how, u in options:
+            k = size[sel].copy()
+            if how == "uniform":  # every sample of the round on u ranks, groups shared
+                k[:] = u
+            elif how == "multi-uniform":  # multi-rank samples on shared u-rank groups
+                k[k > 1] = u
+            h = config.cost.sample_cost(sub_len, k)
+            if how.startswith("grow"):
+                grow = np.arange(sel.size) if how == "grow-all" else np.flatnonzero(k > 1)
+                kg, hg = k[grow], h[grow]
+                _grow_sizes(sub_len[grow], kg, hg, float(busy[r]) / N, config, sizes)
+                k[grow], h[grow] = kg, hg
+            own = how.startswith("grow")
+            try:
+                sub, step = _build(sub_len, k, h, 1, config, own, max_rank_tokens(sub_len, k))
+            except _Infeasible:
+                continue
+            if int(sub.round_of.max()) == 0 and step - config.cost.round_cost < best_h * (1 - 1e-9):
+                best_h, best_sub = step - config.cost.round_cost, sub
+        if best_sub is not None:
+            start[sel], size[sel] = best_sub.group_start, best_sub.group_size
+            changed = True
+    return Assignment(round_of=round_of, group_start=start, group_size=size) if changed else a
+
+
 def _variants(
     lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig, sizes: np.ndarray,
 ) -> list[tuple[str, Callable[[int], tuple[np.ndarray, np.ndarray]]]]:
@@ -513,10 +700,14 @@ def _variants(
     total = float((k_min * h0).sum())
 
     def grown(reach_of: Callable[[float], float]) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+        memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
         def at(rounds: int) -> tuple[np.ndarray, np.ndarray]:
-            k, h = k_min.copy(), h0.copy()
-            _grow_sizes(lengths, k, h, reach_of(total / (N * rounds)), config, sizes)
-            return k, h
+            if rounds not in memo:
+                k, h = k_min.copy(), h0.copy()
+                _grow_sizes(lengths, k, h, reach_of(total / (N * rounds)), config, sizes)
+                memo[rounds] = (k, h)
+            return memo[rounds]
         return at
 
     out: list[tuple[str, Callable[[int], tuple[np.ndarray, np.ndarray]]]] = [
@@ -573,6 +764,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     if lengths.size > 32768:  # cluster-scale batches: one round count per variant
         extra = 0
     best: tuple[float, Assignment, str] | None = None
+    best_rounds = 0
     variants = _variants(lengths, k_min, config, sizes)
     tok_cache: dict[bytes, np.ndarray] = {}  # tokens per rank of each group-size vector
     built: dict[bytes, float | None] = {}  # (columns, sizes, rounds) -> step time (None: infeasible)
@@ -595,6 +787,10 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
             need = np.where(sz > 1, np.bincount(cls), need)
         return k, height, tok, max(rounds, -(-int((need * sz).sum()) // N))
 
+    def too_many(rounds: int) -> bool:
+        """Large batches: far more rounds than the best plan so far is not worth a build."""
+        return lengths.size > 4096 and best is not None and rounds > 1.25 * best_rounds
+
     for vi in np.argsort(floor_t, kind="stable"):
         name, fn = variants[vi]
         if best is not None and floor_t[vi] >= best[0]:
@@ -611,7 +807,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
             # group sizes for r rounds, then the rounds their tokens need; on smaller batches also
             # the sizes re-chosen for those rounds (fixed point), on large ones only the latter
             cands = [sizing(fn, r, own)]
-            while cands[-1][3] > r and len(cands) < 4:
+            while cands[-1][3] > r and len(cands) < 4 and not too_many(cands[-1][3]):
                 r = cands[-1][3]
                 cands.append(sizing(fn, r, own))
             if lengths.size > 4096:
@@ -621,13 +817,21 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 key = own_key + k.tobytes() + r_c.to_bytes(8, "little")
                 if key in seen:
                     continue
+                if too_many(r_c):
+                    stop = True
+                    break
                 seen.add(key)
                 step = built.get(key, -1.0)
                 if step == -1.0:  # not built by an earlier variant yet
                     try:
                         a, step = _build(lengths, k, height, r_c, config, own, tok)
+                        if not own and (best is None or step < best[0] * 1.005):
+                            # a competitive shared-group plan: exact LPT where the budget is tight
+                            a2, step2 = _build(lengths, k, height, r_c, config, own, tok, exact=True)
+                            if step2 < step:
+                                a, step = a2, step2
                         if best is None or step < best[0] * (1 - 1e-9):
-                            best, worse = (step, a, f"{name} R={r_c}"), -1
+                            best, worse, best_rounds = (step, a, f"{name} R={r_c}"), -1, r_c
                     except _Infeasible:
                         step = None
                     built[key] = step
@@ -648,5 +852,8 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
             max_rank_tokens(lengths, k_min),
         )
         best = (step, a, "one-per-column")
+    a = best[1]
+    if lengths.size <= 4096:  # larger batches: the time budget goes to the candidates above
+        a = _replan_rounds(lengths, a, config, sizes)
     _log.debug("hdp: chose %s, estimated step %.4g", best[2], best[0])
-    return best[1]
+    return a
