@@ -29,7 +29,7 @@ from hdp.packing.config import GroupShape, PlannerConfig, Policy
 from hdp.packing.cost import min_group_size, padded_length
 from hdp.packing.policies.common import Assignment
 
-__all__ = ["exact_optimum", "exact_search", "ExactResult", "MAX_SAMPLES", "MAX_RANKS"]
+__all__ = ["exact_optimum", "exact_search", "optimum_gaps", "ExactResult", "MAX_SAMPLES", "MAX_RANKS"]
 
 MAX_SAMPLES = 12
 """Largest batch `exact_optimum` accepts."""
@@ -292,3 +292,39 @@ def exact_optimum(
     """
     res = exact_search(lengths, config, max_rounds=max_rounds, time_limit_s=time_limit_s)
     return res.step_time, res.assignment
+
+
+def optimum_gaps(
+    instances: int = 20, seed: int = 0, max_samples: int = 10, time_limit_s: float = 10.0,
+    model: str = "deepseek-v3", profile: str = "ascend-910b-hccs",
+) -> dict:
+    """hdp's step time against the exact optimum on random small instances.
+
+    Instance t: N in [2, 8] ranks, B = 1024, 3..``max_samples`` lengths uniform in [16, 3B)
+    (capped to fit N x B), the given model and hardware profile.  Returns ``{"instances",
+    "mean_gap", "worst_gap", "proven_optimal", "gaps"}`` where gap = T(hdp) / T(optimum) - 1;
+    an instance whose search hit ``time_limit_s`` is compared with the best plan found (its gap
+    can then only be understated) and counted out of ``proven_optimal``.
+    """
+    from hdp.packing.planner import plan
+    from hdp.packing.profiles import cost_model
+
+    if not 3 <= max_samples <= MAX_SAMPLES:
+        raise ValueError(f"max_samples={max_samples}: must be in [3, {MAX_SAMPLES}]")
+    rng = np.random.default_rng(seed)
+    cost = cost_model(model, profile)
+    gaps, proven = [], 0
+    for _ in range(instances):
+        n_ranks, budget = int(rng.integers(2, MAX_RANKS + 1)), 1024
+        lengths = np.minimum(rng.integers(16, 3 * budget, int(rng.integers(3, max_samples + 1))),
+                             n_ranks * (budget - 1))
+        config = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, cost=cost)
+        res = exact_search(lengths, config, time_limit_s=time_limit_s)
+        stats = plan(lengths, config).stats
+        assert stats is not None
+        gaps.append(stats.step_time / res.step_time - 1.0)  # both in cost units
+        proven += int(res.optimal)
+    return {
+        "instances": instances, "mean_gap": float(np.mean(gaps)), "worst_gap": float(np.max(gaps)),
+        "proven_optimal": proven, "gaps": [float(g) for g in gaps],
+    }

@@ -97,3 +97,14 @@ def test_rejects_large_instances():
     cfg = PlannerConfig(num_ranks=16, max_tokens_per_rank=4096)
     with pytest.raises(ValueError, match="num_ranks"):
         exact_optimum(np.array([1, 2]), cfg)
+
+
+def test_optimum_gaps_report_is_consistent():
+    """`hdp bench exact`'s figures: no hdp plan beats a proven optimum; worst >= mean >= 0."""
+    from hdp.packing.exact import optimum_gaps
+
+    res = optimum_gaps(instances=4, seed=5, max_samples=6, time_limit_s=5.0)
+    assert res["instances"] == 4 and len(res["gaps"]) == 4
+    assert res["proven_optimal"] == 4
+    assert min(res["gaps"]) >= -1e-9  # the optimum is a lower bound of every valid plan
+    assert res["worst_gap"] >= res["mean_gap"] >= 0.0

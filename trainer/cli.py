@@ -490,7 +490,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         else:
             _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
         return 0
+    if args.what == "exact":
+        return _bench_exact(args)
     return _bench_planner(args)
+
+
+def _bench_exact(args: argparse.Namespace) -> int:
+    from hdp.packing.exact import optimum_gaps
+
+    result = optimum_gaps(instances=args.instances, seed=args.seed)
+    if args.json:
+        _emit_json(result)
+        return 0
+    _print_dict({k: v for k, v in result.items() if k != "gaps"},
+                "hdp vs exact optimum (branch and bound), T(hdp)/T(opt) - 1")
+    return 0
 
 
 def _bench_train(args: argparse.Namespace) -> int:
@@ -729,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine")
-    b.add_argument("what", choices=("attention", "planner", "moe", "verl", "train"))
+    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train"))
     b.add_argument("--policies", default="static-cp,hdp", help="train: policies compared side by side")
     b.add_argument("--workload", default="short-tail", help="train: short-tail or long-response")
     b.add_argument("--baseline", metavar="FILE", help="train: stored result to compare with")
@@ -744,7 +758,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 512-rank case")
     b.add_argument("--large-repeats", type=int, default=2, help="planner: repeats of the 8192-rank case")
     b.add_argument("--small-only", action="store_true", help="planner: skip the 8192-rank case")
-    b.add_argument("--seed", type=int, default=0, help="planner: workload seed")
+    b.add_argument("--seed", type=int, default=0, help="planner / exact: workload seed")
+    b.add_argument("--instances", type=int, default=20, help="exact: random small instances (default 20)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_cmd_bench)
 
