@@ -349,6 +349,8 @@ def _build(
     if lengths.size <= 32768:  # cluster-scale batches: the balanced bins stand (time budget)
         col_of = _rebalance_singles(col_of, col_round, widths, heights, height, tokens, k, B)
     col_of = _fill_gaps(col_of, col_round, widths, heights, height, tokens, k, B)
+    if lengths.size <= 4096:  # a Python loop over the last round's samples
+        col_of, k = _fill_wide_gaps(lengths, col_of, col_round, widths, heights, k, config)
     col_of, col_round, col_start, widths, heights = _spread_last_round(
         col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
     )
@@ -567,6 +569,53 @@ def _spread_last_round(
     col_round = np.concatenate([col_round, np.full(free.size, last, dtype=np.int64)])
     col_start = np.concatenate([col_start, free])
     return col_of, col_round, col_start, widths, heights
+
+
+def _fill_wide_gaps(
+    lengths: np.ndarray, col_of: np.ndarray, col_round: np.ndarray, widths: np.ndarray,
+    heights: np.ndarray, k: np.ndarray, config: PlannerConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Move the last round's single-rank samples into multi-rank groups of earlier rounds.
+
+    A group of w ranks can run more samples, each split over its w ranks: a sample joins when the
+    group's exact cost with it (`CostModel.group_cost`) stays under its round's maximum and every
+    rank of the group keeps within B tokens.  Tallest first, best fit (the group left with the
+    least room).  The last round disappears when it empties.  ``heights`` is updated in place;
+    returns the new column and group size of every sample.
+    """
+    last = int(col_round.max(initial=0))
+    movers = np.flatnonzero((col_round[col_of] == last) & (k == 1))
+    cand = np.flatnonzero((widths > 1) & (col_round != last))  # [c] groups that may take samples
+    if last == 0 or movers.size == 0 or cand.size == 0:
+        return col_of, k
+    cost, B = config.cost, config.max_tokens_per_rank
+    n_cols = widths.size
+    padded = padded_length(lengths, k).astype(np.float64)
+    sw = np.bincount(col_of, weights=cost.work(padded), minlength=n_cols)[cand]  # [c] group sums
+    sl = np.bincount(col_of, weights=padded, minlength=n_cols)[cand]
+    sq = np.bincount(col_of, weights=padded * padded, minlength=n_cols)[cand]
+    tok = np.bincount(col_of, weights=max_rank_tokens(lengths, k), minlength=n_cols)[cand]
+    round_max = np.zeros(last + 1)
+    np.maximum.at(round_max, col_round, heights)
+    roof = round_max[col_round[cand]]  # [c]
+    w = widths[cand]
+    col_of, k = col_of.copy(), k.copy()
+    for i in movers[np.lexsort((movers, -lengths[movers]))].tolist():
+        lp = padded_length(np.full(w.size, lengths[i]), w).astype(np.float64)  # [c]
+        new_h = cost.group_cost(sw + cost.work(lp), sl + lp, sq + lp * lp, w)
+        ok = np.flatnonzero((new_h <= roof) & (tok + max_rank_tokens(np.full(w.size, lengths[i]), w) <= B))
+        if ok.size == 0:
+            continue
+        j = ok[np.argmin(roof[ok] - new_h[ok])]  # best fit
+        heights[col_of[i]] -= cost.work(float(lengths[i]))  # a single-rank column: its work
+        c = cand[j]
+        col_of[i], k[i] = c, w[j]
+        sw[j] += cost.work(lp[j])
+        sl[j] += lp[j]
+        sq[j] += lp[j] * lp[j]
+        tok[j] += max_rank_tokens(np.array([lengths[i]]), np.array([w[j]]))[0]
+        heights[c] = new_h[j]
+    return col_of, k
 
 
 def _fill_gaps(
