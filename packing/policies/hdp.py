@@ -12,16 +12,25 @@ The construction, for a choice of group size per sample and a number of rounds R
 2. **Bins per size.**  The R*N rank slots are shared among the sizes in proportion to their
    rank-time (at least what their tokens need under the budget B); the samples of each size are
    balanced over that size's bins — Karmarkar–Karp (largest differencing) when bins hold few
-   samples, otherwise slot-sized slices of the tallest samples matched to the least-loaded bins,
-   with a heap for the samples that overflow a bin's token budget.
+   samples, otherwise slot-sized slices of the tallest samples matched to the least-loaded bins
+   and longest-processing-time for the last ones (`_lpt`, in numpy waves); when a tight token
+   budget leaves a sample without room, every sample goes by LPT to the least-loaded bin with room.
 3. **Rounds.**  Columns are laid out tallest first: each round takes the tallest remaining column
    and every further column that still fits its free ranks (shelf packing; for single-rank columns
    this minimises the sum of round maxima).  Wider columns sit left, so power-of-two blocks stay
    aligned with ``group_shape=pow2``.
+4. **Levelling.**  Single-rank samples are re-spread so each round's single-rank columns reach
+   that round's roof (`_rebalance_singles`); the last round's samples move into gaps under other
+   rounds' maxima, into single-rank columns (`_fill_gaps`) or, split over the group, into
+   multi-rank groups (`_fill_wide_gaps`); a partly filled last round is spread over its free ranks
+   (`_spread_last_round`); a round's roof column trades places with another round's work when the
+   sum of the two maxima drops (`_swap_rounds`).
 
 Every candidate (variant x R from the token minimum upwards, stopping when T stops improving) is
-scored by ``sum_r max column height + rounds * beta`` and the best kept.  The cost model, not the
-group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
+scored by ``sum_r max column height + rounds * beta`` and the best kept; on batches up to 4,096
+samples the rounds idling most are then planned again on their own (`_replan_rounds`).  The cost
+model, not the group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
+All steps are deterministic (ties broken by index).
 """
 
 from __future__ import annotations
