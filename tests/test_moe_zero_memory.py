@@ -68,6 +68,31 @@ def test_levels_and_budget() -> None:
     assert -(-131072 // 16384) == 8 and -(-131072 // b0) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_swiglu_backward_equals_autograd(dtype: torch.dtype, offset: float) -> None:
+    """The written-out SwiGLU x probs backward of the zero-memory path gives autograd's bits
+    (Megatron MLP's unfused graph: chunk, silu, (b + offset), x probs, .to(dtype), fc2)."""
+    import torch.nn.functional as F
+
+    from hdp.moe.zero_memory import _swiglu_backward
+
+    g = torch.Generator().manual_seed(3)
+    n, f, h = 37, 24, 16
+    x = torch.randn(n, 2 * f, generator=g).to(dtype)
+    p = torch.rand(n, generator=g)  # fp32 router probs
+    dy = torch.randn(n, h, generator=g).to(dtype)
+    w2 = torch.randn(h, f, generator=g).to(dtype)
+    xr, pr, w2r = (t.clone().requires_grad_(True) for t in (x, p, w2))
+    a, b = torch.chunk(xr, 2, dim=-1)
+    act = F.silu(a) * (b + offset)
+    ((act * pr.unsqueeze(-1)).to(act.dtype) @ w2r.t()).backward(dy)
+    dx = torch.empty_like(x)
+    dw2, dp = _swiglu_backward(x, p, dy, w2, dx, offset)
+    assert torch.equal(dx, xr.grad) and torch.equal(dp, pr.grad) and torch.equal(dw2, w2r.grad)
+    assert dp.dtype == p.dtype and dx.dtype == dtype
+
+
 def _unsupported() -> None:
     """Zero-memory on top of Megatron's own 'moe' recompute is refused with a message naming it."""
     from hdp.trainer.bench_moe import build_moe_layer, moe_transformer_config
@@ -145,13 +170,23 @@ def _exactness(rank: int, world: int) -> None:
             else:
                 # level1: re-dispatch first, then recompute fc1 and the activation
                 assert ev("redispatch_issue") < ev("redispatch_wait") < ev("fc1_recompute") < ev("fc2_backward")
+                # ... issued at the very start of the layer's backward, so that the unpermute backward
+                # and dy's (async) all-to-all overlap it; fc1 is recomputed while dy is in flight
+                assert trace.events[0] == "redispatch_issue", trace.events
+                assert ev("redispatch_issue") < ev("unpermute_backward") < ev("combine_grad_issue") \
+                    < ev("redispatch_wait"), trace.events
+                assert ev("fc1_recompute") < ev("combine_grad_a2a") < ev("fc2_backward"), trace.events
+            # both levels: the input/probs gradients travel home while fc1's weight gradient runs
+            assert ev("fc1_dgrad_end") < ev("fc1_wgrad") < ev("dispatch_grad_a2a_wait"), trace.events
         mc.destroy_megatron()
 
 
 def test_zero_memory_layer_matches_megatron_ep1_ep2_ep4() -> None:
     """Outputs and input/router/fc1/fc2 grads of level0/level1 equal Megatron's layer; EP 1/2/4,
     empty experts (a whole EP4 rank receives nothing), topk 2 and 3, 16/3/9/1 tokens per rank;
-    the level0 re-dispatch is issued before the fc1 input-grad GEMM and waited on after it."""
+    the level0 re-dispatch is issued before the fc1 input-grad GEMM and waited on after it; the level1
+    re-dispatch is issued first in the layer's backward, before the unpermute backward and dy's
+    all-to-all, and fc1 is recomputed before dy is waited on."""
     run_distributed(_exactness, 4, timeout=110)
 
 

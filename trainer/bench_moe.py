@@ -1,20 +1,55 @@
-"""``hdp bench moe``: saved-activation bytes and step time of one MoE layer, by recompute mode.
+"""``hdp bench moe``: MoE zero-memory -- saved bytes per MoE layer and training-step time, by recompute mode.
 
-Runs one Megatron MoE layer (all-to-all dispatcher, SwiGLU ``SequentialMLP`` experts) on ``ep``
-gloo ranks on CPU, and for each mode -- ``none`` (plain Megatron), ``level0``, ``level1``
-(:mod:`hdp.moe`) and ``full_recompute`` (Megatron ``recompute_granularity='selective'``,
-``recompute_modules=['moe']``) -- measures
+Runs on ``ep`` gloo ranks on CPU (fp32, one torch thread per rank), expert parallel size ``ep``, and
+compares four recompute modes of the MoE layers side by side in one run, on the same weights and
+the same input: ``none`` (plain Megatron ``MoELayer``), ``level0`` and ``level1``
+(:mod:`hdp.moe` zero-memory) and ``full_recompute`` (Megatron's ``moe`` selective recompute: the
+layer's ``moe_layer_recompute`` switched on, i.e. ``tensor_parallel.checkpoint`` around the
+whole MoE layer).  The default shape is Qwen3-235B-A22B's ratios scaled down to CPU
+(see :class:`MoEBenchConfig` and the ``shape`` entry of the result):
 
-* ``saved_bytes``: bytes of the unique storages autograd saves for backward during the layer's
-  forward, counted with ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded;
-  rank 0's figure), and
-* ``step_time_s``: best-of-``iters`` forward + backward wall time of the layer (max over ranks per
-  iteration; best-of because the machine may be shared), ``step_cpu_s``: median CPU time of the
-  process (all its threads, gloo's included; insensitive to other load),
-  and ``model_step_time_s``: the same for a whole 2-layer MoE GPT (``hdp.trainer.model``).
+* hidden 256, 8 query heads / 1 kv head of dim 64 (q width = 2 × hidden, as Qwen3's 64 × 128 over
+  4096), SwiGLU experts: 128 experts, top-8, expert FFN 96 (= 0.375 × hidden, Qwen3's 1536 / 4096),
+  2 layers, vocab 256, RMSNorm, RoPE, causal attention (hdp's blocked flash-style kernel);
+* 4096 tokens per rank, packed as 2 samples of 2048 (attention / projection FLOP ratio of a
+  Qwen3-235B layer at 32K-token samples: the ratio goes as sample length / hidden).
 
-All modes use the same weights, input and routing, side by side in one run.
-Usage: ``python -m hdp.trainer.bench_moe --ep 2 --json``.
+Figures.  Each timed run's wall time is the max over ranks; runs are grouped in *rounds* that run
+the four modes back to back, the order rotated by one every round (after one warm-up round), so
+drift and other load on the machine hit every mode alike.
+
+* ``step_time_s`` (the headline): best-of (min over rounds) wall time of one *training step* of a
+  whole MoE GPT -- Megatron ``GPTModel`` built like :func:`hdp.trainer.model.build_gpt_model`
+  (``ModelConfig(activation="swiglu")``, head dim set as above), wrapped in Megatron DDP with the
+  distributed Adam of :mod:`hdp.trainer.model`: forward, loss, backward, gradient
+  reduce-scatter, optimizer step (lr 1e-7, so the routing stays put), on one packed micro-batch.
+  ``step_overhead_vs_none``: ``step_time_s[mode] / step_time_s[none] - 1``;
+  ``step_time_median_s`` and ``step_overhead_paired_median`` (median over rounds of the ratio
+  inside a round) are the same from medians; ``step_cpu_overhead_paired_median`` the same from
+  process CPU time (all threads, gloo's included; insensitive to other load, blind to overlap);
+  ``step_breakdown_s``: median forward, backward (+ grad sync), optimizer and CPU time.
+* ``layer_time_s`` / ``layer_overhead_vs_none`` / ...: the same for the forward + backward of one
+  MoE layer alone (router, permute, dispatch, experts, combine, unpermute; no attention, no
+  optimizer), same shape and modes.  This isolates the expert path, so its overheads are the
+  largest a model step can show.  Note that ``none`` here is Megatron's ``SequentialMLP``
+  path, which splits and concatenates the expert rows; the zero-memory path indexes them in
+  place, so its forward is cheaper and level0 can come out faster than ``none``.
+* ``saved_bytes``: bytes of the unique storages autograd saves for backward during one MoE
+  layer's forward, counted with ``torch.autograd.graph.saved_tensors_hooks`` (parameters
+  excluded; rank 0); ``freed_fraction_of_full``: (none − level) / (none − full_recompute).
+* ``flop_model``: the extra FLOPs each mode adds, as a fraction of the ``none`` step
+  (``step_extra_fraction``) and of the ``none`` layer (``layer_extra_fraction``), for the
+  benchmarked shape (balanced routing assumed; attention backward counted as 2.5 × its forward,
+  as flash attention recomputes the scores), next to the measured overheads, plus the same model
+  for a real Qwen3-235B-A22B (94 layers, one 8K or 32K-token sample per rank).  level1's extra
+  is fc1 recomputed (4 · T·topk · H · F); level0's is only elementwise (plus, not in FLOPs, the
+  re-permutation and the re-dispatch all-to-all both levels add).
+
+The ranks run with glibc malloc keeping freed memory (``caching_malloc``, as a GPU/NPU caching
+allocator does); without it each fresh large tensor pays first-touch page faults, and the
+figures would mostly measure the VM's page-fault path.
+
+Usage: ``python -m hdp.trainer.bench_moe --ep 2 --json`` (or ``hdp bench moe --ep 2 --json``).
 """
 
 from __future__ import annotations
@@ -22,51 +57,97 @@ from __future__ import annotations
 import argparse
 import json as _json
 import logging
+import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MoEBenchConfig", "build_moe_layer", "moe_transformer_config", "bench_moe", "main"]
+__all__ = ["MoEBenchConfig", "build_moe_layer", "moe_transformer_config", "flop_model", "bench_moe", "main"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "level0", "level1", "full_recompute")
+COSTLY = ("level0", "level1", "full_recompute")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoEBenchConfig:
-    """Shape and repetitions of the MoE benchmark."""
+    """Shape and repetitions of the MoE benchmark (defaults: Qwen3-235B-A22B ratios, scaled to CPU)."""
 
     ep: int = 2
     """Expert-parallel size (= gloo ranks)."""
-    tokens: int = 2048
-    """Tokens per rank."""
+    tokens: int = 4096
+    """Tokens per rank (one packed micro-batch)."""
+    seq_length: int = 2048
+    """Sample length: the rank's tokens are packed as samples of this length (the last one shorter
+    if it does not divide ``tokens``; capped at ``tokens``)."""
     hidden_size: int = 256
     """H."""
-    ffn_hidden_size: int = 512
+    num_attention_heads: int = 8
+    """Query heads."""
+    num_query_groups: int = 1
+    """Key/value heads (GQA)."""
+    kv_channels: int | None = None
+    """Head dim; ``None``: 2 × hidden / heads (Qwen3's q width of 2 × hidden)."""
+    ffn_hidden_size: int = 96
     """F: expert FFN width (fc1 is 2F wide: SwiGLU)."""
-    num_experts: int = 8
-    """Experts."""
-    topk: int = 2
+    num_experts: int = 128
+    """Experts per MoE layer."""
+    topk: int = 8
     """Experts per token."""
-    iters: int = 8
-    """Timed iterations per mode (after one warm-up)."""
+    num_layers: int = 2
+    """Transformer (MoE) layers of the model-step benchmark."""
+    vocab_size: int = 256
+    """Vocabulary of the model-step benchmark."""
+    iters: int = 0
+    """Timed model steps per mode (after one warm-up round); 0: 12, or 4 when ``ep`` > 2 (the
+    ranks then share the cores of a small machine and every step takes twice as long)."""
+    layer_iters: int = 0
+    """Timed single-layer forward + backward runs per mode (after one warm-up round); 0: 8, or 4
+    when ``ep`` > 2."""
     threads: int = 1
     """torch threads per rank."""
+    caching_malloc: bool = True
+    """Run the ranks with glibc malloc keeping freed memory (``MALLOC_MMAP_MAX_=0``, a huge
+    ``MALLOC_TRIM_THRESHOLD_``), as GPU/NPU caching allocators do; off: every fresh large tensor
+    pays first-touch page faults (about 0.5 ms per MB on a small VM), which then dominates copies."""
     model_step: bool = True
-    """Also time a whole 2-layer MoE GPT forward + backward per mode (``model_step_time_s``)."""
+    """Time the whole-model training step (``step_time_s``); off: layer figures only."""
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.num_experts % self.ep:
             raise ValueError(f"MoEBenchConfig.ep={self.ep}: must be >= 1 and divide num_experts={self.num_experts}")
         if not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"MoEBenchConfig.topk={self.topk}: must be in [1, {self.num_experts}]")
-        if self.tokens < 1 or self.iters < 1:
-            raise ValueError("MoEBenchConfig.tokens and .iters: must be >= 1")
+        if self.tokens < 1 or self.seq_length < 1 or self.iters < 0 or self.layer_iters < 0:
+            raise ValueError("MoEBenchConfig.tokens and .seq_length: must be >= 1; .iters, .layer_iters: >= 0")
+        if self.iters == 0:
+            object.__setattr__(self, "iters", 12 if self.ep <= 2 else 4)
+        if self.layer_iters == 0:
+            object.__setattr__(self, "layer_iters", 8 if self.ep <= 2 else 4)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"MoEBenchConfig.num_query_groups={self.num_query_groups}: must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Head dim (``kv_channels`` or 2 × hidden / heads)."""
+        return self.kv_channels or max(1, 2 * self.hidden_size // self.num_attention_heads)
+
+    @property
+    def sample_lengths(self) -> list[int]:
+        """Lengths of the samples packed into one rank's micro-batch."""
+        n = min(self.seq_length, self.tokens)
+        out = [n] * (self.tokens // n)
+        if self.tokens % n:
+            out.append(self.tokens % n)
+        return out
 
 
 def moe_transformer_config(
@@ -125,6 +206,65 @@ def build_moe_layer(config: Any, level: Any = "none") -> Any:
     return ZeroMemoryMoELayer(config=config, submodules=mlp.submodules, zero_memory_level=level)
 
 
+# --- FLOP model -------------------------------------------------------------------------------------
+
+
+def _step_flops(
+    *, tokens: int, samples: list[int], hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+    experts: int, topk: int, layers: int, vocab: int,
+) -> dict[str, float]:
+    """FLOPs of one rank's training step (and of one MoE layer alone), and each mode's extra FLOPs.
+
+    2 FLOPs per multiply-add; balanced routing (every rank computes T·topk expert rows); GEMM
+    backward = 2 × forward; causal core attention counts the visible (query, key) pairs, and its
+    backward is 2.5 × its forward (flash attention recomputes the scores).  Elementwise work,
+    norms, softmax and the optimizer are not counted.
+    """
+    t, h, rows = tokens, hidden, tokens * topk
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn_proj = 2 * t * h * (q + 2 * kv) + 2 * t * q * h
+    core = sum(2 * 2 * q * n * (n + 1) / 2 for n in samples)
+    router = 2 * t * h * experts
+    experts_fwd = 2 * rows * (h * 2 * ffn + ffn * h)  # fc1 (2F wide: SwiGLU) + fc2
+    fc1 = 2 * rows * h * 2 * ffn
+    lm_head = 2 * t * h * vocab
+    gemm_fwd = layers * (attn_proj + router + experts_fwd) + lm_head
+    step = 3 * gemm_fwd + 3.5 * layers * core
+    layer = 3 * (router + experts_fwd)
+    extra = {"level0": 0.0, "level1": layers * fc1, "full_recompute": layers * (router + experts_fwd)}
+    return {
+        "step_flops": step,
+        "layer_flops": layer,
+        "step_extra_fraction": {m: extra[m] / step for m in COSTLY},
+        "layer_extra_fraction": {m: extra[m] / layers / layer for m in COSTLY},
+        "moe_share_of_step": layers * 3 * (router + experts_fwd) / step,
+        "core_attention_share_of_step": 3.5 * layers * core / step,
+    }
+
+
+def flop_model(cfg: MoEBenchConfig) -> dict[str, Any]:
+    """Expected extra-FLOP fractions of each mode for ``cfg``'s shape and for a real Qwen3-235B-A22B."""
+    bench = _step_flops(
+        tokens=cfg.tokens, samples=cfg.sample_lengths, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_query_groups, head_dim=cfg.head_dim, ffn=cfg.ffn_hidden_size, experts=cfg.num_experts,
+        topk=cfg.topk, layers=cfg.num_layers, vocab=cfg.vocab_size,
+    )
+    qwen = {}
+    for seq in (8192, 32768):  # one sample per rank (no CP), 94 layers, vocab 151936
+        f = _step_flops(tokens=seq, samples=[seq], hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=1536,
+                        experts=128, topk=8, layers=94, vocab=151936)
+        qwen[f"seq_{seq}"] = {k: f[k] for k in ("step_extra_fraction", "moe_share_of_step",
+                                                "core_attention_share_of_step")}
+    return {
+        "benchmarked_shape": bench,
+        "qwen3_235b_a22b": qwen,
+        "notes": "extra FLOPs / FLOPs of the `none` step; GEMMs and core attention only; balanced routing",
+    }
+
+
+# --- the measurements ----------------------------------------------------------------------------
+
+
 def _saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Unique-storage bytes saved for backward by ``layer(x)`` (parameters excluded); and the output."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -142,61 +282,70 @@ def _saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Te
     return sum(seen.values()), out
 
 
-def _run(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
+def _set_mode(layers: list[Any], mode: str) -> None:
+    """Put every MoE layer in ``mode``: a zero-memory level, or Megatron's full ``moe`` recompute.
+
+    ``full_recompute`` sets the layer's ``moe_layer_recompute`` (what ``recompute_modules=['moe']``
+    sets at construction), so the four modes share one set of parameters.
+    """
+    for lay in layers:
+        lay.moe_layer_recompute = False
+        lay.set_zero_memory_level("none" if mode == "full_recompute" else mode)
+        lay.moe_layer_recompute = mode == "full_recompute"
+
+
+def _rounds(iters: int) -> list[list[str]]:
+    """Mode order of each round: a warm-up round, then ``iters`` rounds, each rotated by one."""
+    return [list(MODES)] + [list(MODES[i % 4:] + MODES[: i % 4]) for i in range(iters)]
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
     import torch.distributed as dist
 
-    from hdp import megatron_compat as mc
-    from hdp.moe import ZeroMemoryLevel
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    return [float(v) for v in t]
 
-    mc.initialize_megatron(expert_model_parallel_size=cfg.ep, seed=1234)
-    shape = dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-                 num_experts=cfg.num_experts, topk=cfg.topk, ep=cfg.ep)
+
+def _layer_times(
+    cfg: MoEBenchConfig, rank: int,
+) -> tuple[dict[str, int], dict[str, list[float]], dict[str, list[float]]]:
+    """Saved bytes (rank 0's) and forward + backward wall and CPU times of one MoE layer per mode."""
+    import torch.distributed as dist
+
     torch.manual_seed(0)
-    layer = build_moe_layer(moe_transformer_config(**shape))
-    torch.manual_seed(0)
-    full = build_moe_layer(moe_transformer_config(**shape, full_recompute=True))
-    full.load_state_dict(layer.state_dict())
+    layer = build_moe_layer(moe_transformer_config(
+        hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size, num_experts=cfg.num_experts,
+        topk=cfg.topk, ep=cfg.ep,
+    ))
     g = torch.Generator().manual_seed(100 + rank)
     x0 = torch.randn(cfg.tokens, 1, cfg.hidden_size, generator=g)  # [s, b, H]
     dy = torch.randn(cfg.tokens, 1, cfg.hidden_size, generator=g)
-
-    def step(mode: str) -> tuple[int, float]:
-        mod = full if mode == "full_recompute" else layer
-        if mode != "full_recompute":
-            layer.set_zero_memory_level(ZeroMemoryLevel(mode))
-        for p in mod.parameters():
-            p.grad = None
-        x = x0.clone().requires_grad_(True)
-        dist.barrier(group=dist.group.WORLD)
-        t0, c0 = time.perf_counter(), time.process_time()
-        nbytes, out = _saved_bytes(mod, x)
-        out.backward(dy)
-        return nbytes, (time.perf_counter() - t0, time.process_time() - c0)
-
     saved: dict[str, int] = {}
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}
-    with mc.cpu_checkpoint_rng():
-        for m in MODES:  # warm-up
-            saved[m], _ = step(m)
-        for _ in range(cfg.iters):
-            for m in MODES:  # interleaved so load noise hits every mode alike
-                _, (wall, proc) = step(m)
-                t = torch.tensor([wall, proc], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-                times[m].append(float(t[0]))
-                cpu[m].append(float(t[1]))
-    model_times = _model_step_times(cfg) if cfg.model_step else None
-    mc.destroy_megatron()
-    return {"saved_bytes": saved, "times": times, "cpu_times": cpu, "model_times": model_times}
+    cpu_times: dict[str, list[float]] = {m: [] for m in MODES}
+    for r, order in enumerate(_rounds(cfg.layer_iters)):
+        for mode in order:
+            _set_mode([layer], mode)
+            for p in layer.parameters():
+                p.grad = None
+            x = x0.clone().requires_grad_(True)
+            dist.barrier(group=dist.group.WORLD)
+            t0, c0 = time.perf_counter(), time.process_time()
+            if r == 0:  # warm-up round: count the saved bytes (the hooks stay out of the timed runs)
+                saved[mode], out = _saved_bytes(layer, x)
+            else:
+                out, _ = layer(x)
+            out.backward(dy)
+            wall, cpu = _max_over_ranks([time.perf_counter() - t0, time.process_time() - c0])
+            if r > 0:
+                times[mode].append(wall)
+                cpu_times[mode].append(cpu)
+    return saved, times, cpu_times
 
 
-def _model_step_times(cfg: MoEBenchConfig) -> dict[str, list[float]]:
-    """Forward + backward time of a 2-layer MoE GPT (``hdp.trainer.model``, gelu experts) per mode.
-
-    Each rank holds ``cfg.tokens`` tokens packed as 4 equal samples (hdp attention); Megatron must be
-    initialised with EP = ``cfg.ep``.  Max over ranks per iteration.
-    """
+def _model_times(cfg: MoEBenchConfig, rank: int) -> dict[str, dict[str, list[float]]]:
+    """Training-step wall times (total, forward, backward, optimizer) and CPU time of the MoE GPT per mode."""
     import dataclasses
 
     import torch.distributed as dist
@@ -204,45 +353,67 @@ def _model_step_times(cfg: MoEBenchConfig) -> dict[str, list[float]]:
     from hdp import megatron_compat as mc
     from hdp.moe import apply_zero_memory
     from hdp.trainer.attention_spec import packed_seq_params
-    from hdp.trainer.model import ModelConfig, layer_spec, packed_logits, token_logprobs, transformer_config
+    from hdp.trainer.model import (
+        ModelConfig, OptimConfig, build_optimizer, layer_spec, packed_logits, token_logprobs, transformer_config,
+        wrap_ddp,
+    )
 
-    vocab = 256
-    mcfg = ModelConfig(vocab_size=vocab, hidden_size=cfg.hidden_size, num_layers=2, num_attention_heads=4,
-                       num_moe_experts=cfg.num_experts, moe_router_topk=cfg.topk,
-                       moe_ffn_hidden_size=cfg.ffn_hidden_size, expert_model_parallel_size=cfg.ep,
-                       max_sequence_length=max(cfg.tokens, 16))
-    models = {}
-    for mode in MODES:
-        tcfg = transformer_config(mcfg)
-        if mode == "full_recompute":
-            tcfg = dataclasses.replace(tcfg, recompute_granularity="selective", recompute_modules=["moe"])
-        torch.manual_seed(0)
-        model = mc.GPTModel(config=tcfg, transformer_layer_spec=layer_spec(mcfg), vocab_size=vocab,
-                            max_sequence_length=mcfg.max_sequence_length, pre_process=True, post_process=True,
-                            parallel_output=True, share_embeddings_and_output_weights=False,
-                            position_embedding_type="none")
-        if mode in ("level0", "level1"):
-            apply_zero_memory(model, mode)
-        models[mode] = model
-    g = torch.Generator().manual_seed(200 + dist.get_rank())
-    lengths = [cfg.tokens // 4] * 3 + [cfg.tokens - 3 * (cfg.tokens // 4)]
-    tokens = torch.randint(0, vocab, (cfg.tokens,), generator=g)
+    mcfg = ModelConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.topk, moe_ffn_hidden_size=cfg.ffn_hidden_size,
+        expert_model_parallel_size=cfg.ep, max_sequence_length=max(cfg.sample_lengths), activation="swiglu",
+    )
+    # hdp.trainer.model.build_gpt_model, with the head dim of the benchmark shape
+    tcfg = dataclasses.replace(transformer_config(mcfg), kv_channels=cfg.head_dim)
+    torch.manual_seed(0)
+    model = mc.GPTModel(config=tcfg, transformer_layer_spec=layer_spec(mcfg), vocab_size=cfg.vocab_size,
+                        max_sequence_length=mcfg.max_sequence_length, pre_process=True, post_process=True,
+                        parallel_output=True, share_embeddings_and_output_weights=False,
+                        position_embedding_type="none")
+    layers = apply_zero_memory(model, "none")
+    opt_cfg = OptimConfig(lr=1e-7)  # a real Adam step, too small to move the routing
+    ddp = wrap_ddp(model, opt_cfg)
+    optimizer = build_optimizer(ddp, opt_cfg)
+    g = torch.Generator().manual_seed(200 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.tokens,), generator=g)
     targets = torch.roll(tokens, -1)
-    psp = packed_seq_params(lengths, torch.device("cpu"))
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    psp = packed_seq_params(cfg.sample_lengths, torch.device("cpu"))
+    global_tokens = float(cfg.tokens * dist.get_world_size())
+    out: dict[str, dict[str, list[float]]] = {k: {m: [] for m in MODES} for k in ("step", "fwd", "bwd", "opt", "cpu")}
+    for r, order in enumerate(_rounds(cfg.iters)):
+        for mode in order:
+            _set_mode(layers, mode)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            dist.barrier(group=dist.group.WORLD)
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = -token_logprobs(packed_logits(ddp, tokens, psp), targets).sum() / global_tokens
+            t1 = time.perf_counter()
+            loss.backward()
+            ddp.finish_grad_sync()
+            t2 = time.perf_counter()
+            ok, _, _ = optimizer.step()
+            t3, c3 = time.perf_counter(), time.process_time()
+            if not ok:
+                raise RuntimeError(f"bench_moe: optimizer step failed in mode {mode}")
+            step, fwd, bwd, opt, cpu = _max_over_ranks([t3 - t0, t1 - t0, t2 - t1, t3 - t2, c3 - c0])
+            if r > 0:
+                for k, v in (("step", step), ("fwd", fwd), ("bwd", bwd), ("opt", opt), ("cpu", cpu)):
+                    out[k][mode].append(v)
+    return out
+
+
+def _run(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
+    from hdp import megatron_compat as mc
+
+    del world
+    mc.initialize_megatron(expert_model_parallel_size=cfg.ep, seed=1234)
     with mc.cpu_checkpoint_rng():
-        for it in range(cfg.iters + 1):  # the first round is a warm-up
-            for mode, model in models.items():
-                model.zero_grad(set_to_none=True)
-                dist.barrier(group=dist.group.WORLD)
-                t0 = time.perf_counter()
-                loss = -token_logprobs(packed_logits(model, tokens, psp), targets).mean()
-                loss.backward()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-                if it > 0:
-                    times[mode].append(float(t))
-    return times
+        saved, layer_times, layer_cpu = _layer_times(cfg, rank)
+        model_times = _model_times(cfg, rank) if cfg.model_step else None
+    mc.destroy_megatron()
+    return {"saved_bytes": saved, "layer_times": layer_times, "layer_cpu": layer_cpu, "model_times": model_times}
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: MoEBenchConfig, results: Any) -> None:
@@ -263,6 +434,10 @@ def _rank_main(rank: int, world: int, port: int, cfg: MoEBenchConfig, results: A
         raise SystemExit(1)
 
 
+_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""glibc malloc settings of the ranks with ``caching_malloc``: no mmap'd chunks, never trim the heap."""
+
+
 def _spawn(cfg: MoEBenchConfig, timeout: float) -> dict[str, Any]:
     """Run :func:`_run` on ``cfg.ep`` spawned gloo ranks; rank 0's result."""
     import multiprocessing as mp
@@ -275,8 +450,18 @@ def _spawn(cfg: MoEBenchConfig, timeout: float) -> dict[str, Any]:
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg.ep, store.port, cfg, results), daemon=True)
              for r in range(cfg.ep)]
-    for p in procs:
-        p.start()
+    env = _MALLOC_ENV if cfg.caching_malloc else {}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read by glibc when the spawned interpreter starts
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -296,64 +481,93 @@ def _spawn(cfg: MoEBenchConfig, timeout: float) -> dict[str, Any]:
     return got[0]
 
 
+def _paired_overhead(times: dict[str, list[float]]) -> dict[str, float]:
+    """Median over rounds of time(mode) / time(none) − 1 within the same round."""
+    return {m: statistics.median(a / b for a, b in zip(times[m], times["none"])) - 1.0 for m in COSTLY}
+
+
+def _summary(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, Any]:
+    """Best-of, median and overheads of one set of per-round times (see the module docstring)."""
+    best = {m: min(v) for m, v in times.items()}
+    return {
+        "time_s": best,
+        "time_median_s": {m: statistics.median(v) for m, v in times.items()},
+        "overhead_vs_none": {m: best[m] / best["none"] - 1.0 for m in COSTLY},
+        "overhead_paired_median": _paired_overhead(times),
+        "cpu_overhead_paired_median": _paired_overhead(cpu),
+    }
+
+
 def bench_moe(
     ep: int = 2,
     *,
-    tokens: int = 2048,
-    hidden_size: int = 256,
-    ffn_hidden_size: int = 512,
-    num_experts: int = 8,
-    topk: int = 2,
-    iters: int = 8,
-    threads: int = 1,
-    model_step: bool = True,
     json: bool = False,
-    timeout: float = 600.0,
+    timeout: float = 1800.0,
+    **shape: Any,
 ) -> dict[str, Any]:
     """Run the benchmark on ``ep`` gloo ranks; return (and with ``json`` print) the result dict.
 
-    Keys: ``saved_bytes`` and ``step_time_s`` ({none, level0, level1, full_recompute}),
-    ``freed_fraction_of_full`` ({level0, level1}: (none − level) / (none − full_recompute)),
-    ``overhead_vs_none`` ({level0, level1, full_recompute}: time / time(none) − 1), ``step_cpu_s`` and
-    ``overhead_cpu_vs_none`` (the same from process CPU time), ``targets``
-    (the issue's pass/fail checks, on the layer figures), ``model_step_time_s`` (whole 2-layer MoE
-    GPT forward + backward per mode, ``None`` without ``model_step``), ``model_overhead_vs_none``
-    and ``config``.
+    ``shape``: any other :class:`MoEBenchConfig` field (``tokens``, ``hidden_size``, ``iters``, ...).
+    Mode dicts have keys none / level0 / level1 / full_recompute, overhead dicts the last three.
+    Keys: ``saved_bytes``, ``freed_fraction_of_full``; ``step_time_s`` (best-of training step),
+    ``step_time_median_s``, ``step_overhead_vs_none`` (from ``step_time_s``),
+    ``step_overhead_paired_median``, ``step_cpu_overhead_paired_median``, ``step_breakdown_s``; the
+    same ``layer_*`` entries for one MoE layer alone; ``flop_model``; ``targets`` (the issue's
+    checks, on the step figures); ``shape`` and ``config``.  Without ``model_step`` the step
+    entries are ``None`` and the time targets use the layer figures.
     """
-    cfg = MoEBenchConfig(ep=ep, tokens=tokens, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
-                         num_experts=num_experts, topk=topk, iters=iters, threads=threads,
-                         model_step=model_step)
+    cfg = MoEBenchConfig(ep=ep, **shape)
     raw = _spawn(cfg, timeout)
     saved = raw["saved_bytes"]
-    step = {m: min(v) for m, v in raw["times"].items()}  # best of: the machine may be shared
-    step_cpu = {m: statistics.median(v) for m, v in raw["cpu_times"].items()}
     full_freed = saved["none"] - saved["full_recompute"]
     freed = {m: (saved["none"] - saved[m]) / full_freed if full_freed > 0 else float("nan")
              for m in ("level0", "level1")}
-    costly = ("level0", "level1", "full_recompute")
-    overhead = {m: step[m] / step["none"] - 1.0 for m in costly}
-    model_step = {m: min(v) for m, v in raw["model_times"].items()} if raw["model_times"] else None
+    layer = _summary(raw["layer_times"], raw["layer_cpu"])
+    mt = raw["model_times"]
+    step = _summary(mt["step"], mt["cpu"]) if mt is not None else None
+    breakdown = (
+        {m: {k: statistics.median(mt[k][m]) for k in ("fwd", "bwd", "opt", "cpu")} for m in MODES}
+        if mt is not None else None
+    )
+    fm = flop_model(cfg)
+    fm["measured_step_overhead"] = step["overhead_vs_none"] if step else None
+    fm["measured_layer_overhead"] = layer["overhead_vs_none"]
+    ref = step or layer
+    over = ref["overhead_vs_none"]
     result: dict[str, Any] = {
         "saved_bytes": saved,
-        "step_time_s": step,
-        "step_cpu_s": step_cpu,
-        "overhead_cpu_vs_none": {m: step_cpu[m] / step_cpu["none"] - 1.0 for m in costly},
-        "model_step_time_s": model_step,
-        "model_overhead_vs_none": (
-            {m: model_step[m] / model_step["none"] - 1.0 for m in ("level0", "level1", "full_recompute")}
-            if model_step else None
-        ),
         "freed_fraction_of_full": freed,
-        "overhead_vs_none": overhead,
+        "step_time_s": step["time_s"] if step else None,
+        "step_time_median_s": step["time_median_s"] if step else None,
+        "step_overhead_vs_none": over if step else None,
+        "step_overhead_paired_median": step["overhead_paired_median"] if step else None,
+        "step_cpu_overhead_paired_median": step["cpu_overhead_paired_median"] if step else None,
+        "step_breakdown_s": breakdown,
+        "layer_time_s": layer["time_s"],
+        "layer_time_median_s": layer["time_median_s"],
+        "layer_overhead_vs_none": layer["overhead_vs_none"],
+        "layer_overhead_paired_median": layer["overhead_paired_median"],
+        "layer_cpu_overhead_paired_median": layer["cpu_overhead_paired_median"],
+        "flop_model": fm,
         "targets": {
             "level0_frees_ge_60pct_of_full": freed["level0"] >= 0.60,
             "level1_frees_ge_90pct_of_full": freed["level1"] >= 0.90,
-            "level0_overhead_le_10pct": overhead["level0"] <= 0.10,
-            "level1_overhead_le_10pct": overhead["level1"] <= 0.10,
-            "level0_faster_than_full": step["level0"] < step["full_recompute"],
-            "level1_faster_than_full": step["level1"] < step["full_recompute"],
+            "level0_overhead_le_10pct": over["level0"] <= 0.10,
+            "level1_overhead_le_10pct": over["level1"] <= 0.10,
+            "level0_faster_than_full": over["level0"] < over["full_recompute"],
+            "level1_faster_than_full": over["level1"] < over["full_recompute"],
+            "measured_on": ("step_overhead_vs_none" if step else "layer_overhead_vs_none")
+            + " (best-of times; see also the paired-median and CPU-time overheads)",
         },
-        "config": {**cfg.__dict__, "dtype": "float32", "activation": "swiglu", "device": "cpu"},
+        "shape": {
+            "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_query_groups,
+            "head_dim": cfg.head_dim, "experts": cfg.num_experts, "topk": cfg.topk,
+            "moe_ffn": cfg.ffn_hidden_size, "activation": "swiglu", "layers": cfg.num_layers,
+            "vocab": cfg.vocab_size, "tokens_per_rank": cfg.tokens, "sample_lengths": cfg.sample_lengths,
+            "ep": cfg.ep,
+        },
+        "config": {**asdict(cfg), "dtype": "float32", "device": "cpu", "optimizer": "megatron distributed adam",
+                   "statistic": "max over ranks per round; best-of (min) and median over rounds"},
     }
     if json:
         print(_json.dumps(result))
@@ -363,27 +577,39 @@ def bench_moe(
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m hdp.trainer.bench_moe [--ep 2] [--json] ...``."""
     p = argparse.ArgumentParser(prog="hdp bench moe", description=__doc__.split("\n\n")[0])
+    d = MoEBenchConfig()
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (gloo ranks)")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--no-model-step", action="store_true", help="skip the whole-model step timing")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank")
+    p.add_argument("--seq-length", type=int, default=d.seq_length, help="sample length (tokens packed per rank)")
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--ffn-hidden-size", type=int, default=d.ffn_hidden_size, help="expert FFN width")
+    p.add_argument("--num-experts", type=int, default=d.num_experts)
+    p.add_argument("--topk", type=int, default=d.topk)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--iters", type=int, default=0, help="timed model steps per mode (0: 12, or 4 for ep > 2)")
+    p.add_argument("--layer-iters", type=int, default=0,
+                   help="timed single-layer runs per mode (0: 8, or 4 for ep > 2)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--no-model-step", action="store_true", help="skip the whole-model training step")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="run the ranks with glibc's default malloc (see MoEBenchConfig.caching_malloc)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     a = p.parse_args(argv)
-    res = bench_moe(a.ep, tokens=a.tokens, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
-                    num_experts=a.num_experts, topk=a.topk, iters=a.iters, threads=a.threads,
-                    model_step=not a.no_model_step, json=a.json)
+    res = bench_moe(a.ep, tokens=a.tokens, seq_length=a.seq_length, hidden_size=a.hidden_size,
+                    ffn_hidden_size=a.ffn_hidden_size, num_experts=a.num_experts, topk=a.topk,
+                    num_layers=a.num_layers, iters=a.iters, layer_iters=a.layer_iters, threads=a.threads,
+                    caching_malloc=not a.system_malloc, model_step=not a.no_model_step, json=a.json)
     if not a.json:
+        step = res["step_time_s"] or {}
         for m in MODES:
-            print(f"{m:15s} saved {res['saved_bytes'][m]:>12,d} B   step {res['step_time_s'][m] * 1e3:8.1f} ms")
+            s = f"   step {step[m] * 1e3:8.1f} ms" if step else ""
+            print(f"{m:15s} saved {res['saved_bytes'][m]:>12,d} B   layer {res['layer_time_s'][m] * 1e3:8.1f} ms{s}")
         print("freed / full-recompute freed:", {k: round(v, 3) for k, v in res["freed_fraction_of_full"].items()})
-        print("overhead vs none:", {k: round(v, 3) for k, v in res["overhead_vs_none"].items()})
-        if res["model_step_time_s"]:
-            print("model step (s):", {k: round(v, 4) for k, v in res["model_step_time_s"].items()})
+        print("layer overhead vs none:", {k: round(v, 3) for k, v in res["layer_overhead_vs_none"].items()})
+        if res["step_overhead_vs_none"]:
+            print("step overhead vs none:", {k: round(v, 3) for k, v in res["step_overhead_vs_none"].items()})
+        fm = res["flop_model"]["benchmarked_shape"]
+        print("flop model, extra FLOPs / none step:", {k: round(v, 3) for k, v in fm["step_extra_fraction"].items()})
     return 0
 
 

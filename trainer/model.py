@@ -83,6 +83,9 @@ class ModelConfig:
     """Std of the normal weight init."""
     share_embeddings_and_output_weights: bool = False
     """Tie input embedding and output layer."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP (dense and expert) activation: ``gelu`` (plain fc1 -> gelu -> fc2) or ``swiglu`` (gated:
+    fc1 is 2 × ffn wide, silu(first half) · second half, as in Llama / Qwen3)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -95,6 +98,8 @@ class ModelConfig:
                 f"ModelConfig.num_query_groups={self.num_query_groups}: must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.activation not in ("gelu", "swiglu"):
+            raise ValueError(f"ModelConfig.activation={self.activation!r}: choose 'gelu' or 'swiglu'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.params_dtype={self.params_dtype!r}: choose one of {list(_DTYPES)}")
         if self.num_moe_experts is not None:
@@ -157,7 +162,8 @@ def transformer_config(cfg: ModelConfig, device: torch.device | str = "cpu") -> 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
-        gated_linear_unit=False,
+        gated_linear_unit=cfg.activation == "swiglu",
+        activation_func=torch.nn.functional.silu if cfg.activation == "swiglu" else torch.nn.functional.gelu,
         init_method_std=cfg.init_method_std,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -11,7 +11,8 @@ Dimension legend (one MoE layer on one rank):
     n_l rows of local expert l (sum_l n_l = R)
 
 The expert path is one autograd node, :class:`_ZeroMemoryExperts` (input x [T, H], permuted probs
-[S], expert weights -> combined expert output [S, H]); unpermutation (scatter-add) stays outside::
+[S], expert weights -> the layer's routed output [T, H]), from the permutation to the
+unpermutation, so that its backward starts where the layer's backward starts::
 
     x_perm = x[sorted_indices]                   [S, H]   permutation 1
     x_recv = all_to_all(x_perm)                  [R, H]   dispatch (EP group)
@@ -20,21 +21,29 @@ The expert path is one autograd node, :class:`_ZeroMemoryExperts` (input x [T, H
     z_l    = (act(h_l) * p_l[:, None]).to(dt)    [n_l, F]  activation (SwiGLU: silu(h_a)·h_b) x probs
     y_l    = z_l @ W2_l^T                        [n_l, H]  fc2
     y_perm = all_to_all(ungroup(y_g))            [S, H]   combine
+    out    = scatter_add(y_perm -> sorted_indices) [T, H] unpermute
 
 Saved for backward (everything else -- x_perm, x_recv, x_g, act(h), z, y -- is freed in forward):
 
 * ``level0``: x (the layer input; the router keeps it alive anyway), h [R, F1], p_g [R], indices.
-  Backward: combine-grad all-to-all of dy; re-permute x and issue the dispatch all-to-all
-  **asynchronously**; recompute act(h) for fc2's weight gradient; fc2 input grad; activation and
-  probs backward; fc1 input-gradient GEMM -- all while the re-dispatch is in flight -- then wait;
-  the re-received tokens feed only fc1's weight gradient.
+  Backward: unpermute backward (gather of d_out) and the combine-grad all-to-all of dy; re-permute
+  x and issue the dispatch all-to-all **asynchronously**; recompute act(h) for fc2's weight
+  gradient; fc2 input grad; activation and probs backward; fc1 input-gradient GEMM -- all while
+  the re-dispatch is in flight -- then wait; the re-received tokens feed only fc1's weight gradient.
 * ``level1``: x, the pre-dispatch probs [S] and indices only (h and the received probs are freed).
-  Backward: re-dispatch x and probs first (asynchronously, together with dy's all-to-all), then
-  recompute fc1 and the activation, then the same backward as level0.
+  Backward: the re-dispatch of x and the probs is issued **first**, at the start of the layer's
+  backward, so it overlaps the unpermute backward and the combine-grad all-to-all (issued next,
+  asynchronously); then wait for the re-dispatch, recompute fc1 (while dy's all-to-all is still in
+  flight), wait for dy, and run the same backward as level0.
+
+Both levels send the input and probs gradients home (combine direction) asynchronously while fc1's
+weight gradient runs.  For SwiGLU experts (``activation_func=silu``, no clamp) the activation and
+probs backward is written out (the same elementwise ops autograd runs, writing the two halves of
+dh in place instead of building a graph and concatenating); other activations go through autograd.
 
 The order of events of a backward can be recorded through a :class:`ZeroMemoryTrace` set on the
-layer (``layer.trace``); tests use it to check that the re-dispatch is issued before the fc1
-input-gradient GEMM and waited on after it.
+layer (``layer.trace``); tests use it to check that the re-dispatch is issued before the GEMM it
+hides behind and waited on after it.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hdp import megatron_compat as mc
 from hdp.moe.levels import ZeroMemoryLevel, layer_levels
@@ -67,9 +77,12 @@ logger = logging.getLogger(__name__)
 class ZeroMemoryTrace:
     """Ordered record of the expert path's backward events (for tests and debugging).
 
-    Event names: ``combine_grad_a2a``, ``redispatch_issue``, ``redispatch_wait``,
-    ``fc1_recompute`` (level1), ``fc2_backward``, ``probs_backward``, ``fc1_dgrad_start``,
-    ``fc1_dgrad_end``, ``fc1_wgrad``, ``dispatch_grad_a2a_wait``.
+    Event names: ``redispatch_issue`` (re-permuted tokens handed to the async all-to-all),
+    ``unpermute_backward`` (d_out gathered into the sent-row order), ``combine_grad_issue`` (level1:
+    dy's all-to-all issued asynchronously), ``combine_grad_a2a`` (dy received), ``redispatch_wait``
+    (re-dispatched tokens received), ``fc1_recompute`` (level1), ``fc2_backward``,
+    ``probs_backward``, ``fc1_dgrad_start``, ``fc1_dgrad_end``, ``fc1_wgrad``,
+    ``dispatch_grad_a2a_wait``.
     """
 
     events: list[str] = field(default_factory=list)
@@ -112,6 +125,13 @@ def _all_to_all(
     return out, work
 
 
+def _wait(*works: Any) -> None:
+    """Wait for every non-``None`` async work handle."""
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
 @dataclass(frozen=True)
 class _ExpertSpec:
     """Non-tensor arguments of :class:`_ZeroMemoryExperts`."""
@@ -121,6 +141,9 @@ class _ExpertSpec:
     group: dist.ProcessGroup | None  # None when ep == 1
     activation: Callable[[torch.Tensor], torch.Tensor]
     trace: ZeroMemoryTrace | None
+    swiglu_offset: float | None = None
+    """Set (Megatron's ``glu_linear_offset``) when the activation is plain SwiGLU (silu, no clamp):
+    the activation backward then runs the explicit formulas of :func:`_swiglu_backward`."""
 
     def record(self, name: str) -> None:
         """Record event ``name`` on the trace, if one is attached."""
@@ -152,8 +175,48 @@ def _act_times_probs(spec: _ExpertSpec, h: torch.Tensor, p: torch.Tensor) -> tor
     return (a * p.unsqueeze(-1)).to(a.dtype)
 
 
+def _swiglu_backward(
+    h: torch.Tensor, p: torch.Tensor, dy: torch.Tensor, w2: torch.Tensor, dh: torch.Tensor, offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's fc2 and SwiGLU-times-probs backward from its fc1 output; ``(dW2, dp)``.
+
+    h [n, 2F] (fc1 output: gate half a, linear half b), p [n] probs, dy [n, H] grad of fc2's
+    output, w2 [H, F]; writes d h into ``dh`` [n, 2F].  Forward (Megatron MLP, unfused path):
+    act = silu(a) · (b + offset), z = (act · p).to(dt), y = z W2ᵀ.  Backward: the elementwise ops
+    autograd runs for that graph, in its order and dtypes (so results equal autograd's)::
+
+        dW2 = dyᵀ z;  dz = dy W2;  dp = Σ_f dz·act;  dact = dz·p
+        db = dact · silu(a);  da = silu_backward(dact · (b + offset), a)
+    """
+    f = h.shape[1] // 2
+    a, b = h[:, :f], h[:, f:]  # [n, F] views
+    if offset:
+        b = b + offset
+    sa = F.silu(a)  # [n, F]
+    act = sa * b  # [n, F]
+    zdt = torch.promote_types(act.dtype, p.dtype)
+    pc = p.unsqueeze(-1)  # [n, 1]
+    z = (act * pc).to(act.dtype)  # [n, F] recomputed activation x probs
+    dw2 = dy.t().matmul(z)  # fc2 weight grad [H, F]
+    del z
+    dz = dy.matmul(w2)  # fc2 input grad [n, F]
+    dzc = dz.to(zdt)
+    dp = (dzc * act).sum(-1)  # [n] probs grad (in the promoted dtype, as autograd's mul backward)
+    del act
+    del dz
+    dact = dzc.mul_(pc).to(h.dtype)  # [n, F] (dzc is dz itself or its fresh up-cast: free to overwrite)
+    torch.mul(dact, sa, out=dh[:, f:])  # d b
+    del sa
+    dsa = dact.mul_(b)  # [n, F] d silu(a)
+    torch.ops.aten.silu_backward.grad_input(dsa, a, grad_input=dh[:, :f])  # d a
+    return dw2, dp.to(p.dtype)
+
+
 class _ZeroMemoryExperts(torch.autograd.Function):
-    """dispatch -> local experts -> combine with explicit saved tensors (see the module docstring)."""
+    """permute -> dispatch -> local experts -> combine -> unpermute with explicit saved tensors.
+
+    See the module docstring.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -167,6 +230,7 @@ class _ZeroMemoryExperts(torch.autograd.Function):
     ) -> torch.Tensor:
         meta = spec.meta
         n_local = meta.num_local_experts
+        level0 = spec.level is ZeroMemoryLevel.LEVEL0
         w1, w2 = weights[:n_local], weights[n_local:]
         x_perm = x.index_select(0, sorted_indices)  # [S, H]
         x_recv, _ = _all_to_all(x_perm, meta.output_splits, meta.input_splits, spec.group)  # [R, H]
@@ -176,27 +240,35 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         p_g = _regroup(p_recv, group_index)  # [R]
         del x_recv, p_recv
         num_rows, hidden = x_g.shape
-        h_g = x_g.new_empty((num_rows, w1[0].shape[0]))  # [R, F1]
+        # level0 keeps fc1's output for backward; level1 only needs one expert's at a time
+        h_g = x_g.new_empty((num_rows, w1[0].shape[0])) if level0 else None  # [R, F1]
         y_g = x_g.new_empty((num_rows, hidden))  # [R, H]
         for (s, e), w1_l, w2_l in zip(spec.chunks(), w1, w2):
-            torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # fc1 [n_l, F1]
-            z = _act_times_probs(spec, h_g[s:e], p_g[s:e])  # [n_l, F]
+            if h_g is not None:
+                h_l = torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # fc1 [n_l, F1]
+            else:
+                h_l = torch.mm(x_g[s:e], w1_l.t())
+            z = _act_times_probs(spec, h_l, p_g[s:e])  # [n_l, F]
             torch.mm(z, w2_l.t(), out=y_g[s:e])  # fc2 [n_l, H]
-            del z
+            del z, h_l
         del x_g
         y_perm, _ = _all_to_all(_ungroup(y_g, group_index), meta.input_splits, meta.output_splits, spec.group)
+        del y_g
+        # unpermute (Megatron's moe_utils.unpermute without merging probs): scatter-add rows home
+        out = torch.zeros((x.shape[0], hidden), dtype=y_perm.dtype, device=y_perm.device)
+        out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, hidden), y_perm)  # [T, H]
         ctx.spec = spec
         ctx.has_group_index = group_index is not None
         gi = group_index if group_index is not None else sorted_indices.new_empty(0)
-        if spec.level is ZeroMemoryLevel.LEVEL0:
+        if level0:
             ctx.save_for_backward(x, sorted_indices, gi, h_g, p_g, *weights)
         else:
-            del h_g, p_g
+            del p_g
             ctx.save_for_backward(x, sorted_indices, gi, probs_perm, *weights)
-        return y_perm  # [S, H]
+        return out  # [T, H]
 
     @staticmethod
-    def backward(ctx: Any, dy_perm: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         spec: _ExpertSpec = ctx.spec
         meta = spec.meta
         n_local = meta.num_local_experts
@@ -211,38 +283,52 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         bwd = (meta.input_splits, meta.output_splits)  # combine direction
 
         if level0:
+            dy_perm = d_out.index_select(0, sorted_indices)  # [S, H] unpermute backward
+            spec.record("unpermute_backward")
             # grad of the combine all-to-all: needed by everything below, so synchronous
             dy_recv, _ = _all_to_all(dy_perm, *fwd, spec.group)  # [R, H]
+            del dy_perm
             spec.record("combine_grad_a2a")
             # re-permute the saved layer input and re-issue the dispatch; hidden behind the GEMMs below
             x_re, x_work = _all_to_all(x.index_select(0, sorted_indices), *fwd, spec.group, async_op=True)
             spec.record("redispatch_issue")
             x_g: torch.Tensor | None = None
+            dy_g = _regroup(dy_recv, group_index)  # [R, H]
+            del dy_recv
         else:
-            # level1: re-dispatch first (tokens and probs), together with dy's all-to-all
+            # level1: the re-dispatch goes first, at the very start of the layer's backward; the
+            # unpermute backward and dy's all-to-all (issued next) overlap it
             x_re, x_work = _all_to_all(x.index_select(0, sorted_indices), *fwd, spec.group, async_op=True)
             p_re, p_work = _all_to_all(probs_perm, *fwd, spec.group, async_op=True)
             spec.record("redispatch_issue")
+            dy_perm = d_out.index_select(0, sorted_indices)  # [S, H] unpermute backward
+            spec.record("unpermute_backward")
             dy_recv, dy_work = _all_to_all(dy_perm, *fwd, spec.group, async_op=True)
-            for w in (x_work, p_work, dy_work):
-                if w is not None:
-                    w.wait()
+            del dy_perm
+            spec.record("combine_grad_issue")
+            _wait(x_work, p_work)
             spec.record("redispatch_wait")
-            spec.record("combine_grad_a2a")
             x_g = _regroup(x_re, group_index)  # [R, H]
             p_g = _regroup(p_re, group_index)  # [R]
             del x_re, p_re
             h_g = x_g.new_empty((x_g.shape[0], w1[0].shape[0]))  # [R, F1]
             for (s, e), w1_l in zip(spec.chunks(), w1):
-                torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # recompute fc1
+                torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # recompute fc1 (dy's all-to-all in flight)
             spec.record("fc1_recompute")
-        dy_g = _regroup(dy_recv, group_index)  # [R, H]
-        del dy_recv
+            _wait(dy_work)
+            spec.record("combine_grad_a2a")
+            dy_g = _regroup(dy_recv, group_index)  # [R, H]
+            del dy_recv
 
         dh_g = torch.empty_like(h_g)  # [R, F1]
         dp_g = torch.empty_like(p_g)  # [R]
         dw2: list[torch.Tensor] = []
         for (s, e), w2_l in zip(spec.chunks(), w2):
+            if spec.swiglu_offset is not None:
+                dw2_l, dp_g[s:e] = _swiglu_backward(h_g[s:e], p_g[s:e], dy_g[s:e], w2_l, dh_g[s:e],
+                                                    spec.swiglu_offset)
+                dw2.append(dw2_l)
+                continue
             with torch.enable_grad():
                 h_l = h_g[s:e].detach().requires_grad_(True)
                 p_l = p_g[s:e].detach().requires_grad_(True)
@@ -269,8 +355,7 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         del dx_g, dp_g
 
         if level0:
-            if x_work is not None:
-                x_work.wait()
+            _wait(x_work)
             spec.record("redispatch_wait")
             x_g = _regroup(x_re, group_index)  # [R, H]
             del x_re
@@ -279,9 +364,7 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         spec.record("fc1_wgrad")
         del x_g, dh_g
 
-        for w in (dx_work, dp_work):
-            if w is not None:
-                w.wait()
+        _wait(dx_work, dp_work)
         spec.record("dispatch_grad_a2a_wait")
         dx = torch.zeros_like(x).index_add_(0, sorted_indices, dx_perm)  # [T, H] (permute's backward)
         return (None, dx, dp_perm, None, None, *dw1, *dw2)
@@ -306,6 +389,13 @@ def _expert_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         return act(x_glu) * (x_linear + offset)
 
     return glu
+
+
+def _swiglu_offset(config: Any) -> float | None:
+    """``glu_linear_offset`` when the expert activation is plain SwiGLU (gated silu, no clamp), else None."""
+    if config.gated_linear_unit and config.activation_func is F.silu and config.activation_func_clamp_value is None:
+        return float(config.glu_linear_offset)
+    return None
 
 
 class ZeroMemoryMoELayer(mc.MoELayer):
@@ -415,13 +505,11 @@ class ZeroMemoryMoELayer(mc.MoELayer):
             group=self.ep_group if meta.ep_size > 1 else None,
             activation=_expert_activation(self.experts.config),
             trace=self.trace,
+            swiglu_offset=_swiglu_offset(self.experts.config),
         )
         experts = self.experts.local_experts
         weights = [m.linear_fc1.weight for m in experts] + [m.linear_fc2.weight for m in experts]
-        y_perm = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights)  # [S, H]
-        # unpermute (Megatron's moe_utils.unpermute without merging probs): scatter-add rows home
-        out = torch.zeros((x.shape[0], hidden), dtype=y_perm.dtype, device=y_perm.device)
-        out = out.scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, hidden), y_perm)  # [T, H]
+        out = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights)  # [T, H]
         out = out.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_out is not None:
             out = out + shared_out
