@@ -484,7 +484,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "moe":
         from hdp.trainer.bench_moe import bench_moe
 
-        result = bench_moe(ep=args.ep)
+        shape = {"seq_length": args.seq_length} if args.seq_length else {}
+        result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
         if args.json:
             _emit_json(result)
         else:
@@ -751,6 +752,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", metavar="FILE", help="train: also write the JSON result to FILE")
     b.add_argument("--steps", type=int, default=None, help="verl / train: steps per policy, the first untimed (default 5)")
     b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
+    b.add_argument("--seq-length", type=int, default=None,
+                   help="moe: sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
+    b.add_argument("--system-malloc", action="store_true",
+                   help="moe: glibc's default malloc instead of reusing freed memory like a GPU allocator")
     b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
     b.add_argument("--algo", default="ring", help="attention: ring or allgather")
