@@ -88,7 +88,10 @@ def _grow_sizes(
     tall = np.flatnonzero(height > reach * (1 + 1e-9))
     if tall.size == 0:
         return
-    cand = _candidate_sizes(sizes, int(k[tall].max()))[None, :]  # [1, K]
+    cand = _candidate_sizes(sizes, int(k[tall].max()))
+    # past twice the size at which perfect scaling would reach ``reach``, more ranks only add overhead
+    cand = cand[cand <= max(2, 2 * int(np.ceil((k[tall] * height[tall]).max() / max(reach, 1e-300))) + 2)]
+    cand = cand[None, :]  # [1, K]
     h = cost.sample_cost(lengths[tall][:, None], cand)  # [S, K]
     score = cand * h + (N - cand) * np.maximum(0.0, h - reach)
     score = np.where(cand >= k[tall][:, None], score, np.inf)  # only sizes >= the current one
@@ -689,6 +692,98 @@ def _round_heights(lengths: np.ndarray, a: Assignment, config: PlannerConfig) ->
     return top, np.bincount(rnd, weights=h * size, minlength=n_rounds)
 
 
+def _merge_groups(
+    lengths: np.ndarray, a: Assignment, config: PlannerConfig, last_only: bool = False
+) -> Assignment:
+    """Lower round maxima by merging a round's tallest group with its best partner.
+
+    Two groups of w1 and w2 ranks in one round can run as one group of w1 + w2 ranks (their
+    samples split over all of them): the merged height lies between the two (plus ring overhead),
+    on the same ranks.  Per round, the tallest group merges with the partner giving the lowest
+    merged height (equal widths under ``pow2``, so blocks stay aligned) while that lowers it and
+    every rank keeps within B tokens; the round's merges are kept only when its maximum drops.
+    Partners are ranked on unpadded sums (additive, so all at once), the chosen pair is checked
+    exactly.  Groups are then laid out again, wider first.  Mostly for a last round of multi-rank
+    groups of uneven heights, where no rank is free to widen them (``last_only``: that round only).
+    """
+    N, B, cost = config.num_ranks, config.max_tokens_per_rank, config.cost
+    pow2 = config.group_shape is GroupShape.POW2
+    round_of, start, size = a.round_of, a.group_start.copy(), a.group_size.copy()
+    changed = False
+    last = int(round_of.max())
+    for r in range(last if last_only else 0, last + 1):
+        sel = np.flatnonzero(round_of == r)  # [n_r] samples of the round
+        lr = lengths[sel]
+        gid, grp = np.unique(start[sel], return_inverse=True)  # groups of the round
+        n_g = gid.size
+        if n_g < 2:
+            continue
+        w = np.zeros(n_g, dtype=np.int64)
+        w[grp] = size[sel]
+        lp = padded_length(lr, w[grp]).astype(np.float64)
+        h = cost.group_cost(
+            np.bincount(grp, weights=cost.work(lp), minlength=n_g),
+            np.bincount(grp, weights=lp, minlength=n_g),
+            np.bincount(grp, weights=lp * lp, minlength=n_g),
+            w,
+        )  # [G] exact heights
+        top0 = float(h.max())
+        if top0 * N - float((h * w).sum()) < 0.01 * top0 * N:
+            continue  # the round idles under 1%: nothing worth merging
+        lf = lr.astype(np.float64)
+        u_sw = np.bincount(grp, weights=cost.work(lf), minlength=n_g)  # [G] unpadded sums
+        u_sl = np.bincount(grp, weights=lf, minlength=n_g)
+        u_sq = np.bincount(grp, weights=lf * lf, minlength=n_g)
+        n_s = np.bincount(grp, minlength=n_g)
+        members = [list(m) for m in np.split(np.argsort(grp, kind="stable"), np.cumsum(n_s)[:-1])]
+        alive = np.ones(n_g, dtype=bool)
+        h_cur = h.copy()
+        bad: set[tuple[int, int]] = set()
+        for _ in range(4 * n_g):
+            t = int(np.argmax(np.where(alive, h_cur, -np.inf)))
+            part = alive.copy()
+            part[t] = False
+            if pow2:
+                part &= w == w[t]
+            wn = w[t] + w  # [G] merged widths
+            est = cost.group_cost(u_sw[t] + u_sw, u_sl[t] + u_sl, u_sq[t] + u_sq, wn)
+            # tokens: ceil(L / w) + 2 bounds a sample's busiest-rank count (`max_rank_tokens`)
+            tok_est = (u_sl[t] + u_sl) / wn + 2 * (n_s[t] + n_s)
+            est = np.where(part & (tok_est <= B) & (est < h_cur[t]), est, np.inf)
+            s_best, h_best = -1, h_cur[t]
+            for s in np.argsort(est, kind="stable")[:4].tolist():  # check the best few exactly
+                if not np.isfinite(est[s]) or (t, s) in bad:
+                    continue
+                idx = np.asarray(members[t] + members[s])
+                wm = int(w[t] + w[s])
+                lpm = padded_length(lr[idx], wm).astype(np.float64)
+                hm = float(cost.group_cost(cost.work(lpm).sum(), lpm.sum(), (lpm * lpm).sum(), wm))
+                if max_rank_tokens(lr[idx], wm).sum() <= B and hm < h_best * (1 - 1e-9):
+                    s_best, h_best = s, hm
+                    break
+                bad.add((t, s))
+            if s_best < 0:
+                break
+            members[t] += members[s_best]
+            members[s_best] = []
+            for arr in (u_sw, u_sl, u_sq, n_s):
+                arr[t] += arr[s_best]
+            w[t] += w[s_best]
+            alive[s_best] = False
+            h_cur[t], h_cur[s_best] = h_best, -np.inf
+        if not alive.all() and float(h_cur[alive].max()) < top0 * (1 - 1e-9):
+            keep = np.flatnonzero(alive)
+            keep = keep[np.lexsort((keep, -w[keep]))]  # wider groups left
+            first = np.zeros(n_g, dtype=np.int64)
+            first[keep] = np.cumsum(w[keep]) - w[keep]
+            owner = np.empty(sel.size, dtype=np.int64)
+            for gi in keep.tolist():
+                owner[members[gi]] = gi
+            start[sel], size[sel] = first[owner], w[owner]
+            changed = True
+    return Assignment(round_of=round_of, group_start=start, group_size=size) if changed else a
+
+
 def _replan_rounds(
     lengths: np.ndarray, a: Assignment, config: PlannerConfig, sizes: np.ndarray, tries: int = 3,
 ) -> Assignment:
@@ -913,5 +1008,6 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     a = best[1]
     if lengths.size <= 4096:  # larger batches: the time budget goes to the candidates above
         a = _replan_rounds(lengths, a, config, sizes)
+    a = _merge_groups(lengths, a, config, last_only=lengths.size > 4096)  # time budget
     _log.debug("hdp: chose %s, estimated step %.4g", best[2], best[0])
     return a
