@@ -28,7 +28,9 @@ The construction, for a choice of group size per sample and a number of rounds R
 
 Every candidate (variant x R from the token minimum upwards, stopping when T stops improving) is
 scored by ``sum_r max column height + rounds * beta`` and the best kept; on batches up to 4,096
-samples the rounds idling most are then planned again on their own (`_replan_rounds`).  The cost
+samples the rounds idling most are then planned again on their own (`_replan_rounds`), and a
+round's tallest group merges with a partner into one wider group on the same ranks while that
+lowers the round's maximum (`_merge_groups`; only the last round above 4,096 samples).  The cost
 model, not the group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
 All steps are deterministic (ties broken by index).
 """
