@@ -170,3 +170,20 @@ def test_window_max_matches_brute_force():
     for w in range(1, 38):
         want = np.array([[row[i : i + w].max() for i in range(37 - w + 1)] for row in hg])
         assert np.array_equal(_window_max(hg, w), want), w
+
+
+def test_merge_groups_lowers_a_round_maximum():
+    """Two 2-rank groups of uneven height in one round run better as one 4-rank group."""
+    from hdp.packing.policies.common import Assignment
+    from hdp.packing.policies.hdp import _merge_groups, _round_heights
+
+    lengths = np.array([6000, 600])
+    cfg = PlannerConfig(num_ranks=4, max_tokens_per_rank=4096)
+    a = Assignment(round_of=np.array([0, 0]), group_start=np.array([0, 2]), group_size=np.array([2, 2]))
+    merged = _merge_groups(lengths, a, cfg)
+    assert merged.group_size.tolist() == [4, 4] and merged.group_start.tolist() == [0, 0]
+    before, _ = _round_heights(lengths, a, cfg)
+    after, _ = _round_heights(lengths, merged, cfg)
+    assert after[0] < before[0]
+    p = plan(lengths, cfg)  # the planner, which runs this pass, still gives a valid plan
+    check_plan(p)
