@@ -15,15 +15,14 @@ gradients into the gathered layout and reduce-scatters them back to their owners
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from hdp.cp.autograd import CPAttentionFunction
 from hdp.cp.metadata import AllGatherIndex
 from hdp.kernels import AttentionKernel
 
-__all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention", "allgather_attention"]
+__all__ = ["allgather_forward", "allgather_backward", "allgather_attention"]
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn);
 # same signatures.  Drop the fallbacks once torch < 2.13 is no longer supported.
@@ -101,35 +100,6 @@ def allgather_backward(
     return dq, mine[:, 0].to(k.dtype).contiguous(), mine[:, 1].to(v.dtype).contiguous()
 
 
-class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper: ``apply(q, k, v, group, index, kernel, scale) -> (out, lse)``; lse has no grad."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        group: dist.ProcessGroup,
-        index: AllGatherIndex,
-        kernel: AttentionKernel,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = allgather_forward(q, k, v, group, index, kernel, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.index, ctx.kernel, ctx.scale = group, index, kernel, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.index, ctx.kernel, ctx.scale
-        )
-        return dq, dk, dv, None, None, None, None
-
-
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,4 +110,4 @@ def allgather_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable all-gather CP attention: ``(out [T, Hq, D], lse [Hq, T])``."""
-    return AllGatherAttention.apply(q, k, v, group, index, kernel, scale)
+    return CPAttentionFunction.apply(q, k, v, allgather_forward, allgather_backward, (group, index), kernel, scale)

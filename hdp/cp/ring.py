@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hdp.cp.autograd import CPAttentionFunction
 from hdp.cp.metadata import RankLayout, StepCase, ring_schedule
 from hdp.groups import RingSpec
 from hdp.kernels import AttentionKernel
 
-__all__ = ["ring_forward", "ring_backward", "RingAttention", "ring_attention", "merge_lse_"]
+__all__ = ["ring_forward", "ring_backward", "ring_attention", "merge_lse_"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,35 +227,6 @@ def ring_backward(
     return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype)
 
 
-class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: ``apply(q, k, v, ring, layouts, kernel, scale) -> (out, lse)``; lse has no grad."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ring: RingSpec,
-        layouts: tuple[RankLayout, ...],
-        kernel: AttentionKernel,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = ring_forward(q, k, v, ring, layouts, kernel, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.layouts, ctx.kernel, ctx.scale = ring, layouts, kernel, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.layouts, ctx.kernel, ctx.scale
-        )
-        return dq, dk, dv, None, None, None, None
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -265,4 +237,4 @@ def ring_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable zigzag ring attention: ``(out [T, Hq, D], lse [Hq, T])``."""
-    return RingAttention.apply(q, k, v, ring, layouts, kernel, scale)
+    return CPAttentionFunction.apply(q, k, v, ring_forward, ring_backward, (ring, layouts), kernel, scale)
