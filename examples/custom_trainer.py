@@ -46,7 +46,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         loss_aggregation="token-mean",
         device=args.device,
     )
-    engine = HdpEngine.build(config)  # domain = all ranks
+    engine = HdpEngine.build(config, dist.group.WORLD)  # domain = all ranks
     history = []
     for step in range(args.steps):
         batch = make_batch(step, config.model.vocab_size)

@@ -180,7 +180,7 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
         "static-cp": dict(policy="static-cp", plan=None),
     }
     for name, run in runs.items():
-        engine = HdpEngine.build(_engine_cfg(policy=run["policy"]), init_fn=init_param)
+        engine = HdpEngine.build(_engine_cfg(policy=run["policy"]), dist.group.WORLD, init_fn=init_param)
         if name == "hdp":
             p = engine.plan(batches[0])
             assert 3 in p.stats.cp_degree_hist and p.num_rounds >= 2, p.to_dict()  # a non-pow2 ring
@@ -216,7 +216,7 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
         if name == "hdp":
             uninterrupted = _params(engine)
             # a fresh engine (different init) loads the step-1 checkpoint and repeats steps 2..3
-            resumed = HdpEngine.build(_engine_cfg(policy="hdp"))
+            resumed = HdpEngine.build(_engine_cfg(policy="hdp"), dist.group.WORLD)
             resumed.load_checkpoint(ckpt_dir)
             assert resumed.step == 1
             for s in range(1, STEPS):
@@ -248,7 +248,7 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
     for policy, fmt, marker in (("hdp", "dist", "metadata.json"), ("static-cp", "per-rank", f"rank_{rank}.pt")):
         cfg = _engine_cfg(policy=policy, expert_model_parallel_size=2, **MOE)
         ckpt = os.path.join(ckpt_root, policy)
-        engine = HdpEngine.build(cfg, init_fn=init_param)
+        engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
         ep_rank = mc.parallel_state.get_expert_model_parallel_rank()
         losses = []
         for s, b in enumerate(batches):
@@ -261,7 +261,7 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
         assert any("local_experts.3" in n for n in got) == (ep_rank == 1)
         expect = {n: ref_params[-1][n] for n in got}
         _assert_params(got, expect, tol=5 * PARAM_TOL, what=f"moe {policy}")
-        resumed = HdpEngine.build(cfg)  # default init: every weight comes from the checkpoint
+        resumed = HdpEngine.build(cfg, dist.group.WORLD)  # default init: every weight comes from the checkpoint
         resumed.load_checkpoint(ckpt)
         assert resumed.step == 1
         resumed.train_step(batches[1], nll_loss)
@@ -274,7 +274,7 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
         _engine_cfg(policy="hdp", expert_model_parallel_size=2, **MOE),
         moe_zero_memory="level1", moe_zero_memory_num_layers=1,
     )
-    engine = HdpEngine.build(cfg, init_fn=init_param)
+    engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
     assert type(engine.model.module.decoder.layers[0].mlp).__name__ == "ZeroMemoryMoELayer"
     losses = [engine.train_step(b, nll_loss)["loss"] for b in batches]
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg="zero-memory")
@@ -299,13 +299,13 @@ def _aggregations(rank: int, world: int) -> None:
     mc.initialize_megatron(seed=1)
     for agg in LossAggregation:
         ref_losses, ref_params = _reference_run([batch], agg.value, 1, with_advantages=True)
-        engine = HdpEngine.build(_engine_cfg(agg=agg.value), init_fn=init_param)
+        engine = HdpEngine.build(_engine_cfg(agg=agg.value), dist.group.WORLD, init_fn=init_param)
         m = engine.train_step(batch, pg_loss)
         np.testing.assert_allclose([m["loss"]], ref_losses, rtol=LOSS_RTOL, err_msg=agg.value)
         _assert_params(_params(engine), ref_params[0], what=agg.value)
     # all-gather CP on the aligned power-of-two groups (CP2 on ranks 0-1 of the explicit plan), ring elsewhere
     ref_losses, ref_params = _reference_run([batch], "token-mean", 1, with_advantages=True)
-    engine = HdpEngine.build(_engine_cfg(cp_algorithm="allgather"), init_fn=init_param)
+    engine = HdpEngine.build(_engine_cfg(cp_algorithm="allgather"), dist.group.WORLD, init_fn=init_param)
     m = engine.train_step(batch, pg_loss, plan=_idle_plan())
     np.testing.assert_allclose([m["loss"]], ref_losses, rtol=LOSS_RTOL, err_msg="allgather")
     _assert_params(_params(engine), ref_params[0], what="allgather")
@@ -348,7 +348,7 @@ def _short_samples(rank: int, world: int) -> None:
         ref_lp = [token_logprobs(packed_logits(ref, t, packed_seq_params([t.numel()], t.device))[:-1], t[1:])
                   for t in tokens]
     for algo in ("ring", "allgather"):  # the CP4 group on ranks 0-3 is aligned: all-gather runs there too
-        engine = HdpEngine.build(_engine_cfg(cp_algorithm=algo), init_fn=init_param)
+        engine = HdpEngine.build(_engine_cfg(cp_algorithm=algo), dist.group.WORLD, init_fn=init_param)
         out = engine.forward(batch, plan=_short_plan())
         for i, lp in enumerate(ref_lp):
             torch.testing.assert_close(out.logprobs[i][1:], lp, atol=1e-5, rtol=0, msg=lambda m, i=i: f"{algo} {i}: {m}")
@@ -373,7 +373,7 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     from hdp.packing.calibrate import calibrate, load_records
     from hdp.trainer.engine import Batch, HdpEngine, NonFiniteLossError, nll_loss
 
-    engine = HdpEngine.build(dataclasses.replace(_engine_cfg(), calibration_path=records), init_fn=init_param)
+    engine = HdpEngine.build(dataclasses.replace(_engine_cfg(), calibration_path=records), dist.group.WORLD, init_fn=init_param)
     good = _batch(0, extras=True)
     before = _params(engine)
 
@@ -410,7 +410,7 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     m = engine.train_step(good, nll_loss)
     assert np.isfinite(m["loss"]) and m["hdp/step"] == 2
     # only the successful step left measured records, in the schema calibrate() reads
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     recs = load_records(records)
     assert {r["kind"] for r in recs} == {"group", "round"} and all(r["step"] == 2 for r in recs)
     assert sum(r["kind"] == "round" for r in recs) == m["hdp/rounds"]

@@ -240,8 +240,8 @@ def _moe_step(rank: int, world: int) -> None:
         if "local_experts" in n:
             continue
         lo, hi = p.detach().clone(), p.detach().clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         assert torch.equal(lo, hi), n
     mc.destroy_megatron()
 

@@ -7,16 +7,14 @@ same sample in one process (one thread) with the reference kernel, and reports
     efficiency = T1 / (k · Tk)
 
 plus the largest absolute difference of the CP output and gradients from the single-process run.
-Run as ``python -m hdp.trainer.bench_attention --ranks 2 --tokens 8192 --algo ring --json``.
+Run as ``hdp bench attention --ranks 2 --tokens 8192 --algo ring --json``.
 
 Legend: T tokens, Hq/Hkv query/kv heads, D head dim.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -34,7 +32,7 @@ from hdp.cp.metadata import positions, rank_layout
 from hdp.groups import DomainGroups
 from hdp.kernels import get_kernel, kernel_attention
 
-__all__ = ["bench_attention", "main"]
+__all__ = ["bench_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,30 +195,3 @@ def bench_attention(
     }
     logger.info("bench_attention: %s", res)
     return res
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line: print the result (one JSON object with --json)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--algo", choices=[a.value for a in CPAlgorithm], default="ring")
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
-    res = bench_attention(
-        ranks=args.ranks, tokens=args.tokens, algo=args.algo, heads=args.heads,
-        kv_heads=args.kv_heads, head_dim=args.head_dim, repeats=args.repeats,
-    )
-    if args.json:
-        print(json.dumps(res))
-    else:
-        for key, val in res.items():
-            print(f"{key:>12}: {val}")
-
-
-if __name__ == "__main__":
-    main()

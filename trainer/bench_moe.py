@@ -49,24 +49,21 @@ The ranks run with glibc malloc keeping freed memory (``caching_malloc``, as a G
 allocator does); without it each fresh large tensor pays first-touch page faults, and the
 figures would mostly measure the VM's page-fault path.
 
-Usage: ``python -m hdp.trainer.bench_moe --ep 2 --json`` (or ``hdp bench moe --ep 2 --json``).
+Usage: ``hdp bench moe --ep 2 --json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json as _json
 import logging
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MoEBenchConfig", "build_moe_layer", "moe_transformer_config", "flop_model", "bench_moe", "main"]
+__all__ = ["MoEBenchConfig", "build_moe_layer", "moe_transformer_config", "flop_model", "bench_moe"]
 
 logger = logging.getLogger(__name__)
 
@@ -501,11 +498,10 @@ def _summary(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict
 def bench_moe(
     ep: int = 2,
     *,
-    json: bool = False,
     timeout: float = 1800.0,
     **shape: Any,
 ) -> dict[str, Any]:
-    """Run the benchmark on ``ep`` gloo ranks; return (and with ``json`` print) the result dict.
+    """Run the benchmark on ``ep`` gloo ranks; return the result dict (``hdp bench moe`` prints it).
 
     ``shape``: any other :class:`MoEBenchConfig` field (``tokens``, ``hidden_size``, ``iters``, ...).
     Mode dicts have keys none / level0 / level1 / full_recompute, overhead dicts the last three.
@@ -569,49 +565,4 @@ def bench_moe(
         "config": {**asdict(cfg), "dtype": "float32", "device": "cpu", "optimizer": "megatron distributed adam",
                    "statistic": "max over ranks per round; best-of (min) and median over rounds"},
     }
-    if json:
-        print(_json.dumps(result))
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m hdp.trainer.bench_moe [--ep 2] [--json] ...``."""
-    p = argparse.ArgumentParser(prog="hdp bench moe", description=__doc__.split("\n\n")[0])
-    d = MoEBenchConfig()
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel size (gloo ranks)")
-    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank")
-    p.add_argument("--seq-length", type=int, default=d.seq_length, help="sample length (tokens packed per rank)")
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--ffn-hidden-size", type=int, default=d.ffn_hidden_size, help="expert FFN width")
-    p.add_argument("--num-experts", type=int, default=d.num_experts)
-    p.add_argument("--topk", type=int, default=d.topk)
-    p.add_argument("--num-layers", type=int, default=d.num_layers)
-    p.add_argument("--iters", type=int, default=0, help="timed model steps per mode (0: 12, or 4 for ep > 2)")
-    p.add_argument("--layer-iters", type=int, default=0,
-                   help="timed single-layer runs per mode (0: 8, or 4 for ep > 2)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--no-model-step", action="store_true", help="skip the whole-model training step")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="run the ranks with glibc's default malloc (see MoEBenchConfig.caching_malloc)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    a = p.parse_args(argv)
-    res = bench_moe(a.ep, tokens=a.tokens, seq_length=a.seq_length, hidden_size=a.hidden_size,
-                    ffn_hidden_size=a.ffn_hidden_size, num_experts=a.num_experts, topk=a.topk,
-                    num_layers=a.num_layers, iters=a.iters, layer_iters=a.layer_iters, threads=a.threads,
-                    caching_malloc=not a.system_malloc, model_step=not a.no_model_step, json=a.json)
-    if not a.json:
-        step = res["step_time_s"] or {}
-        for m in MODES:
-            s = f"   step {step[m] * 1e3:8.1f} ms" if step else ""
-            print(f"{m:15s} saved {res['saved_bytes'][m]:>12,d} B   layer {res['layer_time_s'][m] * 1e3:8.1f} ms{s}")
-        print("freed / full-recompute freed:", {k: round(v, 3) for k, v in res["freed_fraction_of_full"].items()})
-        print("layer overhead vs none:", {k: round(v, 3) for k, v in res["layer_overhead_vs_none"].items()})
-        if res["step_overhead_vs_none"]:
-            print("step overhead vs none:", {k: round(v, 3) for k, v in res["step_overhead_vs_none"].items()})
-        fm = res["flop_model"]["benchmarked_shape"]
-        print("flop model, extra FLOPs / none step:", {k: round(v, 3) for k, v in fm["step_extra_fraction"].items()})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

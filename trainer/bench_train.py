@@ -18,16 +18,13 @@ spawned locally with gloo.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +148,8 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
 
     torch.set_num_threads(1)
     engines = {
-        p: HdpEngine.build(_engine_config(spec, p, os.path.join(records_dir, f"{p}.jsonl")), init_fn=_init_param)
+        p: HdpEngine.build(_engine_config(spec, p, os.path.join(records_dir, f"{p}.jsonl")), dist.group.WORLD,
+                            init_fn=_init_param)
         for p in spec.policies
     }
     batches = [_batch(spec, s) for s in range(spec.steps)]
@@ -318,24 +316,3 @@ def compare_with_baseline(result: dict[str, Any], baseline: dict[str, Any], tole
     if not result.get("loss_match", False):
         problems.append("losses differ between policies (the update must not depend on the plan)")
     return problems
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hdp.trainer.bench_train` (the CLI's `hdp bench train` calls the same code)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--policies", default="static-cp,hdp")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--workload", default="short-tail", choices=TRAIN_WORKLOADS)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    spec = TrainBenchSpec(ranks=args.ranks, policies=tuple(args.policies.split(",")), steps=args.steps,
-                          workload=args.workload)
-    res = bench_train(spec)
-    if res:
-        print(json.dumps(res, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

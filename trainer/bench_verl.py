@@ -20,16 +20,13 @@ within fp32 tolerance (``rtol = 1e-4``, ``atol = 1e-6`` relative to the largest 
 the paths sum tokens in different orders and splits).
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
-few need every rank.  Usage: ``python -m hdp.trainer.bench_verl --ranks 4 --json``.
+few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json as _json
 import logging
 import statistics
-import sys
 import time
 from typing import Any, Sequence
 
@@ -48,7 +45,6 @@ __all__ = [
     "main_grads",
     "reference_step",
     "bench_verl",
-    "main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,6 +179,9 @@ def static_cp_dynamic_bsz_plan(data: Any, num_ranks: int, max_token_len_per_gpu:
     lengths = np.asarray(sample_lengths(data), dtype=np.int64)
     probe = data.select("input_ids")
     tu.assign_non_tensor(probe, use_dynamic_bsz=True, sp_size=num_ranks, max_token_len_per_gpu=max_token_len_per_gpu)
+    # verl's micro-batching only; it runs no collective here: dp_group is read only to equalise
+    # micro-batch counts across DP ranks (same_micro_num_in_dp), and the stock path's DP group is
+    # one rank (CP = every rank), so there is nothing to equalise
     _, idx = prepare_micro_batches(probe, dp_group=None, same_micro_num_in_dp=False)
     round_of = np.full(lengths.size, -1, dtype=np.int64)
     for r, members in enumerate(idx):
@@ -389,12 +388,8 @@ def _hist(sizes: np.ndarray) -> dict[int, int]:
     return {int(v): int(c) for v, c in zip(vals, counts)}
 
 
-def bench_verl(ranks: int = 4, steps: int = 5, json: bool = False, budget: int = 512, seed: int = 0) -> dict[str, Any]:
-    """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc).
-
-    ``json`` only selects the output format of :func:`main`; the dict is the same.
-    """
-    del json
+def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0) -> dict[str, Any]:
+    """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc)."""
     if ranks not in (2, 4):
         raise ValueError(f"ranks={ranks}: choose 2 or 4")
     if steps < 1:
@@ -402,25 +397,3 @@ def bench_verl(ranks: int = 4, steps: int = 5, json: bool = False, budget: int =
     from hdp.trainer.launch import spawn
 
     return spawn(_bench_worker, ranks, steps, budget, seed, timeout=900)[0]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m hdp.trainer.bench_verl [--ranks 4] [--steps 5] [--json]``."""
-    ap = argparse.ArgumentParser(prog="hdp bench verl", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4, choices=(2, 4))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--budget", type=int, default=512, help="max_token_len_per_gpu / hdp.max_tokens_per_rank")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
-    result = bench_verl(ranks=args.ranks, steps=args.steps, json=args.json, budget=args.budget, seed=args.seed)
-    if args.json:
-        print(_json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -475,7 +475,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "verl":
         from hdp.trainer.bench_verl import bench_verl
 
-        result = bench_verl(ranks=args.ranks or 4, steps=args.steps or 5, json=args.json)
+        result = bench_verl(ranks=args.ranks or 4, steps=args.steps or 5)
         if args.json:
             _emit_json(result)
         else:

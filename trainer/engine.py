@@ -1,6 +1,6 @@
 """The hdp training engine: a Megatron-core GPT trained under HDP plans, for any trainer.
 
-    engine = HdpEngine.build(EngineConfig(...))            # in every rank of the domain
+    engine = HdpEngine.build(EngineConfig(...), dist.group.WORLD)  # in every rank of the domain
     metrics = engine.train_step(batch, loss_fn)             # plan, run all rounds, one optimizer step
     out = engine.forward(batch)                             # per-token log-probs/entropies, caller order
     engine.save_checkpoint(path); engine.load_checkpoint(path)
@@ -238,14 +238,15 @@ class HdpEngine:
     def build(
         cls,
         config: EngineConfig,
-        domain_group: dist.ProcessGroup | None = None,
+        domain_group: dist.ProcessGroup,
         *,
         init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ) -> "HdpEngine":
         """Initialise Megatron over the domain, build model, DDP and distributed optimizer.
 
-        ``domain_group``: ``None`` means the whole world (the only domain supported while Megatron
-        runs with TP = PP = 1: its data-parallel group is the world).  ``init_fn(name, param)``, if
+        ``domain_group``: the process group of the domain, named explicitly; it must span the whole
+        world (``dist.group.WORLD``) while Megatron runs with TP = PP = 1 (its data-parallel group is
+        the world).  ``init_fn(name, param)``, if
         given, fills each parameter in place before DDP wraps it; ``name`` is the global parameter
         name (expert indices global, see :func:`global_param_name`), so a rank-independent
         function gives the same model whatever the expert-parallel layout.
@@ -254,11 +255,15 @@ class HdpEngine:
             raise ValueError("HdpEngine.build: torch.distributed is not initialised; call init_process_group first")
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config={config!r}: pass a hdp.trainer.config.EngineConfig")
-        group = dist.group.WORLD if domain_group is None else domain_group
+        if not isinstance(domain_group, dist.ProcessGroup):
+            raise ValueError(
+                f"domain_group={domain_group!r}: pass the domain's process group (dist.group.WORLD)"
+            )
+        group = domain_group
         if dist.get_world_size(group) != dist.get_world_size():
             raise ValueError(
                 f"domain_group has {dist.get_world_size(group)} ranks but the world has {dist.get_world_size()}: "
-                "hdp runs Megatron with TP = PP = 1, so the domain must be the whole world (pass None)"
+                "hdp runs Megatron with TP = PP = 1, so the domain must be the whole world (pass dist.group.WORLD)"
             )
         n = dist.get_world_size(group)
         ep = config.model.expert_model_parallel_size
