@@ -21,7 +21,7 @@ from hdp.packing.planner import plan
 from hdp.packing.profiles import cost_model
 from hdp.packing.workloads import get_workload
 
-__all__ = ["Case", "SUITE", "run_case", "RESULT_FIELDS", "SAMPLES_PER_RANK"]
+__all__ = ["Case", "SUITE", "run_case", "plan_entry", "RESULT_FIELDS", "SAMPLES_PER_RANK"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,18 @@ def longest_needs_ranks(lengths: np.ndarray, case: Case) -> int:
     return int(min_group_size(longest, case.max_tokens_per_rank, case.num_ranks)[0])
 
 
+def plan_entry(plan: Any) -> dict[str, Any]:
+    """The figures of one planned batch, as ``hdp simulate --json`` and the suite report them."""
+    assert plan.stats is not None
+    s = plan.stats.to_dict()
+    return {
+        "policy": plan.policy,
+        "ranks": plan.num_ranks,
+        **{k: s[k] for k in ("rounds", "step_time", "lower_bound", "efficiency", "max_idle_ratio",
+                             "cp_degree_hist", "planner_ms")},
+    }
+
+
 def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
     """Plan the case's batch with every policy; one result dict per policy (times in seconds).
 
@@ -152,19 +164,5 @@ def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str
                 "error": f"{type(exc).__name__}: {exc}",
             })
             continue
-        assert p.stats is not None
-        s = p.stats.to_dict()
-        out.append({
-            "case": case.name,
-            "policy": p.policy,
-            "ranks": p.num_ranks,
-            "rounds": s["rounds"],
-            "step_time": s["step_time"],
-            "lower_bound": s["lower_bound"],
-            "efficiency": s["efficiency"],
-            "max_idle_ratio": s["max_idle_ratio"],
-            "cp_degree_hist": s["cp_degree_hist"],
-            "planner_ms": s["planner_ms"],
-            "longest_needs_ranks": needs,
-        })
+        out.append({"case": case.name, **plan_entry(p), "longest_needs_ranks": needs})
     return out

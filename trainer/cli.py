@@ -124,18 +124,9 @@ def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: A
 
 
 def _entry(plan: Any) -> dict[str, Any]:
-    s = plan.stats.to_dict()
-    return {
-        "policy": plan.policy,
-        "ranks": plan.num_ranks,
-        "rounds": s["rounds"],
-        "step_time": s["step_time"],
-        "lower_bound": s["lower_bound"],
-        "efficiency": s["efficiency"],
-        "max_idle_ratio": s["max_idle_ratio"],
-        "cp_degree_hist": s["cp_degree_hist"],
-        "planner_ms": s["planner_ms"],
-    }
+    from hdp.packing.suite import plan_entry
+
+    return plan_entry(plan)
 
 
 def _hist_text(hist: dict[str, int], top: int = 6) -> str:

@@ -221,7 +221,6 @@ def _lpt(
     one-by-one LPT.  Raises _Infeasible when an item fits no bin.
     """
     m = load.size
-    idx = np.arange(m)
     pos = 0
     while pos < items.size:
         it = items[pos : pos + m]  # [b] next items, tallest first
@@ -347,15 +346,7 @@ def _build(
     widths = np.concatenate(col_width)
     heights = np.concatenate(col_height)
     used = heights > 0
-    # exact per-rank cost of each packed column (samples of a group share ring steps)
-    padded = padded_length(lengths, k).astype(np.float64)
-    n_cols = widths.size
-    heights = config.cost.group_cost(
-        np.bincount(col_of, weights=config.cost.work(padded), minlength=n_cols),
-        np.bincount(col_of, weights=padded, minlength=n_cols),
-        np.bincount(col_of, weights=padded * padded, minlength=n_cols),
-        widths,
-    )
+    heights = _group_heights(lengths, col_of, widths, config)  # exact per-rank cost of each column
     remap = np.cumsum(used) - 1  # drop empty bins
     widths, heights = widths[used], heights[used]
     col_of = remap[col_of]
@@ -674,19 +665,26 @@ def _fill_gaps(
     return col_of
 
 
+def _group_heights(lengths: np.ndarray, group: np.ndarray, width: np.ndarray, config: PlannerConfig) -> np.ndarray:
+    """[G] exact per-rank cost of every group: sample i is in group ``group[i]`` of ``width[g]``
+    ranks (its samples share the ring steps, `CostModel.group_cost`)."""
+    cost, n_g = config.cost, width.size
+    padded = padded_length(lengths, width[group]).astype(np.float64)
+    return cost.group_cost(
+        np.bincount(group, weights=cost.work(padded), minlength=n_g),
+        np.bincount(group, weights=padded, minlength=n_g),
+        np.bincount(group, weights=padded * padded, minlength=n_g),
+        width,
+    )
+
+
 def _round_heights(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> tuple[np.ndarray, np.ndarray]:
     """([R] height, [R] rank-time) of every round of an assignment, from exact group costs."""
     N = config.num_ranks
     gid, gi = np.unique(a.round_of * N + a.group_start, return_inverse=True)  # groups
     size = np.zeros(gid.size, dtype=np.int64)
     size[gi] = a.group_size
-    padded = padded_length(lengths, a.group_size).astype(np.float64)
-    h = config.cost.group_cost(
-        np.bincount(gi, weights=config.cost.work(padded), minlength=gid.size),
-        np.bincount(gi, weights=padded, minlength=gid.size),
-        np.bincount(gi, weights=padded * padded, minlength=gid.size),
-        size,
-    )
+    h = _group_heights(lengths, gi, size, config)
     rnd = gid // N
     n_rounds = int(rnd.max()) + 1
     top = np.zeros(n_rounds)
@@ -722,13 +720,7 @@ def _merge_groups(
             continue
         w = np.zeros(n_g, dtype=np.int64)
         w[grp] = size[sel]
-        lp = padded_length(lr, w[grp]).astype(np.float64)
-        h = cost.group_cost(
-            np.bincount(grp, weights=cost.work(lp), minlength=n_g),
-            np.bincount(grp, weights=lp, minlength=n_g),
-            np.bincount(grp, weights=lp * lp, minlength=n_g),
-            w,
-        )  # [G] exact heights
+        h = _group_heights(lr, grp, w, config)  # [G] exact heights
         top0 = float(h.max())
         if top0 * N - float((h * w).sum()) < 0.01 * top0 * N:
             continue  # the round idles under 1%: nothing worth merging
