@@ -37,7 +37,6 @@ All steps are deterministic (ties broken by index).
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Callable
 
@@ -46,7 +45,7 @@ import numpy as np
 from hdp.packing.config import GroupShape, PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
 from hdp.packing.policies.common import Assignment, pow2_ceil
-from hdp.packing.policies.kk import karmarkar_karp
+from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 
 __all__ = ["assign"]
 
@@ -140,24 +139,9 @@ def _lpt_exact(
     items: np.ndarray, height: np.ndarray, tokens: np.ndarray, load: np.ndarray, used: np.ndarray,
     budget: int, out: np.ndarray,
 ) -> None:
-    """`_lpt` one item at a time with a heap: exactly the least-loaded bin with room each time
-    (bins too full for an item wait in a stash ordered by room).  For token-tight batches."""
-    heap = [(float(load[b]), b) for b in range(load.size)]
-    heapq.heapify(heap)
-    stash: list[tuple[int, int]] = []  # (-room, bin): bins too full for the current item
-    for i in items.tolist():
-        t = int(tokens[i])
-        while stash and -stash[0][0] >= t:  # a smaller item: stashed bins may fit again
-            _, b = heapq.heappop(stash)
-            heapq.heappush(heap, (float(load[b]), b))
-        while heap and used[heap[0][1]] + t > budget:
-            _, b = heapq.heappop(heap)
-            heapq.heappush(stash, (-(budget - int(used[b])), b))
-        if not heap:
-            raise _Infeasible
-        lb, b = heapq.heappop(heap)
-        load[b], used[b], out[i] = lb + height[i], used[b] + t, b
-        heapq.heappush(heap, (float(load[b]), b))
+    """`_lpt` one item at a time (`kk.lpt_place`); raises _Infeasible when an item fits no bin."""
+    if not lpt_place(items, height, tokens, load, used, budget, out):
+        raise _Infeasible
 
 
 def _balance(

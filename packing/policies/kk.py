@@ -2,7 +2,7 @@
 
 * `karmarkar_karp`: the largest differencing method into m parts (Karmarkar & Karp 1982; the
   multi-way form verl's ``get_seqlen_balanced_partitions`` uses).
-* `lpt_with_capacity`: longest-processing-time greedy into m bins under a capacity.
+* `lpt_place` / `lpt_with_capacity`: longest-processing-time greedy into m bins under a capacity.
 * `first_fit_decreasing`: bin packing under a capacity, opening bins as needed.
 * `rounds_from_bins`: lay m = G * R bins out as R rounds of G groups minimising sum of round maxima.
 * `static_cp_size`: the CP size k of the static baselines.
@@ -22,6 +22,7 @@ from hdp.packing.policies.common import pow2_ceil
 
 __all__ = [
     "karmarkar_karp",
+    "lpt_place",
     "lpt_with_capacity",
     "first_fit_decreasing",
     "bins_fit",
@@ -112,23 +113,44 @@ def bins_fit(bins: np.ndarray, sizes: np.ndarray, m: int, capacity: float) -> bo
     return bool(totals.max(initial=0.0) <= capacity)
 
 
+def lpt_place(
+    items: np.ndarray, costs: np.ndarray, sizes: np.ndarray, load: np.ndarray, used: np.ndarray,
+    capacity: float, out: np.ndarray,
+) -> bool:
+    """Place ``items`` in the given order, each on the least-loaded bin with room (ties: lowest
+    bin index); ``load``, ``used``, ``out`` updated in place.  False when an item fits no bin.
+
+    A heap of (load, bin); bins too full for the current item wait in a stash ordered by room and
+    come back when a smaller item fits them, so each item costs O(log m).
+    """
+    heap = [(float(load[b]), b) for b in range(load.size)]
+    heapq.heapify(heap)
+    stash: list[tuple[float, int]] = []  # (-room, bin): bins too full for the current item
+    for i in np.asarray(items).tolist():
+        t = sizes[i]
+        while stash and -stash[0][0] >= t:  # a smaller item: stashed bins may fit again
+            _, b = heapq.heappop(stash)
+            heapq.heappush(heap, (float(load[b]), b))
+        while heap and used[heap[0][1]] + t > capacity:
+            _, b = heapq.heappop(heap)
+            heapq.heappush(stash, (-(capacity - used[b]), b))
+        if not heap:
+            return False
+        lb, b = heapq.heappop(heap)
+        load[b], used[b], out[i] = lb + costs[i], used[b] + t, b
+        heapq.heappush(heap, (float(load[b]), b))
+    return True
+
+
 def lpt_with_capacity(
     costs: np.ndarray, sizes: np.ndarray, m: int, capacity: float
 ) -> np.ndarray | None:
     """Greedy LPT: items by cost descending into the cheapest bin with room; None if one fails."""
     costs = np.asarray(costs, dtype=np.float64)
     sizes = np.asarray(sizes, dtype=np.float64)
-    load = np.zeros(m)
-    used = np.zeros(m)
     out = np.full(costs.size, -1, dtype=np.int64)
-    for i in np.lexsort((np.arange(costs.size), -sizes, -costs)):
-        room = used + sizes[i] <= capacity
-        if not room.any():
-            return None
-        cand = np.flatnonzero(room)
-        b = int(cand[np.argmin(load[cand])])  # first minimum: lowest index on ties
-        out[i], load[b], used[b] = b, load[b] + costs[i], used[b] + sizes[i]
-    return out
+    order = np.lexsort((np.arange(costs.size), -sizes, -costs))
+    return out if lpt_place(order, costs, sizes, np.zeros(m), np.zeros(m), capacity, out) else None
 
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: float) -> np.ndarray:
