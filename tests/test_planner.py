@@ -187,3 +187,90 @@ def test_merge_groups_lowers_a_round_maximum():
     assert after[0] < before[0]
     p = plan(lengths, cfg)  # the planner, which runs this pass, still gives a valid plan
     check_plan(p)
+
+
+def _as_plan(lengths, a, cfg) -> Plan:
+    return Plan.from_columns(
+        num_ranks=cfg.num_ranks, max_tokens_per_rank=cfg.max_tokens_per_rank, policy="hdp",
+        lengths=np.asarray(lengths), round_of=a.round_of, group_start=a.group_start,
+        group_size=a.group_size,
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), shape=st.sampled_from(["any", "pow2"]), cost=st.sampled_from(sorted(COSTS)))
+def test_polish_never_raises_the_step_and_keeps_plans_valid(batch, shape, cost):
+    """The local search only takes steps that lower the step time (or level it), and its plans
+    keep every invariant: budget, group sizes, aligned blocks, every sample once."""
+    from hdp.packing.policies.hdp import _construct, _sizes, _step
+    from hdp.packing.policies.polish import polish
+
+    lengths, n_ranks, budget = batch
+    if shape == "pow2":
+        n_ranks = 1 << int(np.log2(n_ranks))
+        lengths = [min(x, n_ranks * (budget - 1)) for x in lengths]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, group_shape=shape, cost=COSTS[cost])
+    k_min, sizes = _sizes(lengths, cfg)
+    a = _construct(lengths, cfg, k_min, sizes)
+    b = polish(lengths, a, cfg, k_min, max_steps=4 * lengths.size)
+    assert _step(lengths, b, cfg) <= _step(lengths, a, cfg) * (1 + 1e-12)
+    assert np.all(b.group_size >= k_min)
+    p = _as_plan(lengths, b, cfg)
+    check_plan(p, pow2=(shape == "pow2"))
+    _check_cover(p)
+    again = polish(lengths, a, cfg, k_min, max_steps=4 * lengths.size)  # deterministic
+    assert all(np.array_equal(getattr(again, f), getattr(b, f)) for f in ("round_of", "group_start", "group_size"))
+
+
+def test_polish_moves_a_sample_off_a_roof():
+    """A round whose roof is one rank holding two samples: one of them moves to the idle rank."""
+    from hdp.packing.cost import CostModel
+    from hdp.packing.policies.common import Assignment
+    from hdp.packing.policies.polish import polish
+
+    cfg = PlannerConfig(num_ranks=2, max_tokens_per_rank=4096, cost=CostModel(linear_coef=0.0))
+    lengths = np.array([1000, 1000, 200])
+    a = Assignment(round_of=np.zeros(3, np.int64), group_start=np.array([0, 0, 1]),
+                   group_size=np.ones(3, np.int64))
+    b = polish(lengths, a, cfg, np.ones(3, np.int64), max_steps=10)
+    loads = np.bincount(b.group_start, weights=lengths.astype(float) ** 2, minlength=2)
+    assert sorted(loads.tolist()) == [1000.0**2, 1000.0**2 + 200.0**2]
+
+
+def test_polish_trades_when_no_sample_can_move():
+    """Token budgets full to within one sample: only a trade (100 tokens for 60) lowers the roof."""
+    from hdp.packing.cost import CostModel
+    from hdp.packing.policies.common import Assignment
+    from hdp.packing.policies.polish import polish
+
+    cfg = PlannerConfig(num_ranks=2, max_tokens_per_rank=1100, cost=CostModel(linear_coef=0.0))
+    lengths = np.array([1000, 100, 900, 100, 60])
+    a = Assignment(round_of=np.zeros(5, np.int64), group_start=np.array([0, 0, 1, 1, 1]),
+                   group_size=np.ones(5, np.int64))
+    b = polish(lengths, a, cfg, np.ones(5, np.int64), max_steps=10)
+    assert b.group_start.tolist() == [0, 1, 1, 1, 0]  # sample 1 (100) and sample 4 (60) traded
+    p = _as_plan(lengths, b, cfg)
+    check_plan(p)
+
+
+def test_tall_round_puts_the_tallest_samples_together():
+    """Two 32K samples among 1.5K ones (the Ascend short-tail case): a candidate first round holds
+    both, each widened past its budget minimum, the others on the next-longest samples."""
+    from hdp.packing.policies.hdp import _sizes
+    from hdp.packing.policies.tall_round import needs_tall_round, tall_round
+
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([[32768, 31935, 16000, 12000, 9000], rng.integers(200, 3000, 600)])
+    cfg = PlannerConfig(num_ranks=64, max_tokens_per_rank=4096, cost=COSTS["ascend"])
+    k_min, sizes = _sizes(lengths, cfg)
+    assert needs_tall_round(lengths, k_min, cfg)
+    cands = tall_round(lengths, k_min, cfg, sizes)
+    assert cands
+    for samples, group, width in cands:
+        assert {0, 1} <= set(samples.tolist())
+        assert width.sum() <= 64 and np.all(width[group] >= k_min[samples])
+        assert width[group[list(samples).index(0)]] > k_min[0]  # widened: 8 ranks would idle the rest
+    p = plan(lengths, cfg)
+    assert p.round_of[0] == p.round_of[1]
+    check_plan(p)

@@ -46,6 +46,8 @@ from hdp.packing.config import GroupShape, PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
 from hdp.packing.policies.common import Assignment, pow2_ceil
 from hdp.packing.policies.kk import karmarkar_karp, lpt_place
+from hdp.packing.policies.polish import polish
+from hdp.packing.policies.tall_round import needs_tall_round, tall_round
 
 __all__ = ["assign"]
 
@@ -54,6 +56,8 @@ _log = logging.getLogger(__name__)
 _KK_MAX_WORK = 2_000_000  # Karmarkar-Karp (O(n * m)) only while n * m stays small enough to be fast
 _KK_MAX_ITEMS = 2048
 _GAP_FILL_MAX_WORK = 20_000_000  # samples x columns searched when filling gaps
+_POLISH_MAX_SAMPLES = 4096  # local search (`polish`) on batches up to this size (time budget)
+_POLISH_STEPS = 2  # ... for at most this many steps per sample
 _MAX_EXTRA_ROUNDS_LARGE = 0  # batches above 4,096 samples: one round count per variant
 
 
@@ -874,8 +878,9 @@ def _floor(lengths: np.ndarray, k: np.ndarray, config: PlannerConfig) -> float:
     return rank_time / N
 
 
-def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
-    """Plan ``lengths`` with the hdp policy (see module docstring)."""
+def _sizes(lengths: np.ndarray, config: PlannerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(fewest ranks of every sample, allowed group sizes); raises ValueError when a sample needs
+    more than the largest power-of-two block under ``group_shape=pow2``."""
     N, B = config.num_ranks, config.max_tokens_per_rank
     k_min = min_group_size(lengths, B, N)
     sizes = _allowed_sizes(N, config.group_shape)
@@ -888,6 +893,54 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
                 f"power-of-two block of the domain ({int(sizes[-1])} of {N} ranks); use "
                 "group_shape='any' or a larger max_tokens_per_rank"
             )
+    return k_min, sizes
+
+
+def _step(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> float:
+    """T of an assignment: sum of round maxima plus rounds * beta."""
+    top, _ = _round_heights(lengths, a, config)
+    return float(top.sum()) + top.size * config.cost.round_cost
+
+
+def _with_tall_round(
+    lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray,
+) -> list[Assignment]:
+    """Plans whose first round holds the tallest samples (`tall_round`), the rest planned by
+    `_construct`."""
+    out = []
+    for chosen, group, width in tall_round(lengths, k_min, config, sizes):
+        rest = np.setdiff1d(np.arange(lengths.size), chosen)
+        round_of = np.zeros(lengths.size, dtype=np.int64)
+        start = np.zeros(lengths.size, dtype=np.int64)
+        size = np.zeros(lengths.size, dtype=np.int64)
+        o = np.lexsort((np.arange(width.size), -width))  # wider groups left
+        first = np.zeros(width.size, dtype=np.int64)
+        first[o] = np.cumsum(width[o]) - width[o]
+        start[chosen], size[chosen] = first[group], width[group]
+        if rest.size:
+            sub = _construct(lengths[rest], config, k_min[rest], sizes)
+            round_of[rest] = sub.round_of + 1
+            start[rest], size[rest] = sub.group_start, sub.group_size
+        out.append(Assignment(round_of=round_of, group_start=start, group_size=size))
+    return out
+
+
+def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
+    """Plan ``lengths`` with the hdp policy (see module docstring)."""
+    k_min, sizes = _sizes(lengths, config)
+    a = _construct(lengths, config, k_min, sizes)
+    if lengths.size > _POLISH_MAX_SAMPLES:
+        return a
+    options = [a]
+    if needs_tall_round(lengths, k_min, config):
+        options += _with_tall_round(lengths, config, k_min, sizes)
+    best = options[int(np.argmin([_step(lengths, o, config) for o in options]))]
+    return polish(lengths, best, config, k_min, max_steps=_POLISH_STEPS * lengths.size)
+
+
+def _construct(lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray) -> Assignment:
+    """The best candidate plan of the variants x round counts, levelled (module docstring)."""
+    N, B = config.num_ranks, config.max_tokens_per_rank
     r_min = max(1, -(-int(lengths.sum()) // (N * B)))
     extra = config.max_extra_rounds
     if lengths.size > 4096:
