@@ -60,6 +60,10 @@ class PlannerConfig:
     max_extra_rounds: int = 3
     """hdp: rounds beyond the minimum it tries per candidate family; on batches of up to 4,096
     samples it goes on (to 8) while each further round still lowers the step time."""
+    search_max_samples: int = 2048
+    """hdp: batches of up to this many samples are also planned with a first round around their
+    tallest samples and improved by local search (`policies/polish.py`): the best plans, at a
+    cost of about 2 s per 1,024 samples on 64 ranks (one CPU core).  0 turns the search off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", parse_enum(Policy, self.policy, "config.policy"))
@@ -95,4 +99,10 @@ class PlannerConfig:
         if not isinstance(self.max_extra_rounds, int) or self.max_extra_rounds < 0:
             raise ValueError(
                 f"config.max_extra_rounds={self.max_extra_rounds!r}: must be an integer >= 0"
+            )
+        if isinstance(self.search_max_samples, bool) or not isinstance(self.search_max_samples, int) \
+                or self.search_max_samples < 0:
+            raise ValueError(
+                f"config.search_max_samples={self.search_max_samples!r}: must be an integer >= 0 "
+                "(0 turns the local search off)"
             )

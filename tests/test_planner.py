@@ -274,3 +274,27 @@ def test_tall_round_puts_the_tallest_samples_together():
     p = plan(lengths, cfg)
     assert p.round_of[0] == p.round_of[1]
     check_plan(p)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), shape=st.sampled_from(["any", "pow2"]), extra=st.integers(0, 2))
+def test_spread_plans_are_valid(batch, shape, extra):
+    """The spread starting plan (multi-rank samples over every round) keeps every invariant
+    whenever the budget lets it hold the batch, at the fewest rounds and above."""
+    from hdp.packing.policies.hdp import _sizes, _spread
+
+    lengths, n_ranks, budget = batch
+    if shape == "pow2":
+        n_ranks = 1 << int(np.log2(n_ranks))
+        lengths = [min(x, n_ranks * (budget - 1)) for x in lengths]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, group_shape=shape, cost=COSTS["ascend"])
+    k_min, _ = _sizes(lengths, cfg)
+    rounds = max(1, -(-int(lengths.sum()) // (n_ranks * budget))) + extra
+    a = _spread(lengths, k_min, cfg, rounds)
+    if a is None:
+        return
+    assert np.array_equal(a.group_size, k_min)
+    p = _as_plan(lengths, a, cfg)
+    check_plan(p, pow2=(shape == "pow2"))
+    _check_cover(p)

@@ -91,6 +91,8 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
     p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
                    help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
+    p.add_argument("--search-max-samples", type=int, default=2048, dest="search_max_samples",
+                   help="hdp: batches up to this many samples also get the local search (default 2048; 0: off)")
 
 
 def _load_lengths(args: argparse.Namespace) -> np.ndarray:
@@ -120,6 +122,7 @@ def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: A
         group_shape=args.group_shape,
         cost=cost if cost is not None else _cost(args),
         static_cp_size=args.static_cp,
+        search_max_samples=args.search_max_samples,
     )
 
 

@@ -43,6 +43,8 @@ class PlanningConfig:
     """Cost model the planner scores plans with (default: ``cpu-tiny`` on ``cpu-gloo``)."""
     max_extra_rounds: int = 3
     """hdp policy: rounds beyond the minimum it may try."""
+    search_max_samples: int = 2048
+    """hdp policy: batches up to this many samples also get the planner's local search (0: off)."""
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     """CP attention: ``ring`` for every group, or ``allgather`` on aligned power-of-two blocks (ring elsewhere)."""
 
@@ -63,6 +65,9 @@ class PlanningConfig:
             raise ValueError(f"PlanningConfig.cost={self.cost!r}: pass a hdp.packing.CostModel (hdp.packing.cost_model)")
         if self.max_extra_rounds < 0:
             raise ValueError(f"PlanningConfig.max_extra_rounds={self.max_extra_rounds}: must be >= 0")
+        s = self.search_max_samples
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"PlanningConfig.search_max_samples={s!r}: pass an integer >= 0 (0 turns the search off)")
 
     def planner_config(self, num_ranks: int) -> PlannerConfig:
         """The planner's config for a domain of ``num_ranks`` ranks."""
@@ -74,6 +79,7 @@ class PlanningConfig:
             cost=self.cost,
             static_cp_size=self.static_cp_size,
             max_extra_rounds=self.max_extra_rounds,
+            search_max_samples=self.search_max_samples,
         )
 
 

@@ -66,6 +66,8 @@ class HdpOptions:
     """MoE expert-path recomputation: none, level0, level1 (MindSpeed ``--moe-zero-memory`` semantics)."""
     max_extra_rounds: int = 3
     """hdp policy: rounds beyond the minimum it may try."""
+    search_max_samples: int = 2048
+    """hdp policy: batches up to this many samples also get the planner's local search (0: off)."""
     cost_model: str = "dense-8b"
     """Planner cost-model preset (hdp.packing.MODELS): dense-8b, qwen3-235b-a22b, deepseek-v3, cpu-tiny."""
     hardware_profile: str = "h100-nvlink"
@@ -86,6 +88,9 @@ class HdpOptions:
             )
         if isinstance(self.max_extra_rounds, bool) or not isinstance(self.max_extra_rounds, int) or self.max_extra_rounds < 0:
             raise ValueError(f"{_KEY}.hdp.max_extra_rounds={self.max_extra_rounds!r}: pass an integer >= 0")
+        s = self.search_max_samples
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"{_KEY}.hdp.search_max_samples={s!r}: pass an integer >= 0 (0 turns the search off)")
         try:
             cost_model(self.cost_model, self.hardware_profile)
         except (KeyError, ValueError) as exc:
@@ -109,6 +114,7 @@ class HdpOptions:
             group_shape=self.group_shape,
             cost=cost_model(self.cost_model, self.hardware_profile),
             max_extra_rounds=self.max_extra_rounds,
+            search_max_samples=self.search_max_samples,
         )
 
 

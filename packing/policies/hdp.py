@@ -56,8 +56,7 @@ _log = logging.getLogger(__name__)
 _KK_MAX_WORK = 2_000_000  # Karmarkar-Karp (O(n * m)) only while n * m stays small enough to be fast
 _KK_MAX_ITEMS = 2048
 _GAP_FILL_MAX_WORK = 20_000_000  # samples x columns searched when filling gaps
-_POLISH_MAX_SAMPLES = 4096  # local search (`polish`) on batches up to this size (time budget)
-_POLISH_STEPS = 2  # ... for at most this many steps per sample
+_POLISH_STEPS = 2  # local search (`polish`): at most this many steps per sample
 _MAX_EXTRA_ROUNDS_LARGE = 0  # batches above 4,096 samples: one round count per variant
 
 
@@ -469,6 +468,70 @@ def _swap_rounds(
     return col_round, col_start
 
 
+def _level(work: float, slots: np.ndarray, floor: np.ndarray) -> float:
+    """The common level lambda with ``sum_r slots_r * max(lambda, floor_r) = work`` (bisection):
+    rounds whose floor is below it rise to lambda, the others stay at their floor."""
+    lo, hi = 0.0, work / max(1, int(slots.sum())) + float(floor.max(initial=0.0))
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if float((slots * np.maximum(mid, floor)).sum()) < work:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _spread(lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig, rounds: int) -> Assignment | None:
+    """A plan of ``rounds`` rounds with the multi-rank samples spread over every round.
+
+    Multi-rank samples (own groups of k_min ranks), tallest first, fill each round up to its share
+    of their ranks, so samples of similar height share a round; single-rank samples then go
+    tallest first to the single rank with the most room below its round's level (the taller of
+    the round's multi-rank groups and the common level, `_level`), within B tokens.  Unlike the
+    shelf layout of `_build` no round ends up holding only multi-rank groups of uneven height;
+    the result is rough (its rounds are levelled by `polish`).  None when the budget does not
+    hold the singles in these rounds.
+    """
+    N, B, cost = config.num_ranks, config.max_tokens_per_rank, config.cost
+    h = cost.sample_cost(lengths, k_min)
+    multi = np.flatnonzero(k_min > 1)
+    multi = multi[np.lexsort((multi, -h[multi]))]
+    cap = max(1, -(-int(k_min[multi].sum()) // rounds))
+    round_of = np.zeros(lengths.size, dtype=np.int64)
+    used: list[int] = [0]
+    top: list[float] = [0.0]
+    for i in multi.tolist():
+        w = int(k_min[i])
+        if used[-1] > 0 and (used[-1] + w > N or (used[-1] + w > cap and len(used) < rounds)):
+            used.append(0)
+            top.append(0.0)
+        round_of[i] = len(used) - 1
+        used[-1] += w
+        top[-1] = max(top[-1], float(h[i]))
+    n_rounds = max(rounds, len(used))
+    used_a = np.zeros(n_rounds, dtype=np.int64)
+    used_a[: len(used)] = used
+    floor = np.zeros(n_rounds)
+    floor[: len(top)] = top
+    start = np.zeros(lengths.size, dtype=np.int64)
+    for r in range(len(used)):  # wider groups left (aligned power-of-two blocks stay aligned)
+        mem = multi[round_of[multi] == r]
+        mem = mem[np.lexsort((mem, -k_min[mem]))]
+        start[mem] = np.cumsum(k_min[mem]) - k_min[mem]
+    singles = np.flatnonzero(k_min == 1)
+    if singles.size:
+        slots = N - used_a  # [R] single ranks per round
+        target = np.maximum(_level(float(h[singles].sum()), slots, floor), floor)
+        slot_round = np.repeat(np.arange(n_rounds), slots)
+        slot_rank = np.concatenate([used_a[r] + np.arange(slots[r]) for r in range(n_rounds)])
+        try:
+            b = _partition(h[singles], lengths[singles], slot_round.size, B, offset=-target[slot_round])
+        except _Infeasible:
+            return None
+        round_of[singles], start[singles] = slot_round[b], slot_rank[b]
+    return Assignment(round_of=round_of, group_start=start, group_size=k_min.copy())
+
+
 def _rebalance_singles(
     col_of: np.ndarray, col_round: np.ndarray, widths: np.ndarray, heights: np.ndarray,
     height: np.ndarray, tokens: np.ndarray, k: np.ndarray, budget: int,
@@ -493,15 +556,8 @@ def _rebalance_singles(
     if not np.any(multi_max > 0):
         return col_of  # no tall groups: the balanced bins are already level
     s_r = np.bincount(col_round[ones], minlength=n_rounds)
-    work = float(height[singles].sum())
-    lo, hi = 0.0, work / max(1, ones.size) + float(multi_max.max())
-    for _ in range(60):  # bisection on the common level
-        mid = 0.5 * (lo + hi)
-        if float((s_r * np.maximum(mid, multi_max)).sum()) < work:
-            lo = mid
-        else:
-            hi = mid
-    target = np.maximum(hi, multi_max)[col_round[ones]]  # [c]
+    level = _level(float(height[singles].sum()), s_r, multi_max)
+    target = np.maximum(level, multi_max)[col_round[ones]]  # [c]
     try:  # least loaded with an offset of -target = most room below the target
         new_col = _partition(height[singles], tokens[singles], ones.size, budget, offset=-target)
     except _Infeasible:
@@ -902,11 +958,24 @@ def _step(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> float:
     return float(top.sum()) + top.size * config.cost.round_cost
 
 
+def _rough_plans(
+    lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray,
+) -> list[Assignment]:
+    """Whole-batch starting points for `polish`: the levelled candidate of `_construct` and the
+    spread plan (`_spread`) at the fewest rounds the tokens allow."""
+    out = [_construct(lengths, config, k_min, sizes)]
+    r_min = max(1, -(-int(lengths.sum()) // (config.num_ranks * config.max_tokens_per_rank)))
+    spread = _spread(lengths, k_min, config, r_min)
+    if spread is not None:
+        out.append(spread)
+    return out
+
+
 def _with_tall_round(
     lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray,
 ) -> list[Assignment]:
-    """Plans whose first round holds the tallest samples (`tall_round`), the rest planned by
-    `_construct`."""
+    """Plans whose first round holds the tallest samples (`tall_round`), the rest planned as in
+    `_rough_plans`."""
     out = []
     for chosen, group, width in tall_round(lengths, k_min, config, sizes):
         rest = np.setdiff1d(np.arange(lengths.size), chosen)
@@ -917,25 +986,29 @@ def _with_tall_round(
         first = np.zeros(width.size, dtype=np.int64)
         first[o] = np.cumsum(width[o]) - width[o]
         start[chosen], size[chosen] = first[group], width[group]
-        if rest.size:
-            sub = _construct(lengths[rest], config, k_min[rest], sizes)
-            round_of[rest] = sub.round_of + 1
-            start[rest], size[rest] = sub.group_start, sub.group_size
-        out.append(Assignment(round_of=round_of, group_start=start, group_size=size))
+        subs = _rough_plans(lengths[rest], config, k_min[rest], sizes) if rest.size else [None]
+        for sub in subs:
+            if sub is not None:
+                round_of[rest] = sub.round_of + 1
+                start[rest], size[rest] = sub.group_start, sub.group_size
+            out.append(Assignment(round_of=round_of.copy(), group_start=start.copy(), group_size=size.copy()))
     return out
 
 
 def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     """Plan ``lengths`` with the hdp policy (see module docstring)."""
     k_min, sizes = _sizes(lengths, config)
-    a = _construct(lengths, config, k_min, sizes)
-    if lengths.size > _POLISH_MAX_SAMPLES:
-        return a
-    options = [a]
+    if lengths.size > config.search_max_samples:
+        return _construct(lengths, config, k_min, sizes)
+    options = [_construct(lengths, config, k_min, sizes)]
     if needs_tall_round(lengths, k_min, config):
         options += _with_tall_round(lengths, config, k_min, sizes)
-    best = options[int(np.argmin([_step(lengths, o, config) for o in options]))]
-    return polish(lengths, best, config, k_min, max_steps=_POLISH_STEPS * lengths.size)
+    # a short search from every starting point, then longer ones from the best two
+    n = lengths.size
+    options = [polish(lengths, o, config, k_min, max_steps=max(8, n // 4)) for o in options]
+    order = np.argsort([_step(lengths, o, config) for o in options], kind="stable")[:2]
+    final = [polish(lengths, options[i], config, k_min, max_steps=_POLISH_STEPS * n) for i in order]
+    return final[int(np.argmin([_step(lengths, o, config) for o in final]))]
 
 
 def _construct(lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray) -> Assignment:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from hdp.packing.config import PlannerConfig
-from hdp.packing.cost import CostModel, max_rank_tokens, padded_length
+from hdp.packing.cost import max_rank_tokens, padded_length
 from hdp.packing.policies.common import Assignment
 
 __all__ = ["polish"]
@@ -151,25 +151,37 @@ def polish(
         if movers.size == 0:
             break
         others = s.others()
-        step = _best_move(s, movers, others, k_min)
-        if step is None:
-            step = _best_trade(s, movers, others, k_min)
-        if step is None:
+        found = _best_move(s, movers, others, k_min) or _best_trade(s, movers, others, k_min)
+        if not found:
             break
-        step()
-        steps += 1
+        for step in found:  # steps on disjoint rounds: each one's figures stay exact
+            step()
+        steps += len(found)
     return a if steps == 0 else s.assignment()
 
 
-def _pick(d_roof: np.ndarray, added: np.ndarray, d_phi: np.ndarray, good: np.ndarray, scale: float) -> int | None:
-    """Flat index of the best step among ``good`` ones: most roof drop, least rank-time, most
-    levelling, lowest index (roof and rank-time compared at relative tolerance)."""
+def _pick(
+    d_roof: np.ndarray, added: np.ndarray, d_phi: np.ndarray, good: np.ndarray, scale: float,
+    rounds: tuple[np.ndarray, np.ndarray],
+) -> list[int]:
+    """Flat indices of the best ``good`` steps that touch disjoint rounds, best first: most roof
+    drop, least rank-time, most levelling, lowest index (roof and rank-time compared at relative
+    tolerance).  ``rounds``: the (source, target) round of every step, shaped like ``good``."""
     g = np.flatnonzero(good.ravel())
     if g.size == 0:
-        return None
+        return []
     q = max(_TOL * scale, 1e-300)
-    o = np.lexsort((g, d_phi.ravel()[g], np.round(added.ravel()[g] / q), np.round(d_roof.ravel()[g] / q)))
-    return int(g[o[0]])
+    o = g[np.lexsort((g, d_phi.ravel()[g], np.round(added.ravel()[g] / q), np.round(d_roof.ravel()[g] / q)))]
+    r_src = np.broadcast_to(rounds[0], good.shape).ravel()[o]
+    r_tgt = np.broadcast_to(rounds[1], good.shape).ravel()[o]
+    busy: set[int] = set()
+    out: list[int] = []
+    for j, a, b in zip(o.tolist(), r_src.tolist(), r_tgt.tolist()):
+        if a in busy or b in busy:
+            continue
+        out.append(j)
+        busy.update((a, b))
+    return out
 
 
 def _gather(s: _Columns, rows: np.ndarray, samples: np.ndarray) -> list[np.ndarray]:
@@ -185,7 +197,7 @@ def _outer(s: _Columns, rows: np.ndarray, samples: np.ndarray) -> list[np.ndarra
 
 
 def _best_move(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.ndarray):
-    """The best single-sample move as a closure that applies it, or None."""
+    """The best single-sample moves on disjoint rounds, as closures that apply them."""
     cost, B = s.cost, s.B
     src = s.col_of[movers]  # [M]
     w_s = s.width[src]
@@ -193,8 +205,14 @@ def _best_move(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.nd
     left = s.sl[src] - own[1]
     h_src = np.where(left > 0, cost.group_cost(s.sw[src] - own[0], left, s.sq[src] - own[2], w_s), 0.0)
     r_src = s.rnd[src]
-    # existing columns: [M, C] heights with the sample added (split over each column's width)
+    # existing columns with room under their roof for the shortest mover (a sample of L tokens
+    # adds work(L) to a single rank, at least a*L/w to every rank of a w-rank group), and the
+    # movers' own rounds: [M, C] heights with the sample added (split over each column's width)
     cols = np.flatnonzero(s.alive)
+    short = float(s.lengths[movers].min())
+    need = np.where(s.width[cols] == 1, float(cost.work(short)), cost.linear_coef * short / s.width[cols])
+    room = s.roof[s.rnd[cols]] - s.h[cols]
+    cols = cols[(room >= need * (1 - 1e-9)) | np.isin(s.rnd[cols], r_src)]
     wc = s.width[cols][None, :]
     add = [v.T for v in _outer(s, s.cw[cols], movers)]  # [M, C] each
     h_new = cost.group_cost(s.sw[cols] + add[0], s.sl[cols] + add[1], s.sq[cols] + add[2], wc)
@@ -222,33 +240,34 @@ def _best_move(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.nd
     d_phi = (w_s * (h_src ** 2 - s.h[src] ** 2))[:, None] + w_all * (h_all ** 2 - h_prev ** 2)
     scale = float(s.roof.max())
     good = ok_all & ((d_roof < -_TOL * scale) | (d_phi < -_TOL * scale * scale))
-    j = _pick(d_roof, added, d_phi, good, scale)
-    if j is None:
-        return None
-    m, t = divmod(j, h_all.shape[1])
-    i, c = int(movers[m]), int(src[m])
+    tgt_round = np.concatenate([s.rnd[cols], rounds])[None, :]
+    picked = _pick(d_roof, added, d_phi, good, scale, (r_src[:, None], tgt_round))
+    steps = []
+    for j in picked:
+        m, t = divmod(j, h_all.shape[1])
 
-    def apply() -> None:
-        if t < cols.size:
-            tgt = int(cols[t])
-        else:  # open a group on free ranks of round t - C
-            tgt = s.opened
-            s.opened += 1
-            s.rnd[tgt], s.width[tgt], s.alive[tgt] = t - cols.size, int(k0[m]), True
-            s.cw[tgt] = s.row(int(k0[m]))
-            s.free[s.rnd[tgt]] -= s.width[tgt]
-        s.take(i, c, -1.0)
-        s.col_of[i] = tgt
-        s.take(i, tgt, 1.0)
-        s.settle([c, tgt])
-    return apply
+        def apply(i: int = int(movers[m]), c: int = int(src[m]), t: int = t, w0: int = int(k0[m])) -> None:
+            if t < cols.size:
+                tgt = int(cols[t])
+            else:  # open a group on free ranks of round t - C
+                tgt = s.opened
+                s.opened += 1
+                s.rnd[tgt], s.width[tgt], s.alive[tgt] = t - cols.size, w0, True
+                s.cw[tgt] = s.row(w0)
+                s.free[s.rnd[tgt]] -= w0
+            s.take(i, c, -1.0)
+            s.col_of[i] = tgt
+            s.take(i, tgt, 1.0)
+            s.settle([c, tgt])
+        steps.append(apply)
+    return steps
 
 
 def _best_trade(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.ndarray):
     """The best trade of a roof sample i for a shorter sample j of another column (each takes
-    the other's group, split over its width), as a closure that applies it, or None."""
+    the other's group, split over its width), on disjoint rounds, as closures that apply them."""
     if movers.size == 0:
-        return None
+        return []
     if movers.size > _TRADE_MOVERS:  # the longest samples of the roof columns
         movers = movers[np.lexsort((movers, -s.lengths[movers]))[:_TRADE_MOVERS]]
     cost, B = s.cost, s.B
@@ -259,7 +278,7 @@ def _best_trade(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.n
     roomy[cols[np.argsort(-gap, kind="stable")[: _TRADE_COLUMNS * s.N]]] = True
     cand = np.flatnonzero(roomy[s.col_of] & (s.lengths < s.lengths[movers].max()))
     if cand.size == 0:
-        return None
+        return []
     c2 = s.col_of[cand]
     src = s.col_of[movers]  # [M]
     wc, wc2 = s.width[src][:, None], s.width[c2][None, :]
@@ -285,17 +304,17 @@ def _best_trade(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.n
     d_phi = wc * (new_c ** 2 - hc ** 2) + wc2 * (new_c2 ** 2 - s.h[c2][None, :] ** 2)
     scale = float(s.roof.max())
     good = ok & ((d_roof < -_TOL * scale) | (d_phi < -_TOL * scale * scale))
-    j = _pick(d_roof, added, d_phi, good, scale)
-    if j is None:
-        return None
-    m, t = divmod(j, cand.size)
-    i, jj, c, cc = int(movers[m]), int(cand[t]), int(src[m]), int(c2[t])
+    picked = _pick(d_roof, added, d_phi, good, scale, (s.rnd[src][:, None], s.rnd[c2][None, :]))
+    steps = []
+    for j in picked:
+        m, t = divmod(j, cand.size)
 
-    def apply() -> None:
-        s.take(i, c, -1.0)
-        s.take(jj, cc, -1.0)
-        s.col_of[i], s.col_of[jj] = cc, c
-        s.take(i, cc, 1.0)
-        s.take(jj, c, 1.0)
-        s.settle([c, cc])
-    return apply
+        def apply(i: int = int(movers[m]), jj: int = int(cand[t]), c: int = int(src[m]), cc: int = int(c2[t])) -> None:
+            s.take(i, c, -1.0)
+            s.take(jj, cc, -1.0)
+            s.col_of[i], s.col_of[jj] = cc, c
+            s.take(i, cc, 1.0)
+            s.take(jj, c, 1.0)
+            s.settle([c, cc])
+        steps.append(apply)
+    return steps
