@@ -30,9 +30,19 @@ Every candidate (variant x R from the token minimum upwards, stopping when T sto
 scored by ``sum_r max column height + rounds * beta`` and the best kept; on batches up to 4,096
 samples the rounds idling most are then planned again on their own (`_replan_rounds`), and a
 round's tallest group merges with a partner into one wider group on the same ranks while that
-lowers the round's maximum (`_merge_groups`; only the last round above 4,096 samples).  The cost
-model, not the group shape, decides: CP3/CP5/CP6 groups appear whenever they are cheaper.
-All steps are deterministic (ties broken by index).
+lowers the round's maximum (`_merge_groups`; only the last round above 4,096 samples).
+
+5. **Search** (batches up to ``config.search_max_samples``).  When some sample is far taller than
+   a balanced round, further starting points put the tallest samples together in a first round
+   (`tall_round`: widened to the height where the idle time of the round's other ranks and the
+   extra ring overhead balance, the other ranks filled with the next longest samples), the rest
+   planned as above or spread (`_spread`: multi-rank samples over every round, so no round holds
+   only short multi-rank groups).  Every starting point gets a short local search (`polish`:
+   samples move or trade places off each round's roof), the best two a longer one, and the best
+   plan wins.
+
+The cost model, not the group shape, decides: CP3/CP5/CP6 groups appear whenever they are
+cheaper.  All steps are deterministic (ties broken by index).
 """
 
 from __future__ import annotations
@@ -961,8 +971,9 @@ def _step(lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> float:
 def _rough_plans(
     lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray,
 ) -> list[Assignment]:
-    """Whole-batch starting points for `polish`: the levelled candidate of `_construct` and the
-    spread plan (`_spread`) at the fewest rounds the tokens allow."""
+    """Starting points for `polish` for the samples after a tall first round: the levelled
+    candidate of `_construct` and the spread plan (`_spread`) at the fewest rounds the tokens
+    allow."""
     out = [_construct(lengths, config, k_min, sizes)]
     r_min = max(1, -(-int(lengths.sum()) // (config.num_ranks * config.max_tokens_per_rank)))
     spread = _spread(lengths, k_min, config, r_min)

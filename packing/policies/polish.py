@@ -9,8 +9,11 @@ rest.  `polish` takes the plan as columns (round, width, samples) and repeats th
   or a new group of its minimum size on ranks its round leaves free -- where it fits the token
   budget B and does not raise that round's roof.  A sample that joins a wider group is split over
   it (the group's exact cost, `CostModel.group_cost`); a group keeps the ranks its samples need;
-* **trade**: when no sample of a single-rank roof column can move, one of them trades places with
-  a cheaper sample of another single-rank column whose round roof the trade does not raise.
+* **trade**: when no sample of a roof column can move, one of them trades places with a shorter
+  sample of another column (each split over its new group) whose round roof the trade does not
+  raise;
+* **widen**: a round's only roof column takes ranks its round leaves free, when that lowers the
+  round's roof.
 
 The best step drops the sum of round maxima the most, then costs the least rank-time, then
 levels most (lowers sum(width * height**2)).  Every step lowers the sum of maxima, or keeps it and
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.config import PlannerConfig
+from hdp.packing.config import GroupShape, PlannerConfig
 from hdp.packing.cost import max_rank_tokens, padded_length
 from hdp.packing.policies.common import Assignment
 
@@ -144,6 +147,11 @@ def polish(
     two above it for power-of-two group shapes).  Returns ``a`` itself when nothing changed.
     """
     s = _Columns(lengths, a, config)
+    N = config.num_ranks
+    if config.group_shape is GroupShape.POW2:
+        sizes = 1 << np.arange(int(np.log2(N)) + 1)
+    else:
+        sizes = np.arange(1, N + 1)
     steps = 0
     while steps < max_steps:
         at_roof = s.alive & (s.h >= s.roof[s.rnd] * (1 - _TOL))
@@ -151,7 +159,8 @@ def polish(
         if movers.size == 0:
             break
         others = s.others()
-        found = _best_move(s, movers, others, k_min) or _best_trade(s, movers, others, k_min)
+        found = (_best_move(s, movers, others, k_min) or _best_trade(s, movers, others, k_min)
+                 or _widen(s, np.flatnonzero(at_roof), others, sizes))
         if not found:
             break
         for step in found:  # steps on disjoint rounds: each one's figures stay exact
@@ -316,5 +325,39 @@ def _best_trade(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.n
             s.take(i, cc, 1.0)
             s.take(jj, c, 1.0)
             s.settle([c, cc])
+        steps.append(apply)
+    return steps
+
+
+def _widen(s: _Columns, roof_cols: np.ndarray, others: np.ndarray, sizes: np.ndarray):
+    """A round's only roof column widened onto ranks its round leaves free, when that lowers the
+    round's roof (the widest allowed size that does, least rank-time first); on disjoint rounds,
+    as closures that apply them."""
+    steps = []
+    done: set[int] = set()
+    for c in roof_cols.tolist():
+        r, w = int(s.rnd[c]), int(s.width[c])
+        if r in done or s.free[r] <= 0 or others[c] >= s.roof[r] * (1 - _TOL):
+            continue
+        members = np.flatnonzero(s.col_of == c)
+        best = None
+        for w2 in sizes[(sizes > w) & (sizes <= w + s.free[r])].tolist():
+            row = s.row(w2)  # (may add a row to the table)
+            v = s.tab[row][:, members].sum(axis=1)  # [4] the column's sums at width w2
+            h2 = float(s.cost.group_cost(v[0], v[1], v[2], w2))
+            top = max(float(others[c]), h2)
+            if v[3] <= s.B and top < s.roof[r] * (1 - _TOL):
+                key = (round(top / (_TOL * s.roof[r])), w2 * h2, w2)
+                if best is None or key < best[0]:
+                    best = (key, w2, v)
+        if best is None:
+            continue
+        done.add(r)
+
+        def apply(c: int = c, r: int = r, w: int = w, w2: int = best[1], v: np.ndarray = best[2]) -> None:
+            s.width[c], s.cw[c] = w2, s.row(w2)
+            s.sw[c], s.sl[c], s.sq[c], s.tok[c] = v
+            s.free[r] -= w2 - w
+            s.settle([c])
         steps.append(apply)
     return steps
