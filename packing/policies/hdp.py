@@ -172,6 +172,8 @@ def _balance(
     out = np.full(n, -1, dtype=np.int64)
     if n == 0:
         return out
+    if m < 1:
+        raise _Infeasible  # items but no bin
     if m >= n and offset is None:
         out[np.lexsort((np.arange(n), -height))] = np.arange(n)
         return out
