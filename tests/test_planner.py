@@ -298,3 +298,14 @@ def test_spread_plans_are_valid(batch, shape, extra):
     p = _as_plan(lengths, a, cfg)
     check_plan(p, pow2=(shape == "pow2"))
     _check_cover(p)
+
+
+def test_hdp_plans_a_batch_whose_multi_rank_groups_fill_every_rank():
+    """Regression: a spread plan whose multi-rank groups took every rank of its rounds left no
+    rank for the single-rank samples (the balancer looped with no bins); it is now infeasible
+    and the planner goes on with the other starting points."""
+    lengths = [16084, 2565, 3510, 5638, 732, 1690, 1912]
+    cfg = PlannerConfig(num_ranks=8, max_tokens_per_rank=2357, group_shape="pow2", cost=COSTS["cpu"])
+    p = plan(lengths, cfg)
+    check_plan(p, pow2=True)
+    _check_cover(p)

@@ -39,13 +39,14 @@ _TRADE_MOVERS = 32  # ... for this many of the longest samples of the roof colum
 class _Columns:
     """The plan as columns: round, width, member samples and the sums their cost needs."""
 
-    def __init__(self, lengths: np.ndarray, a: Assignment, config: PlannerConfig) -> None:
+    def __init__(self, lengths: np.ndarray, a: Assignment, config: PlannerConfig, max_steps: int) -> None:
         N, cost = config.num_ranks, config.cost
         self.lengths, self.cost, self.N, self.B = lengths, cost, N, config.max_tokens_per_rank
         gid, col_of = np.unique(a.round_of * N + a.group_start, return_inverse=True)
         n_cols = gid.size
         self.n_rounds = int(gid.max() // N) + 1
-        cap = n_cols + self.n_rounds * N  # room for groups that moves open on free ranks
+        cap = n_cols + max_steps + self.n_rounds  # groups that moves open: one per step at most (a
+        # batch of steps on disjoint rounds may pass max_steps by fewer than n_rounds)
         self.opened = n_cols
         self.col_of = col_of.astype(np.int64)
         self.rnd = np.zeros(cap, dtype=np.int64)
@@ -146,7 +147,7 @@ def polish(
     ``k_min`` [n]: the fewest ranks each sample may run on (its budget minimum, or the power of
     two above it for power-of-two group shapes).  Returns ``a`` itself when nothing changed.
     """
-    s = _Columns(lengths, a, config)
+    s = _Columns(lengths, a, config, max_steps)
     N = config.num_ranks
     if config.group_shape is GroupShape.POW2:
         sizes = 1 << np.arange(int(np.log2(N)) + 1)
