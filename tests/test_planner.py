@@ -309,3 +309,42 @@ def test_hdp_plans_a_batch_whose_multi_rank_groups_fill_every_rank():
     p = plan(lengths, cfg)
     check_plan(p, pow2=True)
     _check_cover(p)
+
+
+def test_pow2_groups_double_until_the_zigzag_split_fits():
+    """With an odd budget small next to the group, the power of two above ceil(L/B) can still put
+    B + 1 tokens on a rank (21 tokens on 8 ranks, B = 3: 4 on one); the group doubles to 16."""
+    cfg = PlannerConfig(num_ranks=16, max_tokens_per_rank=3, group_shape="pow2", cost=COSTS["cpu"])
+    p = plan([21, 2, 3], cfg)
+    check_plan(p, pow2=True)
+    _check_cover(p)
+    assert p.group_size[0] == 16
+
+
+@pytest.mark.parametrize("lengths,n_ranks,budget", [
+    ([21], 8, 3), ([35, 1, 1], 8, 5), ([105, 40, 40, 40], 16, 7), ([165, 20, 20], 16, 11),
+])
+def test_pow2_sample_that_fits_no_block_is_rejected(lengths, n_ranks, budget):
+    """A sample whose zigzag split overflows B on every power-of-two block of the domain gets a
+    ValueError naming it, not a plan over budget."""
+    cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, group_shape="pow2", cost=COSTS["cpu"])
+    with pytest.raises(ValueError, match=r"lengths\[0\]=.*power-of-two block"):
+        plan(lengths, cfg)
+
+
+def test_tall_round_without_short_samples_scores_are_finite():
+    """Every sample multi-rank and some groups token-full: the waste scores stay finite."""
+    import warnings
+
+    from hdp.packing.policies.hdp import _sizes
+    from hdp.packing.policies.tall_round import tall_round
+
+    cfg = PlannerConfig(num_ranks=16, max_tokens_per_rank=4096, cost=COSTS["ascend"])
+    lengths = np.array([65536] + [8192] * 12)
+    k_min, sizes = _sizes(lengths, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cands = tall_round(lengths, k_min, cfg, sizes)
+        p = plan(lengths, cfg)
+    assert cands and 0 in cands[0][0].tolist()
+    check_plan(p)

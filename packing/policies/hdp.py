@@ -953,7 +953,14 @@ def _sizes(lengths: np.ndarray, config: PlannerConfig) -> tuple[np.ndarray, np.n
     k_min = min_group_size(lengths, B, N)
     sizes = _allowed_sizes(N, config.group_shape)
     if config.group_shape is GroupShape.POW2:
+        # the power of two above k_min, doubled while the zigzag split still puts more than B
+        # tokens on a rank (an odd B small next to the group can: 21 tokens on 8 ranks, B = 3)
         k_min = pow2_ceil(k_min)
+        for _ in range(int(np.log2(N)) + 2):
+            over = (k_min <= N) & (max_rank_tokens(lengths, np.minimum(k_min, N)) > B)
+            if not over.any():
+                break
+            k_min = np.where(over, 2 * k_min, k_min)
         if int(k_min.max()) > int(sizes[-1]):
             i = int(np.argmax(k_min))
             raise ValueError(

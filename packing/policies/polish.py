@@ -332,7 +332,7 @@ def _best_trade(s: _Columns, movers: np.ndarray, others: np.ndarray, k_min: np.n
 
 def _widen(s: _Columns, roof_cols: np.ndarray, others: np.ndarray, sizes: np.ndarray):
     """A round's only roof column widened onto ranks its round leaves free, when that lowers the
-    round's roof (the widest allowed size that does, least rank-time first); on disjoint rounds,
+    round's roof (the size giving the lowest roof, then the least rank-time); on disjoint rounds,
     as closures that apply them."""
     steps = []
     done: set[int] = set()

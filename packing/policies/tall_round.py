@@ -47,9 +47,9 @@ def tall_round(
     order = np.lexsort((np.arange(lengths.size), -h_min))  # tallest first
     cheapest = cost.cheapest_rank_time(lengths.astype(np.float64), k_min, N)
     t = int(order[0])
-    # per-token rank-time of the short samples a column's spare room could still take
+    # per-token rank-time of the short samples a column's spare room could still take (none: 0)
     single = k_min == 1
-    rho = float(cheapest[single].sum() / max(1, lengths[single].sum())) if single.any() else float("inf")
+    rho = float(cheapest[single].sum() / max(1, lengths[single].sum())) if single.any() else 0.0
     ks = sizes[(sizes >= k_min[t]) & (sizes <= min(N, 4 * int(k_min[t])))]
     found: list[tuple[float, np.ndarray, np.ndarray]] = []
     for k_t in ks.tolist():
