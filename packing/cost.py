@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostModel", "work", "padded_length", "max_rank_tokens", "min_group_size"]
+__all__ = ["CostModel", "work", "padded_length", "max_rank_tokens", "min_group_size", "pow2_ceil"]
 
 
 def work(lengths: np.ndarray | float, linear_coef: float) -> np.ndarray:
@@ -63,10 +63,19 @@ def max_rank_tokens(lengths: np.ndarray | int, k: np.ndarray | int) -> np.ndarra
     return out if np.ndim(lengths) else out[:1]
 
 
-def min_group_size(lengths: np.ndarray, budget: int, max_k: int) -> np.ndarray:
+def pow2_ceil(x: np.ndarray | int) -> np.ndarray:
+    """Smallest power of two >= x (x >= 1), elementwise."""
+    x = np.maximum(1, np.asarray(x, dtype=np.int64))
+    return (1 << np.ceil(np.log2(x)).astype(np.int64)).astype(np.int64)
+
+
+def min_group_size(lengths: np.ndarray, budget: int, max_k: int, pow2: bool = False) -> np.ndarray:
     """Smallest k such that no rank of a k-group holds more than ``budget`` tokens of the sample.
 
-    Returns ``max_k + 1`` for samples that do not fit on ``max_k`` ranks.
+    Returns ``max_k + 1`` for samples that do not fit on ``max_k`` ranks.  With ``pow2`` the
+    smallest such power of two: the power of two above the plain minimum, doubled while the
+    zigzag split still puts more than ``budget`` tokens on a rank (an odd budget small next to
+    the group can: 21 tokens on 8 ranks, budget 3); a power of two above ``max_k`` when none fits.
     """
     length = np.asarray(lengths, dtype=np.int64)
     k = np.maximum(1, -(-length // budget))
@@ -75,7 +84,15 @@ def min_group_size(lengths: np.ndarray, budget: int, max_k: int) -> np.ndarray:
         if fits.all():
             break
         k = np.where(fits, k, k + 1)
-    return np.minimum(k, max_k + 1)
+    k = np.minimum(k, max_k + 1)
+    if not pow2:
+        return k
+    k = pow2_ceil(k)
+    while True:
+        over = (k <= max_k) & (max_rank_tokens(length, np.minimum(k, max_k)) > budget)
+        if not over.any():
+            return k
+        k = np.where(over, 2 * k, k)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Assignment", "pow2_ceil"]
+from hdp.packing.config import GroupShape
+from hdp.packing.cost import pow2_ceil
+
+__all__ = ["Assignment", "allowed_sizes", "pow2_ceil", "left_starts"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,22 @@ class Assignment:
     group_size: np.ndarray
 
 
-def pow2_ceil(x: np.ndarray | int) -> np.ndarray:
-    """Smallest power of two >= x (x >= 1), elementwise."""
-    x = np.maximum(1, np.asarray(x, dtype=np.int64))
-    return (1 << np.ceil(np.log2(x)).astype(np.int64)).astype(np.int64)
+def allowed_sizes(num_ranks: int, shape: GroupShape) -> np.ndarray:
+    """Group sizes a plan may use: every size up to N, or the powers of two up to N."""
+    if shape is GroupShape.POW2:
+        return 1 << np.arange(int(np.log2(num_ranks)) + 1, dtype=np.int64)
+    return np.arange(1, num_ranks + 1, dtype=np.int64)
+
+
+def left_starts(rounds: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """[G] first rank of every group when each round lays its groups out from rank 0, wider ones
+    first (ties: lower index), so aligned power-of-two blocks stay aligned."""
+    rounds, widths = np.asarray(rounds, dtype=np.int64), np.asarray(widths, dtype=np.int64)
+    order = np.lexsort((np.arange(widths.size), -widths, rounds))
+    w, r = widths[order], rounds[order]
+    ends = np.cumsum(w)
+    first = np.r_[True, r[1:] != r[:-1]] if r.size else np.zeros(0, dtype=bool)
+    base = np.maximum.accumulate(np.where(first, ends - w, 0)) if r.size else ends
+    start = np.zeros(widths.size, dtype=np.int64)
+    start[order] = ends - w - base
+    return start

@@ -54,7 +54,8 @@ import numpy as np
 
 from hdp.packing.config import GroupShape, PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
-from hdp.packing.policies.common import Assignment, pow2_ceil
+from hdp.packing.policies.common import Assignment, allowed_sizes, left_starts, pow2_ceil
+from hdp.packing.simulate import min_rounds
 from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 from hdp.packing.policies.polish import polish
 from hdp.packing.policies.tall_round import needs_tall_round, tall_round
@@ -72,12 +73,6 @@ _MAX_EXTRA_ROUNDS_LARGE = 0  # batches above 4,096 samples: one round count per 
 
 class _Infeasible(Exception):
     """The candidate cannot hold the batch under the token budget."""
-
-
-def _allowed_sizes(num_ranks: int, shape: GroupShape) -> np.ndarray:
-    if shape is GroupShape.POW2:
-        return 1 << np.arange(int(np.log2(num_ranks)) + 1, dtype=np.int64)
-    return np.arange(1, num_ranks + 1, dtype=np.int64)
 
 
 def _size_classes(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -526,10 +521,7 @@ def _spread(lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig, round
     floor = np.zeros(n_rounds)
     floor[: len(top)] = top
     start = np.zeros(lengths.size, dtype=np.int64)
-    for r in range(len(used)):  # wider groups left (aligned power-of-two blocks stay aligned)
-        mem = multi[round_of[multi] == r]
-        mem = mem[np.lexsort((mem, -k_min[mem]))]
-        start[mem] = np.cumsum(k_min[mem]) - k_min[mem]
+    start[multi] = left_starts(round_of[multi], k_min[multi])
     singles = np.flatnonzero(k_min == 1)
     if singles.size:
         slots = N - used_a  # [R] single ranks per round
@@ -950,17 +942,10 @@ def _sizes(lengths: np.ndarray, config: PlannerConfig) -> tuple[np.ndarray, np.n
     """(fewest ranks of every sample, allowed group sizes); raises ValueError when a sample needs
     more than the largest power-of-two block under ``group_shape=pow2``."""
     N, B = config.num_ranks, config.max_tokens_per_rank
-    k_min = min_group_size(lengths, B, N)
-    sizes = _allowed_sizes(N, config.group_shape)
-    if config.group_shape is GroupShape.POW2:
-        # the power of two above k_min, doubled while the zigzag split still puts more than B
-        # tokens on a rank (an odd B small next to the group can: 21 tokens on 8 ranks, B = 3)
-        k_min = pow2_ceil(k_min)
-        for _ in range(int(np.log2(N)) + 2):
-            over = (k_min <= N) & (max_rank_tokens(lengths, np.minimum(k_min, N)) > B)
-            if not over.any():
-                break
-            k_min = np.where(over, 2 * k_min, k_min)
+    pow2 = config.group_shape is GroupShape.POW2
+    k_min = min_group_size(lengths, B, N, pow2=pow2)
+    sizes = allowed_sizes(N, config.group_shape)
+    if pow2:
         if int(k_min.max()) > int(sizes[-1]):
             i = int(np.argmax(k_min))
             raise ValueError(
@@ -984,8 +969,8 @@ def _rough_plans(
     candidate of `_construct` and the spread plan (`_spread`) at the fewest rounds the tokens
     allow."""
     out = [_construct(lengths, config, k_min, sizes)]
-    r_min = max(1, -(-int(lengths.sum()) // (config.num_ranks * config.max_tokens_per_rank)))
-    spread = _spread(lengths, k_min, config, r_min)
+    rounds = min_rounds(lengths, config.num_ranks, config.max_tokens_per_rank)
+    spread = _spread(lengths, k_min, config, rounds)
     if spread is not None:
         out.append(spread)
     return out
@@ -1002,9 +987,7 @@ def _with_tall_round(
         round_of = np.zeros(lengths.size, dtype=np.int64)
         start = np.zeros(lengths.size, dtype=np.int64)
         size = np.zeros(lengths.size, dtype=np.int64)
-        o = np.lexsort((np.arange(width.size), -width))  # wider groups left
-        first = np.zeros(width.size, dtype=np.int64)
-        first[o] = np.cumsum(width[o]) - width[o]
+        first = left_starts(np.zeros(width.size, dtype=np.int64), width)
         start[chosen], size[chosen] = first[group], width[group]
         subs = _rough_plans(lengths[rest], config, k_min[rest], sizes) if rest.size else [None]
         for sub in subs:
@@ -1034,7 +1017,7 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
 def _construct(lengths: np.ndarray, config: PlannerConfig, k_min: np.ndarray, sizes: np.ndarray) -> Assignment:
     """The best candidate plan of the variants x round counts, levelled (module docstring)."""
     N, B = config.num_ranks, config.max_tokens_per_rank
-    r_min = max(1, -(-int(lengths.sum()) // (N * B)))
+    r_min = min_rounds(lengths, N, B)
     extra = config.max_extra_rounds
     if lengths.size > 4096:
         extra = min(extra, _MAX_EXTRA_ROUNDS_LARGE)

@@ -18,7 +18,6 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import min_group_size
-from hdp.packing.policies.common import pow2_ceil
 
 __all__ = [
     "karmarkar_karp",
@@ -46,7 +45,9 @@ def static_cp_size(lengths: np.ndarray, config: PlannerConfig) -> int:
                 f"max_tokens_per_rank={B}; pass static_cp_size >= {k_need} or None"
             )
         return k
-    return int(min(int(pow2_ceil(k_need)), N)) if k_need <= N else k_need
+    if k_need > N:
+        return k_need
+    return int(min(int(min_group_size(np.asarray(lengths, dtype=np.int64), B, N, pow2=True).max()), N))
 
 
 def karmarkar_karp(weights: np.ndarray, m: int) -> np.ndarray:

@@ -45,7 +45,7 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size
-from hdp.packing.policies.common import Assignment, pow2_ceil
+from hdp.packing.policies.common import Assignment
 
 __all__ = ["assign", "DELTA"]
 
@@ -188,11 +188,11 @@ def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:
     """Megatron-core's balanced hybrid-CP schedule, micro-batches as rounds (see module doc)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     N, B = config.num_ranks, config.max_tokens_per_rank
-    k_fit = min_group_size(lengths, B, N)
+    k_fit = min_group_size(lengths, B, N, pow2=True)
     megatron = np.array(
         [max(1, 2 ** math.ceil(math.log2(L / B))) for L in lengths.tolist()], dtype=np.int64
     )
-    need_arr = np.minimum(np.maximum(megatron, pow2_ceil(k_fit)), N)
+    need_arr = np.minimum(np.maximum(megatron, k_fit), N)
     need = {i: int(k) for i, k in enumerate(need_arr)}
     items = sorted(((i, int(L)) for i, L in enumerate(lengths)), key=lambda x: -x[1])
     n = lengths.size

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.config import GroupShape, PlannerConfig
+from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import max_rank_tokens, padded_length
-from hdp.packing.policies.common import Assignment
+from hdp.packing.policies.common import Assignment, allowed_sizes, left_starts
 
 __all__ = ["polish"]
 
@@ -123,15 +123,9 @@ class _Columns:
         used = np.unique(self.rnd[cols])
         renum = np.zeros(self.n_rounds, dtype=np.int64)
         renum[used] = np.arange(used.size)
-        order = cols[np.lexsort((cols, -self.width[cols], self.rnd[cols]))]
-        w = self.width[order]
-        r = self.rnd[order]
-        ends = np.cumsum(w)
-        first = np.r_[True, r[1:] != r[:-1]]
-        base = np.maximum.accumulate(np.where(first, ends - w, 0))
         start = np.zeros(self.rnd.size, dtype=np.int64)
-        start[order] = ends - w - base
-        assert int((start[order] + w).max()) <= self.N
+        start[cols] = left_starts(self.rnd[cols], self.width[cols])
+        assert int((start[cols] + self.width[cols]).max()) <= self.N
         return Assignment(
             round_of=renum[self.rnd[self.col_of]],
             group_start=start[self.col_of],
@@ -148,11 +142,7 @@ def polish(
     two above it for power-of-two group shapes).  Returns ``a`` itself when nothing changed.
     """
     s = _Columns(lengths, a, config, max_steps)
-    N = config.num_ranks
-    if config.group_shape is GroupShape.POW2:
-        sizes = 1 << np.arange(int(np.log2(N)) + 1)
-    else:
-        sizes = np.arange(1, N + 1)
+    sizes = allowed_sizes(config.num_ranks, config.group_shape)
     steps = 0
     while steps < max_steps:
         at_roof = s.alive & (s.h >= s.roof[s.rnd] * (1 - _TOL))

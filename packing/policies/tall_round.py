@@ -22,6 +22,7 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.simulate import min_rounds
 
 __all__ = ["tall_round", "needs_tall_round"]
 
@@ -32,7 +33,7 @@ def needs_tall_round(lengths: np.ndarray, k_min: np.ndarray, config: PlannerConf
     """Whether some sample, even on its fewest ranks, is far taller than a balanced round."""
     cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
     h = cost.sample_cost(lengths, k_min)
-    rounds = max(1, -(-int(lengths.sum()) // (N * B)))
+    rounds = min_rounds(lengths, N, B)
     level = float((k_min * h).sum()) / (N * rounds)
     return lengths.size > 1 and float(h.max()) > _TALL * level and rounds > 1
 
