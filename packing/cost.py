@@ -21,6 +21,7 @@ the cost is ``sum_i work(L_i)``.  All parameters are in units; `unit_time_s` con
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +120,19 @@ class CostModel:
                 raise ValueError(f"cost.{name}={value!r}: must be a finite number >= 0")
         if not np.isfinite(self.unit_time_s) or self.unit_time_s <= 0:
             raise ValueError(f"cost.unit_time_s={self.unit_time_s!r}: must be a number > 0")
+
+    def save(self, path: str | os.PathLike[str], *, metadata: dict | None = None) -> None:
+        """Write this model to a cost-model file (`hdp.packing.cost_file`; ``hdp plan --cost-model`` reads it)."""
+        from hdp.packing.cost_file import save_cost_model
+
+        save_cost_model(self, path, metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
+        """Read a cost-model file written by `save` or ``hdp calibrate --out`` (ValueError naming the problem)."""
+        from hdp.packing.cost_file import load_cost_model
+
+        return load_cost_model(path)
 
     def work(self, lengths: np.ndarray | float) -> np.ndarray:
         """work(L) = a*L + L**2 (units), the cost of a sample on one rank."""

@@ -53,7 +53,7 @@ def _engine_cfg(policy: str = "hdp", agg: str = "token-mean", cp_algorithm: str 
         model=_model_cfg(**model_kw),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0),
         # deepseek-v3's cost makes the hdp policy mix CP3, CP2 and CP1 groups on these lengths
-        planning=PlanningConfig(max_tokens_per_rank=B, policy=policy, cost=cost_model("deepseek-v3", "h100-nvlink"),
+        planning=PlanningConfig(max_tokens_per_rank=B, policy=policy, cost_model=cost_model("deepseek-v3", "h100-nvlink"),
                                 cp_algorithm=cp_algorithm),
         loss_aggregation=agg,
     )

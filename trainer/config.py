@@ -10,14 +10,17 @@ it never probes hardware.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from hdp.device import DEVICE_KINDS
-from hdp.packing.config import parse_enum
 from hdp.cp import CPAlgorithm
+from hdp.device import DEVICE_KINDS
 from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
-from hdp.packing import CostModel, GroupShape, PlannerConfig, Policy, cost_model
+from hdp.packing import CostModel, PlannerConfig, cost_model
+from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
+from hdp.packing.cost_file import resolve_cost
 from hdp.trainer.model import ModelConfig, OptimConfig
 
 __all__ = ["PlanningConfig", "EngineConfig"]
@@ -28,58 +31,42 @@ def _default_cost() -> CostModel:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanningConfig:
-    """How every step is planned; the domain size N is added by the engine."""
+class PlanningConfig(PlannerOptions):
+    """How every step is planned: the planner's options (`hdp.packing.PlannerOptions`, declared there
+    once), the token budget, the cost model and the CP algorithm; the domain size N comes from the engine."""
+
+    _FIELD_PREFIX: ClassVar[str] = "PlanningConfig"
 
     max_tokens_per_rank: int = 4096
     """B: tokens one rank may hold in one round (activation memory is linear in tokens)."""
-    policy: Policy = Policy.HDP
-    """Packing policy (``hdp``, ``static-cp``, ...)."""
-    group_shape: GroupShape = GroupShape.ANY
-    """CP group shapes the hdp policy may use: ``any`` contiguous range or aligned ``pow2`` blocks."""
-    static_cp_size: int | None = None
-    """CP size for static-cp; ``None``: the smallest power of two that fits the longest sample."""
-    cost: CostModel = field(default_factory=_default_cost)
-    """Cost model the planner scores plans with (default: ``cpu-tiny`` on ``cpu-gloo``)."""
-    max_extra_rounds: int = 3
-    """hdp policy: rounds beyond the minimum it may try."""
-    search_max_samples: int = 2048
-    """hdp policy: batches up to this many samples also get the planner's local search (0: off)."""
+    cost_model: CostModel | str | os.PathLike[str] = field(default_factory=_default_cost)
+    """Cost model the planner scores plans with: a ``hdp.packing.CostModel`` or the path of a cost-model
+    file (``hdp calibrate --records R.jsonl --out COST.json``), read once here; default: ``cpu-tiny`` on
+    ``cpu-gloo``.  After construction it always holds the `CostModel`."""
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     """CP attention: ``ring`` for every group, or ``allgather`` on aligned power-of-two blocks (ring elsewhere)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", parse_enum(Policy, self.policy, "PlanningConfig.policy"))
-        object.__setattr__(self, "group_shape", parse_enum(GroupShape, self.group_shape, "PlanningConfig.group_shape"))
+        self._check_planner_options()
         object.__setattr__(
             self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, "PlanningConfig.cp_algorithm")
         )
-        b = self.max_tokens_per_rank
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"PlanningConfig.max_tokens_per_rank={b!r}: pass a positive integer token budget, e.g. 4096")
-        if self.static_cp_size is not None and (
-            isinstance(self.static_cp_size, bool) or not isinstance(self.static_cp_size, int) or self.static_cp_size < 1
-        ):
-            raise ValueError(f"PlanningConfig.static_cp_size={self.static_cp_size!r}: pass a positive integer or None")
-        if not isinstance(self.cost, CostModel):
-            raise ValueError(f"PlanningConfig.cost={self.cost!r}: pass a hdp.packing.CostModel (hdp.packing.cost_model)")
-        if self.max_extra_rounds < 0:
-            raise ValueError(f"PlanningConfig.max_extra_rounds={self.max_extra_rounds}: must be >= 0")
-        s = self.search_max_samples
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"PlanningConfig.search_max_samples={s!r}: pass an integer >= 0 (0 turns the search off)")
+        check_token_budget(self.max_tokens_per_rank, "PlanningConfig.max_tokens_per_rank")
+        object.__setattr__(self, "cost_model", resolve_cost(self.cost_model, "PlanningConfig.cost_model"))
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model (`cost_model` resolved to a `CostModel`)."""
+        assert isinstance(self.cost_model, CostModel)
+        return self.cost_model
 
     def planner_config(self, num_ranks: int) -> PlannerConfig:
         """The planner's config for a domain of ``num_ranks`` ranks."""
         return PlannerConfig(
             num_ranks=num_ranks,
             max_tokens_per_rank=self.max_tokens_per_rank,
-            policy=self.policy,
-            group_shape=self.group_shape,
             cost=self.cost,
-            static_cp_size=self.static_cp_size,
-            max_extra_rounds=self.max_extra_rounds,
-            search_max_samples=self.search_max_samples,
+            **self.planner_options(),
         )
 
 

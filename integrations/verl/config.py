@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
-from hdp.packing.config import parse_enum
 from hdp.cp import CPAlgorithm
 from hdp.integrations.verl import compat
 from hdp.moe.zero_memory import ZeroMemoryLevel
-from hdp.packing import GroupShape, PlannerConfig, Policy, cost_model
+from hdp.packing import CostModel, PlannerConfig, cost_model
+from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
+from hdp.packing.cost_file import resolve_cost
 
 __all__ = [
     "HDP_STRATEGY",
@@ -49,54 +50,53 @@ _KEY = "actor_rollout_ref.actor"
 
 
 @dataclass(frozen=True, kw_only=True)
-class HdpOptions:
-    """hdp's own options for verl (``actor_rollout_ref.actor.hdp.*``); the domain size comes from Megatron."""
+class HdpOptions(PlannerOptions):
+    """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): the planner's options (declared once in
+    `hdp.packing.PlannerOptions`: policy, group_shape, static_cp_size, max_extra_rounds, search_max_samples)
+    plus the token budget, the cost model, CP attention and MoE zero-memory.  The domain size comes
+    from Megatron."""
+
+    _FIELD_PREFIX: ClassVar[str] = f"{_KEY}.hdp"
 
     _target_: str = "hdp.integrations.verl.config.HdpOptions"
     """Hydra instantiation target (verl builds configs with ``hydra.utils.instantiate``)."""
     max_tokens_per_rank: Optional[int] = None
     """B: tokens one rank holds in one round; None: verl's per-GPU budget (ppo/log_prob_max_token_len_per_gpu)."""
-    policy: Policy = Policy.HDP
-    """Packing policy: hdp, static-cp, megatron-dcp, ascend-hdp, verl-kk."""
-    group_shape: GroupShape = GroupShape.ANY
-    """CP group shapes: ``any`` contiguous rank range (P2P rings) or aligned ``pow2`` blocks."""
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     """CP attention: ``ring`` everywhere, or ``allgather`` on aligned power-of-two groups."""
     zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
     """MoE expert-path recomputation: none, level0, level1 (MindSpeed ``--moe-zero-memory`` semantics)."""
-    max_extra_rounds: int = 3
-    """hdp policy: rounds beyond the minimum it may try."""
-    search_max_samples: int = 2048
-    """hdp policy: batches up to this many samples also get the planner's local search (0: off)."""
+    cost_model_file: Optional[str] = None
+    """Path of a cost-model file (``hdp calibrate --records R.jsonl --out COST.json``); when set it replaces
+    the ``cost_model`` / ``hardware_profile`` presets."""
     cost_model: str = "dense-8b"
     """Planner cost-model preset (hdp.packing.MODELS): dense-8b, qwen3-235b-a22b, deepseek-v3, cpu-tiny."""
     hardware_profile: str = "h100-nvlink"
     """Planner hardware profile (hdp.packing.PROFILES): h100-nvlink, ascend-910b-hccs, cpu-gloo."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", parse_enum(Policy, self.policy, f"{_KEY}.hdp.policy"))
-        object.__setattr__(self, "group_shape", parse_enum(GroupShape, self.group_shape, f"{_KEY}.hdp.group_shape"))
+        self._check_planner_options()
         object.__setattr__(self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, f"{_KEY}.hdp.cp_algorithm"))
         object.__setattr__(
             self, "zero_memory", parse_enum(ZeroMemoryLevel, self.zero_memory, f"{_KEY}.hdp.zero_memory")
         )
-        b = self.max_tokens_per_rank
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(
-                f"{_KEY}.hdp.max_tokens_per_rank={b!r}: pass a positive token budget per rank and round "
-                "(e.g. 16384) or null to use actor.ppo_max_token_len_per_gpu"
-            )
-        if isinstance(self.max_extra_rounds, bool) or not isinstance(self.max_extra_rounds, int) or self.max_extra_rounds < 0:
-            raise ValueError(f"{_KEY}.hdp.max_extra_rounds={self.max_extra_rounds!r}: pass an integer >= 0")
-        s = self.search_max_samples
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"{_KEY}.hdp.search_max_samples={s!r}: pass an integer >= 0 (0 turns the search off)")
+        check_token_budget(
+            self.max_tokens_per_rank, f"{_KEY}.hdp.max_tokens_per_rank",
+            none_means="actor.ppo_max_token_len_per_gpu (log-prob passes: their budget)",
+        )
+        self.cost()  # a bad preset or file fails at configuration time, naming the key
+
+    def cost(self) -> CostModel:
+        """The planner's cost model: ``cost_model_file`` when set, else the presets."""
+        if self.cost_model_file is not None:
+            return resolve_cost(self.cost_model_file, f"{_KEY}.hdp.cost_model_file")
         try:
-            cost_model(self.cost_model, self.hardware_profile)
+            return cost_model(self.cost_model, self.hardware_profile)
         except (KeyError, ValueError) as exc:
             raise ValueError(
                 f"{_KEY}.hdp.cost_model={self.cost_model!r} / hardware_profile={self.hardware_profile!r}: "
-                f"unknown preset ({exc}); see hdp.packing.MODELS and hdp.packing.PROFILES"
+                f"unknown preset ({exc}); see hdp.packing.MODELS and hdp.packing.PROFILES, or set "
+                f"{_KEY}.hdp.cost_model_file"
             ) from exc
 
     def planner_config(self, num_ranks: int, default_budget: int | None) -> PlannerConfig:
@@ -108,13 +108,7 @@ class HdpOptions:
                 "set actor_rollout_ref.actor.hdp.max_tokens_per_rank"
             )
         return PlannerConfig(
-            num_ranks=num_ranks,
-            max_tokens_per_rank=int(budget),
-            policy=self.policy,
-            group_shape=self.group_shape,
-            cost=cost_model(self.cost_model, self.hardware_profile),
-            max_extra_rounds=self.max_extra_rounds,
-            search_max_samples=self.search_max_samples,
+            num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=self.cost(), **self.planner_options()
         )
 
 
