@@ -20,11 +20,11 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     threads: int = 1,
-) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any failure.
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results; raise on any failure.
 
     ``fn`` and ``args`` must be picklable (a module-level function).  Raises
     ``hdp.trainer.launch.WorkerError`` (a RuntimeError) with the failing ranks' tracebacks, or
     ``TimeoutError`` after ``timeout`` seconds.
     """
-    spawn(fn, world_size, *args, timeout=timeout, threads=threads)
+    return spawn(fn, world_size, *args, timeout=timeout, threads=threads)
