@@ -146,11 +146,11 @@ class StepGuard:
             dist.all_gather(table, mine, group=self.group)
         except Exception as exc:  # the transport broke: a rank died or hangs
             waited = time.monotonic() - t0
-            limit = f"{self.timeout_s:g} s" if self.timeout_s is not None else "the group's timeout"
+            limit = f"collective timeout {self.timeout_s:g} s" if self.timeout_s is not None else "the group's collective timeout"
             local = f"; this rank's own error: {describe(error)}" if error is not None else ""
             raise DomainUnreachableError(
                 f"step {step}, phase {name!r}: domain rank {self.rank} could not agree with the other "
-                f"{self.size - 1} ranks after {waited:.1f} s (collective timeout {limit}): a rank died, "
+                f"{self.size - 1} ranks after {waited:.1f} s ({limit}): a rank died, "
                 f"hangs, or the transport failed ({describe(exc)}){local}. The domain's process groups are "
                 "no longer usable: restart the job from the last checkpoint",
                 step=step, phase=name,
@@ -165,7 +165,7 @@ class StepGuard:
         if error is not None:
             head = f"step {step}, phase {name!r} failed on domain rank {self.rank}: {describe(error)}"
             others = [r for r in failed if r != self.rank]
-            tail = f" (also failed on ranks {others})" if others else ""
+            tail = f" (also failed on: {'; '.join(f'rank {r}: {messages[r]}' for r in others)})" if others else ""
             msg = f"{head}{tail}; every rank of the domain raises this step"
         else:
             msg = (f"step {step}, phase {name!r} failed on domain ranks {list(failed)} [{detail}]; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 
 import pytest
@@ -78,7 +79,9 @@ def _worker_dead_or_hung(rank: int, world: int, mode: str) -> float | str:
     guard = _guard(rank, world, group)
     if rank == 1:
         if mode == "dead":
-            os._exit(17)  # like SIGKILL: no goodbye
+            os._exit(17)  # no goodbye
+        if mode == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(12)  # hung past the others' timeout
         return "woke"
     t0 = time.monotonic()
@@ -96,11 +99,12 @@ def test_hung_rank_makes_the_others_raise_within_the_timeout():
     assert all(2.5 < w < 10 for w in (waited[0], waited[2])), waited
 
 
-def test_dead_rank_makes_the_others_raise_and_is_named():
+@pytest.mark.parametrize("mode, how", [("dead", "exit code 17"), ("killed", "killed by SIGKILL")])
+def test_dead_rank_makes_the_others_raise_and_the_launcher_names_it(mode, how):
     from hdp.trainer.launch import WorkerError
 
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"(?s)ranks \[1\].*code 17") as info:
-        run_distributed(_worker_dead_or_hung, 3, "dead", timeout=60)
+    with pytest.raises(WorkerError, match=rf"rank 1 \({how}\) died without a report") as info:
+        run_distributed(_worker_dead_or_hung, 3, mode, timeout=60)
     assert time.monotonic() - t0 < 45
-    assert "DomainUnreachableError" not in str(info.value)  # the survivors raised it, asserted and returned
+    assert "ranks [0, 2] failed after it" not in str(info.value)  # the survivors raised, asserted and returned

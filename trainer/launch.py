@@ -81,6 +81,16 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _exit_text(code: int | None) -> str:
+    """``exit code 3`` or ``killed by SIGKILL`` for a process exit code."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -134,6 +144,7 @@ def spawn(
                 )
     finally:
         stuck = [p for p in procs if p.is_alive() and (failed or len(done) < world_size)]
+        stopped = {procs.index(p) for p in stuck}
         for pid in _descendants([p.pid for p in stuck]):  # e.g. checkpoint writer processes
             _kill(pid)
         for p in stuck:
@@ -147,9 +158,25 @@ def spawn(
                 break
             (done if ok else failed)[rank] = payload
         del store
+    # a rank that exited without a report died (killed, os._exit, a crash in C): name it first,
+    # the ranks that then failed because their peer vanished second
+    for r, p in enumerate(procs):
+        if r in done or r in failed:
+            continue
+        if r in stopped:
+            failed[r] = "stopped by the launcher: still running after another rank failed"
+        elif p.exitcode not in (None, 0):
+            failed[r] = f"exited with code {p.exitcode} without a report"
+    dead = sorted(r for r, msg in failed.items() if msg.endswith("without a report") and r not in stopped)
     if failed:
-        msgs = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-        raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failed)}:\n{msgs}")
+        name = getattr(fn, "__name__", fn)
+        msgs = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items(), key=lambda kv: (kv[0] not in dead, kv[0])))
+        if dead:
+            how = ", ".join(f"rank {r} ({_exit_text(procs[r].exitcode)})" for r in dead)
+            others = sorted(set(failed) - set(dead))
+            then = f"; ranks {others} failed after it" if others else ""
+            raise WorkerError(f"{name}: {how} died without a report{then}; failed on ranks {sorted(failed)}:\n{msgs}")
+        raise WorkerError(f"{name} failed on ranks {sorted(failed)}:\n{msgs}")
     return [done[r] for r in range(world_size)]
 
 

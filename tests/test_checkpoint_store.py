@@ -1,0 +1,159 @@
+"""Checkpoint slots + manifest: atomic commit, every file verified on every rank, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helper import run_distributed
+from hdp.guard import DomainStepError, StepGuard
+from hdp.trainer.checkpoint import CheckpointError, read_manifest, save_slots, verify_checkpoint
+
+WORLD = 3
+META = {"model_digest": "abc", "domain_size": WORLD}
+
+
+def _guard(rank: int) -> StepGuard:
+    return StepGuard(group=dist.group.WORLD, rank=rank, size=WORLD, device=torch.device("cpu"))
+
+
+def _save(root: Path, rank: int, step: int, value: float, die_rank: int | None = None) -> None:
+    def write(slot: Path) -> None:
+        torch.save({"w": torch.full((1000,), value), "step": step}, slot / f"rank_{rank}.pt")
+        if rank == die_rank:
+            os._exit(9)  # killed in the middle of the save, after writing its file
+
+    save_slots(root, guard=_guard(rank), group=dist.group.WORLD, rank=rank, size=WORLD, step=step,
+               format="per-rank", meta=META, write=write)
+
+
+def _load(root: Path, rank: int, step: int, expect=META) -> float:
+    m = verify_checkpoint(root, guard=_guard(rank), rank=rank, size=WORLD, step=step, expect=expect)
+    state = torch.load(root / m.slot / f"rank_{rank}.pt")
+    return float(state["w"][0])
+
+
+def _worker_commit(rank: int, world: int, root: str) -> None:
+    root = Path(root)
+    _save(root, rank, 1, 1.0)
+    first = read_manifest(root)
+    _save(root, rank, 2, 2.0)
+    second = read_manifest(root)
+    assert {first.slot, second.slot} == {"slot-0", "slot-1"} and second.step == 2
+    assert sorted(second.files) == [f"rank_{r}.pt" for r in range(WORLD)]
+    assert _load(root, rank, 2) == 2.0
+    # another model: every rank raises before reading anything
+    with pytest.raises(DomainStepError, match="another model or layout.*model_digest"):
+        _load(root, rank, 2, expect={"model_digest": "xyz"})
+    dist.barrier(group=dist.group.WORLD)
+    # one corrupted file (64 flipped bytes) seen by whichever rank hashes it: every rank raises
+    f = root / second.slot / "rank_2.pt"
+    good = f.read_bytes()
+    if rank == 0:
+        data = bytearray(good)
+        for i in range(200, 264):
+            data[i] ^= 0xFF
+        f.write_bytes(bytes(data))
+    dist.barrier(group=dist.group.WORLD)
+    with pytest.raises(DomainStepError, match=r"rank_2\.pt is corrupted"):
+        _load(root, rank, 2)
+    dist.barrier(group=dist.group.WORLD)
+    if rank == 0:  # truncated
+        f.write_bytes(good)
+        f = root / second.slot / "rank_1.pt"
+        f.write_bytes(f.read_bytes()[:100])
+    dist.barrier(group=dist.group.WORLD)
+    with pytest.raises(DomainStepError, match=r"rank_1\.pt has 100 bytes"):
+        _load(root, rank, 2)
+    # a new save over a damaged checkpoint: the free slot is rewritten, the commit repairs it
+    _save(root, rank, 3, 3.0)
+    assert _load(root, rank, 3) == 3.0
+
+
+def test_commit_alternates_slots_and_load_verifies_every_file(tmp_path):
+    run_distributed(_worker_commit, WORLD, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _worker_killed(rank: int, world: int, root: str, phase: str) -> None:
+    root = Path(root)
+    if phase == "first":
+        _save(root, rank, 1, 1.0)
+    else:
+        _save(root, rank, 2, 2.0, die_rank=1)
+
+
+def _worker_load_previous(rank: int, world: int, root: str) -> float:
+    return _load(Path(root), rank, 1)
+
+
+def test_killed_during_save_keeps_the_previous_checkpoint(tmp_path):
+    from hdp.trainer.launch import WorkerError
+
+    root = tmp_path / "ckpt"
+    run_distributed(_worker_killed, WORLD, str(root), "first", timeout=120)
+    before = read_manifest(root)
+    with pytest.raises(WorkerError, match=r"rank 1 \(exit code 9\) died without a report; ranks \[0, 2\] failed after it"):
+        run_distributed(_worker_killed, WORLD, str(root), "second", timeout=60)
+    after = read_manifest(root)
+    assert after == before  # the manifest still names the first save
+    other = {"slot-0": "slot-1", "slot-1": "slot-0"}[before.slot]
+    assert (root / other).exists()  # the partial slot of the killed save is there, uncommitted
+    assert run_distributed(_worker_load_previous, WORLD, str(root), timeout=120) == [1.0] * WORLD
+
+
+def test_partial_directory_without_manifest_is_named(tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "slot-0").mkdir(parents=True)
+    (root / "slot-0" / "rank_0.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"partial slot\(s\) \['slot-0'\].*interrupted"):
+        read_manifest(root)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_manifest(tmp_path / "nothing")
+
+
+def test_forked_writers_die_with_a_killed_parent(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import os, time
+        from hdp.trainer.checkpoint import writers_die_with_parent
+        with writers_die_with_parent():
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+        open({str(pidfile)!r}, "w").write(str(pid))
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return  # the orphan is gone
+        # a zombie re-parented to init is reaped soon; check its state
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+            if state == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the forked writer outlived its killed parent")

@@ -1,0 +1,317 @@
+"""Checkpoints that cannot be half-written or half-loaded: slots, a manifest, checksums, one atomic commit.
+
+A checkpoint directory ``path`` holds two data *slots* and a manifest::
+
+    path/
+      manifest.json      <- the commit record: which slot is complete, its files and their sha256
+      slot-0/            <- one complete checkpoint (Megatron dist files or rank_*.pt)
+      slot-1/            <- the other slot: the next save writes here
+
+**Save** (collective over the checkpoint group; every step agreed by :class:`hdp.guard.StepGuard`):
+the slot the manifest does not name is emptied and written by every rank; every rank flushes
+(``fsync``) what it wrote; the files are hashed (each rank a share of them) and gathered; domain
+rank 0 writes the manifest to a temporary file, ``fsync``\\ s it and ``os.replace``\\ s it into place —
+the one atomic step that makes the new slot the checkpoint.  A process killed at any point before
+that leaves the previous manifest and the previous slot untouched, so the previous checkpoint stays
+loadable; a killed save leaves a partial slot that the next load names and the next save empties.
+
+**Load** first verifies, on every rank and before anything is touched: the manifest (format
+version, the caller's expectations such as the model-config digest and the layout) and every
+file's sha256 (each rank hashes a share, then one agreement).  Only then does the caller read and
+apply the state (see ``HdpEngine.load_checkpoint``).
+
+Writer processes: megatron-core's torch_dist writer forks worker processes that would outlive a
+killed rank (orphans writing shards, holding its stdout).  :func:`writers_die_with_parent` makes every
+process forked while it is active receive SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch.distributed as dist
+
+from hdp.guard import StepGuard
+
+__all__ = [
+    "MANIFEST",
+    "MANIFEST_VERSION",
+    "Manifest",
+    "CheckpointError",
+    "read_manifest",
+    "save_slots",
+    "verify_checkpoint",
+    "writers_die_with_parent",
+    "file_digest",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+"""File name of the commit record inside a checkpoint directory."""
+MANIFEST_VERSION = 1
+"""Layout version written by this hdp; another version is rejected on load."""
+_SLOTS = ("slot-0", "slot-1")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, partial, corrupted, or for another model/layout)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The commit record of a checkpoint directory (``manifest.json``)."""
+
+    version: int
+    """Layout version (:data:`MANIFEST_VERSION`)."""
+    format: str
+    """How the slot's state is stored: ``dist`` (Megatron distributed checkpointing) or ``per-rank``."""
+    slot: str
+    """The complete data slot (``slot-0`` or ``slot-1``)."""
+    step: int
+    """Step counter of the saved engine."""
+    meta: dict[str, Any]
+    """What the state belongs to: model-config digest, world and domain size, parallel layout, ..."""
+    files: dict[str, dict[str, Any]]
+    """Path inside the slot -> ``{"sha256": hex, "bytes": size}`` for every file of the slot."""
+
+    def to_json(self) -> str:
+        """The manifest as JSON text."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"sha256": hex, "bytes": size}`` of one file (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as fh:
+        while True:
+            block = fh.read(_CHUNK)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+    return {"sha256": h.hexdigest(), "bytes": size}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _listing(slot_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(slot_dir)) for p in slot_dir.rglob("*") if p.is_file())
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The manifest of checkpoint directory ``path``; :class:`CheckpointError` naming what is wrong."""
+    root = Path(path)
+    mf = root / MANIFEST
+    if not mf.is_file():
+        partial = [s for s in _SLOTS if (root / s).exists()]
+        if not root.exists():
+            why = "does not exist"
+        elif partial:
+            why = (f"holds no {MANIFEST} but partial slot(s) {partial}: a save was interrupted before it "
+                   "committed, so there is no complete checkpoint here")
+        else:
+            why = f"holds no {MANIFEST}"
+        raise CheckpointError(f"checkpoint {str(root)!r} {why}; pass a directory written by HdpEngine.save_checkpoint")
+    try:
+        raw = json.loads(mf.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {str(root)!r}: {MANIFEST} is unreadable ({exc})") from exc
+    if not isinstance(raw, dict) or raw.get("version") != MANIFEST_VERSION:
+        got = raw.get("version") if isinstance(raw, dict) else None
+        raise CheckpointError(
+            f"checkpoint {str(root)!r}: {MANIFEST} version={got!r}, this hdp reads version {MANIFEST_VERSION}"
+        )
+    try:
+        m = Manifest(**raw)
+    except TypeError as exc:
+        raise CheckpointError(f"checkpoint {str(root)!r}: {MANIFEST} lacks or has unknown fields ({exc})") from exc
+    if m.slot not in _SLOTS or not isinstance(m.files, dict) or not m.files:
+        raise CheckpointError(f"checkpoint {str(root)!r}: {MANIFEST} names slot {m.slot!r} with {len(m.files or {})} files")
+    return m
+
+
+def _share(items: list[str], rank: int, size: int) -> list[str]:
+    return items[rank::size]
+
+
+@dataclass(eq=False)
+class _Writers:
+    """Process state for :func:`writers_die_with_parent` (one instance per process)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0
+    registered: bool = False
+
+
+_WRITERS = _Writers()
+
+
+def _child_dies_with_parent() -> None:  # runs in the forked child
+    if _WRITERS.active <= 0 or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def writers_die_with_parent() -> Iterator[None]:
+    """While active, every process this process forks is SIGKILLed when this process dies (Linux)."""
+    with _WRITERS.lock:
+        if not _WRITERS.registered:
+            os.register_at_fork(after_in_child=_child_dies_with_parent)
+            _WRITERS.registered = True
+        _WRITERS.active += 1
+    try:
+        yield
+    finally:
+        with _WRITERS.lock:
+            _WRITERS.active -= 1
+
+
+def save_slots(
+    path: str | os.PathLike[str],
+    *,
+    guard: StepGuard,
+    group: dist.ProcessGroup,
+    rank: int,
+    size: int,
+    step: int,
+    format: str,
+    meta: Mapping[str, Any],
+    write: Callable[[Path], None],
+) -> Manifest:
+    """Write a checkpoint into the free slot of ``path`` and commit it atomically (collective over ``group``).
+
+    ``write(slot_dir)`` runs on every rank of ``group`` (the ranks that write the checkpoint; rank 0
+    of it commits) and writes this rank's part.  Every phase is agreed through ``guard``; a failure
+    on any rank raises on every rank and leaves the committed checkpoint as it was.
+    """
+    root = Path(path)
+    with guard.phase("save: prepare", step):
+        try:
+            current = read_manifest(root).slot
+        except CheckpointError:
+            current = None
+        slot = _SLOTS[1] if current == _SLOTS[0] else _SLOTS[0]
+        slot_dir = root / slot
+        if rank == 0:
+            if root.exists() and not root.is_dir():
+                raise CheckpointError(f"checkpoint path {str(root)!r} exists and is not a directory")
+            root.mkdir(parents=True, exist_ok=True)
+            if slot_dir.exists():
+                shutil.rmtree(slot_dir)  # left by an interrupted save: never committed
+            slot_dir.mkdir()
+    with guard.phase("save: write", step):
+        with writers_die_with_parent():
+            write(slot_dir)
+    files = _listing(slot_dir)  # the same listing on every rank: every writer has closed its files
+    with guard.phase("save: flush", step):
+        for name in _share(files, rank, size):  # each rank flushes a share to stable storage
+            fd = os.open(slot_dir / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if rank == 0:
+            for d in {slot_dir, *((slot_dir / n).parent for n in files)}:
+                _fsync_dir(d)
+    digests: dict[str, dict[str, Any]] = {}
+    with guard.phase("save: hash", step):
+        digests = {name: file_digest(slot_dir / name) for name in _share(files, rank, size)}
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, digests, group=group)
+    manifest = Manifest(
+        version=MANIFEST_VERSION, format=format, slot=slot, step=int(step), meta=dict(meta),
+        files={k: v for d in gathered for k, v in d.items()},
+    )
+    with guard.phase("save: commit", step):
+        if rank == 0:
+            if len(manifest.files) != len(files):
+                raise CheckpointError(f"save: hashed {len(manifest.files)} of {len(files)} files of {slot_dir}")
+            tmp = root / (MANIFEST + ".tmp")
+            with tmp.open("w") as fh:
+                fh.write(manifest.to_json())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, root / MANIFEST)  # the commit
+            _fsync_dir(root)
+    logger.info("checkpoint %s: step %d committed in %s (%d files)", root, step, slot, len(files))
+    return manifest
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    guard: StepGuard,
+    rank: int,
+    size: int,
+    step: int,
+    expect: Mapping[str, Any],
+    check: Callable[[Manifest], None] | None = None,
+) -> Manifest:
+    """Verify checkpoint ``path`` on every rank before anything is loaded; return its manifest.
+
+    Checks the manifest, the caller's ``expect`` (keys of ``manifest.meta`` that must be equal, e.g.
+    the model-config digest), the caller's ``check(manifest)`` (raises for an incompatible layout),
+    and the sha256 and size of every file (each rank a share).  One agreement (through ``guard``):
+    a problem on any rank raises on every rank.  Nothing is read into the model here.
+    """
+    root = Path(path)
+    manifest: Manifest | None = None
+    with guard.phase("load: verify", step):
+        manifest = read_manifest(root)
+        wrong = {k: (manifest.meta.get(k), v) for k, v in expect.items() if manifest.meta.get(k) != v}
+        if wrong:
+            detail = ", ".join(f"{k}: checkpoint {a!r}, this engine {b!r}" for k, (a, b) in wrong.items())
+            raise CheckpointError(
+                f"checkpoint {str(root)!r} (step {manifest.step}) was written for another model or layout "
+                f"({detail}); load it into an engine built with the same configuration"
+            )
+        if check is not None:
+            check(manifest)
+        slot_dir = root / manifest.slot
+        for name in _share(sorted(manifest.files), rank, size):
+            want = manifest.files[name]
+            target = slot_dir / name
+            if not target.is_file():
+                raise CheckpointError(f"checkpoint {str(root)!r}: file {manifest.slot}/{name} is missing")
+            got = file_digest(target)
+            if got["bytes"] != want["bytes"]:
+                raise CheckpointError(
+                    f"checkpoint {str(root)!r}: file {manifest.slot}/{name} has {got['bytes']} bytes, the "
+                    f"manifest recorded {want['bytes']} (truncated or overwritten)"
+                )
+            if got["sha256"] != want["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint {str(root)!r}: file {manifest.slot}/{name} is corrupted (sha256 "
+                    f"{got['sha256'][:16]}…, the manifest recorded {want['sha256'][:16]}…)"
+                )
+    assert manifest is not None
+    return manifest
