@@ -108,3 +108,12 @@ def test_dead_rank_makes_the_others_raise_and_the_launcher_names_it(mode, how):
         run_distributed(_worker_dead_or_hung, 3, mode, timeout=60)
     assert time.monotonic() - t0 < 45
     assert "ranks [0, 2] failed after it" not in str(info.value)  # the survivors raised, asserted and returned
+
+
+def test_collect_mode_keeps_the_survivors_results():
+    from hdp.trainer.launch import spawn
+
+    out = spawn(_worker_dead_or_hung, 3, "killed", timeout=60, collect=True)
+    assert not out[1].ok and out[1].exitcode == -signal.SIGKILL and "without a report" in out[1].error
+    for r in (0, 2):
+        assert out[r].ok and out[r].value < 10, out[r]  # they raised DomainUnreachableError, quickly

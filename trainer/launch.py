@@ -20,6 +20,7 @@ import queue
 import signal
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from hdp import device as _device
 
-__all__ = ["spawn", "init_from_env", "WorkerError"]
+__all__ = ["spawn", "init_from_env", "WorkerError", "RankOutcome"]
 
 
 class WorkerError(RuntimeError):
@@ -91,6 +92,22 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one spawned rank ended (:func:`spawn` with ``collect=True``)."""
+
+    rank: int
+    """The rank."""
+    ok: bool
+    """True when ``fn`` returned."""
+    value: Any = None
+    """What ``fn`` returned (``ok``)."""
+    error: str | None = None
+    """The traceback, or how the process ended without a report (killed, exit code, stopped)."""
+    exitcode: int | None = None
+    """The process exit code (negative: killed by that signal)."""
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -98,12 +115,17 @@ def spawn(
     timeout: float = 600.0,
     threads: int = 1,
     backend: str = "gloo",
+    collect: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results by rank.
 
     ``fn``, ``args`` and the results must be picklable (``fn`` a module-level function).  Each
     worker runs with ``torch.set_num_threads(threads)``.  Raises :class:`WorkerError` when a rank
-    fails and ``TimeoutError`` after ``timeout`` seconds.
+    fails — naming first the ranks that died without a report (killed, ``os._exit``) and then the
+    ranks that failed after them — and ``TimeoutError`` after ``timeout`` seconds.
+
+    ``collect=True`` (fault-injection harnesses): wait for every rank to return, fail or die (until
+    ``timeout``), raise nothing for failed ranks, and return one :class:`RankOutcome` per rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
@@ -120,6 +142,7 @@ def spawn(
     deadline = time.monotonic() + timeout
     done: dict[int, Any] = {}
     failed: dict[int, str] = {}
+    timed_out = False
     try:
         while len(done) + len(failed) < world_size:
             try:
@@ -128,7 +151,7 @@ def spawn(
                 continue
             except queue.Empty:
                 pass
-            if failed:
+            if failed and not collect:
                 time.sleep(1.0)  # let the other ranks report too
                 break
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in done and r not in failed]
@@ -136,8 +159,12 @@ def spawn(
                 time.sleep(0.5)
                 if results.empty():
                     failed.update({r: f"exited with code {procs[r].exitcode} without a report" for r in dead})
-                    break
+                    if not collect:
+                        break
             if time.monotonic() > deadline:
+                if collect:
+                    timed_out = True
+                    break
                 raise TimeoutError(
                     f"{getattr(fn, '__name__', fn)} exceeded {timeout:.0f} s on {world_size} ranks; "
                     f"ranks still running: {[r for r in range(world_size) if r not in done]}"
@@ -164,9 +191,15 @@ def spawn(
         if r in done or r in failed:
             continue
         if r in stopped:
-            failed[r] = "stopped by the launcher: still running after another rank failed"
+            why = f"past the {timeout:.0f} s timeout" if timed_out else "after another rank failed"
+            failed[r] = f"stopped by the launcher: still running {why}"
         elif p.exitcode not in (None, 0):
             failed[r] = f"exited with code {p.exitcode} without a report"
+    if collect:
+        return [
+            RankOutcome(rank=r, ok=r in done, value=done.get(r), error=failed.get(r), exitcode=procs[r].exitcode)
+            for r in range(world_size)
+        ]
     dead = sorted(r for r, msg in failed.items() if msg.endswith("without a report") and r not in stopped)
     if failed:
         name = getattr(fn, "__name__", fn)
