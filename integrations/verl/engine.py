@@ -198,14 +198,14 @@ class HdpMegatronEngine(_MegatronLM):
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
+        self.hdp_config: HdpEngineConfig = engine_config
+        self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
         super().__init__(
             model_config,
             engine_config,
             to_mcore_optimizer_config(optimizer_config),
             to_mcore_checkpoint_config(checkpoint_config),
         )
-        self.hdp_config: HdpEngineConfig = engine_config
-        self._domain: _Domain | None = None
         logger.info("hdp engine: %s", engine_config.hdp)
 
     @classmethod
