@@ -352,11 +352,11 @@ class HdpMegatronEngine(_MegatronLM):
         if tu.get_non_tensor_data(state.data, key="calculate_entropy", default=False):
             model_output["entropy"] = compat.as_nested([f[:, 1] for f in full])
         loss, metrics = state.loss_function(model_output=model_output, data=sub, dp_group=self.get_data_parallel_group())
-        if meta.j == 0:  # one copy per group; plain floats so they can be gathered
+        if meta.j == 0:  # one copy per group (its leader); plain floats so they can be gathered
             state.leader_metrics.append(
                 {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
             )
-        state.losses.append(float(loss.detach()))
+            state.leader_losses.append(float(loss.detach()))
         return loss * state.plan.num_rounds, {}
 
     def _packed_seq_params(self, meta: LocalMeta, dev: torch.device) -> HdpPackedSeqParams:
@@ -380,11 +380,18 @@ class HdpMegatronEngine(_MegatronLM):
         dom = self.domain
         full = gather_outputs(state.plan, dom.rank, state.local_outputs, dom.group, dst=0)  # S x [L_i, 2] on rank 0
         gathered: list[Any] = [None] * dom.size
-        dist.all_gather_object(gathered, state.leader_metrics, group=dom.group)
+        dist.all_gather_object(gathered, (state.leader_metrics, state.leader_losses), group=dom.group)
         if dom.rank != 0:
             return {}
         assert full is not None
-        metrics = reduce_metrics(gathered, dom.size) if state.loss_function is not None else {}
+        if state.loss_function is not None:
+            metrics = reduce_metrics([m for m, _ in gathered], dom.size)
+            # each group's loss carries verl's dp_size = N factor: the step's loss is their sum / N
+            # (stock verl: per-rank sums averaged over DP); one float, as the worker all-reduces it
+            loss = [sum(sum(ls) for _, ls in gathered) / dom.size]
+        else:
+            metrics = {}
+            loss = [1.0] * state.plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss function
         stats = state.plan.stats
         metrics.update(
             {
@@ -397,7 +404,7 @@ class HdpMegatronEngine(_MegatronLM):
         out: dict[str, Any] = {"log_probs": compat.as_nested(lp)}
         if compat.tensordict_utils().get_non_tensor_data(state.data, key="calculate_entropy", default=False):
             out["entropy"] = compat.as_nested([x[:, 1] for x in full])
-        return {"model_output": out, "loss": [sum(state.losses)], "metrics": metrics}
+        return {"model_output": out, "loss": loss, "metrics": metrics}
 
 
 @dataclass(eq=False)
@@ -411,8 +418,8 @@ class _StepState:
 
     def __post_init__(self) -> None:
         self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2]
-        self.leader_metrics: list[dict[str, Any]] = []
-        self.losses: list[float] = []
+        self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
+        self.leader_losses: list[float] = []  # verl loss of each group this rank led
 
 
 def _group_full_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ def cpu_device_module() -> types.ModuleType:
                  "manual_seed", "manual_seed_all"):
         setattr(mod, name, _none)
     mod.device_count = lambda: 1
+    mod.get_device_name = lambda *a, **k: "CPU"
     mod.is_available = lambda: True
     mod.get_rng_state = torch.get_rng_state
     mod.set_rng_state = torch.set_rng_state
