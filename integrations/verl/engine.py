@@ -264,6 +264,19 @@ class HdpMegatronEngine(_MegatronLM):
     def is_mp_src_rank_with_outputs(self) -> bool:
         return bool(super().is_mp_src_rank_with_outputs()) and self.domain.rank == 0
 
+    # -- checkpoints --
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any) -> None:
+        """verl's Megatron checkpoint load, under ``torch.no_grad()``.
+
+        With ``dtype=float32`` Megatron's distributed optimizer keeps its main params as views of
+        the model params (leaves that require grad), and its ``load_state_dict`` copies into them
+        in place (megatron-core 0.16.1 ``distrib_optimizer.py:940``), which autograd rejects.
+        Loading needs no autograd in any dtype.
+        """
+        with torch.no_grad():
+            super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+
     # -- model --
 
     def _build_megatron_module(self) -> Any:

@@ -34,12 +34,16 @@ def _module_cuda_is_noop() -> Iterator[None]:
 
 
 class _TorchWithCpuCurrentDevice:
-    """``torch`` for mbridge/core/util.py: ``torch.cuda.current_device()`` is "cpu", the rest is torch."""
+    """``torch`` for one module: ``torch.cuda.current_device()`` is "cpu", ``synchronize()`` a no-op."""
 
     class cuda:  # noqa: N801 (stands in for the torch.cuda namespace)
         @staticmethod
         def current_device() -> str:
             return "cpu"
+
+        @staticmethod
+        def synchronize(*args: Any, **kwargs: Any) -> None:
+            return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -77,4 +81,9 @@ def install() -> None:
     megatron_compat.apply_cpu_shim("cpu")
     mbridge_local.register()
     _patch_mbridge_get_model()
+    # verl's checkpoint load (dist_checkpointing with the fully-parallel load strategy) calls
+    # torch.cuda.synchronize() (megatron-core 0.16.1 fully_parallel.py:272), a path hdp's shim does not cover
+    import megatron.core.dist_checkpointing.strategies.fully_parallel as fully_parallel
+
+    fully_parallel.torch = _TorchWithCpuCurrentDevice()
     _installed = True
