@@ -74,7 +74,6 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
             "actor_rollout_ref.actor.hdp.zero_memory=level1",
             "actor_rollout_ref.actor.megatron.param_offload=true",
             "actor_rollout_ref.actor.megatron.optimizer_offload=true",
-            "actor_rollout_ref.actor.megatron.grad_offload=true",
         ]
     with initialize_config_dir(config_dir=os.path.dirname(vtc.__file__), version_base=None):
         return compose("ppo_trainer", overrides=overrides)
@@ -155,6 +154,11 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
         assert type(w.engine) is HdpMegatronEngine, type(w.engine)
     engine = act.actor.engine
     assert engine.domain.size == world and engine.get_data_parallel_size() == 1
+    if moe:  # hdp's MoE zero-memory layers replaced Megatron's MoELayer in every layer
+        from hdp.moe import ZeroMemoryMoELayer
+
+        zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
+        assert len(zm) == 2 and all(m.zero_memory_level.value == "level1" for m in zm), zm
 
     # HF export right after loading == the HF checkpoint (names and values; EP experts gathered)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}

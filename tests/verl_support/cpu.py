@@ -45,6 +45,10 @@ class _TorchWithCpuCurrentDevice:
         def synchronize(*args: Any, **kwargs: Any) -> None:
             return None
 
+    @staticmethod
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, **kwargs)  # no pinned host memory without an accelerator
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
@@ -86,4 +90,9 @@ def install() -> None:
     import megatron.core.dist_checkpointing.strategies.fully_parallel as fully_parallel
 
     fully_parallel.torch = _TorchWithCpuCurrentDevice()
+    # verl's parameter offload allocates its host copies with pin_memory=True
+    # (verl/utils/megatron_utils.py offload_megatron_model_to_cpu), which needs an accelerator
+    import verl.utils.megatron_utils as megatron_utils
+
+    megatron_utils.torch = _TorchWithCpuCurrentDevice()
     _installed = True
