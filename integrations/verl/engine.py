@@ -60,7 +60,7 @@ from hdp.integrations.verl.config import (
     to_mcore_optimizer_config,
 )
 from hdp.packing import Plan, plan as make_plan
-from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, RopeConfig, packed_seq_params
+from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 
 __all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics"]
 
@@ -473,10 +473,11 @@ def _install_hdp_attention(chunk: Any, hf_config: Any) -> None:
     Megatron's own RoPE takes positions from ``cu_seqlens``, which for zigzag chunks are not the
     sample positions; hdp's core attention applies RoPE at ``HdpPackedSeqParams.positions``.
     """
+    from hdp.integrations.verl.rope import rope_config
     from hdp.trainer.attention_spec import HdpCoreAttention
 
     model = compat.unwrap_model(chunk)
-    rope = RopeConfig(base=float(getattr(hf_config, "rope_theta", 10000.0)))
+    rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement
     for layer in model.decoder.layers:
         attn = layer.self_attention
         old = attn.core_attention

@@ -61,7 +61,7 @@ def build_tiny(path: str | Path, *, moe: bool = False, seed: int = 0, layers: in
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},  # Qwen3's base, not the 1e4 default
         tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=None,
