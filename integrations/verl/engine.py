@@ -53,6 +53,7 @@ from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack, unpack_into
 from hdp.groups import DomainGroups
 from hdp.integrations.verl import compat
+from hdp.integrations.verl.logprobs import token_logprobs_entropy
 from hdp.integrations.verl.config import (
     HdpEngineConfig,
     to_hdp_engine_config,
@@ -311,7 +312,10 @@ class HdpMegatronEngine(_MegatronLM):
         rounds = [
             round_inputs(local_meta(plan, dom.rank, r), samples, temperature, pad_id) for r in range(plan.num_rounds)
         ]
-        state = _StepState(plan=plan, data=data, loss_function=loss_function, forward_only=forward_only)
+        calculate_entropy = bool(compat.tensordict_utils().get_non_tensor_data(data, key="calculate_entropy", default=False))
+        state = _StepState(
+            plan=plan, data=data, loss_function=loss_function, forward_only=forward_only, calculate_entropy=calculate_entropy
+        )
 
         fb = compat.forward_backward_func()
         fb(
@@ -341,10 +345,15 @@ class HdpMegatronEngine(_MegatronLM):
         logits = model(
             input_ids=inp.tokens.to(dev)[None, :], position_ids=None, attention_mask=None, packed_seq_params=psp
         )[0]  # [T, V]
-        logits = logits.float() / inp.temperature.to(dev)[:, None]
-        logp_all = torch.log_softmax(logits, dim=-1)  # [T, V]
-        logp = logp_all.gather(-1, inp.targets.to(dev)[:, None])[:, 0]  # [T]
-        ent = -(logp_all.exp() * logp_all).sum(-1)  # [T]
+        logp, ent = token_logprobs_entropy(  # vocab chunks: no extra [T, V] tensors (see .logprobs)
+            logits,
+            inp.targets.to(dev),
+            inp.temperature.to(dev),
+            chunk=int(self.engine_config.entropy_from_logits_chunk_size),
+            entropy=state.calculate_entropy,
+        )  # [T], [T] or None
+        if ent is None:
+            ent = torch.zeros_like(logp)  # never read: entropy was not requested
         state.local_outputs.append(torch.stack([logp, ent], dim=-1).detach()[: meta.num_tokens])  # [T, 2]; [0, 2] idle
         return logits, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
 
@@ -362,7 +371,7 @@ class HdpMegatronEngine(_MegatronLM):
         tu = compat.tensordict_utils()
         sub = tu.index_select_tensor_dict(state.data, list(meta.samples))  # group order
         model_output = {"log_probs": compat.as_nested([f[:, 0] for f in full])}  # Sg x [L_i]
-        if tu.get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+        if state.calculate_entropy:
             model_output["entropy"] = compat.as_nested([f[:, 1] for f in full])
         loss, metrics = state.loss_function(model_output=model_output, data=sub, dp_group=self.get_data_parallel_group())
         if meta.j == 0:  # one copy per group (its leader); plain floats so they can be gathered
@@ -415,7 +424,7 @@ class HdpMegatronEngine(_MegatronLM):
         )
         lp = [x[:, 0] for x in full]
         out: dict[str, Any] = {"log_probs": compat.as_nested(lp)}
-        if compat.tensordict_utils().get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+        if state.calculate_entropy:
             out["entropy"] = compat.as_nested([x[:, 1] for x in full])
         return {"model_output": out, "loss": loss, "metrics": metrics}
 
@@ -428,6 +437,7 @@ class _StepState:
     data: Any
     loss_function: Callable | None
     forward_only: bool
+    calculate_entropy: bool = False
 
     def __post_init__(self) -> None:
         self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2]
