@@ -15,7 +15,9 @@ reward processes never need.  So this module only
   in ``EngineRegistry`` under model type ``language_model``, backend ``hdp``, devices ``cuda``,
   ``npu`` and ``cpu``.  Constructing it builds the real engine
   (:class:`hdp.integrations.verl.engine.HdpMegatronEngine`, or its MindSpeed variant on NPUs);
-  only then are hdp's engine, the hdp runtime and Megatron imported.
+  only then are hdp's engine, the hdp runtime and Megatron imported;
+* when ``verl.workers.config.actor`` is imported, makes ``actor.strategy=hdp`` on verl's Megatron
+  actor config fail with an error that names the override to use (:func:`guard_megatron_actor`).
 
 ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) skips all of it; :func:`register` can also be
 called by hand (it registers at once when verl's engine registry is already imported).
@@ -33,7 +35,16 @@ from typing import Any, Sequence
 
 from hdp.integrations.verl import config_dir
 
-__all__ = ["BACKEND", "DEVICES", "register", "register_engines", "register_search_path", "engine_class"]
+__all__ = [
+    "BACKEND",
+    "DEVICES",
+    "MEGATRON_CONFIG_HINT",
+    "register",
+    "register_engines",
+    "register_search_path",
+    "guard_megatron_actor",
+    "engine_class",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +53,15 @@ BACKEND = "hdp"
 DEVICES = ("cuda", "npu", "cpu")
 """EngineRegistry device keys hdp registers (verl's ``get_device_name()``)."""
 _REGISTRY_MODULE = "verl.workers.engine.base"
+_ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
+MEGATRON_CONFIG_HINT = (
+    "actor_rollout_ref.actor.strategy=hdp on verl's Megatron config (ppo_megatron_trainer or "
+    "model_engine=megatron) would silently run verl's stock Megatron engine: verl's McoreActorConfig "
+    "keeps its engine's strategy 'megatron' and its ref config hard-codes strategy=megatron. "
+    "Add the override model_engine=hdp (keeps every actor_rollout_ref.actor.megatron.* option and adds "
+    "actor_rollout_ref.actor.hdp.*), or use --config-name hdp_ppo_trainer"
+)
+"""The error raised for ``actor.strategy=hdp`` on a Megatron actor config (see :func:`guard_megatron_actor`)."""
 
 
 def engine_class() -> type:
@@ -125,17 +145,49 @@ def register_search_path() -> bool:
     return True
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`register_engines` right after ``verl.workers.engine.base`` has been executed.
+def guard_megatron_actor(actor_module: ModuleType) -> bool:
+    """Make ``McoreActorConfig(strategy="hdp")`` raise :data:`MEGATRON_CONFIG_HINT`; True if this call patched.
 
-    A meta-path finder that only wraps the loader the other finders return for that one module
-    (the standard post-import-hook pattern); it removes itself once it has fired.
+    The one patch hdp applies to verl (0.9.x, ``verl/workers/config/actor.py``): wraps
+    ``McoreActorConfig.__post_init__``.  Why: on verl's Megatron configs ``actor.strategy=hdp``
+    builds a ``McoreActorConfig`` whose engine config keeps ``strategy="megatron"``, so verl's
+    TrainingWorker would pick its stock Megatron engine without a word, and the ref config
+    hard-codes ``strategy: megatron``.  hdp's own ``HdpActorConfig`` (a subclass) is unaffected.
+    Can go when verl copies ``actor.strategy`` into ``McoreActorConfig``'s engine config.
+    """
+    cls = actor_module.McoreActorConfig
+    orig = cls.__post_init__
+    if getattr(orig, "_hdp_guard", False):
+        return False
+
+    def __post_init__(self: Any) -> None:
+        if type(self) is cls and self.strategy == BACKEND:
+            raise ValueError(MEGATRON_CONFIG_HINT)
+        orig(self)
+
+    __post_init__._hdp_guard = True  # type: ignore[attr-defined]
+    __post_init__.__doc__ = orig.__doc__
+    cls.__post_init__ = __post_init__
+    return True
+
+
+_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn"}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook right after ``verl.workers.engine.base`` / ``verl.workers.config.actor`` have executed.
+
+    A meta-path finder that only wraps the loader the other finders return for those modules
+    (the standard post-import-hook pattern); it removes itself once both have fired.
     """
 
     _hdp_after_import = True
 
+    def __init__(self) -> None:
+        self.pending = {m for m in _HOOKS if m not in sys.modules}
+
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname != _REGISTRY_MODULE:
+        if fullname not in self.pending:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -157,9 +209,10 @@ class _RegisteringLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        if self._finder in sys.meta_path:
+        self._finder.pending.discard(module.__name__)
+        if not self._finder.pending and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
-        _register_or_warn(module)
+        globals()[_HOOKS[module.__name__]](module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -182,6 +235,14 @@ def _register_or_warn(module: ModuleType | None) -> bool:
     return True
 
 
+def _guard_or_warn(module: ModuleType) -> bool:
+    try:
+        return guard_megatron_actor(module)
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
 def register() -> bool:
     """Register hdp with verl (see the module docstring); log (WARNING) and return False on failure."""
     try:
@@ -189,12 +250,16 @@ def register() -> bool:
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not add hdp's Hydra configs (%s: %s)", type(exc).__name__, exc)
         return False
-    loaded = sys.modules.get(_REGISTRY_MODULE)
-    if loaded is not None:
-        return _register_or_warn(loaded)
-    if not any(getattr(f, "_hdp_after_import", False) for f in sys.meta_path):
+    ok = True
+    for name, hook in _HOOKS.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            ok = globals()[hook](loaded) is not False and ok
+    if not all(m in sys.modules for m in _HOOKS) and not any(
+        getattr(f, "_hdp_after_import", False) for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, _AfterImport())
-    return True
+    return ok
 
 
 register()
