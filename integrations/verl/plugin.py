@@ -237,7 +237,8 @@ def _register_or_warn(module: ModuleType | None) -> bool:
 
 def _guard_or_warn(module: ModuleType) -> bool:
     try:
-        return guard_megatron_actor(module)
+        guard_megatron_actor(module)
+        return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
         return False
