@@ -255,3 +255,34 @@ def test_reduce_metrics_matches_verls_dp_aggregation():
     out = reduce_metrics(per_rank, num_ranks=2)
     assert Metric.aggregate_dp(out["actor/pg_loss"]) == pytest.approx(0.6)
     assert Metric.aggregate_dp(out["actor/pg_clipfrac"]) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("model_kw", "engine_kw", "match"),
+    [
+        ({"mtp": {"enable": True}}, {}, r"mtp\.enable=True"),
+        ({"vision": True}, {}, r"multimodal"),
+        ({}, {"use_fused_kernels": True}, r"use_fused_kernels=True"),
+        ({}, {"override_transformer_config": {"calculate_per_token_loss": True}}, r"calculate_per_token_loss=True"),
+        ({}, {"router_replay": {"mode": "R3"}}, r"router_replay\.mode='R3'"),
+    ],
+)
+def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model_kw, engine_kw, match):
+    """MTP, multimodal, fused kernels, the per-token-loss regime and router replay fail naming the setting."""
+    from types import SimpleNamespace
+
+    from hdp.integrations.verl import engine as E
+
+    monkeypatch.setattr(E._MegatronLM, "__init__", lambda self, *a, **k: None)
+    model = SimpleNamespace(
+        mtp=SimpleNamespace(**model_kw.get("mtp", {"enable": False})),
+        hf_config=SimpleNamespace(vision_config={} if model_kw.get("vision") else None),
+    )
+    eng_cfg = HdpEngineConfig()
+    for k, v in engine_kw.items():
+        if k == "router_replay":
+            object.__setattr__(eng_cfg.router_replay, "mode", v["mode"])
+        else:
+            object.__setattr__(eng_cfg, k, v)
+    with pytest.raises(ValueError, match=match):
+        E.HdpMegatronEngine(model_config=model, engine_config=eng_cfg, optimizer_config=None, checkpoint_config=None)

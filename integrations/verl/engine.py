@@ -63,7 +63,7 @@ from hdp.integrations.verl.config import (
 from hdp.packing import Plan, plan as make_plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 
-__all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics"]
+__all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics", "reject_unsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,51 @@ def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int)
     return out
 
 
+# ---- parent features hdp's round loop does not carry ----------------------------------------------
+
+_UNSUPPORTED = {
+    "calculate_per_token_loss": (
+        "actor_rollout_ref.actor.megatron.override_transformer_config.calculate_per_token_loss=True: "
+        "hdp's round loop returns verl's globally normalised loss per group (Megatron's per-micro-batch "
+        "regime), not the per-token 3-tuple; remove the override (MoE aux/z losses then follow Megatron's "
+        "per-micro-batch scaling)"
+    ),
+    "mtp": "actor_rollout_ref.model.mtp.enable=True: multi-token prediction is not supported by the hdp engine; set it to False",
+    "router_replay": (
+        "actor_rollout_ref.actor.megatron.router_replay.mode={mode!r}: routed-expert recording/replay "
+        "(R2/R3) is not supported by the hdp engine; set it to 'disabled'"
+    ),
+    "fused": (
+        "actor_rollout_ref.model.use_fused_kernels=True: verl's fused Megatron forward bypasses hdp's "
+        "chunked log-probs and CP packing; set it to False (hdp computes log-probs in vocab chunks itself)"
+    ),
+    "multimodal": (
+        "actor_rollout_ref.model.path is a multimodal model (hf_config.vision_config is set): multimodal "
+        "inputs / 3-D position ids are not supported by the hdp engine"
+    ),
+}
+
+
+def reject_unsupported(model_config: Any, engine_config: Any) -> None:
+    """Raise ``ValueError`` naming the setting for verl features the hdp engine's round loop drops.
+
+    Checked when the engine is constructed (the worker has filled in ``use_fused_kernels`` by then);
+    ``calculate_per_token_loss`` is checked again once the TransformerConfig is built.
+    """
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode not in (None, "disabled"):
+        raise ValueError(_UNSUPPORTED["router_replay"].format(mode=mode))
+    if getattr(engine_config, "use_fused_kernels", False):
+        raise ValueError(_UNSUPPORTED["fused"])
+    if (getattr(engine_config, "override_transformer_config", None) or {}).get("calculate_per_token_loss", False):
+        raise ValueError(_UNSUPPORTED["calculate_per_token_loss"])
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False):
+        raise ValueError(_UNSUPPORTED["mtp"])
+    if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
+        raise ValueError(_UNSUPPORTED["multimodal"])
+
+
 # ---- the domain ----------------------------------------------------------------------------------
 
 
@@ -199,6 +244,7 @@ class HdpMegatronEngine(_MegatronLM):
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
+        reject_unsupported(model_config, engine_config)  # before any collective: every rank raises alike
         self.hdp_config: HdpEngineConfig = engine_config
         self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
         super().__init__(
@@ -264,6 +310,11 @@ class HdpMegatronEngine(_MegatronLM):
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         return bool(super().is_mp_src_rank_with_outputs()) and self.domain.rank == 0
+
+    def _build_tf_config(self) -> None:
+        super()._build_tf_config()
+        if self.tf_config is not None and getattr(self.tf_config, "calculate_per_token_loss", False):
+            raise ValueError(_UNSUPPORTED["calculate_per_token_loss"])
 
     # -- checkpoints --
 
