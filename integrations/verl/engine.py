@@ -29,12 +29,12 @@ Replaced:
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
 round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 
-Status: on CPU (gloo, 2 and 4 ranks) the round loop runs end to end on a Megatron ``GPTModel`` built
-by :mod:`hdp.trainer.model` and wrapped by :meth:`HdpMegatronEngine.from_modules`, inside verl's own
-``train_batch``/``infer_batch``; gradients and log-probs match one process
-(tests/test_verl_engine_dist.py).  Not run anywhere: the Megatron-Bridge model building of
-``__init__``/``initialize`` (and :func:`_install_hdp_attention` on a Bridge-built model),
-checkpointing, weight export and offload under hdp, and any GPU/NPU run.
+Status: on CPU (gloo, 2 ranks) the engine is built and driven by verl's own
+``ActorRolloutRefWorker`` (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs,
+updates, checkpoint save/load, HF weight export, offload; dense Qwen3 and Qwen3-MoE with EP 2) and
+matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4 ranks
+through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any GPU/NPU
+run, Megatron-Bridge model building (``vanilla_mbridge=False``).
 """
 
 from __future__ import annotations
