@@ -286,3 +286,20 @@ def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model
             object.__setattr__(eng_cfg, k, v)
     with pytest.raises(ValueError, match=match):
         E.HdpMegatronEngine(model_config=model, engine_config=eng_cfg, optimizer_config=None, checkpoint_config=None)
+
+
+def test_cli_finds_the_verl_bench_through_the_entry_point():
+    """`hdp bench verl` resolves hdp.integrations.verl.bench through "hdp.benchmarks"; the CLI never imports it."""
+    from importlib.metadata import entry_points
+
+    from hdp.integrations.verl.bench import BASELINE, bench_verl
+
+    eps = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+    assert len(eps) == 1 and eps[0].load() is bench_verl
+    assert "emulated" in BASELINE
+    code = "import sys, hdp.trainer.cli; print(any(m.startswith('hdp.integrations') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+    src = Path(__file__).resolve().parents[1] / "trainer"
+    assert not any("hdp.integrations" in p.read_text() for p in src.glob("*.py")), "trainer/ must not import hdp.integrations"
