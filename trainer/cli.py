@@ -467,8 +467,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "train":
         return _bench_train(args)
     if args.what == "verl":
-        # found through the "hdp.benchmarks" entry-point group, so the trainer never imports
-        # hdp.integrations (dependencies point one way: packing <- hdp <- trainer <- integrations)
+        # found through the "hdp.benchmarks" entry-point group, so the trainer never imports the
+        # integrations package (dependencies point one way: packing <- hdp <- trainer <- integrations)
         from importlib.metadata import entry_points
 
         found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
