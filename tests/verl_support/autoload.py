@@ -5,7 +5,9 @@ TaskRunner, workers, servers alike), so this is where the CPU platform, the Mega
 shims and the ``hf_cpu`` test rollout get registered in each of them.  Test-only.
 """
 
-from verl_support import cpu, hf_rollout
+from verl_support import cpu
 
 cpu.install()
-hf_rollout.register()
+# registers itself when its import completes (a Ray actor of HFServer imports it first, then verl,
+# which imports this module while hf_rollout is still half-initialised)
+import verl_support.hf_rollout  # noqa: E402,F401

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -72,6 +73,27 @@ def _patch_mbridge_get_model() -> None:
     bridge_mod.get_model = get_model
 
 
+def _patch_process_group_backend() -> None:
+    """Ray workers: verl initialises torch.distributed with "cpu:gloo,<device>:<backend>" (here
+    "cpu:gloo,cpu:gloo", which torch rejects as a duplicate device); on CPU it is plain "gloo".
+    Patched before ``verl.workers.engine_workers`` imports the function by name."""
+    import verl.utils.distributed as vdist
+
+    orig = vdist.initialize_global_process_group_ray
+    if getattr(orig, "_verl_support", False):
+        return
+
+    @functools.wraps(orig)
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: Any = None) -> Any:
+        return orig(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._verl_support = True  # type: ignore[attr-defined]
+    vdist.initialize_global_process_group_ray = initialize_global_process_group_ray
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is not None:
+        engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
 def install() -> None:
     """Make verl + Megatron + mbridge run on CPU in this process (see the module docstring)."""
     global _installed
@@ -95,4 +117,5 @@ def install() -> None:
     import verl.utils.megatron_utils as megatron_utils
 
     megatron_utils.torch = _TorchWithCpuCurrentDevice()
+    _patch_process_group_backend()
     _installed = True

@@ -158,3 +158,6 @@ def register() -> None:
 
     RolloutReplicaRegistry.register(NAME, lambda: HFReplica)
     base._ROLLOUT_REGISTRY[(NAME, "async")] = f"{__name__}.HFServerAdapter"
+
+
+register()

@@ -119,10 +119,10 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        return {"num_cpus": num_gpus}
+        # a *logical* Ray resource for one training rank: verl's resource check counts only "GPU"
+        # or "NPU" (single_controller/ray/base.py _check_resource_available); the CPU main_ppo run
+        # declares ray_init.resources={NPU: ranks}.  Nothing NPU-specific keys on this name.
+        return "NPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []

@@ -94,6 +94,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "trainer.device=cpu",
         "ray_kwargs.ray_init.num_cpus=16",  # logical slots: TaskRunner, TransferQueue, workers, servers
         "+ray_kwargs.ray_init.include_dashboard=False",
+        f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see verl_support.platform)
     ]
 
 

@@ -17,28 +17,34 @@ PAD = "<|endoftext|>"
 EOS = "<|im_end|>"
 _SPECIAL = [PAD, "<|im_start|>", EOS]
 _WORDS = (
-    [str(d) for d in range(10)]
+    [" ", "\n"]  # whitespace is kept as tokens: verl's Qwen token builder needs "\n" to be one token
+    + [str(d) for d in range(10)]
     + list("+-*/=?.,:")
     + "what is the answer user assistant system you are a helpful please compute sum of and".split()
     + [f"w{i}" for i in range(64)]
 )
 VOCAB = len(_SPECIAL) + len(_WORDS) + 1  # + <unk>
-_CHAT = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+_CHAT = (  # Qwen's ChatML layout
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
 def build_tokenizer(path: str | Path) -> None:
     """Save a word-level tokenizer (pad ``<|endoftext|>``, eos ``<|im_end|>``, chat template) at ``path``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(_SPECIAL + _WORDS + ["<unk>"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s"), behavior="isolated"),  # " " and "\n" are tokens of their own
+        pre_tokenizers.Split(Regex(r"[0-9]|[+\-*/=?.,:]"), behavior="isolated"),
+    ])
+    tok.decoder = decoders.Fuse()  # tokens carry their own whitespace
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token="<unk>", chat_template=_CHAT
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token="<unk>", chat_template=_CHAT,
+        additional_special_tokens=["<|im_start|>"],
     )
     fast.save_pretrained(str(path))
 
