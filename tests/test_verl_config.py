@@ -253,8 +253,10 @@ def test_reduce_metrics_matches_verls_dp_aggregation():
         [{"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}],
     ]
     out = reduce_metrics(per_rank, num_ranks=2)
-    assert Metric.aggregate_dp(out["actor/pg_loss"]) == pytest.approx(0.6)
-    assert Metric.aggregate_dp(out["actor/pg_clipfrac"]) == pytest.approx(0.2)
+    # the shapes verl's own engines return: one Metric per name (the worker all-gathers over DP)
+    assert isinstance(out["actor/pg_loss"], Metric) and isinstance(out["actor/pg_clipfrac"], Metric)
+    assert Metric.aggregate_dp([out["actor/pg_loss"]]) == pytest.approx(0.6)
+    assert Metric.aggregate_dp([out["actor/pg_clipfrac"]]) == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize(

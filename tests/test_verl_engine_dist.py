@@ -78,7 +78,7 @@ def _worker(rank: int, world: int) -> None:
             assert len(out["loss"]) == 1 and abs(out["loss"][0] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (
                 mode, out["loss"], ref_loss)
             metrics = out["metrics"]
-            assert isinstance(metrics["actor/pg_loss"][0], Metric)
+            assert isinstance(metrics["actor/pg_loss"], Metric)
             assert metrics["hdp/rounds"] == [plan.num_rounds]
         else:
             assert out == {}

@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
 
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.utils.metric.utils import Metric
+    from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
     from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import no_padding_2_padding
     from verl_support import batches as B
@@ -201,13 +201,8 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
         if rank != 0:
             assert out is None
             return None
-        m = tu.get(out, "metrics")
-        return {
-            "loss": m["loss"][0],
-            "grad_norm": m["grad_norm"][0],
-            "pg_loss": Metric.aggregate_dp(m["actor/pg_loss"]) if isinstance(m["actor/pg_loss"], list) else m["actor/pg_loss"],
-            "rounds": m["hdp/rounds"][0],
-        }
+        m = verl_reduce_metrics(tu.get(out, "metrics"))  # what verl's trainer does with update_actor's metrics
+        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl")}
 
     m1 = update()
     if rank == 0:

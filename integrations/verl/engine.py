@@ -127,14 +127,16 @@ def round_inputs(
     )
 
 
-def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int) -> dict[str, list[Any]]:
+def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int) -> dict[str, Any]:
     """verl metrics of one step from every rank's group-leader metric dicts.
 
     ``per_rank[r]`` holds the metric dicts of the groups rank r led (one per round it led).  verl's
     ``Metric`` values: SUM metrics (``actor/pg_loss``, computed with ``dp_size = N``) add up over
     groups and divide by N, which is verl's "mean over DP ranks of per-rank sums"; MEAN metrics
     average over groups (verl: over micro-batches and DP ranks); MIN/MAX reduce.  Plain numbers are
-    averaged.  Returns ``{name: [Metric]}`` — one DP entry, as verl's worker aggregates it.
+    averaged.  The shapes are those of verl's own engines (``postprocess_batch_func`` through
+    ``append_to_dict``): one ``Metric`` per name for Metric-valued metrics, a list of floats for
+    plain ones — the worker all-gathers them over its (one-rank) DP group and the trainer reduces.
     """
     from verl.utils.metric.utils import AggregationType, Metric
 
@@ -149,17 +151,17 @@ def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int)
                 else:
                     kinds.setdefault(name, None)
                     values.setdefault(name, []).append(float(m))
-    out: dict[str, list[Any]] = {}
+    out: dict[str, Any] = {}
     for name, vals in values.items():
         kind = kinds[name]
         if kind is AggregationType.SUM:
-            out[name] = [Metric(AggregationType.SUM, sum(vals) / num_ranks)]
+            out[name] = Metric(AggregationType.SUM, sum(vals) / num_ranks)
         elif kind is AggregationType.MIN:
-            out[name] = [Metric(AggregationType.MIN, min(vals))]
+            out[name] = Metric(AggregationType.MIN, min(vals))
         elif kind is AggregationType.MAX:
-            out[name] = [Metric(AggregationType.MAX, max(vals))]
+            out[name] = Metric(AggregationType.MAX, max(vals))
         elif kind is AggregationType.MEAN:
-            out[name] = [Metric(AggregationType.MEAN, sum(vals) / len(vals))]
+            out[name] = Metric(AggregationType.MEAN, sum(vals) / len(vals))
         else:
             out[name] = [sum(vals) / len(vals)]
     return out
