@@ -67,9 +67,11 @@ def _ref_config(cfg):
 
 
 def _engine_cls(engine_config):
+    """The class verl's TrainingWorker would construct for this engine config (through the lazy entry)."""
     from verl.workers.engine import EngineRegistry
 
-    return EngineRegistry.get_engine_cls("language_model", engine_config.strategy)
+    cls = EngineRegistry.get_engine_cls("language_model", engine_config.strategy)
+    return cls.resolve() if getattr(cls, "_hdp_lazy", False) else cls
 
 
 def _validate(cfg) -> None:
@@ -148,27 +150,76 @@ def test_plugin_registration_is_idempotent():
     assert plugin.register() and plugin.register()
     assert plugin.register_engines() == []
     assert EngineRegistry._engines["language_model"]["hdp"] == before
-    assert before["cuda"] is HdpMegatronEngine and before["cpu"] is HdpMegatronEngine
+    assert set(before) == {"cuda", "npu", "cpu"}
+    assert all(getattr(c, "_hdp_lazy", False) and c.resolve() is HdpMegatronEngine for c in before.values())
+
+
+def test_strategy_hdp_on_megatron_config_names_the_override():
+    """ppo_megatron_trainer + actor.strategy=hdp used to run verl's stock Megatron engine silently."""
+    from hydra.errors import InstantiationException
+
+    cfg = _compose("ppo_megatron_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp"])
+    with pytest.raises((ValueError, InstantiationException), match=r"model_engine=hdp"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    with pytest.raises((ValueError, InstantiationException), match=r"model_engine=hdp"):
+        _validate(cfg)
+    # the override the message names works on the same config: actor and ref on hdp
+    cfg = _compose("ppo_megatron_trainer", BASE + ["model_engine=hdp"])
+    for c in (omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), _ref_config(cfg)):
+        assert isinstance(c, HdpActorConfig) and _engine_cls(c.engine) is HdpMegatronEngine
+    _validate(cfg)
+
+
+def test_engine_keeps_the_domain_built_by_the_parent_constructor(monkeypatch):
+    """verl's MegatronEngine.__init__ calls _init_device_mesh, which builds hdp's domain; __init__ keeps it.
+
+    (It used to reset ``_domain`` to None afterwards, so every real construction failed in the
+    worker's ``is_mp_src_rank_with_outputs``.)
+    """
+    from hdp.integrations.verl import engine as E
+
+    sentinel = object()
+    monkeypatch.setattr(E._MegatronLM, "__init__", lambda self, *a, **k: self._init_device_mesh())
+    monkeypatch.setattr(E.HdpMegatronEngine, "_init_device_mesh", lambda self: setattr(self, "_domain", sentinel))
+    eng = E.HdpMegatronEngine(
+        model_config=None, engine_config=HdpEngineConfig(), optimizer_config=None, checkpoint_config=None
+    )
+    assert eng.domain is sentinel
+
+
+def test_float32_engine_dtype_is_accepted():
+    assert HdpEngineConfig(dtype="float32").dtype == "float32"
+    assert HdpEngineConfig().dtype == "bfloat16"
 
 
 @pytest.mark.slow
-def test_import_verl_loads_the_entry_point(tmp_path: Path):
-    """A `verl.plugins` entry point naming the plugin module registers `hdp` during `import verl`."""
+def test_import_verl_is_lazy_and_registers_on_engine_import(tmp_path: Path):
+    """`import verl` with hdp's entry point imports neither verl's engines nor Megatron nor hdp's engine;
+    importing verl's engine registry (as a training worker does) registers the `hdp` backend."""
     dist_info = tmp_path / "hdp_ep_probe-0.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: hdp-ep-probe\nVersion: 0.0\n")
     (dist_info / "entry_points.txt").write_text("[verl.plugins]\nhdp = hdp.integrations.verl.plugin\n")
     code = textwrap.dedent(
         """
+        import sys
         import verl
+        heavy = [m for m in ("megatron", "verl.workers.engine", "hdp.integrations.verl.engine", "hdp.trainer")
+                 if m in sys.modules]
+        print("HEAVY", heavy)
         from verl.workers.engine import EngineRegistry
-        print(EngineRegistry.get_engine_cls("language_model", "hdp").__name__)
+        cls = EngineRegistry.get_engine_cls("language_model", "hdp")
+        print("HEAVY_AFTER_LOOKUP", "hdp.integrations.verl.engine" in sys.modules)
+        print(cls.resolve().__name__)
         """
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "HdpMegatronEngine"
+    lines = out.stdout.strip().splitlines()
+    assert "HEAVY []" in lines, out.stdout
+    assert "HEAVY_AFTER_LOOKUP False" in lines, out.stdout  # the real engine loads only when constructed
+    assert lines[-1] == "HdpMegatronEngine"
 
 
 def test_round_inputs_follow_verls_alignment():
@@ -202,5 +253,55 @@ def test_reduce_metrics_matches_verls_dp_aggregation():
         [{"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}],
     ]
     out = reduce_metrics(per_rank, num_ranks=2)
-    assert Metric.aggregate_dp(out["actor/pg_loss"]) == pytest.approx(0.6)
-    assert Metric.aggregate_dp(out["actor/pg_clipfrac"]) == pytest.approx(0.2)
+    # the shapes verl's own engines return: one Metric per name (the worker all-gathers over DP)
+    assert isinstance(out["actor/pg_loss"], Metric) and isinstance(out["actor/pg_clipfrac"], Metric)
+    assert Metric.aggregate_dp([out["actor/pg_loss"]]) == pytest.approx(0.6)
+    assert Metric.aggregate_dp([out["actor/pg_clipfrac"]]) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("model_kw", "engine_kw", "match"),
+    [
+        ({"mtp": {"enable": True}}, {}, r"mtp\.enable=True"),
+        ({"vision": True}, {}, r"multimodal"),
+        ({}, {"use_fused_kernels": True}, r"use_fused_kernels=True"),
+        ({}, {"override_transformer_config": {"calculate_per_token_loss": True}}, r"calculate_per_token_loss=True"),
+        ({}, {"router_replay": {"mode": "R3"}}, r"router_replay\.mode='R3'"),
+    ],
+)
+def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model_kw, engine_kw, match):
+    """MTP, multimodal, fused kernels, the per-token-loss regime and router replay fail naming the setting."""
+    from types import SimpleNamespace
+
+    from hdp.integrations.verl import engine as E
+
+    monkeypatch.setattr(E._MegatronLM, "__init__", lambda self, *a, **k: None)
+    model = SimpleNamespace(
+        mtp=SimpleNamespace(**model_kw.get("mtp", {"enable": False})),
+        hf_config=SimpleNamespace(vision_config={} if model_kw.get("vision") else None),
+    )
+    eng_cfg = HdpEngineConfig()
+    for k, v in engine_kw.items():
+        if k == "router_replay":
+            object.__setattr__(eng_cfg.router_replay, "mode", v["mode"])
+        else:
+            object.__setattr__(eng_cfg, k, v)
+    with pytest.raises(ValueError, match=match):
+        E.HdpMegatronEngine(model_config=model, engine_config=eng_cfg, optimizer_config=None, checkpoint_config=None)
+
+
+def test_cli_finds_the_verl_bench_through_the_entry_point():
+    """`hdp bench verl` resolves hdp.integrations.verl.bench through "hdp.benchmarks"; the CLI never imports it."""
+    from importlib.metadata import entry_points
+
+    from hdp.integrations.verl.bench import BASELINE, bench_verl
+
+    eps = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+    assert len(eps) == 1 and eps[0].load() is bench_verl
+    assert "emulated" in BASELINE
+    code = "import sys, hdp.trainer.cli; print(any(m.startswith('hdp.integrations') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+    src = Path(__file__).resolve().parents[1] / "trainer"
+    assert not any("hdp.integrations" in p.read_text() for p in src.glob("*.py")), "trainer/ must not import hdp.integrations"

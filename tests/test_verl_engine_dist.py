@@ -50,7 +50,7 @@ def _worker(rank: int, world: int) -> None:
 
     from hdp import megatron_compat as mc
     from hdp.integrations import verl as _pkg  # noqa: F401
-    from hdp.trainer.bench_verl import actor_config, build_engines, grads_close, main_grads, reference_step, verl_update_batch
+    from hdp.integrations.verl.bench import actor_config, build_engines, grads_close, main_grads, reference_step, verl_update_batch
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     mc.initialize_megatron(seed=1234)
@@ -62,7 +62,7 @@ def _worker(rank: int, world: int) -> None:
     assert world == 2 or min(plan.group_size) == 1, "on 4 ranks the plan mixes CP groups and k = 1"
 
     for mode in MODES:
-        ref_grads, ref_logp, _ = reference_step(batch(calculate_entropy=True), mode)
+        ref_grads, ref_logp, ref_loss = reference_step(batch(calculate_entropy=True), mode)
         data = batch(calculate_entropy=True)
         model.zero_grad_buffer()
         out = engine.forward_backward_batch(data, partial(ppo_loss, actor_config(mode)))
@@ -74,8 +74,11 @@ def _worker(rank: int, world: int) -> None:
             for i, (a, b) in enumerate(zip(got, ref_logp)):
                 torch.testing.assert_close(a, b, atol=LOGP_TOL, rtol=0, msg=lambda m, i=i: f"{mode} sample {i}: {m}")
             assert len(out["model_output"]["entropy"].unbind()) == len(lengths)
+            # the step's loss (what the worker logs as actor/loss) is the whole batch's, on any domain size
+            assert len(out["loss"]) == 1 and abs(out["loss"][0] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (
+                mode, out["loss"], ref_loss)
             metrics = out["metrics"]
-            assert isinstance(metrics["actor/pg_loss"][0], Metric)
+            assert isinstance(metrics["actor/pg_loss"], Metric)
             assert metrics["hdp/rounds"] == [plan.num_rounds]
         else:
             assert out == {}
@@ -86,6 +89,8 @@ def _worker(rank: int, world: int) -> None:
         for a, b in zip(out["model_output"]["log_probs"].unbind(), ref_logp):
             torch.testing.assert_close(a, b, atol=LOGP_TOL, rtol=0)
         assert "entropy" not in out["model_output"]
+        # no loss function: floats (1.0 per round, as stock verl), which the worker all-reduces with AVG
+        assert out["loss"] and all(type(x) is float for x in out["loss"]), out["loss"]
 
     # verl's train_batch (update_actor): zero_grad, hdp step, Megatron distributed-optimizer step
     mc.destroy_megatron()

@@ -467,9 +467,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "train":
         return _bench_train(args)
     if args.what == "verl":
-        from hdp.trainer.bench_verl import bench_verl
+        # found through the "hdp.benchmarks" entry-point group, so the trainer never imports the
+        # integrations package (dependencies point one way: packing <- hdp <- trainer <- integrations)
+        from importlib.metadata import entry_points
 
-        result = bench_verl(ranks=args.ranks or 4, steps=args.steps or 5)
+        found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+        if not found:
+            raise SystemExit("hdp bench verl: no 'hdp.benchmarks' entry point 'verl'; reinstall hdp-engine (pip install -e .)")
+        result = found[0].load()(ranks=args.ranks or 4, steps=args.steps or 5)
         if args.json:
             _emit_json(result)
         else:

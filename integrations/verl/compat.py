@@ -43,6 +43,7 @@ __all__ = [
     "check_version",
     "registered_keys",
     "without_megatron_strategy_assert",
+    "FP32_NAMES",
     "megatron_lm_engine",
     "mindspeed_lm_engine",
     "engine_registry",
@@ -72,11 +73,12 @@ def check_version() -> None:
         )
 
 
-def registered_keys(model_type: str, backend: str) -> set[Any]:
-    """Device keys (``"cuda"`` or ``("cuda", vendor)``) already registered for (model_type, backend)."""
-    from verl.workers.engine import EngineRegistry
+def registered_keys(registry: Any, model_type: str, backend: str) -> set[Any]:
+    """Device keys (``"cuda"`` or ``("cuda", vendor)``) already registered for (model_type, backend).
 
-    return set(EngineRegistry._engines.get(model_type, {}).get(backend, {}))
+    ``registry``: verl's ``EngineRegistry`` (passed in so that this never imports verl's engines).
+    """
+    return set(registry._engines.get(model_type, {}).get(backend, {}))
 
 
 @contextlib.contextmanager
@@ -84,14 +86,23 @@ def without_megatron_strategy_assert(config: McoreEngineConfig) -> Iterator[None
     """Run ``McoreEngineConfig.__post_init__`` on a config whose strategy is not "megatron".
 
     Sets ``strategy`` to "megatron" for the duration and restores it after (``object.__setattr__``
-    because verl's ``BaseConfig`` freezes set fields).
+    because verl's ``BaseConfig`` freezes set fields).  The same for ``dtype="float32"``, which
+    the hdp engine accepts and verl's assert (bf16/fp16 only, verl/workers/config/engine.py:218)
+    would reject: it reads as "bfloat16" during the call.
     """
-    strategy = config.strategy
+    strategy, dtype = config.strategy, config.dtype
     object.__setattr__(config, "strategy", "megatron")
+    if dtype in FP32_NAMES:
+        object.__setattr__(config, "dtype", "bfloat16")
     try:
         yield
     finally:
         object.__setattr__(config, "strategy", strategy)
+        object.__setattr__(config, "dtype", dtype)
+
+
+FP32_NAMES = ("float32", "fp32")
+"""``engine.dtype`` spellings of float32 (verl's ``PrecisionType.to_dtype`` reads both)."""
 
 
 # ---- engine-side imports (heavy: Megatron; only the engine module calls these) --------------------

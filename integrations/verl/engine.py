@@ -29,12 +29,12 @@ Replaced:
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
 round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 
-Status: on CPU (gloo, 2 and 4 ranks) the round loop runs end to end on a Megatron ``GPTModel`` built
-by :mod:`hdp.trainer.model` and wrapped by :meth:`HdpMegatronEngine.from_modules`, inside verl's own
-``train_batch``/``infer_batch``; gradients and log-probs match one process
-(tests/test_verl_engine_dist.py).  Not run anywhere: the Megatron-Bridge model building of
-``__init__``/``initialize`` (and :func:`_install_hdp_attention` on a Bridge-built model),
-checkpointing, weight export and offload under hdp, and any GPU/NPU run.
+Status: on CPU (gloo, 2 ranks) the engine is built and driven by verl's own
+``ActorRolloutRefWorker`` (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs,
+updates, checkpoint save/load, HF weight export, offload; dense Qwen3 and Qwen3-MoE with EP 2) and
+matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4 ranks
+through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any GPU/NPU
+run, Megatron-Bridge model building (``vanilla_mbridge=False``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack, unpack_into
 from hdp.groups import DomainGroups
 from hdp.integrations.verl import compat
+from hdp.integrations.verl.logprobs import token_logprobs_entropy
 from hdp.integrations.verl.config import (
     HdpEngineConfig,
     to_hdp_engine_config,
@@ -60,9 +61,9 @@ from hdp.integrations.verl.config import (
     to_mcore_optimizer_config,
 )
 from hdp.packing import Plan, plan as make_plan
-from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, RopeConfig, packed_seq_params
+from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 
-__all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics"]
+__all__ = ["HdpMegatronEngine", "RoundInputs", "sample_lengths", "round_inputs", "reduce_metrics", "reject_unsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +127,16 @@ def round_inputs(
     )
 
 
-def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int) -> dict[str, list[Any]]:
+def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int) -> dict[str, Any]:
     """verl metrics of one step from every rank's group-leader metric dicts.
 
     ``per_rank[r]`` holds the metric dicts of the groups rank r led (one per round it led).  verl's
     ``Metric`` values: SUM metrics (``actor/pg_loss``, computed with ``dp_size = N``) add up over
     groups and divide by N, which is verl's "mean over DP ranks of per-rank sums"; MEAN metrics
     average over groups (verl: over micro-batches and DP ranks); MIN/MAX reduce.  Plain numbers are
-    averaged.  Returns ``{name: [Metric]}`` — one DP entry, as verl's worker aggregates it.
+    averaged.  The shapes are those of verl's own engines (``postprocess_batch_func`` through
+    ``append_to_dict``): one ``Metric`` per name for Metric-valued metrics, a list of floats for
+    plain ones — the worker all-gathers them over its (one-rank) DP group and the trainer reduces.
     """
     from verl.utils.metric.utils import AggregationType, Metric
 
@@ -148,20 +151,65 @@ def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]], num_ranks: int)
                 else:
                     kinds.setdefault(name, None)
                     values.setdefault(name, []).append(float(m))
-    out: dict[str, list[Any]] = {}
+    out: dict[str, Any] = {}
     for name, vals in values.items():
         kind = kinds[name]
         if kind is AggregationType.SUM:
-            out[name] = [Metric(AggregationType.SUM, sum(vals) / num_ranks)]
+            out[name] = Metric(AggregationType.SUM, sum(vals) / num_ranks)
         elif kind is AggregationType.MIN:
-            out[name] = [Metric(AggregationType.MIN, min(vals))]
+            out[name] = Metric(AggregationType.MIN, min(vals))
         elif kind is AggregationType.MAX:
-            out[name] = [Metric(AggregationType.MAX, max(vals))]
+            out[name] = Metric(AggregationType.MAX, max(vals))
         elif kind is AggregationType.MEAN:
-            out[name] = [Metric(AggregationType.MEAN, sum(vals) / len(vals))]
+            out[name] = Metric(AggregationType.MEAN, sum(vals) / len(vals))
         else:
             out[name] = [sum(vals) / len(vals)]
     return out
+
+
+# ---- parent features hdp's round loop does not carry ----------------------------------------------
+
+_UNSUPPORTED = {
+    "calculate_per_token_loss": (
+        "actor_rollout_ref.actor.megatron.override_transformer_config.calculate_per_token_loss=True: "
+        "hdp's round loop returns verl's globally normalised loss per group (Megatron's per-micro-batch "
+        "regime), not the per-token 3-tuple; remove the override (MoE aux/z losses then follow Megatron's "
+        "per-micro-batch scaling)"
+    ),
+    "mtp": "actor_rollout_ref.model.mtp.enable=True: multi-token prediction is not supported by the hdp engine; set it to False",
+    "router_replay": (
+        "actor_rollout_ref.actor.megatron.router_replay.mode={mode!r}: routed-expert recording/replay "
+        "(R2/R3) is not supported by the hdp engine; set it to 'disabled'"
+    ),
+    "fused": (
+        "actor_rollout_ref.model.use_fused_kernels=True: verl's fused Megatron forward bypasses hdp's "
+        "chunked log-probs and CP packing; set it to False (hdp computes log-probs in vocab chunks itself)"
+    ),
+    "multimodal": (
+        "actor_rollout_ref.model.path is a multimodal model (hf_config.vision_config is set): multimodal "
+        "inputs / 3-D position ids are not supported by the hdp engine"
+    ),
+}
+
+
+def reject_unsupported(model_config: Any, engine_config: Any) -> None:
+    """Raise ``ValueError`` naming the setting for verl features the hdp engine's round loop drops.
+
+    Checked when the engine is constructed (the worker has filled in ``use_fused_kernels`` by then);
+    ``calculate_per_token_loss`` is checked again once the TransformerConfig is built.
+    """
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode not in (None, "disabled"):
+        raise ValueError(_UNSUPPORTED["router_replay"].format(mode=mode))
+    if getattr(engine_config, "use_fused_kernels", False):
+        raise ValueError(_UNSUPPORTED["fused"])
+    if (getattr(engine_config, "override_transformer_config", None) or {}).get("calculate_per_token_loss", False):
+        raise ValueError(_UNSUPPORTED["calculate_per_token_loss"])
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False):
+        raise ValueError(_UNSUPPORTED["mtp"])
+    if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
+        raise ValueError(_UNSUPPORTED["multimodal"])
 
 
 # ---- the domain ----------------------------------------------------------------------------------
@@ -198,14 +246,15 @@ class HdpMegatronEngine(_MegatronLM):
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
+        reject_unsupported(model_config, engine_config)  # before any collective: every rank raises alike
+        self.hdp_config: HdpEngineConfig = engine_config
+        self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
         super().__init__(
             model_config,
             engine_config,
             to_mcore_optimizer_config(optimizer_config),
             to_mcore_checkpoint_config(checkpoint_config),
         )
-        self.hdp_config: HdpEngineConfig = engine_config
-        self._domain: _Domain | None = None
         logger.info("hdp engine: %s", engine_config.hdp)
 
     @classmethod
@@ -264,6 +313,24 @@ class HdpMegatronEngine(_MegatronLM):
     def is_mp_src_rank_with_outputs(self) -> bool:
         return bool(super().is_mp_src_rank_with_outputs()) and self.domain.rank == 0
 
+    def _build_tf_config(self) -> None:
+        super()._build_tf_config()
+        if self.tf_config is not None and getattr(self.tf_config, "calculate_per_token_loss", False):
+            raise ValueError(_UNSUPPORTED["calculate_per_token_loss"])
+
+    # -- checkpoints --
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any) -> None:
+        """verl's Megatron checkpoint load, under ``torch.no_grad()``.
+
+        With ``dtype=float32`` Megatron's distributed optimizer keeps its main params as views of
+        the model params (leaves that require grad), and its ``load_state_dict`` copies into them
+        in place (megatron-core 0.16.1 ``distrib_optimizer.py:940``), which autograd rejects.
+        Loading needs no autograd in any dtype.
+        """
+        with torch.no_grad():
+            super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+
     # -- model --
 
     def _build_megatron_module(self) -> Any:
@@ -298,7 +365,10 @@ class HdpMegatronEngine(_MegatronLM):
         rounds = [
             round_inputs(local_meta(plan, dom.rank, r), samples, temperature, pad_id) for r in range(plan.num_rounds)
         ]
-        state = _StepState(plan=plan, data=data, loss_function=loss_function, forward_only=forward_only)
+        calculate_entropy = bool(compat.tensordict_utils().get_non_tensor_data(data, key="calculate_entropy", default=False))
+        state = _StepState(
+            plan=plan, data=data, loss_function=loss_function, forward_only=forward_only, calculate_entropy=calculate_entropy
+        )
 
         fb = compat.forward_backward_func()
         fb(
@@ -328,10 +398,15 @@ class HdpMegatronEngine(_MegatronLM):
         logits = model(
             input_ids=inp.tokens.to(dev)[None, :], position_ids=None, attention_mask=None, packed_seq_params=psp
         )[0]  # [T, V]
-        logits = logits.float() / inp.temperature.to(dev)[:, None]
-        logp_all = torch.log_softmax(logits, dim=-1)  # [T, V]
-        logp = logp_all.gather(-1, inp.targets.to(dev)[:, None])[:, 0]  # [T]
-        ent = -(logp_all.exp() * logp_all).sum(-1)  # [T]
+        logp, ent = token_logprobs_entropy(  # vocab chunks: no extra [T, V] tensors (see .logprobs)
+            logits,
+            inp.targets.to(dev),
+            inp.temperature.to(dev),
+            chunk=int(self.engine_config.entropy_from_logits_chunk_size),
+            entropy=state.calculate_entropy,
+        )  # [T], [T] or None
+        if ent is None:
+            ent = torch.zeros_like(logp)  # never read: entropy was not requested
         state.local_outputs.append(torch.stack([logp, ent], dim=-1).detach()[: meta.num_tokens])  # [T, 2]; [0, 2] idle
         return logits, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
 
@@ -349,14 +424,14 @@ class HdpMegatronEngine(_MegatronLM):
         tu = compat.tensordict_utils()
         sub = tu.index_select_tensor_dict(state.data, list(meta.samples))  # group order
         model_output = {"log_probs": compat.as_nested([f[:, 0] for f in full])}  # Sg x [L_i]
-        if tu.get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+        if state.calculate_entropy:
             model_output["entropy"] = compat.as_nested([f[:, 1] for f in full])
         loss, metrics = state.loss_function(model_output=model_output, data=sub, dp_group=self.get_data_parallel_group())
-        if meta.j == 0:  # one copy per group; plain floats so they can be gathered
+        if meta.j == 0:  # one copy per group (its leader); plain floats so they can be gathered
             state.leader_metrics.append(
                 {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
             )
-        state.losses.append(float(loss.detach()))
+            state.leader_losses.append(float(loss.detach()))
         return loss * state.plan.num_rounds, {}
 
     def _packed_seq_params(self, meta: LocalMeta, dev: torch.device) -> HdpPackedSeqParams:
@@ -380,11 +455,18 @@ class HdpMegatronEngine(_MegatronLM):
         dom = self.domain
         full = gather_outputs(state.plan, dom.rank, state.local_outputs, dom.group, dst=0)  # S x [L_i, 2] on rank 0
         gathered: list[Any] = [None] * dom.size
-        dist.all_gather_object(gathered, state.leader_metrics, group=dom.group)
+        dist.all_gather_object(gathered, (state.leader_metrics, state.leader_losses), group=dom.group)
         if dom.rank != 0:
             return {}
         assert full is not None
-        metrics = reduce_metrics(gathered, dom.size) if state.loss_function is not None else {}
+        if state.loss_function is not None:
+            metrics = reduce_metrics([m for m, _ in gathered], dom.size)
+            # each group's loss carries verl's dp_size = N factor: the step's loss is their sum / N
+            # (stock verl: per-rank sums averaged over DP); one float, as the worker all-reduces it
+            loss = [sum(sum(ls) for _, ls in gathered) / dom.size]
+        else:
+            metrics = {}
+            loss = [1.0] * state.plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss function
         stats = state.plan.stats
         metrics.update(
             {
@@ -395,9 +477,9 @@ class HdpMegatronEngine(_MegatronLM):
         )
         lp = [x[:, 0] for x in full]
         out: dict[str, Any] = {"log_probs": compat.as_nested(lp)}
-        if compat.tensordict_utils().get_non_tensor_data(state.data, key="calculate_entropy", default=False):
+        if state.calculate_entropy:
             out["entropy"] = compat.as_nested([x[:, 1] for x in full])
-        return {"model_output": out, "loss": [sum(state.losses)], "metrics": metrics}
+        return {"model_output": out, "loss": loss, "metrics": metrics}
 
 
 @dataclass(eq=False)
@@ -408,11 +490,12 @@ class _StepState:
     data: Any
     loss_function: Callable | None
     forward_only: bool
+    calculate_entropy: bool = False
 
     def __post_init__(self) -> None:
         self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2]
-        self.leader_metrics: list[dict[str, Any]] = []
-        self.losses: list[float] = []
+        self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
+        self.leader_losses: list[float] = []  # verl loss of each group this rank led
 
 
 def _group_full_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
@@ -453,10 +536,11 @@ def _install_hdp_attention(chunk: Any, hf_config: Any) -> None:
     Megatron's own RoPE takes positions from ``cu_seqlens``, which for zigzag chunks are not the
     sample positions; hdp's core attention applies RoPE at ``HdpPackedSeqParams.positions``.
     """
+    from hdp.integrations.verl.rope import rope_config
     from hdp.trainer.attention_spec import HdpCoreAttention
 
     model = compat.unwrap_model(chunk)
-    rope = RopeConfig(base=float(getattr(hf_config, "rope_theta", 10000.0)))
+    rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement
     for layer in model.decoder.layers:
         attn = layer.self_attention
         old = attn.core_attention

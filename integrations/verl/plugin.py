@@ -1,53 +1,126 @@
-"""verl plugin: registers the ``hdp`` engine when ``import verl`` loads the ``verl.plugins`` entry points.
+"""verl plugin: registers the ``hdp`` engine backend, lazily, when ``import verl`` loads the entry points.
 
 verl loads each entry point of the group ``verl.plugins`` at import (verl/__init__.py:64) and logs
 a failure only at DEBUG (verl/__init__.py:76), so this module logs its own failures at WARNING and
-never raises.  Importing it registers (idempotently):
+never raises.
 
-* ``EngineRegistry``: model type ``language_model``, backend ``hdp``, devices ``cuda`` and ``cpu``
-  → :class:`~hdp.integrations.verl.engine.HdpMegatronEngine`; ``npu`` → the same engine on verl's
-  MindSpeed engine when MindSpeed is installed;
-* Hydra: hdp's config directory on the search path, so ``model_engine=hdp`` and
-  ``--config-name hdp_ppo_trainer`` resolve (``Plugins.instance().register``, Hydra's public
-  manual-registration call).
+Nothing heavy happens at ``import verl``: importing verl's engine registry means importing
+``verl.workers.engine``, i.e. every verl engine and Megatron (10+ s), which driver, rollout and
+reward processes never need.  So this module only
 
-``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) skips it; :func:`register` can also be called by hand.
+* puts hdp's Hydra configs on Hydra's search path (``model_engine=hdp``, ``--config-name
+  hdp_ppo_trainer``; ``Plugins.instance().register``, Hydra's public manual-registration call), and
+* arranges that when *something else* imports ``verl.workers.engine.base`` (a training worker
+  does, to build its engine), :class:`HdpEngine` — a small ``BaseEngine`` subclass — is registered
+  in ``EngineRegistry`` under model type ``language_model``, backend ``hdp``, devices ``cuda``,
+  ``npu`` and ``cpu``.  Constructing it builds the real engine
+  (:class:`hdp.integrations.verl.engine.HdpMegatronEngine`, or its MindSpeed variant on NPUs);
+  only then are hdp's engine, the hdp runtime and Megatron imported;
+* when ``verl.workers.config.actor`` is imported, makes ``actor.strategy=hdp`` on verl's Megatron
+  actor config fail with an error that names the override to use (:func:`guard_megatron_actor`).
+
+``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) skips all of it; :func:`register` can also be
+called by hand (it registers at once when verl's engine registry is already imported).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
+import sys
+from types import ModuleType
+from typing import Any, Sequence
 
 from hdp.integrations.verl import config_dir
 
-__all__ = ["BACKEND", "register", "register_engines", "register_search_path"]
+__all__ = [
+    "BACKEND",
+    "DEVICES",
+    "MEGATRON_CONFIG_HINT",
+    "register",
+    "register_engines",
+    "register_search_path",
+    "guard_megatron_actor",
+    "engine_class",
+]
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "hdp"
 """EngineRegistry backend name (= ``actor_rollout_ref.actor.strategy``)."""
+DEVICES = ("cuda", "npu", "cpu")
+"""EngineRegistry device keys hdp registers (verl's ``get_device_name()``)."""
+_REGISTRY_MODULE = "verl.workers.engine.base"
+_ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
+MEGATRON_CONFIG_HINT = (
+    "actor_rollout_ref.actor.strategy=hdp on verl's Megatron config (ppo_megatron_trainer or "
+    "model_engine=megatron) would silently run verl's stock Megatron engine: verl's McoreActorConfig "
+    "keeps its engine's strategy 'megatron' and its ref config hard-codes strategy=megatron. "
+    "Add the override model_engine=hdp (keeps every actor_rollout_ref.actor.megatron.* option and adds "
+    "actor_rollout_ref.actor.hdp.*), or use --config-name hdp_ppo_trainer"
+)
+"""The error raised for ``actor.strategy=hdp`` on a Megatron actor config (see :func:`guard_megatron_actor`)."""
 
 
-def register_engines() -> list[str]:
-    """Register the hdp engine for every device not registered yet; returns the device keys added."""
-    from hdp.device import DEVICE_KINDS
-    from hdp.integrations.verl import compat
+def engine_class() -> type:
+    """The engine class the ``hdp`` backend builds on this machine (imports hdp's engine and Megatron).
+
+    On NPUs with MindSpeed installed: ``HdpMindspeedEngine``; otherwise ``HdpMegatronEngine``.
+    """
     from hdp.integrations.verl.engine import HdpMegatronEngine, npu_engine_class
+    from verl.utils.device import get_device_name
 
-    compat.check_version()
-    registry = compat.engine_registry()
-    have = compat.registered_keys("language_model", BACKEND)
-    added: list[str] = []
-    gpu_cpu = [d for d in DEVICE_KINDS if d != "npu" and d not in have]  # npu gets its own class below
-    if gpu_cpu:
-        registry.register(model_type="language_model", backend=BACKEND, device=gpu_cpu)(HdpMegatronEngine)
-        added += gpu_cpu
-    if "npu" not in have:
+    if get_device_name() == "npu":
         npu_cls = npu_engine_class()
         if npu_cls is not None:
-            registry.register(model_type="language_model", backend=BACKEND, device="npu")(npu_cls)
-            added.append("npu")
-    return added
+            return npu_cls
+    return HdpMegatronEngine
+
+
+def _lazy_engine(base_engine: type) -> type:
+    """The class registered in verl's EngineRegistry: a ``BaseEngine`` whose construction builds the real one."""
+
+    class HdpEngine(base_engine):  # type: ignore[misc,valid-type]
+        """Stand-in registered for backend ``hdp``; ``HdpEngine(...)`` returns a :func:`engine_class` instance.
+
+        verl's ``EngineRegistry.register`` asserts a ``BaseEngine`` subclass and ``EngineRegistry.new``
+        calls ``cls(model_config=..., engine_config=..., optimizer_config=..., checkpoint_config=...)``;
+        ``__new__`` returns the real engine (not an instance of this class, so Python does not call
+        ``__init__`` again).
+        """
+
+        _hdp_lazy = True
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            return engine_class()(*args, **kwargs)
+
+        @staticmethod
+        def resolve() -> type:
+            """The real engine class (:func:`engine_class`)."""
+            return engine_class()
+
+    return HdpEngine
+
+
+def register_engines(registry_module: ModuleType | None = None) -> list[str]:
+    """Register the lazy ``hdp`` engine for every device not registered yet; returns the keys added.
+
+    Imports ``verl.workers.engine.base`` unless given (call it from a process that builds engines).
+    """
+    from hdp.integrations.verl import compat
+
+    if registry_module is None:
+        registry_module = importlib.import_module(_REGISTRY_MODULE)
+    registry = registry_module.EngineRegistry
+    have = compat.registered_keys(registry, "language_model", BACKEND)
+    missing = [d for d in DEVICES if d not in have]
+    if missing:
+        registry.register(model_type="language_model", backend=BACKEND, device=missing)(
+            _lazy_engine(registry_module.BaseEngine)
+        )
+    return missing
 
 
 def register_search_path() -> bool:
@@ -72,11 +145,82 @@ def register_search_path() -> bool:
     return True
 
 
-def register() -> bool:
-    """Register engines and configs; log (WARNING) and return False on failure instead of raising."""
+def guard_megatron_actor(actor_module: ModuleType) -> bool:
+    """Make ``McoreActorConfig(strategy="hdp")`` raise :data:`MEGATRON_CONFIG_HINT`; True if this call patched.
+
+    The one patch hdp applies to verl (0.9.x, ``verl/workers/config/actor.py``): wraps
+    ``McoreActorConfig.__post_init__``.  Why: on verl's Megatron configs ``actor.strategy=hdp``
+    builds a ``McoreActorConfig`` whose engine config keeps ``strategy="megatron"``, so verl's
+    TrainingWorker would pick its stock Megatron engine without a word, and the ref config
+    hard-codes ``strategy: megatron``.  hdp's own ``HdpActorConfig`` (a subclass) is unaffected.
+    Can go when verl copies ``actor.strategy`` into ``McoreActorConfig``'s engine config.
+    """
+    cls = actor_module.McoreActorConfig
+    orig = cls.__post_init__
+    if getattr(orig, "_hdp_guard", False):
+        return False
+
+    def __post_init__(self: Any) -> None:
+        if type(self) is cls and self.strategy == BACKEND:
+            raise ValueError(MEGATRON_CONFIG_HINT)
+        orig(self)
+
+    __post_init__._hdp_guard = True  # type: ignore[attr-defined]
+    __post_init__.__doc__ = orig.__doc__
+    cls.__post_init__ = __post_init__
+    return True
+
+
+_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn"}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook right after ``verl.workers.engine.base`` / ``verl.workers.config.actor`` have executed.
+
+    A meta-path finder that only wraps the loader the other finders return for those modules
+    (the standard post-import-hook pattern); it removes itself once both have fired.
+    """
+
+    _hdp_after_import = True
+
+    def __init__(self) -> None:
+        self.pending = {m for m in _HOOKS if m not in sys.modules}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _RegisteringLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, finder: _AfterImport) -> None:
+        self._inner = inner
+        self._finder = finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._finder.pending.discard(module.__name__)
+        if not self._finder.pending and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        globals()[_HOOKS[module.__name__]](module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _register_or_warn(module: ModuleType | None) -> bool:
     try:
-        added = register_engines()
-        register_search_path()
+        added = register_engines(module)
     except Exception as exc:  # plugin boundary: verl would hide this at DEBUG level
         logger.warning(
             "hdp verl plugin: could not register the 'hdp' engine (%s: %s); "
@@ -89,6 +233,34 @@ def register() -> bool:
     if added:
         logger.info("hdp verl plugin: registered engine backend %r for devices %s", BACKEND, added)
     return True
+
+
+def _guard_or_warn(module: ModuleType) -> bool:
+    try:
+        guard_megatron_actor(module)
+        return True
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
+def register() -> bool:
+    """Register hdp with verl (see the module docstring); log (WARNING) and return False on failure."""
+    try:
+        register_search_path()
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not add hdp's Hydra configs (%s: %s)", type(exc).__name__, exc)
+        return False
+    ok = True
+    for name, hook in _HOOKS.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            ok = globals()[hook](loaded) is not False and ok
+    if not all(m in sys.modules for m in _HOOKS) and not any(
+        getattr(f, "_hdp_after_import", False) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterImport())
+    return ok
 
 
 register()

@@ -1,4 +1,4 @@
-"""``hdp bench verl``: tokens/s of verl's stock Megatron path (dynamic bsz + static CP) against hdp's engine.
+"""``hdp bench verl`` (entry point ``hdp.benchmarks:verl``): tokens/s of verl's stock Megatron path (dynamic bsz + static CP) against hdp's engine.
 
 Both paths run side by side in one run, alternating step by step, on the same tiny Megatron GPT
 (:mod:`hdp.trainer.model`, fp32, CPU, gloo), the same weights and the same verl update batch (the

@@ -1,0 +1,247 @@
+"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (2 gloo ranks, CPU).
+
+The door users use: verl's Hydra config (``ppo_trainer`` + ``model_engine=hdp``), verl's
+``ActorRolloutRefWorker.init_model`` (``TrainingWorker`` -> ``EngineRegistry.new`` -> the lazily
+registered ``hdp`` backend -> ``HdpMegatronEngine``; model built by verl's ``vanilla_mbridge`` path
+with the PyPI ``mbridge`` package from a tiny Qwen3 / Qwen3-MoE saved with ``save_pretrained``),
+then ``compute_ref_log_prob``, ``compute_log_prob``, ``update_actor`` x2, ``save_checkpoint`` ->
+``load_checkpoint`` -> the same step again, and HF weight export (``get_per_tensor_param``).
+
+Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one
+process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
+
+* float32 engine (``megatron.dtype=float32``): log-probs ``2e-5`` absolute (values O(1..10); the
+  paths differ in summation order: packed zigzag chunks, ring attention, fused QKV), loss ``1e-5``
+  relative, grad norm ``1e-4`` relative;
+* bfloat16 reference model (the MoE case's ref, verl's default dtype): log-probs ``0.1`` absolute
+  (bf16 weights and activations, 8 mantissa bits, 2 layers);
+* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data).
+
+CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``tests/verl_support``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("mbridge")
+
+from dist_helper import run_distributed  # noqa: E402
+
+pytestmark = [pytest.mark.dist]
+
+LENGTHS = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30)]  # (prompt, response); 93 > budget 64
+BUDGET = 64
+LOGP_TOL_FP32 = 2e-5
+LOGP_TOL_BF16 = 0.1
+
+
+def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
+    from hydra import compose, initialize_config_dir
+
+    import verl.trainer.config as vtc
+
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        "model_engine=hdp",
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={BUDGET}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={BUDGET}",
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
+        "actor_rollout_ref.actor.megatron.dtype=float32",
+        f"actor_rollout_ref.ref.megatron.dtype={'bfloat16' if moe else 'float32'}",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.optim.total_training_steps=10",
+        "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny",
+        "actor_rollout_ref.actor.hdp.hardware_profile=cpu-gloo",
+        f"actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+    ]
+    if moe:
+        overrides += [
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.hdp.zero_memory=level1",
+            "actor_rollout_ref.actor.megatron.param_offload=true",
+            "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+        ]
+    with initialize_config_dir(config_dir=os.path.dirname(vtc.__file__), version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
+    """fp32 HF: per-sample input-aligned log-probs [L_i] and (loss, grad norm) of verl's ppo_loss, dp_size 1."""
+    from functools import partial
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl_support import batches as B
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    logps = []
+    for p, r in samples:
+        ids = torch.tensor(p + r)[None]  # [1, L]
+        logits = model(input_ids=ids).logits[0].float()  # [L, V]
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
+        logps.append(torch.cat([lp, lp.new_zeros(1)]))  # input-aligned: p predicts p+1
+    data = B.update_batch(padded, extra, mini_batch_size=len(samples))
+    mask = data["loss_mask"]
+    n_tok = int(mask.values().sum() if mask.is_nested else mask.sum())
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=n_tok)
+    out = {"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged)}
+    loss, _ = partial(ppo_loss, config=actor_cfg)(model_output=out, data=data)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return [x.detach() for x in logps], float(loss), float(norm)
+
+
+def _safetensors(path: str) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
+    import logging
+
+    from verl_support.cpu import install
+
+    install()
+    import torch
+    import torch.distributed as dist
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.padding import no_padding_2_padding
+    from verl_support import batches as B
+    from verl_support.tiny import VOCAB, build_tiny
+
+    from hdp.integrations.verl.engine import HdpMegatronEngine
+
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    model_path = os.path.join(tmp, "model")
+    if rank == 0:
+        build_tiny(model_path, moe=moe)
+    dist.barrier(group=dist.group.WORLD)
+    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp)
+
+    ref = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="ref")
+    ref.init_model()
+    act = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
+    act.init_model()
+    for w in (ref.ref, act.actor):
+        assert type(w.engine) is HdpMegatronEngine, type(w.engine)
+    engine = act.actor.engine
+    assert engine.domain.size == world and engine.get_data_parallel_size() == 1
+    if moe:  # hdp's MoE zero-memory layers replaced Megatron's MoELayer in every layer
+        from hdp.moe import ZeroMemoryMoELayer
+
+        zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
+        assert len(zm) == 2 and all(m.zero_memory_level.value == "level1" for m in zm), zm
+
+    # HF export right after loading == the HF checkpoint (names and values; EP experts gathered)
+    exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
+    disk = _safetensors(model_path)
+    assert set(exported) == set(disk), sorted(set(exported) ^ set(disk))
+    for n, t in disk.items():
+        assert torch.equal(exported[n].float(), t.float()), n
+
+    samples = B.random_samples(LENGTHS, VOCAB, seed=1)
+    padded = B.padded_batch(samples, pad_id=0)
+    probe = B.ref_batch(padded)
+    tu.assign_non_tensor(probe, max_token_len_per_gpu=BUDGET)
+    assert max(engine._make_plan(probe).group_size) > 1, "the batch must put a sample on a CP group"
+
+    ref_out = ref.compute_ref_log_prob(B.ref_batch(padded))
+    old_out = act.compute_log_prob(B.old_logp_batch(padded))
+    objs = [None, None]
+    if rank == 0:
+        assert "entropy" in old_out.keys() and "entropy" not in ref_out.keys()
+        objs = [no_padding_2_padding(tu.get(x, "log_probs"), probe).float() for x in (ref_out, old_out)]
+    else:
+        assert ref_out is None and old_out is None
+    dist.broadcast_object_list(objs, src=0, group=dist.group.WORLD)
+    ref_lp, old_lp = objs
+    adv = torch.randn(padded["responses"].shape, generator=torch.Generator().manual_seed(3)) * padded["response_mask"]
+    extra = {"old_log_probs": old_lp, "advantages": adv, "ref_log_prob": ref_lp}
+
+    actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    if rank == 0:
+        hf_logp, hf_loss, hf_norm = _hf_reference(model_path, samples, padded, extra, actor_cfg)
+        got = list(tu.get(old_out, "log_probs").unbind())
+        got_ref = list(tu.get(ref_out, "log_probs").unbind())
+        ref_tol = LOGP_TOL_BF16 if moe else LOGP_TOL_FP32
+        for i, (a, b, c) in enumerate(zip(got, got_ref, hf_logp)):
+            torch.testing.assert_close(a[:-1].float(), c[:-1], atol=LOGP_TOL_FP32, rtol=0, msg=lambda m, i=i: f"actor sample {i}: {m}")
+            torch.testing.assert_close(b[:-1].float(), c[:-1], atol=ref_tol, rtol=0, msg=lambda m, i=i: f"ref sample {i}: {m}")
+
+    def update():
+        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(LENGTHS)))
+        if rank != 0:
+            assert out is None
+            return None
+        m = verl_reduce_metrics(tu.get(out, "metrics"))  # what verl's trainer does with update_actor's metrics
+        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl")}
+
+    m1 = update()
+    if rank == 0:
+        assert abs(m1["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m1["loss"], hf_loss)
+        assert abs(m1["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m1["grad_norm"], hf_norm)
+    ckpt = os.path.join(tmp, "ckpt")
+    act.save_checkpoint(ckpt, global_step=1)
+    saved_weights = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
+    saved_moments = _adam_moments(engine)
+    m2 = update()
+    act.load_checkpoint(ckpt, del_local_after_load=False)
+    exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
+    for n, t in saved_weights.items():  # HF export after load == export at save time, exactly
+        assert torch.equal(exported[n], t), n
+    for a, b in zip(saved_moments, _adam_moments(engine)):  # Adam moments restored exactly
+        assert torch.equal(a, b)
+    m2b = update()  # the same step again from the restored state
+    if rank == 0:
+        assert m2 == m2b, (m2, m2b)  # loss, pg_loss, grad norm, rounds: identical
+        assert m2["loss"] != m1["loss"]
+        disk = _safetensors(os.path.join(ckpt, "model", "huggingface"))  # the checkpoint's HF weights
+        assert set(exported) == set(disk), sorted(set(exported) ^ set(disk))
+        for n, t in disk.items():
+            assert torch.equal(exported[n].float(), t.float()), n
+
+
+def _adam_moments(engine) -> list:
+    """exp_avg / exp_avg_sq of every local optimizer shard (megatron's distributed optimizer over torch Adam)."""
+    import torch
+
+    opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    out = []
+    for o in opts:
+        for state in o.optimizer.state.values():
+            out += [state[k].detach().clone() for k in ("exp_avg", "exp_avg_sq") if torch.is_tensor(state.get(k))]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3moe-ep2-level1-offload"])
+def test_actor_rollout_ref_worker_drives_hdp(moe: bool, tmp_path) -> None:
+    run_distributed(_worker, 2, moe, str(tmp_path), timeout=300)

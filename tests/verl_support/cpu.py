@@ -1,0 +1,121 @@
+"""Everything a test process needs before verl builds an hdp engine on CPU: call :func:`install` first.
+
+* ``VERL_PLATFORM=cpu`` and the :class:`verl_support.platform.PlatformCPU` registration (verl's
+  ``get_device_name()`` is then "cpu", so ``EngineRegistry`` finds hdp's "cpu" engine key);
+* hdp's Megatron CPU shim (:func:`hdp.megatron_compat.apply_cpu_shim`, public API);
+* mbridge on the local layer spec (:mod:`verl_support.mbridge_local`), and its ``get_model``
+  without the ``module.cuda()`` it calls on every chunk (``mbridge/core/util.py``).
+
+Test-only.  Idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["install"]
+
+_installed = False
+
+
+@contextlib.contextmanager
+def _module_cuda_is_noop() -> Iterator[None]:
+    orig = torch.nn.Module.cuda
+    torch.nn.Module.cuda = lambda self, device=None: self  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.cuda = orig  # type: ignore[method-assign]
+
+
+class _TorchWithCpuCurrentDevice:
+    """``torch`` for one module: ``torch.cuda.current_device()`` is "cpu", ``synchronize()`` a no-op."""
+
+    class cuda:  # noqa: N801 (stands in for the torch.cuda namespace)
+        @staticmethod
+        def current_device() -> str:
+            return "cpu"
+
+        @staticmethod
+        def synchronize(*args: Any, **kwargs: Any) -> None:
+            return None
+
+    @staticmethod
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, **kwargs)  # no pinned host memory without an accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_mbridge_get_model() -> None:
+    import mbridge.core.bridge as bridge_mod
+    import mbridge.core.util as util_mod
+
+    util_mod.torch = _TorchWithCpuCurrentDevice()  # get_model's module.cuda(torch.cuda.current_device())
+
+    orig = bridge_mod.get_model
+    if getattr(orig, "_verl_support", False):
+        return
+
+    @functools.wraps(orig)
+    def get_model(*args: Any, **kwargs: Any) -> Any:
+        with _module_cuda_is_noop():
+            return orig(*args, **kwargs)
+
+    get_model._verl_support = True  # type: ignore[attr-defined]
+    bridge_mod.get_model = get_model
+
+
+def _patch_process_group_backend() -> None:
+    """Ray workers: verl initialises torch.distributed with "cpu:gloo,<device>:<backend>" (here
+    "cpu:gloo,cpu:gloo", which torch rejects as a duplicate device); on CPU it is plain "gloo".
+    Patched before ``verl.workers.engine_workers`` imports the function by name."""
+    import verl.utils.distributed as vdist
+
+    orig = vdist.initialize_global_process_group_ray
+    if getattr(orig, "_verl_support", False):
+        return
+
+    @functools.wraps(orig)
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: Any = None) -> Any:
+        return orig(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._verl_support = True  # type: ignore[attr-defined]
+    vdist.initialize_global_process_group_ray = initialize_global_process_group_ray
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is not None:
+        engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def install() -> None:
+    """Make verl + Megatron + mbridge run on CPU in this process (see the module docstring)."""
+    global _installed
+    if _installed:
+        return
+    os.environ["VERL_PLATFORM"] = "cpu"
+    from verl_support import mbridge_local, platform  # noqa: F401  (registers the platform)
+
+    from hdp import megatron_compat
+
+    megatron_compat.apply_cpu_shim("cpu")
+    mbridge_local.register()
+    _patch_mbridge_get_model()
+    # verl's checkpoint load (dist_checkpointing with the fully-parallel load strategy) calls
+    # torch.cuda.synchronize() (megatron-core 0.16.1 fully_parallel.py:272), a path hdp's shim does not cover
+    import megatron.core.dist_checkpointing.strategies.fully_parallel as fully_parallel
+
+    fully_parallel.torch = _TorchWithCpuCurrentDevice()
+    # verl's parameter offload allocates its host copies with pin_memory=True
+    # (verl/utils/megatron_utils.py offload_megatron_model_to_cpu), which needs an accelerator
+    import verl.utils.megatron_utils as megatron_utils
+
+    megatron_utils.torch = _TorchWithCpuCurrentDevice()
+    _patch_process_group_backend()
+    _installed = True

@@ -1,0 +1,89 @@
+"""mbridge bridges for Qwen3 / Qwen3-MoE on Megatron's *local* layer spec (test-only, CPU).
+
+mbridge 0.15 builds every model with ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
+(``mbridge/core/llm_bridge.py``), and its name mappings assume TransformerEngine's layout (the input
+norm fused into ``linear_qkv.layer_norm_weight``, grouped experts ``experts.linear_fc1.weight{i}``).
+Without TransformerEngine (CPU) the local spec is the only one that builds, so these subclasses
+
+* build the local spec, with ``moe_grouped_gemm=False`` (``SequentialMLP`` experts, which hdp's
+  MoE zero-memory needs) and the fused-kernel flags off (no Apex / TE on CPU);
+* translate the local parameter names to the TE names mbridge maps, so loading, EP expert
+  numbering and export (``export_weights``) stay mbridge's own code.
+
+:func:`register` puts them into mbridge's registry under "qwen3" and "qwen3_moe".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from mbridge.core.bridge import register_model
+from mbridge.models.qwen3 import Qwen3Bridge
+from mbridge.models.qwen3moe import Qwen3MoEBridge
+
+__all__ = ["LocalQwen3Bridge", "LocalQwen3MoEBridge", "register", "te_name"]
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_CPU_FLAGS = {
+    "moe_grouped_gemm": False,
+    "use_cpu_initialization": True,
+    "persist_layer_norm": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+}
+
+
+def te_name(name: str, dense_norm_fused: bool) -> str:
+    """The TransformerEngine-layout name mbridge maps for a local-spec parameter name."""
+    name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    if dense_norm_fused:
+        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+    return _EXPERT.sub(lambda m: f".mlp.experts.{m.group(2)}.weight{m.group(1)}", name)
+
+
+class _LocalSpec:
+    """Mixin: local layer spec, CPU-safe flags, local -> TE parameter names."""
+
+    _dense_norm_fused = True
+
+    def _build_base_config(self, text_config_key: Any = None, **kwargs: Any) -> Any:
+        kwargs.update(_CPU_FLAGS)
+        return super()._build_base_config(text_config_key, **kwargs)  # type: ignore[misc]
+
+    def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None) -> Any:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        self.has_vp_stage = True
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)  # type: ignore[attr-defined]
+
+    def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
+        base = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)  # type: ignore[misc]
+        out = {k: te_name(v, self._dense_norm_fused) for k, v in base.items()}
+        mpu = self.mpu  # type: ignore[attr-defined]
+        if consider_ep and mpu.ep_size > 1:  # local expert i on EP rank r is global expert i + r * E/EP
+            per_rank = self.config.num_moe_experts // mpu.ep_size  # type: ignore[attr-defined]
+            for k, v in out.items():
+                if ".mlp.experts.linear_fc" in v:
+                    prefix, local = v.split(".weight")
+                    out[k] = f"{prefix}.weight{int(local) + per_rank * mpu.ep_rank}"
+        return out
+
+
+class LocalQwen3Bridge(_LocalSpec, Qwen3Bridge):
+    """Qwen3 (dense) on the local spec."""
+
+
+class LocalQwen3MoEBridge(_LocalSpec, Qwen3MoEBridge):
+    """Qwen3-MoE on the local spec (``pre_mlp_layernorm`` is mapped by the MoE bridge itself)."""
+
+    _dense_norm_fused = False
+
+
+def register() -> None:
+    """Make mbridge's ``AutoBridge`` build Qwen3 / Qwen3-MoE with the local spec."""
+    register_model("qwen3")(LocalQwen3Bridge)
+    register_model("qwen3_moe")(LocalQwen3MoEBridge)

@@ -1,0 +1,91 @@
+"""Tiny Qwen3 / Qwen3-MoE checkpoints with random weights and a small tokenizer, built locally.
+
+Nothing is downloaded: the config comes from ``transformers``' ``Qwen3Config`` / ``Qwen3MoeConfig``,
+the weights from a seeded random init, the tokenizer from ``tokenizers``' ``WordLevel`` model (one
+token per word, digit or symbol) with a Qwen-style chat template, all written with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["VOCAB", "build_tokenizer", "build_tiny", "PAD", "EOS"]
+
+PAD = "<|endoftext|>"
+EOS = "<|im_end|>"
+_SPECIAL = [PAD, "<|im_start|>", EOS]
+_WORDS = (
+    [" ", "\n"]  # whitespace is kept as tokens: verl's Qwen token builder needs "\n" to be one token
+    + [str(d) for d in range(10)]
+    + list("+-*/=?.,:")
+    + "what is the answer user assistant system you are a helpful please compute sum of and".split()
+    + [f"w{i}" for i in range(64)]
+)
+VOCAB = len(_SPECIAL) + len(_WORDS) + 1  # + <unk>
+_CHAT = (  # Qwen's ChatML layout
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(path: str | Path) -> None:
+    """Save a word-level tokenizer (pad ``<|endoftext|>``, eos ``<|im_end|>``, chat template) at ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(_SPECIAL + _WORDS + ["<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s"), behavior="isolated"),  # " " and "\n" are tokens of their own
+        pre_tokenizers.Split(Regex(r"[0-9]|[+\-*/=?.,:]"), behavior="isolated"),
+    ])
+    tok.decoder = decoders.Fuse()  # tokens carry their own whitespace
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token="<unk>", chat_template=_CHAT,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.save_pretrained(str(path))
+
+
+def build_tiny(path: str | Path, *, moe: bool = False, seed: int = 0, layers: int = 2) -> Path:
+    """Save a tiny Qwen3 (or Qwen3-MoE: 4 experts, top-2) with random weights and the tokenizer; returns ``path``.
+
+    hidden 32, 4 query / 2 KV heads of dim 16, vocab :data:`VOCAB`, untied embeddings, fp32 weights.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},  # Qwen3's base, not the 1e4 default
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    if moe:
+        cfg = Qwen3MoeConfig(
+            **common, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, norm_topk_prob=True, router_aux_loss_coef=0.0, mlp_only_layers=[],
+        )
+    else:
+        cfg = Qwen3Config(**common, intermediate_size=64)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms so a mis-mapped norm weight shows up
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return path
