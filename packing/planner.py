@@ -45,4 +45,4 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
         group_start=a.group_start,
         group_size=a.group_size,
     )
-    return p.with_stats(simulate(p, config.cost, planner_ms))
+    return p.with_stats(simulate(p, config.cost, planner_ms, config.pipeline_stages))

@@ -1,4 +1,4 @@
-"""A first round built around the batch's tallest samples, for the `hdp` policy.
+"""The tall-round pass: more starting plans whose first round is built around the tallest samples.
 
 When a few samples are far taller than a balanced round (a 32K sample among 1.5K ones), a round
 that holds one of them lasts its height D while every other rank of the round can fill only B
@@ -8,42 +8,92 @@ best trade puts *all* tall samples in one round and fills its other ranks with t
 do the most work per token -- the next longest, on their own groups -- so the idle time is paid
 once.
 
-`tall_round` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks; for each D
-every sample, longest per-rank height first, takes the fewest ranks that bring it under D while
+`_first_rounds` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks; for each
+D every sample, longest per-rank height first, takes the fewest ranks that bring it under D while
 ranks remain.  A round's estimated waste is ``N * D`` minus the least rank-time of the samples it
-holds, minus what its columns' spare time and tokens can still take of the short samples (the
-fill `polish` does later).  The rounds with the least waste are returned; the caller plans the
-remaining samples and keeps the best whole plan.
+holds, minus what its columns' spare time and tokens can still take of the short samples.  The
+rounds with the least waste become starting plans: the remaining samples planned by the construct
+and level passes, or spread (`construct.spread`: multi-rank samples over every round).  Every
+starting plan, the pass's input among them, gets a short local search (`polish`, with a share of
+the ``search`` pool), and the best one is returned (it is never worse than the input).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from hdp.packing.config import PlannerConfig
+from hdp.packing.config import SearchBudget
 from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.policies.common import left_starts
+from hdp.packing.policies.hdp.columns import Columns
+from hdp.packing.policies.hdp.construct import construct, spread
+from hdp.packing.policies.hdp.level import level
+from hdp.packing.policies.hdp.polish import polish
+from hdp.packing.policies.hdp.problem import Meter
 from hdp.packing.simulate import min_rounds
 
 __all__ = ["tall_round", "needs_tall_round"]
 
 _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's height
+_SHORT_SHARE = 0.5  # the short searches of the starting plans share this part of the search pool
+_START_LEVEL = 3  # placements per sample a starting plan's levelling may spend
 
 
-def needs_tall_round(lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig) -> bool:
+def tall_round(cols: Columns, problem) -> Columns:
+    """The tall-round pass (module docstring): the best of ``cols`` and the tall-first-round
+    starting plans after a short local search each; ``cols`` itself when no sample is tall or the
+    search budget is spent."""
+    assert cols.complete, "tall_round needs every sample planned"
+    meter = problem.meter
+    if meter.left("search") <= 0 or not needs_tall_round(problem):
+        return cols
+    starts = [cols]
+    n = problem.n
+    for chosen, group, width in _first_rounds(problem):
+        # a start costs the search pool its construction: one candidate for the other samples and
+        # the levelling of the plan (in placements, counted on a meter of its own), and the spread plan
+        if not meter.allows("search", (2 + _START_LEVEL) * n):
+            break
+        first = np.full(n, -1, dtype=np.int64)
+        first[chosen] = group
+        base = Columns(col_of=first, round=np.zeros(width.size, dtype=np.int64),
+                       start=left_starts(np.zeros(width.size, dtype=np.int64), width), width=width)
+        rest = np.flatnonzero(first < 0)
+        if rest.size == 0:
+            starts.append(base)
+            continue
+        own = replace(problem, meter=Meter(SearchBudget(construct=_START_LEVEL * n, search=0, rivals=0)))
+        starts.append(level(construct(base, own), own))
+        meter.charge("search", 2 * n + own.meter.spent["construct"])
+        sub = problem.sub(rest)
+        sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
+        if sp is not None:
+            starts.append(base.plus(sp, rest))
+    if len(starts) == 1:
+        return cols
+    share = int(_SHORT_SHARE * max(0, meter.left("search")) / len(starts))
+    polished = [polish(s, problem, limit=share) for s in starts]
+    return problem.best(polished)
+
+
+def needs_tall_round(problem) -> bool:
     """Whether some sample, even on its fewest ranks, is far taller than a balanced round."""
-    cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
+    lengths, k_min = problem.lengths, problem.k_min
+    cost, N, B = problem.cost, problem.num_ranks, problem.budget
     h = cost.sample_cost(lengths, k_min)
     rounds = min_rounds(lengths, N, B)
     level = float((k_min * h).sum()) / (N * rounds)
     return lengths.size > 1 and float(h.max()) > _TALL * level and rounds > 1
 
 
-def tall_round(
-    lengths: np.ndarray, k_min: np.ndarray, config: PlannerConfig, sizes: np.ndarray, keep: int = 2,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+def _first_rounds(problem, keep: int = 2) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Up to ``keep`` candidate first rounds, least estimated waste first: (samples [m], group of
     each [m], width of each group [g]); the caller lays the groups out."""
-    cost, N, B = config.cost, config.num_ranks, config.max_tokens_per_rank
+    lengths, k_min, sizes = problem.lengths, problem.k_min, problem.sizes
+    cost, N, B = problem.cost, problem.num_ranks, problem.budget
+    problem.meter.charge("search", lengths.size)  # scans of the batch, a few per candidate height
     h_min = cost.sample_cost(lengths, k_min)
     order = np.lexsort((np.arange(lengths.size), -h_min))  # tallest first
     cheapest = cost.cheapest_rank_time(lengths.astype(np.float64), k_min, N)

@@ -1,0 +1,96 @@
+"""The rivals pass: hdp is never worse than any other plan the package builds for the batch.
+
+The other policies -- ``static-cp``, ``verl-kk``, ``megatron-dcp``, ``ascend-hdp`` -- and hdp
+itself with power-of-two groups (under ``group_shape=any``) plan the same batch; each plan that is
+valid under the problem's group shape (power-of-two plans are laid out again as aligned blocks,
+which costs nothing) and fits the token budget is scored with the problem's own objective, and
+the best of them and the pass's input is kept (then polished with what is left of the search
+pool, when a rival won).  So under the cost model it plans with, hdp's step time is at most every
+rival's.
+
+Rivals cost time, so they are taken cheapest first while their estimated work fits the
+``rivals`` pool of the search budget (`estimate`: samples x parts they balance over, plus a
+per-sample overhead; for hdp-pow2 the work this run has spent so far).  The rival plans are cached
+on the problem, so hdp-pow2's own rivals reuse them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+from hdp.packing.config import GroupShape, Policy
+from hdp.packing.cost import min_group_size
+from hdp.packing.policies.hdp.columns import Columns
+from hdp.packing.policies.hdp.polish import polish
+
+__all__ = ["rivals", "estimate", "RIVALS"]
+
+HDP_POW2 = "hdp-pow2"
+RIVALS: tuple[str, ...] = (
+    Policy.STATIC_CP.value, Policy.VERL_KK.value, Policy.MEGATRON_DCP.value, Policy.ASCEND_HDP.value, HDP_POW2,
+)
+"""Plans hdp competes with (policy names; ``hdp-pow2`` is hdp under ``group_shape=pow2``)."""
+
+_PER_SAMPLE = 32  # fixed work per sample of every rival (Python-level placement), in parts
+
+
+def estimate(name: str, problem) -> int:
+    """Estimated work of rival ``name`` on the problem's batch (units of the ``rivals`` pool)."""
+    n, N = problem.n, problem.num_ranks
+    if name == HDP_POW2:
+        spent = problem.meter.spent
+        return int(spent["construct"] + spent["search"]) + n * _PER_SAMPLE
+    if name in (Policy.STATIC_CP.value, Policy.VERL_KK.value):
+        k = max(1, int(min_group_size(problem.lengths, problem.budget, N, pow2=True).max()))
+        groups = max(1, N // min(k, N))
+        rounds = max(1, -(-int(problem.lengths.sum()) // (groups * k * problem.budget)))
+        parts = groups * rounds if name == Policy.STATIC_CP.value else groups + rounds
+        return n * (parts + _PER_SAMPLE)
+    return n * (N + _PER_SAMPLE)  # megatron-dcp and ascend-hdp scan the round's groups per sample
+
+
+def _rival_columns(name: str, problem) -> Columns | None:
+    """Rival ``name``'s plan as columns (cached on the problem), or None when it cannot plan the batch."""
+    if name in problem.memo:
+        return problem.memo[name]
+    config = problem.config
+    cols = None
+    try:
+        if name == HDP_POW2:
+            from hdp.packing.policies.hdp import plan_columns
+
+            cfg = replace(config, policy=Policy.HDP, group_shape=GroupShape.POW2)
+            cols = plan_columns(problem.lengths, cfg, memo=problem.memo)
+        else:
+            module = importlib.import_module(f"hdp.packing.policies.{name.replace('-', '_')}")
+            a = module.assign(problem.lengths, replace(config, policy=Policy(name)))
+            cols = Columns.from_assignment(a, problem.num_ranks)
+    except ValueError:  # the rival cannot plan this batch (a sample fits no block of its shape)
+        cols = None
+    problem.memo[name] = cols
+    return cols
+
+
+def rivals(cols: Columns, problem) -> Columns:
+    """The rivals pass (module docstring): the best of ``cols`` and the rival plans that fit the budget."""
+    assert cols.complete, "rivals needs every sample planned"
+    meter = problem.meter
+    names = [r for r in RIVALS if not (r == HDP_POW2 and problem.pow2)]
+    est = {r: estimate(r, problem) for r in names}
+    best = cols
+    for name in sorted(names, key=lambda r: (est[r], names.index(r))):
+        if not meter.allows("rivals", est[name]):
+            break
+        meter.charge("rivals", est[name])
+        cand = _rival_columns(name, problem)
+        if cand is None:
+            continue
+        if problem.pow2:
+            cand = cand.relaid()  # power-of-two groups laid out wider first are aligned blocks
+        if not problem.fits(cand):
+            continue
+        best = problem.better(cand, best)
+    if best is cols:
+        return cols
+    return polish(best, problem)
