@@ -83,7 +83,8 @@ class SearchBudget:
     * ``rivals`` -- the plans the package's other policies (static-cp, verl-kk, megatron-dcp,
       ascend-hdp, and hdp with power-of-two groups) would build for the batch, taken as candidates
       so that hdp is never worse than any of them.  Each costs an estimate of its work (samples x
-      parts it balances over); rivals are built, cheapest first, while their estimates fit.
+      (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
+      estimates fit.
 
     The defaults keep ``plan()`` at about 0.1 s for 1,024 samples on 64 ranks on one CPU core
     (``hdp bench planner``).
@@ -95,8 +96,10 @@ class SearchBudget:
     search: int = 600_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-step
     bookkeeping); 0 turns the local search and the tall-round starts off."""
-    rivals: int = 20_000
-    """Estimated work (samples x parts) of the other policies' plans taken as candidates; 0 takes none."""
+    rivals: int = 65_536
+    """Estimated work (samples x (ranks + 32), four times that for hdp-pow2) of the other policies'
+    plans taken as candidates; 0 takes none.  The default covers every rival up to about 128
+    samples on 32 ranks."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -122,7 +125,7 @@ class SearchBudget:
             except ValueError as exc:
                 raise ValueError(
                     f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
-                    "'construct=40000,search=600000,rivals=20000'"
+                    "'construct=40000,search=600000,rivals=65536'"
                 ) from exc
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}

@@ -9,8 +9,8 @@ pool, when a rival won).  So under the cost model it plans with, hdp's step time
 rival's.
 
 Rivals cost time, so they are taken cheapest first while their estimated work fits the
-``rivals`` pool of the search budget (`estimate`: samples x parts they balance over, plus a
-per-sample overhead; for hdp-pow2 the work this run has spent so far).  The rival plans are cached
+``rivals`` pool of the search budget (`estimate`: samples x (ranks + 32), four times that for
+hdp-pow2).  The rival plans are cached
 on the problem, so hdp-pow2's own rivals reuse them.
 """
 
@@ -20,7 +20,6 @@ import importlib
 from dataclasses import replace
 
 from hdp.packing.config import GroupShape, Policy
-from hdp.packing.cost import min_group_size
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.polish import polish
 
@@ -32,22 +31,15 @@ RIVALS: tuple[str, ...] = (
 )
 """Plans hdp competes with (policy names; ``hdp-pow2`` is hdp under ``group_shape=pow2``)."""
 
-_PER_SAMPLE = 32  # fixed work per sample of every rival (Python-level placement), in parts
+_PER_SAMPLE = 32  # fixed work per sample of every rival (Python-level placement), in ranks
 
 
 def estimate(name: str, problem) -> int:
-    """Estimated work of rival ``name`` on the problem's batch (units of the ``rivals`` pool)."""
-    n, N = problem.n, problem.num_ranks
-    if name == HDP_POW2:
-        spent = problem.meter.spent
-        return int(spent["construct"] + spent["search"]) + n * _PER_SAMPLE
-    if name in (Policy.STATIC_CP.value, Policy.VERL_KK.value):
-        k = max(1, int(min_group_size(problem.lengths, problem.budget, N, pow2=True).max()))
-        groups = max(1, N // min(k, N))
-        rounds = max(1, -(-int(problem.lengths.sum()) // (groups * k * problem.budget)))
-        parts = groups * rounds if name == Policy.STATIC_CP.value else groups + rounds
-        return n * (parts + _PER_SAMPLE)
-    return n * (N + _PER_SAMPLE)  # megatron-dcp and ascend-hdp scan the round's groups per sample
+    """Estimated work of rival ``name`` on the problem's batch, in units of the ``rivals`` pool:
+    samples x (ranks + 32) -- the baselines place samples one by one over the domain's groups --
+    and four times that for hdp-pow2 (a whole hdp run)."""
+    units = problem.n * (problem.num_ranks + _PER_SAMPLE)
+    return 4 * units if name == HDP_POW2 else units
 
 
 def _rival_columns(name: str, problem) -> Columns | None:
