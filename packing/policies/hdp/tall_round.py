@@ -39,6 +39,8 @@ __all__ = ["tall_round", "needs_tall_round"]
 _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's height
 _SHORT_SHARE = 0.5  # the short searches of the starting plans share this part of the search pool
 _START_LEVEL = 3  # placements per sample a starting plan's levelling may spend
+_HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
+_CHUNK = 64  # samples scored at once by the top-up
 
 
 def tall_round(cols: Columns, problem) -> Columns:
@@ -47,8 +49,9 @@ def tall_round(cols: Columns, problem) -> Columns:
     search budget is spent."""
     assert cols.complete, "tall_round needs every sample planned"
     meter = problem.meter
-    if meter.left("search") <= 0 or not needs_tall_round(problem):
+    if not needs_tall_round(problem) or not meter.allows("search", first_round_units(problem)):
         return cols
+    meter.charge("search", first_round_units(problem))
     starts = [cols]
     n = problem.n
     for chosen, group, width in _first_rounds(problem):
@@ -88,12 +91,18 @@ def needs_tall_round(problem) -> bool:
     return lengths.size > 1 and float(h.max()) > _TALL * level and rounds > 1
 
 
+def first_round_units(problem, keep: int = 2) -> int:
+    """Work of `_first_rounds` in ``search`` units: the candidate heights' fills over the 2N
+    tallest samples and the top-ups of the kept rounds, every sample against every group."""
+    n, N = problem.n, problem.num_ranks
+    return int(_HEIGHTS * min(n, 2 * N) * 16 + keep * n * min(n, N) // 4)
+
+
 def _first_rounds(problem, keep: int = 2) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Up to ``keep`` candidate first rounds, least estimated waste first: (samples [m], group of
     each [m], width of each group [g]); the caller lays the groups out."""
     lengths, k_min, sizes = problem.lengths, problem.k_min, problem.sizes
     cost, N, B = problem.cost, problem.num_ranks, problem.budget
-    problem.meter.charge("search", lengths.size)  # scans of the batch, a few per candidate height
     h_min = cost.sample_cost(lengths, k_min)
     order = np.lexsort((np.arange(lengths.size), -h_min))  # tallest first
     cheapest = cost.cheapest_rank_time(lengths.astype(np.float64), k_min, N)
@@ -102,11 +111,19 @@ def _first_rounds(problem, keep: int = 2) -> list[tuple[np.ndarray, np.ndarray, 
     single = k_min == 1
     rho = float(cheapest[single].sum() / max(1, lengths[single].sum())) if single.any() else 0.0
     ks = sizes[(sizes >= k_min[t]) & (sizes <= min(N, 4 * int(k_min[t])))]
+    if ks.size > _HEIGHTS:  # a geometric selection of the tallest sample's group sizes
+        ks = np.unique(ks[np.round(np.geomspace(1, ks.size, _HEIGHTS)).astype(np.int64) - 1])
+    # the samples a first round can hold: each takes a rank at least, so the 2N tallest; their
+    # height on every size up to 4x the widest candidate [S, K]
+    top = order[: min(order.size, 2 * N)]
+    kc = sizes[sizes <= min(N, 4 * int(ks[-1]))]
+    H = cost.sample_cost(lengths[top][:, None], kc[None, :])
+    H = np.where(kc[None, :] >= k_min[top][:, None], H, np.inf)
     found: list[tuple[float, np.ndarray, np.ndarray]] = []
     for k_t in ks.tolist():
         D = float(cost.sample_cost(int(lengths[t]), k_t))
-        chosen, widths = _fill(lengths, order, D, cost, sizes, N, B, k_min)
-        if chosen.size == 0 or t not in set(chosen.tolist()):
+        chosen, widths = _fill(top, H, kc, D, N)
+        if chosen.size == 0 or chosen[0] != t:
             continue
         h = cost.sample_cost(lengths[chosen], widths)
         spare_time = widths * (D - h)
@@ -127,60 +144,62 @@ def _top_up(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The remaining samples, longest first, join the round's groups (best fit) while the group
     stays within B tokens per rank and under the round's height: (samples [m], group of each [m],
-    width of each group [g])."""
+    width of each group [g]).
+
+    Groups only fill up, so a sample that fits no group now never will: each step scores the
+    next samples against every group at once, places the first that fits and drops those before it.
+    """
     g = chosen.size
     lp = padded_length(lengths[chosen], widths).astype(np.float64)
     sw, sl, sq = cost.work(lp), lp.copy(), lp * lp
     tok = max_rank_tokens(lengths[chosen], widths).astype(np.float64)
-    h = cost.group_cost(sw, sl, sq, widths)
-    D = float(h.max())
+    D = float(cost.group_cost(sw, sl, sq, widths).max())
     col = list(range(g))
     members = list(chosen.tolist())
     taken = np.zeros(lengths.size, dtype=bool)
     taken[chosen] = True
     rest = order[~taken[order]]
     rest = rest[np.lexsort((rest, -lengths[rest]))]
-    for i in rest.tolist():
-        if float(tok.min()) + 1 > B:
-            break
-        L = np.full(g, lengths[i])
-        lpi = padded_length(L, widths).astype(np.float64)
-        h_new = cost.group_cost(sw + cost.work(lpi), sl + lpi, sq + lpi * lpi, widths)
-        t_new = tok + max_rank_tokens(L, widths)
-        ok = np.flatnonzero((h_new <= D) & (t_new <= B) & (widths >= k_min[i]))
-        if ok.size == 0:
+    p = 0
+    while p < rest.size and float(tok.min()) + 1 <= B:
+        chunk = rest[p : p + _CHUNK]  # [S] the next samples
+        L = np.broadcast_to(lengths[chunk][:, None], (chunk.size, g))
+        W = np.broadcast_to(widths[None, :], L.shape)
+        lpi = padded_length(L, W).astype(np.float64)  # [S, G]
+        h_new = cost.group_cost(sw + cost.work(lpi), sl + lpi, sq + lpi * lpi, W)
+        t_new = tok + max_rank_tokens(L.ravel(), W.ravel()).reshape(L.shape)
+        ok = (h_new <= D) & (t_new <= B) & (W >= k_min[chunk][:, None])
+        hit = np.flatnonzero(ok.any(axis=1))
+        if hit.size == 0:
+            p += chunk.size
             continue
-        j = int(ok[np.argmax(h_new[ok])])  # best fit: the group left with least room
-        sw[j] += float(cost.work(lpi[j]))
-        sl[j] += lpi[j]
-        sq[j] += lpi[j] * lpi[j]
-        tok[j] = t_new[j]
-        members.append(i)
+        s = int(hit[0])
+        cand = np.flatnonzero(ok[s])
+        j = int(cand[np.argmax(h_new[s, cand])])  # best fit: the group left with least room
+        sw[j] += float(cost.work(lpi[s, j]))
+        sl[j] += lpi[s, j]
+        sq[j] += lpi[s, j] * lpi[s, j]
+        tok[j] = t_new[s, j]
+        members.append(int(chunk[s]))
         col.append(j)
+        p += s + 1
     return np.asarray(members, dtype=np.int64), np.asarray(col, dtype=np.int64), widths
 
 
-def _fill(
-    lengths: np.ndarray, order: np.ndarray, D: float, cost, sizes: np.ndarray, N: int, B: int,
-    k_min: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Samples (tallest first) each on the fewest allowed ranks that bring it under D, while
-    ranks remain."""
+def _fill(top: np.ndarray, H: np.ndarray, kc: np.ndarray, D: float, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """Samples ``top`` (tallest first) each on the fewest of the sizes ``kc`` whose height ``H``
+    [S, K] brings it under D, while ranks remain (a sample whose size does not fit what is left is
+    skipped)."""
+    fits = H <= D * (1 + 1e-12)
+    need = np.where(fits.any(axis=1), kc[np.argmax(fits, axis=1)], N + 1).tolist()  # [S] fewest ranks
     free = N
     chosen: list[int] = []
     widths: list[int] = []
-    for i in order.tolist():
+    for i, k in zip(top.tolist(), need):
         if free <= 0:
             break
-        ks = sizes[(sizes >= k_min[i]) & (sizes <= free)]
-        if ks.size == 0:
-            continue
-        h = cost.sample_cost(np.full(ks.size, lengths[i]), ks)
-        fit = np.flatnonzero(h <= D * (1 + 1e-12))
-        if fit.size == 0:
-            continue
-        k = int(ks[fit[0]])
-        chosen.append(i)
-        widths.append(k)
-        free -= k
+        if k <= free:
+            chosen.append(i)
+            widths.append(k)
+            free -= k
     return np.asarray(chosen, dtype=np.int64), np.asarray(widths, dtype=np.int64)
