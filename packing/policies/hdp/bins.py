@@ -18,7 +18,7 @@ from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 
 __all__ = ["Infeasible", "size_classes", "partition", "layout", "build"]
 
-_KK_MAX_WORK = 20_000  # Karmarkar-Karp (a Python merge per item, O(n * m log m)) only on tiny instances
+_KK_MAX_WORK = 4_096  # Karmarkar-Karp (a Python merge per item, O(n * m log m)) only on tiny instances
 
 
 class Infeasible(Exception):

@@ -185,7 +185,7 @@ def _best_candidate(problem) -> Columns:
             while cands[-1][3] > r and len(cands) < 4 and not too_many(cands[-1][3]):
                 r = cands[-1][3]
                 cands.append(sizing(fn, r, own))
-            for k, height, tok, r_c in cands:
+            for k, height, tok, r_c in cands[-1:]:  # the fixed point: sizes chosen for the rounds they need
                 key = own_key + k.tobytes() + r_c.to_bytes(8, "little")
                 if key in seen:
                     continue
@@ -218,7 +218,7 @@ def _best_candidate(problem) -> Columns:
                 worse += 1
                 if worse >= 2:
                     return
-            r = cands[0][3] + 1
+            r = cands[-1][3] + 1
 
     # every variant's first candidate, cheapest bound first; then the variants whose plans are
     # best so far go on to more round counts, one build at a time, while the budget lasts

@@ -34,6 +34,8 @@ from hdp.packing.policies.hdp.sizes import grow_sizes
 __all__ = ["level"]
 
 _GAP_FILL_MAX_PAIRS = 20_000_000  # samples x columns one gap-filling call may scan (memory and time cap)
+_SCAN = 256  # columns a gap-filling placement scans for the price of one placement
+_REPLAN = 2  # placements per sample of re-planning a round one way
 
 
 def level(cols: Columns, problem, *, thorough: bool = True) -> Columns:
@@ -141,9 +143,10 @@ def _fill_gaps(
     col_tok = np.bincount(col_of, weights=tokens, minlength=widths.size)
     target = (widths == 1) & (col_round != last)  # [C] columns that may receive samples
     cand = np.flatnonzero(target)
-    if movers.size * cand.size > _GAP_FILL_MAX_PAIRS or not meter.allows("construct", movers.size):
+    units = movers.size * (1 + cand.size // _SCAN)  # a placement per mover, a scan of the columns each
+    if movers.size * cand.size > _GAP_FILL_MAX_PAIRS or not meter.allows("construct", units):
         return col_of  # too large to search per sample, or over budget: the layout stands as it is
-    meter.charge("construct", movers.size)
+    meter.charge("construct", units)
     gap = round_max[col_round[cand]] - heights[cand]  # [c] room under each round's maximum
     room = budget - col_tok[cand]
     for i in movers[np.lexsort((movers, -height[movers]))].tolist():
@@ -174,9 +177,10 @@ def _fill_wide_gaps(
     last = int(col_round.max(initial=0))
     movers = np.flatnonzero((col_round[col_of] == last) & (k == 1))
     cand = np.flatnonzero((widths > 1) & (col_round != last))  # [c] groups that may take samples
-    if last == 0 or movers.size == 0 or cand.size == 0 or not problem.meter.allows("construct", movers.size):
+    units = movers.size * (1 + cand.size // _SCAN)  # a placement per mover, a scan of the groups each
+    if last == 0 or movers.size == 0 or cand.size == 0 or not problem.meter.allows("construct", units):
         return col_of, k
-    problem.meter.charge("construct", movers.size)  # one placement (a vector scan of the groups) each
+    problem.meter.charge("construct", units)
     lengths, cost, B = problem.lengths, problem.cost, problem.budget
     n_cols = widths.size
     padded = padded_length(lengths, k).astype(np.float64)
@@ -409,9 +413,10 @@ def _replan_rounds(cols: Columns, problem, tries: int = 3) -> Columns:
                          if v <= sizes[-1]}):
             options += [("uniform", u), ("multi-uniform", u)]
         for how, u in options:
-            if not meter.allows("construct", sel.size):
+            units = _REPLAN * sel.size  # a one-round build and its levelling
+            if not meter.allows("construct", units):
                 break
-            meter.charge("construct", sel.size)
+            meter.charge("construct", units)
             k = k_now.copy()
             if how == "uniform":  # every sample of the round on u ranks, groups shared
                 k[:] = u
