@@ -15,7 +15,8 @@ holds, minus what its columns' spare time and tokens can still take of the short
 rounds with the least waste become starting plans: the remaining samples planned by the construct
 and level passes, or spread (`construct.spread`: multi-rank samples over every round).  Every
 starting plan, the pass's input among them, gets a short local search (`polish`, with a share of
-the ``search`` pool), and the best one is returned (it is never worse than the input).
+the ``search`` pool), the better half a longer one, and so on (successive halving); the last one
+standing is returned (it is never worse than the input).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from hdp.packing.simulate import min_rounds
 __all__ = ["tall_round", "needs_tall_round"]
 
 _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's height
-_SHORT_SHARE = 0.5  # the short searches of the starting plans share this part of the search pool
+_SHORT_SHARE = 0.15  # each halving round's short searches share this part of the search pool
 _START_LEVEL = 3  # placements per sample a starting plan's levelling may spend
 _HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
 _CHUNK = 64  # samples scored at once by the top-up
@@ -76,9 +77,14 @@ def tall_round(cols: Columns, problem) -> Columns:
             starts.append(base.plus(sp, rest))
     if len(starts) == 1:
         return cols
-    share = int(_SHORT_SHARE * max(0, meter.left("search")) / len(starts))
-    polished = [polish(s, problem, limit=share) for s in starts]
-    return problem.best(polished)
+    # successive halving: a short search from every start, a longer one from the better half
+    pool = max(0, meter.left("search"))
+    while len(starts) > 1:
+        share = int(pool * _SHORT_SHARE / len(starts))
+        starts = [polish(s, problem, limit=share) for s in starts]
+        keep = np.argsort([problem.step_time(s) for s in starts], kind="stable")[: len(starts) // 2]
+        starts = [starts[i] for i in sorted(keep.tolist())]
+    return starts[0]
 
 
 def needs_tall_round(problem) -> bool:
