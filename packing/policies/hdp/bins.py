@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hdp.packing.policies.common import left_starts
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 
@@ -160,59 +161,49 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
     """Shelf layout of columns into rounds of ``num_ranks`` ranks; (round, first rank) of each.
 
     Each round takes the tallest remaining column, then every column in height order that still
-    fits its free ranks.  Single-rank columns are taken in vectorised runs; wider columns (few)
-    one by one.  Within a round wider columns go left (aligned power-of-two blocks stay aligned).
+    fits its free ranks.  That is first-fit decreasing: columns tallest first (wider first among
+    equals), each to the first round with room for it, a new round when none has -- done here so,
+    a run of single-rank columns at a time (vectorised) and each wider column with one scan of
+    the rounds' free ranks.  Within a round wider columns go left (aligned power-of-two blocks stay
+    aligned).
     """
     n = widths.size
     rnd = np.zeros(n, dtype=np.int64)
-    start = np.zeros(n, dtype=np.int64)
-    ones = np.flatnonzero(widths == 1)
-    ones = ones[np.lexsort((ones, -heights[ones]))]  # [n1] tallest first
-    wide = np.flatnonzero(widths > 1)
-    wide = list(wide[np.lexsort((wide, -heights[wide]))])
-    p = 0  # next single-rank column
-    r = 0
-    neg_ones_h = -heights[ones]  # ascending, for searchsorted
-    while p < ones.size or wide:
-        free = num_ranks
-        members: list[int] = []
-        runs: list[tuple[int, int]] = []
-        skipped: list[int] = []
-        wi = 0
-        while free > 0 and (p < ones.size or wi < len(wide)):
-            w_next = wide[wi] if wi < len(wide) else None
-            if w_next is not None and (p >= ones.size or heights[w_next] >= heights[ones[p]]):
-                if widths[w_next] <= free:
-                    members.append(w_next)
-                    free -= int(widths[w_next])
-                else:
-                    skipped.append(w_next)
-                wi += 1
-                continue
-            # single-rank columns taller than the next wide one, as many as fit
-            stop = ones.size
-            if w_next is not None:
-                stop = int(np.searchsorted(neg_ones_h, -heights[w_next], side="left"))
-            take = max(1, min(free, stop - p))
-            runs.append((p, p + take))
-            p += take
-            free -= take
-        skipped.extend(wide[wi:])
-        wide = skipped
-        pos = 0
-        if members:
-            mem = np.asarray(members, dtype=np.int64)
-            mem = mem[np.lexsort((mem, -widths[mem]))]  # wider groups left
-            rnd[mem] = r
-            start[mem] = np.cumsum(widths[mem]) - widths[mem]
-            pos = int(widths[mem].sum())
-        for a, b in runs:
-            idx = ones[a:b]
-            rnd[idx] = r
-            start[idx] = pos + np.arange(b - a)
-            pos += b - a
-        r += 1
-    return rnd, start
+    if n == 0:
+        return rnd, rnd.copy()
+    order = np.lexsort((np.arange(n), -widths, -heights))  # tallest first, wider first among equals
+    w = widths[order]
+    free = np.zeros(n + 1, dtype=np.int64)  # [rounds] free ranks of every round opened so far
+    opened = 0
+    cut = np.flatnonzero(np.diff(np.r_[0, (w == 1).astype(np.int8), 0]))  # runs of single-rank columns
+    single_runs = dict(zip(cut[::2].tolist(), cut[1::2].tolist()))
+    i = 0
+    while i < n:
+        if i in single_runs:  # a run of single-rank columns: the first free ranks of the rounds in order
+            end = single_runs[i]
+            need = end - i
+            have = np.flatnonzero(free[:opened] > 0)
+            take = np.minimum(free[have], np.maximum(0, need - (np.cumsum(free[have]) - free[have])))
+            per_round = np.repeat(have, take)
+            short = need - per_round.size
+            if short > 0:  # new rounds for the rest
+                extra = -(-short // num_ranks)
+                free[opened : opened + extra] = num_ranks
+                per_round = np.concatenate([per_round, opened + np.arange(short) // num_ranks])
+                opened += extra
+            rnd[order[i:end]] = per_round
+            np.subtract.at(free, per_round, 1)
+            i = end
+            continue
+        fit = np.flatnonzero(free[:opened] >= w[i])
+        r = int(fit[0]) if fit.size else opened
+        if r == opened:
+            free[opened] = num_ranks
+            opened += 1
+        rnd[order[i]] = r
+        free[r] -= w[i]
+        i += 1
+    return rnd, left_starts(rnd, widths)
 
 
 def build(

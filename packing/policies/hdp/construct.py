@@ -13,9 +13,12 @@ re-planning) evens it out, and the step time scores it.  Variants:
 * ``pow2-*``: under ``group_shape=any`` also k_min and grow-tau on power-of-two sizes only (the
   shapes ``group_shape=pow2`` plans with).
 
-Candidates go cheapest lower bound first (`_floor`); a variant's round count rises from the
-token minimum while the step time improves (up to ``max_extra_rounds`` beyond, more while each
-build improves, at most 8 builds).  The first candidate is always built; every further build
+Every variant gets one candidate first, in the order above (the likeliest winners first: on big
+batches the budget may allow one), at the round count its sizes need (a fixed point: sizes for R
+rounds need R' >= R rounds, sizes re-chosen for R', ...); then the variants whose plans are best
+so far go on, one build at a time, to more rounds while the step time improves (up to
+``max_extra_rounds`` beyond, more while each build improves, at most 8 builds).  A variant whose
+lower bound (`_floor`) cannot beat the best plan so far is skipped.  The first candidate is always built; every further build
 costs its samples from the ``construct`` pool of the search budget and is skipped when the pool
 is spent -- so a huge batch gets one candidate and a small one all of them.  A candidate that
 cannot beat the best so far on its bound is not built.
@@ -43,6 +46,9 @@ _log = logging.getLogger(__name__)
 
 _MAX_BUILDS = 8  # builds per variant while each still improves
 _LEVEL_RESERVE = 3  # the construction leaves this many placements per sample for the level pass
+_BUILD_FIXED = 1024  # placements' worth of fixed work per candidate (a few hundred array operations)
+_WIDE = 2  # placements a wide group costs the shelf layout (one scan of the rounds each)
+_GRID_SCAN = 8  # rounds x ranks the levelling scans for the price of one placement
 
 
 def construct(cols: Columns, problem) -> Columns:
@@ -78,10 +84,10 @@ def _variants(problem) -> list[tuple[str, Variant]]:
     single = h0[k_min == 1]
     h1max = float(single.max()) if single.size else 0.0
     sizes = problem.sizes
-    out: list[tuple[str, Variant]] = [
-        ("k_min", lambda rounds: (k_min, h0)),
+    out: list[tuple[str, Variant]] = [  # the likeliest winners first (the first is always built)
         ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
         ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
+        ("k_min", lambda rounds: (k_min, h0)),
         ("grow-1.25tau", grown(k_min, h0, sizes, lambda tau: 1.25 * tau)),
         ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),
     ]
@@ -138,9 +144,9 @@ def _best_candidate(problem) -> Columns:
     # what the level pass needs on the chosen plan (re-planning rounds, merging groups) stays in the pool
     reserve = min(max(0, meter.left("construct")) // 4, _LEVEL_RESERVE * n)
 
-    def more() -> bool:
+    def more(k: np.ndarray | None = None, rounds: int = 0) -> bool:
         """Whether one more candidate build fits the pool (beyond the reserve)."""
-        return meter.allows("construct", n + reserve)
+        return meter.allows("construct", (n if k is None else units(k, rounds)) + reserve)
 
     def sizing(fn: Variant, rounds: int, own: bool) -> tuple:
         """(group sizes, heights, tokens per rank, rounds >= ``rounds`` their tokens need)."""
@@ -155,9 +161,15 @@ def _best_candidate(problem) -> Columns:
             need = np.where(sz > 1, np.bincount(cls), need)
         return k, height, tok, max(rounds, -(-int((need * sz).sum()) // N))
 
+    def units(k: np.ndarray, rounds: int) -> int:
+        """What a candidate costs: its samples, a fixed part, the shelf layout's placement of the
+        wide groups one by one and the levelling's scans of the rounds x ranks grid."""
+        wide = int(np.count_nonzero(k > 1))
+        return n + _BUILD_FIXED + _WIDE * wide + rounds * problem.num_ranks // _GRID_SCAN
+
     def candidate(k, height, tok, rounds: int, own: bool, exact: bool = False) -> tuple[Columns, float]:
         nonlocal builds
-        meter.charge("construct", n if builds else 0)  # the first build is free: a plan must come out
+        meter.charge("construct", units(k, rounds) if builds else 0)  # the first build is free: a plan must come out
         builds += 1
         cols = level(build(problem, k, height, tok, rounds, own, exact=exact), problem, thorough=False)
         return cols, problem.step_time(cols)
@@ -194,11 +206,11 @@ def _best_candidate(problem) -> Columns:
                 seen.add(key)
                 step = built.get(key, -1.0)
                 if step == -1.0:  # not built by an earlier variant yet
-                    if builds and not more():
+                    if builds and not more(k, r_c):
                         return
                     try:
                         cols, step = candidate(k, height, tok, r_c, own)
-                        if not own and step < min(best[0] if best else np.inf, var_best[vi]) * 1.005 and more():
+                        if not own and step < min(best[0] if best else np.inf, var_best[vi]) * 1.005 and more(k, r_c):
                             # a competitive shared-group plan: exact LPT where the budget is tight
                             cols2, step2 = candidate(k, height, tok, r_c, own, exact=True)
                             if step2 < step:
@@ -223,7 +235,7 @@ def _best_candidate(problem) -> Columns:
     # every variant's first candidate, cheapest bound first; then the variants whose plans are
     # best so far go on to more round counts, one build at a time, while the budget lasts
     active: list = []
-    for vi in np.argsort(floor_t, kind="stable").tolist():
+    for vi in range(len(variants)):  # in the order of `_variants`: the likeliest winners first
         if best is not None and floor_t[vi] >= best[0]:
             continue
         gen = explore(vi)

@@ -272,17 +272,21 @@ def _best_move(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.ndar
     same = s.rnd[cols][:, None] == r_src[None, :]
     lim = np.where(same, h_s * (1 - _TOL), s.roof[s.rnd[cols]][:, None])
     ok = ((grown[..., _TOK] <= B) & (h_new <= lim) & (w_c >= k_min[movers]) & (cols[:, None] != src))
-    # a new group of k_min ranks on a round's free ranks: [R, M]
     k0 = k_min[movers]
-    h0 = s.cost.sample_cost(s.lengths[movers], k0)  # [M]
-    same_o = np.arange(R)[:, None] == r_src
-    lim_o = np.where(same_o, h_s * (1 - _TOL), s.roof[:, None])
-    ok_o = (s.free[:, None] >= k0) & (h0 <= lim_o) & (max_rank_tokens(s.lengths[movers], k0) <= B)
-    h_all = np.concatenate([h_new, np.broadcast_to(h0, (R, M))])  # [C+R, M]
-    h_prev = np.concatenate([s.h[cols], np.zeros(R)])[:, None]
-    w_all = np.concatenate([np.broadcast_to(w_c, (C, M)), np.broadcast_to(k0, (R, M))])
-    same_all = np.concatenate([same, same_o])
-    ok_all = np.concatenate([ok, ok_o])
+    if int(s.free.max(initial=0)) >= int(k0.min()):  # a new group of k_min ranks on a round's free ranks: [R, M]
+        h0 = s.cost.sample_cost(s.lengths[movers], k0)  # [M]
+        same_o = np.arange(R)[:, None] == r_src
+        lim_o = np.where(same_o, h_s * (1 - _TOL), s.roof[:, None])
+        ok_o = (s.free[:, None] >= k0) & (h0 <= lim_o) & (max_rank_tokens(s.lengths[movers], k0) <= B)
+        h_all = np.concatenate([h_new, np.broadcast_to(h0, (R, M))])  # [C+R, M]
+        h_prev = np.concatenate([s.h[cols], np.zeros(R)])[:, None]
+        w_all = np.concatenate([np.broadcast_to(w_c, (C, M)), np.broadcast_to(k0, (R, M))])
+        same_all = np.concatenate([same, same_o])
+        ok_all = np.concatenate([ok, ok_o])
+        tgt_round = np.concatenate([s.rnd[cols], np.arange(R)])[:, None]
+    else:  # no round has ranks free for a new group
+        h_all, h_prev, w_all, same_all, ok_all = h_new, s.h[cols][:, None], w_c, same, ok
+        tgt_round = s.rnd[cols][:, None]
     base = np.maximum(others[src], h_src)  # [M] the source round without the mover's old column
     roof_r = np.where(same_all, np.maximum(base, h_all), base)
     d_obj = roof_r - s.roof[r_src] + s.pipeline_gain(r_src, roof_r)
@@ -290,7 +294,6 @@ def _best_move(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.ndar
     d_phi = w_s * (h_src ** 2 - h_s ** 2) + w_all * (h_all ** 2 - h_prev ** 2)
     scale = float(s.roof.max())
     good = ok_all & ((d_obj < -_TOL * scale) | (d_phi < -_TOL * scale * scale))
-    tgt_round = np.concatenate([s.rnd[cols], np.arange(R)])[:, None]
     steps = []
     for j in _pick(d_obj, added, d_phi, good, scale, (r_src[None, :], tgt_round)):
         t, m = divmod(j, M)
@@ -313,6 +316,14 @@ def _best_trade(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.nda
     roomy = np.zeros(s.alive.size, dtype=bool)
     roomy[_targets(s, _TRADE_COLUMNS)] = True
     cand = np.flatnonzero(roomy[s.col_of] & (s.lengths < s.lengths[movers].max()))  # [J]
+    if cand.size:
+        # i takes j's place: j's column grows by about work(i) - work(j) (over its width), which must
+        # stay within that column's room -- so j is no shorter than the shortest mover less that room
+        row1 = s.row(1)  # (may add a row to the table)
+        work1 = s.tab[row1, _WORK]  # [n] every sample's work on one rank
+        c2 = s.col_of[cand]
+        room = 2.0 * (s.roof[s.rnd[c2]] - s.h[c2]) * s.width[c2]
+        cand = cand[work1[cand] >= work1[movers].min() - room]
     if cand.size == 0:
         return []
     if not budget.take(movers.size * cand.size + _CALL_UNITS):

@@ -14,9 +14,10 @@ ranks remain.  A round's estimated waste is ``N * D`` minus the least rank-time 
 holds, minus what its columns' spare time and tokens can still take of the short samples.  The
 rounds with the least waste become starting plans: the remaining samples planned by the construct
 and level passes, or spread (`construct.spread`: multi-rank samples over every round).  Every
-starting plan, the pass's input among them, gets a short local search (`polish`, with a share of
-the ``search`` pool), the better half a longer one, and so on (successive halving); the last one
-standing is returned (it is never worse than the input).
+tall starting plan gets a short local search (`polish`, with a share of the ``search`` pool), the
+better half a longer one, and so on (successive halving); the last one standing and the pass's
+input then get half of what is left each, and the better of the two is returned (never worse than
+the input).  A plan that starts lower may end higher, so the input is not judged early.
 """
 
 from __future__ import annotations
@@ -75,16 +76,20 @@ def tall_round(cols: Columns, problem) -> Columns:
         sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
         if sp is not None:
             starts.append(base.plus(sp, rest))
-    if len(starts) == 1:
+    tall = starts[1:]
+    if not tall:
         return cols
-    # successive halving: a short search from every start, a longer one from the better half
+    # successive halving among the tall starts: a short search from each, a longer one from the
+    # better half, ...; then the winner and the input share what is left half and half (a start
+    # that begins lower may end higher: the input keeps its chance)
     pool = max(0, meter.left("search"))
-    while len(starts) > 1:
-        share = int(pool * _SHORT_SHARE / len(starts))
-        starts = [polish(s, problem, limit=share) for s in starts]
-        keep = np.argsort([problem.step_time(s) for s in starts], kind="stable")[: len(starts) // 2]
-        starts = [starts[i] for i in sorted(keep.tolist())]
-    return starts[0]
+    while len(tall) > 1:
+        share = int(pool * _SHORT_SHARE / len(tall))
+        tall = [polish(s, problem, limit=share) for s in tall]
+        keep = np.argsort([problem.step_time(s) for s in tall], kind="stable")[: len(tall) // 2]
+        tall = [tall[i] for i in sorted(keep.tolist())]
+    half = max(0, meter.left("search")) // 2
+    return problem.best([polish(cols, problem, limit=half), polish(tall[0], problem, limit=half)])
 
 
 def needs_tall_round(problem) -> bool:
@@ -97,14 +102,14 @@ def needs_tall_round(problem) -> bool:
     return lengths.size > 1 and float(h.max()) > _TALL * level and rounds > 1
 
 
-def first_round_units(problem, keep: int = 2) -> int:
+def first_round_units(problem, keep: int = 1) -> int:
     """Work of `_first_rounds` in ``search`` units: the candidate heights' fills over the 2N
     tallest samples and the top-ups of the kept rounds, every sample against every group."""
     n, N = problem.n, problem.num_ranks
     return int(_HEIGHTS * min(n, 2 * N) * 16 + keep * n * min(n, N) // 4)
 
 
-def _first_rounds(problem, keep: int = 2) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _first_rounds(problem, keep: int = 1) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Up to ``keep`` candidate first rounds, least estimated waste first: (samples [m], group of
     each [m], width of each group [g]); the caller lays the groups out."""
     lengths, k_min, sizes = problem.lengths, problem.k_min, problem.sizes
