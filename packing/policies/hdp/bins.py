@@ -173,6 +173,7 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
         return rnd, rnd.copy()
     order = np.lexsort((np.arange(n), -widths, -heights))  # tallest first, wider first among equals
     w = widths[order]
+    wl = w.tolist()
     free = np.zeros(n + 1, dtype=np.int64)  # [rounds] free ranks of every round opened so far
     opened = 0
     cut = np.flatnonzero(np.diff(np.r_[0, (w == 1).astype(np.int8), 0]))  # runs of single-rank columns
@@ -195,14 +196,24 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
             np.subtract.at(free, per_round, 1)
             i = end
             continue
-        fit = np.flatnonzero(free[:opened] >= w[i])
-        r = int(fit[0]) if fit.size else opened
-        if r == opened:
-            free[opened] = num_ranks
-            opened += 1
-        rnd[order[i]] = r
-        free[r] -= w[i]
-        i += 1
+        # a run of wide columns: each to the first round with room (Python ints: few rounds, many columns)
+        end = i + 1
+        while end < n and end not in single_runs:
+            end += 1
+        fl = free[:opened].tolist()
+        first_open = 0  # rounds before this one are full
+        for j in range(i, end):
+            wj = wl[j]
+            while first_open < len(fl) and fl[first_open] == 0:
+                first_open += 1
+            r = next((q for q in range(first_open, len(fl)) if fl[q] >= wj), len(fl))
+            if r == len(fl):
+                fl.append(num_ranks)
+            fl[r] -= wj
+            rnd[order[j]] = r
+        free[: len(fl)] = fl
+        opened = len(fl)
+        i = end
     return rnd, left_starts(rnd, widths)
 
 

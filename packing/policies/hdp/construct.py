@@ -48,6 +48,7 @@ _MAX_BUILDS = 8  # builds per variant while each still improves
 _LEVEL_RESERVE = 3  # the construction leaves this many placements per sample for the level pass
 _BUILD_FIXED = 1024  # placements' worth of fixed work per candidate (a few hundred array operations)
 _WIDE = 2  # placements a wide group costs the shelf layout (one scan of the rounds each)
+_MORE_ROUNDS = 1.3  # a variant needing this many times the fewest rounds of any goes last
 _GRID_SCAN = 8  # rounds x ranks the levelling scans for the price of one placement
 
 
@@ -84,12 +85,24 @@ def _variants(problem) -> list[tuple[str, Variant]]:
     single = h0[k_min == 1]
     h1max = float(single.max()) if single.size else 0.0
     sizes = problem.sizes
+    need = int(k_min.max())
+    uniform: list[tuple[str, Variant]] = []
+    for u in sizes[(sizes >= need) & (sizes <= 4 * need)]:
+        u = int(u)
+        if not problem.pow2 and u != need and u & (u - 1):
+            continue  # uniform plans: the smallest fitting size and powers of two above it
+        ku = np.full(lengths.size, u, dtype=np.int64)
+        hu = cost.sample_cost(lengths, ku)
+        uniform.append((f"uniform-{u}", lambda rounds, ku=ku, hu=hu: (ku, hu)))
     out: list[tuple[str, Variant]] = [  # the likeliest winners first (the first is always built)
         ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
         ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
+        *uniform[:1],
         ("k_min", lambda rounds: (k_min, h0)),
         ("grow-1.25tau", grown(k_min, h0, sizes, lambda tau: 1.25 * tau)),
+        *uniform[1:2],
         ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),
+        *uniform[2:],
     ]
     if not problem.pow2:  # the power-of-two shapes too (what group_shape=pow2 would plan with)
         k2 = min_group_size(lengths, problem.budget, N, pow2=True)
@@ -98,14 +111,6 @@ def _variants(problem) -> list[tuple[str, Variant]]:
             h2 = cost.sample_cost(lengths, k2)
             out += [("pow2-k_min", lambda rounds, k2=k2, h2=h2: (k2, h2)),
                     ("pow2-grow-tau", grown(k2, h2, p2, lambda tau: tau))]
-    need = int(k_min.max())
-    for u in sizes[(sizes >= need) & (sizes <= 4 * need)]:
-        u = int(u)
-        if not problem.pow2 and u != need and u & (u - 1):
-            continue  # uniform plans: the smallest fitting size and powers of two above it
-        ku = np.full(lengths.size, u, dtype=np.int64)
-        hu = cost.sample_cost(lengths, ku)
-        out.append((f"uniform-{u}", lambda rounds, ku=ku, hu=hu: (ku, hu)))
     return out
 
 
@@ -234,8 +239,34 @@ def _best_candidate(problem) -> Columns:
 
     # every variant's first candidate, cheapest bound first; then the variants whose plans are
     # best so far go on to more round counts, one build at a time, while the budget lasts
+    def fixed_point(vi: int) -> int:
+        """The rounds variant ``vi``'s sizes need, re-chosen for those rounds (as its first build)."""
+        name, fn = variants[vi]
+        own = not name.startswith("uniform")
+        r = r_min
+        for _ in range(4):
+            r_c = sizing(fn, r, own)[3]
+            if r_c <= r:
+                break
+            r = r_c
+        return r
+
+    # in the order of `_variants` (the likeliest winners first), but a variant whose own groups need
+    # far more rounds than k_min's goes last (tight budgets: widening everything multiplies rounds)
+    names = [v[0] for v in variants]
+    fewest = fixed_point(names.index("k_min"))
+
+    def order():
+        deferred = []
+        for vi, name in enumerate(names):
+            if not name.startswith("uniform") and fixed_point(vi) > _MORE_ROUNDS * fewest:
+                deferred.append(vi)
+            else:
+                yield vi
+        yield from deferred
+
     active: list = []
-    for vi in range(len(variants)):  # in the order of `_variants`: the likeliest winners first
+    for vi in order():
         if best is not None and floor_t[vi] >= best[0]:
             continue
         gen = explore(vi)

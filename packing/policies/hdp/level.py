@@ -34,8 +34,11 @@ from hdp.packing.policies.hdp.sizes import grow_sizes
 __all__ = ["level"]
 
 _GAP_FILL_MAX_PAIRS = 20_000_000  # samples x columns one gap-filling call may scan (memory and time cap)
-_SCAN = 256  # columns a gap-filling placement scans for the price of one placement
-_REPLAN = 2  # placements per sample of re-planning a round one way
+_SCAN = 64  # columns a gap-filling placement scans for the price of one placement
+_GRID = 16  # rounds x ranks a round swap scans for the price of one placement
+_BUILD = 1024  # placements' worth of fixed work of a one-round build (re-planning a round one way)
+_GRID_ROW = 8  # ranks of a round the re-planning's levelling scans for the price of one placement
+_MERGE = 8  # placements per group the merging of a round costs (a Python step per merge tried)
 
 
 def level(cols: Columns, problem, *, thorough: bool = True) -> Columns:
@@ -68,8 +71,12 @@ def _quick(cols: Columns, problem, fill: bool = True) -> Columns:
         col_of, col_round, col_start, widths, heights, height, tokens, k, N, B
     )
     used = np.bincount(col_of, minlength=widths.size) > 0
+    n_rounds = int(col_round.max(initial=0)) + 1
+    per_swap = 1 + n_rounds * N // _GRID  # one trade scans the rounds x ranks grid
+    swaps = min(4 * n_rounds + 32, max(0, meter.left("construct")) // per_swap)
     col_round, col_start = _swap_rounds(
-        col_round, col_start, widths, np.where(used, heights, -1.0), N, problem.pow2,
+        col_round, col_start, widths, np.where(used, heights, -1.0), N, problem.pow2, max_swaps=swaps,
+        charge=lambda: meter.charge("construct", per_swap),
     )
     return Columns(col_of=col_of, round=col_round, start=col_start, width=widths).compact()
 
@@ -177,7 +184,7 @@ def _fill_wide_gaps(
     last = int(col_round.max(initial=0))
     movers = np.flatnonzero((col_round[col_of] == last) & (k == 1))
     cand = np.flatnonzero((widths > 1) & (col_round != last))  # [c] groups that may take samples
-    units = movers.size * (1 + cand.size // _SCAN)  # a placement per mover, a scan of the groups each
+    units = movers.size * (4 + cand.size // _SCAN)  # a Python step per mover, a scan of the groups each
     if last == 0 or movers.size == 0 or cand.size == 0 or not problem.meter.allows("construct", units):
         return col_of, k
     problem.meter.charge("construct", units)
@@ -263,7 +270,7 @@ def _spread_last_round(
 
 def _swap_rounds(
     col_round: np.ndarray, col_start: np.ndarray, widths: np.ndarray, heights: np.ndarray,
-    num_ranks: int, pow2: bool, max_swaps: int | None = None,
+    num_ranks: int, pow2: bool, max_swaps: int | None = None, charge=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Lower round maxima by trading a round's roof column with work of another round.
 
@@ -272,7 +279,8 @@ def _swap_rounds(
     inside [s, e); (b) any w consecutive single-rank (or idle) ranks of q -- G moves there (an
     aligned block under ``pow2``) and those single-rank columns move to [s, e) of round p.  The
     trade lowering max(p) + max(q) most is applied; rounds are visited by how far their roof
-    stands above the rest, and the first round with a gain is taken.  Up to ``max_swaps``
+    stands above the rest, and the first round with a gain is taken (``charge()`` is called per
+    scan).  Up to ``max_swaps``
     (default 4R + 32) trades.  ``heights`` < 0 marks unused columns.  Returns (round, start) of
     every column.
     """
@@ -291,6 +299,8 @@ def _swap_rounds(
     w_ext = np.append(widths, 1)  # idle ranks trade like single-rank columns
     zeros = np.zeros((n_rounds, 1))
     for _ in range(max_swaps if max_swaps is not None else 4 * n_rounds + 32):
+        if charge is not None:  # every scan for a trade counts, found or not
+            charge()
         hg = h_ext[grid]  # [R, N]
         pre = np.concatenate([zeros, np.maximum.accumulate(hg, axis=1)], axis=1)  # [R, N+1]
         suf = np.concatenate([np.maximum.accumulate(hg[:, ::-1], axis=1)[:, ::-1], zeros], axis=1)
@@ -413,7 +423,7 @@ def _replan_rounds(cols: Columns, problem, tries: int = 3) -> Columns:
                          if v <= sizes[-1]}):
             options += [("uniform", u), ("multi-uniform", u)]
         for how, u in options:
-            units = _REPLAN * sel.size  # a one-round build and its levelling
+            units = _BUILD + sel.size + N // _GRID_ROW  # a one-round build and its levelling
             if not meter.allows("construct", units):
                 break
             meter.charge("construct", units)
@@ -470,9 +480,10 @@ def _merge_groups(cols: Columns, problem) -> Columns:
     by_round = np.split(np.argsort(round_of, kind="stable"), np.cumsum(np.bincount(round_of))[:-1])
     for r in [last] + list(range(last)):  # the last round first: where uneven groups are left most
         sel = by_round[r]  # [n_r] samples of the round
-        if not problem.meter.allows("construct", sel.size):
+        units = sel.size + _MERGE * int(np.unique(start[sel]).size)  # the round's groups, scanned a few times each
+        if not problem.meter.allows("construct", units):
             break
-        problem.meter.charge("construct", sel.size)
+        problem.meter.charge("construct", units)
         lr = lengths[sel]
         gid, grp = np.unique(start[sel], return_inverse=True)  # groups of the round
         n_g = gid.size

@@ -45,6 +45,7 @@ _TARGETS = 4  # moves go to the this many roomiest single-rank and multi-rank co
 _TRADE_COLUMNS = 8  # trades look at the samples of the this many roomiest columns of every round
 _TRADE_MOVERS = 32  # ... for this many of the longest samples of the roof columns
 _CALL_UNITS = 1_500  # fixed work of one evaluation (a few dozen array operations), in pairs
+_TABLE_SAMPLES = 4_096  # batches up to this size keep every width's per-sample values in a table
 _WORK, _LEN, _SQ, _TOK = range(4)  # the per-column sums: padded work, length, length**2, busiest-rank tokens
 
 
@@ -67,13 +68,9 @@ class _State:
         self.width[:n_cols] = c.width
         self.alive = np.zeros(cap, dtype=bool)
         self.alive[:n_cols] = True
-        self.tab = np.zeros((0, 4, lengths.size))  # [D, 4, n] per width: the sample's four sums
-        self.widths: dict[int, int] = {}  # width -> row of ``tab``
-        self.cw = np.zeros(cap, dtype=np.int64)  # row of every column's width
-        for w in np.unique(c.width).tolist():
-            self.row(w)
-        self.cw[:n_cols] = [self.widths[int(w)] for w in c.width.tolist()]
-        own = self.tab[self.cw[self.col_of], :, np.arange(lengths.size)]  # [n, 4]
+        self.row_of = np.full(N + 1, -1, dtype=np.int64)  # row of the table of every width (-1: none yet)
+        self.tab = np.zeros((4, 4, lengths.size if lengths.size <= _TABLE_SAMPLES else 0))
+        own = self.vals(np.arange(lengths.size), c.width[self.col_of])  # [n, 4] every sample on its own group
         self.sums = np.stack([np.bincount(self.col_of, weights=own[:, q], minlength=cap) for q in range(4)], 1)
         self.count = np.bincount(self.col_of, minlength=cap)  # samples of every column
         self.h = np.where(self.alive, self._cost(self.sums, self.width), 0.0)
@@ -89,20 +86,35 @@ class _State:
     def grow(self) -> None:
         """Double the column capacity (moves open new groups)."""
         cap = self.rnd.size
-        for name, fill in (("rnd", 0), ("width", 1), ("alive", False), ("cw", 0), ("h", 0.0), ("count", 0)):
+        for name, fill in (("rnd", 0), ("width", 1), ("alive", False), ("h", 0.0), ("count", 0)):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.full(cap, fill, dtype=a.dtype)]))
         self.sums = np.concatenate([self.sums, np.zeros_like(self.sums)])
 
-    def row(self, w: int) -> int:
-        """Row of ``tab`` for width w: every sample's padded work, length, length**2 and busiest-
-        rank tokens on a w-rank group (added on first use)."""
-        if w not in self.widths:
-            lp = padded_length(self.lengths, w).astype(np.float64)
-            tok = max_rank_tokens(self.lengths, w).astype(np.float64)
-            self.tab = np.concatenate([self.tab, np.stack([self.cost.work(lp), lp, lp * lp, tok])[None]])
-            self.widths[w] = self.tab.shape[0] - 1
-        return self.widths[w]
+    def vals(self, samples: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """[..., 4] padded work, length, length**2 and busiest-rank tokens of ``samples`` on groups of
+        ``widths`` (arrays broadcast together).  On batches of up to `_TABLE_SAMPLES` samples every
+        width's values for the whole batch are kept in a table made on first use (a gather is
+        cheaper than the arithmetic); on larger ones they are computed for the pairs asked."""
+        widths = np.asarray(widths)
+        if self.lengths.size <= _TABLE_SAMPLES:
+            for w in np.unique(widths).tolist():
+                if self.row_of[w] < 0:
+                    self._add_row(w)
+            return self.tab[self.row_of[widths], :, samples]
+        L, w = np.broadcast_arrays(self.lengths[samples], widths)
+        lp = padded_length(L, w).astype(np.float64)
+        tok = max_rank_tokens(L.ravel(), w.ravel()).reshape(L.shape).astype(np.float64)
+        return np.stack([self.cost.work(lp), lp, lp * lp, tok], axis=-1)
+
+    def _add_row(self, w: int) -> None:
+        """A row of the table: every sample's four values on a group of w ranks."""
+        d = int((self.row_of >= 0).sum())
+        if d == self.tab.shape[0]:  # full: double the rows (amortised O(1) per new width)
+            self.tab = np.concatenate([self.tab, np.zeros_like(self.tab)])
+        lp = padded_length(self.lengths, w).astype(np.float64)
+        self.tab[d] = (self.cost.work(lp), lp, lp * lp, max_rank_tokens(self.lengths, w))
+        self.row_of[w] = d
 
     def others(self) -> np.ndarray:
         """[cap] the tallest other column of each column's round (second maximum at the roof)."""
@@ -128,8 +140,9 @@ class _State:
 
     def move(self, i: int, src: int, dst: int) -> None:
         """Sample i leaves column ``src`` for column ``dst`` (sums and counts)."""
-        self.sums[src] -= self.tab[self.cw[src], :, i]
-        self.sums[dst] += self.tab[self.cw[dst], :, i]
+        v = self.vals(np.array([i, i]), self.width[[src, dst]])  # [2, 4]
+        self.sums[src] -= v[0]
+        self.sums[dst] += v[1]
         self.count[src] -= 1
         self.count[dst] += 1
         self.col_of[i] = dst
@@ -138,7 +151,7 @@ class _State:
         """A new empty column of width w on free ranks of round r."""
         c = self.opened
         self.opened += 1
-        self.rnd[c], self.width[c], self.alive[c], self.cw[c] = r, w, True, self.row(w)
+        self.rnd[c], self.width[c], self.alive[c] = r, w, True
         self.free[r] -= w
         return c
 
@@ -263,10 +276,10 @@ def _best_move(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.ndar
     B = s.B
     src = s.col_of[movers]  # [M]
     r_src, w_s, h_s = s.rnd[src], s.width[src], s.h[src]
-    rest = s.sums[src] - s.tab[s.cw[src], :, movers]  # [M, 4] the source without the mover
+    rest = s.sums[src] - s.vals(movers, w_s)  # [M, 4] the source without the mover
     h_src = np.where(s.count[src] > 1, s._cost(rest, w_s), 0.0)  # [M] the source's new height
     # existing columns: [C, M] with the mover added, split over the column's width
-    grown = s.sums[cols][:, None, :] + s.tab[s.cw[cols][:, None], :, movers[None, :]]  # [C, M, 4]
+    grown = s.sums[cols][:, None, :] + s.vals(movers[None, :], s.width[cols][:, None])  # [C, M, 4]
     w_c = s.width[cols][:, None]
     h_new = s._cost(grown, w_c)
     same = s.rnd[cols][:, None] == r_src[None, :]
@@ -319,8 +332,7 @@ def _best_trade(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.nda
     if cand.size:
         # i takes j's place: j's column grows by about work(i) - work(j) (over its width), which must
         # stay within that column's room -- so j is no shorter than the shortest mover less that room
-        row1 = s.row(1)  # (may add a row to the table)
-        work1 = s.tab[row1, _WORK]  # [n] every sample's work on one rank
+        work1 = s.cost.work(s.lengths.astype(np.float64))  # [n] every sample's work on one rank
         c2 = s.col_of[cand]
         room = 2.0 * (s.roof[s.rnd[c2]] - s.h[c2]) * s.width[c2]
         cand = cand[work1[cand] >= work1[movers].min() - room]
@@ -332,8 +344,8 @@ def _best_trade(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.nda
     src, c2 = s.col_of[movers], s.col_of[cand]  # [M], [J]
     w1, w2 = s.width[src], s.width[c2]
     # c loses i and gains j (on c's width); c2 loses j and gains i (on c2's width): [J, M, 4]
-    new_c = (s.sums[src] - s.tab[s.cw[src], :, movers])[None, :, :] + s.tab[s.cw[src][None, :], :, cand[:, None]]
-    new_c2 = (s.sums[c2] - s.tab[s.cw[c2], :, cand])[:, None, :] + s.tab[s.cw[c2][:, None], :, movers[None, :]]
+    new_c = (s.sums[src] - s.vals(movers, w1))[None, :, :] + s.vals(cand[:, None], w1[None, :])
+    new_c2 = (s.sums[c2] - s.vals(cand, w2))[:, None, :] + s.vals(movers[None, :], w2[:, None])
     h_c = s._cost(new_c, w1)  # [J, M]
     h_c2 = s._cost(new_c2, w2[:, None])
     hc, hc2 = s.h[src], s.h[c2][:, None]
@@ -377,8 +389,7 @@ def _widen(s: _State, roof_cols: np.ndarray, others: np.ndarray, sizes: np.ndarr
         members = np.flatnonzero(s.col_of == c)
         best = None
         for w2 in wider.tolist():
-            row = s.row(w2)  # (may add a row to the table)
-            v = s.tab[row][:, members].sum(axis=1)  # [4] the column's sums at width w2
+            v = s.vals(members, w2).sum(axis=0)  # [4] the column's sums at width w2
             h2 = float(s._cost(v, w2))
             top = max(float(others[c]), h2)
             if v[_TOK] <= s.B and top < s.roof[r] * (1 - _TOL):
@@ -390,7 +401,7 @@ def _widen(s: _State, roof_cols: np.ndarray, others: np.ndarray, sizes: np.ndarr
         done.add(r)
 
         def apply(c: int = c, r: int = r, w: int = w, w2: int = best[1], v: np.ndarray = best[2]) -> None:
-            s.width[c], s.cw[c] = w2, s.row(w2)
+            s.width[c] = w2
             s.sums[c] = v
             s.free[r] -= w2 - w
             s.settle([c])

@@ -43,6 +43,7 @@ _SHORT_SHARE = 0.15  # each halving round's short searches share this part of th
 _START_LEVEL = 3  # placements per sample a starting plan's levelling may spend
 _HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
 _CHUNK = 64  # samples scored at once by the top-up
+_CONSTRUCT_START = False
 
 
 def tall_round(cols: Columns, problem) -> Columns:
@@ -69,9 +70,10 @@ def tall_round(cols: Columns, problem) -> Columns:
         if rest.size == 0:
             starts.append(base)
             continue
-        own = replace(problem, meter=Meter(SearchBudget(construct=_START_LEVEL * n, search=0, rivals=0)))
-        starts.append(level(construct(base, own), own))
-        meter.charge("search", 2 * n + own.meter.spent["construct"])
+        if _CONSTRUCT_START:
+            own = replace(problem, meter=Meter(SearchBudget(construct=_START_LEVEL * n, search=0, rivals=0)))
+            starts.append(level(construct(base, own), own))
+            meter.charge("search", 2 * n + own.meter.spent["construct"])
         sub = problem.sub(rest)
         sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
         if sp is not None:
