@@ -90,10 +90,11 @@ class SearchBudget:
     (``hdp bench planner``).
     """
 
-    construct: int = 40_000
+    construct: int = 20_000
     """Sample placements the construction may spend on candidate plans after the first (each costs
-    its number of samples); 0 builds one candidate only."""
-    search: int = 600_000
+    its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
+    builds one candidate only."""
+    search: int = 500_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-step
     bookkeeping); 0 turns the local search and the tall-round starts off."""
     rivals: int = 65_536
@@ -125,7 +126,7 @@ class SearchBudget:
             except ValueError as exc:
                 raise ValueError(
                     f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
-                    "'construct=40000,search=600000,rivals=65536'"
+                    "'construct=20000,search=500000,rivals=65536'"
                 ) from exc
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}

@@ -97,8 +97,8 @@ def _variants(problem) -> list[tuple[str, Variant]]:
     out: list[tuple[str, Variant]] = [  # the likeliest winners first (the first is always built)
         ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
         ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
-        *uniform[:1],
         ("k_min", lambda rounds: (k_min, h0)),
+        *uniform[:1],
         ("grow-1.25tau", grown(k_min, h0, sizes, lambda tau: 1.25 * tau)),
         *uniform[1:2],
         ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),

@@ -36,6 +36,7 @@ __all__ = ["level"]
 _GAP_FILL_MAX_PAIRS = 20_000_000  # samples x columns one gap-filling call may scan (memory and time cap)
 _SCAN = 64  # columns a gap-filling placement scans for the price of one placement
 _GRID = 16  # rounds x ranks a round swap scans for the price of one placement
+_SWAP_UNITS = 2  # the round swaps of one levelling spend at most this many placements per sample and rank
 _BUILD = 1024  # placements' worth of fixed work of a one-round build (re-planning a round one way)
 _GRID_ROW = 8  # ranks of a round the re-planning's levelling scans for the price of one placement
 _MERGE = 8  # placements per group the merging of a round costs (a Python step per merge tried)
@@ -73,7 +74,7 @@ def _quick(cols: Columns, problem, fill: bool = True) -> Columns:
     used = np.bincount(col_of, minlength=widths.size) > 0
     n_rounds = int(col_round.max(initial=0)) + 1
     per_swap = 1 + n_rounds * N // _GRID  # one trade scans the rounds x ranks grid
-    swaps = min(4 * n_rounds + 32, max(0, meter.left("construct")) // per_swap)
+    swaps = min(4 * n_rounds + 32, max(0, min(meter.left("construct"), _SWAP_UNITS * (n + N))) // per_swap)
     col_round, col_start = _swap_rounds(
         col_round, col_start, widths, np.where(used, heights, -1.0), N, problem.pow2, max_swaps=swaps,
         charge=lambda: meter.charge("construct", per_swap),
