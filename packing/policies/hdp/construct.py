@@ -13,8 +13,9 @@ re-planning) evens it out, and the step time scores it.  Variants:
 * ``pow2-*``: under ``group_shape=any`` also k_min and grow-tau on power-of-two sizes only (the
   shapes ``group_shape=pow2`` plans with).
 
-Every variant gets one candidate first, in the order above (the likeliest winners first: on big
-batches the budget may allow one), at the round count its sizes need (a fixed point: sizes for R
+Every variant gets one candidate first, in the order above (the likeliest winners first, static
+CP's shape second: the first two are built whatever the budget, so hdp's own plans always include
+a static-CP plan; on big batches the budget may allow no more), at the round count its sizes need (a fixed point: sizes for R
 rounds need R' >= R rounds, sizes re-chosen for R', ...); then the variants whose plans are best
 so far go on, one build at a time, to more rounds while the step time improves (up to
 ``max_extra_rounds`` beyond, more while each build improves, at most 8 builds).  A variant whose
@@ -45,6 +46,7 @@ __all__ = ["construct", "spread"]
 _log = logging.getLogger(__name__)
 
 _MAX_BUILDS = 8  # builds per variant while each still improves
+_FREE_BUILDS = 2  # candidates built whatever the budget: the first variant's and static CP's shape
 _LEVEL_RESERVE = 3  # the construction leaves this many placements per sample for the level pass
 _BUILD_FIXED = 1024  # placements' worth of fixed work per candidate (a few hundred array operations)
 _WIDE = 2  # placements a wide group costs the shelf layout (one scan of the rounds each)
@@ -94,11 +96,15 @@ def _variants(problem) -> list[tuple[str, Variant]]:
         ku = np.full(lengths.size, u, dtype=np.int64)
         hu = cost.sample_cost(lengths, ku)
         uniform.append((f"uniform-{u}", lambda rounds, ku=ku, hu=hu: (ku, hu)))
+    # static CP's shape (every sample on the smallest power of two that fits the longest) early:
+    # hdp's own plans then cover what static-cp and verl-kk build
+    static = next((i for i, (name, _) in enumerate(uniform) if not int(name.split("-")[1]) & (int(name.split("-")[1]) - 1)), 0)
+    uniform = uniform[static : static + 1] + uniform[:static] + uniform[static + 1 :]
     out: list[tuple[str, Variant]] = [  # the likeliest winners first (the first is always built)
         ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
-        ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
-        ("k_min", lambda rounds: (k_min, h0)),
         *uniform[:1],
+        ("k_min", lambda rounds: (k_min, h0)),
+        ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
         ("grow-1.25tau", grown(k_min, h0, sizes, lambda tau: 1.25 * tau)),
         *uniform[1:2],
         ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),
@@ -174,9 +180,11 @@ def _best_candidate(problem) -> Columns:
 
     def candidate(k, height, tok, rounds: int, own: bool, exact: bool = False) -> tuple[Columns, float]:
         nonlocal builds
-        meter.charge("construct", units(k, rounds) if builds else 0)  # the first build is free: a plan must come out
-        builds += 1
+        # the first builds are free: a plan must come out, and static CP's shape is always among them
+        # (an exact re-build of a shared-group candidate always costs)
+        meter.charge("construct", units(k, rounds) if builds >= _FREE_BUILDS or exact else 0)
         cols = level(build(problem, k, height, tok, rounds, own, exact=exact), problem, thorough=False)
+        builds += 0 if exact else 1  # (a build the budget cannot hold raised: it does not count)
         return cols, problem.step_time(cols)
 
     def too_many(rounds: int) -> bool:
@@ -211,7 +219,7 @@ def _best_candidate(problem) -> Columns:
                 seen.add(key)
                 step = built.get(key, -1.0)
                 if step == -1.0:  # not built by an earlier variant yet
-                    if builds and not more(k, r_c):
+                    if builds >= _FREE_BUILDS and not more(k, r_c):
                         return
                     try:
                         cols, step = candidate(k, height, tok, r_c, own)
@@ -272,7 +280,7 @@ def _best_candidate(problem) -> Columns:
         gen = explore(vi)
         if next(gen, StopIteration) is not StopIteration:
             active.append((vi, gen))
-        if builds and not more():
+        if builds >= _FREE_BUILDS and not more():
             break
     while active and more():
         pos = min(range(len(active)), key=lambda j: (var_best[active[j][0]], j))
