@@ -10,9 +10,10 @@ the `Problem` (batch, config, objective, work meter) and returns new columns:
 2. **level** (`level.py`): work re-spread between columns and rounds of that plan (singles up to
    each round's roof, gaps filled, a round's roof traded with another round's work, rounds
    re-planned on their own, uneven groups merged);
-3. **tall round** (`tall_round.py`): when some sample is far taller than a balanced round, more
-   starting plans whose first round holds the tallest samples, widened where the idle time and
-   the ring overhead balance; each start gets a short local search, the best goes on;
+3. **tall round** (`tall_round.py`): when some sample is far taller than a balanced round, another
+   starting plan whose first round holds the tallest samples, widened where the idle time and
+   the ring overhead balance, the rest spread over the other rounds; it and the input each get
+   half of the search budget, the better goes on;
 4. **polish** (`polish.py`): local search -- samples move or trade places off each round's roof,
    a round's only roof group widens onto free ranks;
 5. **rivals** (`rivals.py`): the plans the other policies (and hdp with power-of-two groups) build

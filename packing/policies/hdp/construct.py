@@ -34,7 +34,7 @@ import numpy as np
 
 from hdp.packing.config import GroupShape
 from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
-from hdp.packing.policies.common import allowed_sizes, left_starts
+from hdp.packing.policies.common import Assignment, allowed_sizes, left_starts
 from hdp.packing.policies.hdp.bins import Infeasible, build, partition, size_classes
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.level import _level, level
@@ -340,8 +340,6 @@ def spread(problem, rounds: int) -> Columns | None:
         except Infeasible:
             return None
         round_of[singles], start[singles] = slot_round[b], slot_rank[b]
-    from hdp.packing.policies.common import Assignment
-
     return Columns.from_assignment(
         Assignment(round_of=round_of, group_start=start, group_size=k_min.copy()), N
     )

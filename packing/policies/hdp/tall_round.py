@@ -1,4 +1,4 @@
-"""The tall-round pass: more starting plans whose first round is built around the tallest samples.
+"""The tall-round pass: another starting plan whose first round is built around the tallest samples.
 
 When a few samples are far taller than a balanced round (a 32K sample among 1.5K ones), a round
 that holds one of them lasts its height D while every other rank of the round can fill only B
@@ -8,88 +8,64 @@ best trade puts *all* tall samples in one round and fills its other ranks with t
 do the most work per token -- the next longest, on their own groups -- so the idle time is paid
 once.
 
-`_first_rounds` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks; for each
-D every sample, longest per-rank height first, takes the fewest ranks that bring it under D while
-ranks remain.  A round's estimated waste is ``N * D`` minus the least rank-time of the samples it
-holds, minus what its columns' spare time and tokens can still take of the short samples.  The
-rounds with the least waste become starting plans: the remaining samples planned by the construct
-and level passes, or spread (`construct.spread`: multi-rank samples over every round).  Every
-tall starting plan gets a short local search (`polish`, with a share of the ``search`` pool), the
-better half a longer one, and so on (successive halving); the last one standing and the pass's
-input then get half of what is left each, and the better of the two is returned (never worse than
-the input).  A plan that starts lower may end higher, so the input is not judged early.
+`_first_rounds` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks (at most
+`_HEIGHTS` of them); for each D every sample, longest per-rank height first, takes the fewest ranks
+that bring it under D while ranks remain.  A round's estimated waste is ``N * D`` minus the least
+rank-time of the samples it holds, minus what its columns' spare time and tokens can still take of
+the short samples; the round with the least waste is topped up with the longest samples that fit
+under D, and the other samples are spread over the remaining rounds (`construct.spread`: multi-rank
+samples over every round, single-rank ones up to each round's level).  That start and the pass's
+input then get half of the ``search`` pool each (`polish`), and the better of the two is returned
+(never worse than the input): a plan that starts lower may end higher, so neither is judged early.
+(A start whose other rounds came from the construct and level passes was tried too; its short
+searches cost more than they won.)
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from hdp.packing.config import SearchBudget
 from hdp.packing.cost import max_rank_tokens, padded_length
 from hdp.packing.policies.common import left_starts
 from hdp.packing.policies.hdp.columns import Columns
-from hdp.packing.policies.hdp.construct import construct, spread
-from hdp.packing.policies.hdp.level import level
+from hdp.packing.policies.hdp.construct import spread
 from hdp.packing.policies.hdp.polish import polish
-from hdp.packing.policies.hdp.problem import Meter
 from hdp.packing.simulate import min_rounds
 
-__all__ = ["tall_round", "needs_tall_round"]
+__all__ = ["tall_round", "needs_tall_round", "first_round_units"]
 
 _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's height
-_SHORT_SHARE = 0.15  # each halving round's short searches share this part of the search pool
-_START_LEVEL = 3  # placements per sample a starting plan's levelling may spend
 _HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
 _CHUNK = 64  # samples scored at once by the top-up
-_CONSTRUCT_START = False
 
 
 def tall_round(cols: Columns, problem) -> Columns:
-    """The tall-round pass (module docstring): the best of ``cols`` and the tall-first-round
-    starting plans after a short local search each; ``cols`` itself when no sample is tall or the
-    search budget is spent."""
+    """The tall-round pass (module docstring): the better of ``cols`` and the tall-first-round start,
+    each after a local search with half the ``search`` pool; ``cols`` itself when no sample is tall
+    or the pool cannot pay for the first round."""
     assert cols.complete, "tall_round needs every sample planned"
     meter = problem.meter
-    if not needs_tall_round(problem) or not meter.allows("search", first_round_units(problem)):
+    units = first_round_units(problem) + 2 * problem.n  # the first round, the spread of the rest
+    if not needs_tall_round(problem) or not meter.allows("search", units):
         return cols
-    meter.charge("search", first_round_units(problem))
-    starts = [cols]
+    meter.charge("search", units)
     n = problem.n
+    tall = []
     for chosen, group, width in _first_rounds(problem):
-        # a start costs the search pool its construction: one candidate for the other samples and
-        # the levelling of the plan (in placements, counted on a meter of its own), and the spread plan
-        if not meter.allows("search", (2 + _START_LEVEL) * n):
-            break
         first = np.full(n, -1, dtype=np.int64)
         first[chosen] = group
         base = Columns(col_of=first, round=np.zeros(width.size, dtype=np.int64),
                        start=left_starts(np.zeros(width.size, dtype=np.int64), width), width=width)
         rest = np.flatnonzero(first < 0)
         if rest.size == 0:
-            starts.append(base)
+            tall.append(base)
             continue
-        if _CONSTRUCT_START:
-            own = replace(problem, meter=Meter(SearchBudget(construct=_START_LEVEL * n, search=0, rivals=0)))
-            starts.append(level(construct(base, own), own))
-            meter.charge("search", 2 * n + own.meter.spent["construct"])
         sub = problem.sub(rest)
         sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
         if sp is not None:
-            starts.append(base.plus(sp, rest))
-    tall = starts[1:]
+            tall.append(base.plus(sp, rest))
     if not tall:
         return cols
-    # successive halving among the tall starts: a short search from each, a longer one from the
-    # better half, ...; then the winner and the input share what is left half and half (a start
-    # that begins lower may end higher: the input keeps its chance)
-    pool = max(0, meter.left("search"))
-    while len(tall) > 1:
-        share = int(pool * _SHORT_SHARE / len(tall))
-        tall = [polish(s, problem, limit=share) for s in tall]
-        keep = np.argsort([problem.step_time(s) for s in tall], kind="stable")[: len(tall) // 2]
-        tall = [tall[i] for i in sorted(keep.tolist())]
     half = max(0, meter.left("search")) // 2
     return problem.best([polish(cols, problem, limit=half), polish(tall[0], problem, limit=half)])
 
