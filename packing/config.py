@@ -67,15 +67,17 @@ class SearchBudget:
 
     Work is *counted*, never timed: every rank of the domain plans the same batch with the same
     budget, stops at the same point and gets the same plan (a wall-clock limit would not).  The
-    planner is anytime: whatever the budget, it returns the best valid plan found so far, and a
-    larger budget never gives a worse plan for the same starting points.  Three pools, each in its
-    own unit (see ``hdp.packing.policies.hdp`` for what charges what):
+    planner is anytime: whatever the budget, it returns the best valid plan found so far; from the
+    same start the local search never ends worse with more budget (the whole pipeline may, rarely:
+    a different candidate can win the construction and end lower).  Three pools, each in its own
+    unit (see ``hdp.packing.policies.hdp`` for what charges what):
 
     * ``construct`` -- *sample placements* of the construction: every candidate plan (a choice of
-      group sizes and a round count) costs the number of samples it places, and the levelling of
-      a candidate the samples it moves.  The first candidate is always built, whatever is left, so
-      a huge batch still gets a plan; then candidates are built cheapest bound first while the pool
-      lasts.
+      group sizes and a round count) costs the samples it places plus its layout and levelling
+      work (wide groups, rounds x ranks), and the level pass the samples it moves or re-plans.  The
+      first two candidates (the likeliest variant and static CP's shape) are always built,
+      whatever is left, so a huge batch still gets a plan; then candidates are built, likeliest
+      first, while the pool lasts.
     * ``search`` -- *moves evaluated* by the local search (`polish`): every (sample, target column)
       pair, trade pair and widening scored costs one unit, and every step its fixed bookkeeping
       (samples + columns).  The starting plans of the tall-round pass take their short searches
