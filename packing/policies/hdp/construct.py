@@ -123,16 +123,12 @@ def _variants(problem) -> list[tuple[str, Variant]]:
 def _floor(problem, k: np.ndarray, rounds: int) -> float:
     """A lower bound of the step time of any plan of ``rounds`` or more rounds with these group sizes.
 
-    Every group of k > 1 ranks pays sum work(Lp)/k plus (k-1) un-hidable ring-step overheads per
-    rank, and a size needs at least (its tokens per rank) / B groups; packing can share the rest.
-    A round is at least as tall as its tallest sample alone (the pipeline term).
+    A group of k ranks costs each of them at least its samples' padded work / k (`CostModel.work`;
+    every other term of a group's cost is non-negative), so the rank-time is at least the summed
+    padded work; a round is at least as tall as its tallest sample alone (the pipeline term).
     """
-    cost, N, B, lengths = problem.cost, problem.num_ranks, problem.budget, problem.lengths
-    padded = padded_length(lengths, k)
-    rank_time = float(cost.work(padded).sum())
-    sizes, cls = size_classes(k)
-    groups = -(-np.bincount(cls, weights=max_rank_tokens(lengths, k)).astype(np.int64) // B)
-    rank_time += float((groups * sizes * (sizes - 1)).sum()) * cost.step_overhead
+    cost, N, lengths = problem.cost, problem.num_ranks, problem.lengths
+    rank_time = float(cost.work(padded_length(lengths, k)).sum())
     floor = rank_time / N + rounds * cost.round_cost
     if problem.stages > 1:
         floor += (problem.stages - 1) * max(float(cost.sample_cost(lengths, k).max()), rank_time / (N * rounds))
