@@ -5,7 +5,7 @@ round and how each sample is cut into zigzag chunks; `simulate` scores any plan 
 """
 
 from hdp.packing.chunks import rank_chunks, zigzag_bounds
-from hdp.packing.config import GroupShape, PlannerConfig, Policy
+from hdp.packing.config import GroupShape, PlannerConfig, PlannerOptions, Policy, SearchBudget
 from hdp.packing.cost import CostModel
 from hdp.packing.plan import Group, Plan, PlanStats, Round
 from hdp.packing.planner import plan
@@ -14,7 +14,7 @@ from hdp.packing.simulate import lower_bound, simulate
 from hdp.packing.validate import check_plan
 
 __all__ = [
-    "plan", "PlannerConfig", "Policy", "GroupShape", "CostModel", "cost_model",
+    "plan", "PlannerConfig", "PlannerOptions", "SearchBudget", "Policy", "GroupShape", "CostModel", "cost_model",
     "HardwareProfile", "ModelPreset", "PROFILES", "MODELS", "Plan", "Round", "Group",
     "PlanStats", "simulate", "lower_bound", "check_plan", "zigzag_bounds", "rank_chunks",
 ]

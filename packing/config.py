@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar
@@ -9,7 +10,9 @@ from typing import Any, ClassVar
 from hdp.packing.cost import CostModel
 from hdp.packing.profiles import cost_model
 
-__all__ = ["Policy", "GroupShape", "PlannerOptions", "PlannerConfig", "parse_enum", "check_token_budget"]
+__all__ = [
+    "Policy", "GroupShape", "SearchBudget", "PlannerOptions", "PlannerConfig", "parse_enum", "check_token_budget",
+]
 
 
 class Policy(str, Enum):
@@ -59,6 +62,90 @@ def check_token_budget(value: object, field_name: str, *, none_means: str | None
 
 
 @dataclass(frozen=True, kw_only=True)
+class SearchBudget:
+    """How much work the ``hdp`` policy may spend on one batch beyond its first plan.
+
+    Work is *counted*, never timed: every rank of the domain plans the same batch with the same
+    budget, stops at the same point and gets the same plan (a wall-clock limit would not).  The
+    planner is anytime: whatever the budget, it returns the best valid plan found so far; from the
+    same start the local search never ends worse with more budget (the whole pipeline may, rarely:
+    a different candidate can win the construction and end lower).  Three pools, each in its own
+    unit (see ``hdp.packing.policies.hdp`` for what charges what):
+
+    * ``construct`` -- *sample placements* of the construction: every candidate plan (a choice of
+      group sizes and a round count) costs the samples it places plus its layout and levelling
+      work (wide groups, rounds x ranks), and the level pass the samples it moves or re-plans.  The
+      first two candidates (the likeliest variant and static CP's shape) are always built,
+      whatever is left, so a huge batch still gets a plan; then candidates are built, likeliest
+      first, while the pool lasts.
+    * ``search`` -- *moves evaluated* by the local search (`polish`): every (sample, target column)
+      pair, trade pair and widening scored costs one unit, and every step its fixed bookkeeping
+      (samples + columns).  The starting plans of the tall-round pass take their short searches
+      from this pool too.
+    * ``rivals`` -- the plans the package's other policies (static-cp, verl-kk, megatron-dcp,
+      ascend-hdp, and hdp with power-of-two groups) would build for the batch, taken as candidates
+      so that hdp is never worse than any of them.  Each costs an estimate of its work (samples x
+      (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
+      estimates fit.
+
+    The defaults keep ``plan()`` at about 0.1 s for 1,024 samples on 64 ranks on one CPU core
+    (``hdp bench planner``).
+    """
+
+    construct: int = 20_000
+    """Sample placements the construction may spend on candidate plans after the first (each costs
+    its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
+    builds one candidate only."""
+    search: int = 500_000
+    """Moves the local search may evaluate (sample x target pairs scored, plus per-step
+    bookkeeping); 0 turns the local search and the tall-round starts off."""
+    rivals: int = 65_536
+    """Estimated work (samples x (ranks + 32), four times that for hdp-pow2) of the other policies'
+    plans taken as candidates; 0 takes none.  The default covers every rival up to about 128
+    samples on 32 ranks."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"search_budget.{f.name}={v!r}: pass an integer >= 0 (0 turns that part off)")
+
+    @classmethod
+    def parse(cls, value: object, field_name: str = "search_budget") -> SearchBudget:
+        """A `SearchBudget` from itself, ``None`` (the defaults), a mapping of its fields (YAML / JSON),
+        or the text ``default``, ``off`` (no local search) or ``key=value,...``; ValueError naming the
+        field otherwise."""
+        if isinstance(value, SearchBudget):
+            return value
+        if value is None or value == "default":
+            return cls()
+        if value == "off":
+            return cls(search=0)
+        if isinstance(value, str):
+            try:
+                pairs = dict(item.split("=", 1) for item in value.split(",") if item.strip())
+                value = {k.strip(): int(v) for k, v in pairs.items()}
+            except ValueError as exc:
+                raise ValueError(
+                    f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
+                    "'construct=20000,search=500000,rivals=65536'"
+                ) from exc
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            extra = sorted(set(map(str, value)) - known - {"_target_"})
+            if extra:
+                raise ValueError(f"{field_name}: unknown key(s) {extra}; the budget has {sorted(known)}")
+            try:
+                return cls(**{k: v for k, v in value.items() if k != "_target_"})
+            except ValueError as exc:
+                raise ValueError(f"{field_name}.{str(exc).removeprefix('search_budget.')}") from exc
+        raise ValueError(
+            f"{field_name}={value!r}: pass a hdp.packing.SearchBudget, a mapping of its fields, "
+            "'default' or 'off'"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlannerOptions:
     """How the planner plans a step, apart from the domain, the token budget and the cost model.
 
@@ -78,11 +165,11 @@ class PlannerOptions:
     static_cp_size: int | None = None
     """CP size k for static-cp / ascend-hdp / verl-kk; None: the smallest power of two fitting the longest sample."""
     max_extra_rounds: int = 3
-    """hdp policy: rounds beyond the minimum it tries per candidate family; on batches of up to 4,096
-    samples it goes on (to 8) while each further round still lowers the step time."""
-    search_max_samples: int = 2048
-    """hdp policy: batches of up to this many samples are also planned with a first round around their
-    tallest samples and improved by local search (`policies/polish.py`); 0 turns the search off."""
+    """hdp policy: rounds beyond the minimum it tries per candidate family (more while each further
+    round still lowers the step time, at most 8), as far as ``search_budget.construct`` allows."""
+    search_budget: SearchBudget = field(default_factory=SearchBudget)
+    """hdp policy: the work it may spend beyond its first plan (construction candidates, local
+    search, the other policies' plans as candidates), counted so every rank gets the same plan."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -105,11 +192,9 @@ class PlannerOptions:
         e = self.max_extra_rounds
         if isinstance(e, bool) or not isinstance(e, int) or e < 0:
             raise ValueError(f"{self._field('max_extra_rounds')}={e!r}: pass an integer >= 0")
-        s = self.search_max_samples
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(
-                f"{self._field('search_max_samples')}={s!r}: pass an integer >= 0 (0 turns the local search off)"
-            )
+        object.__setattr__(
+            self, "search_budget", SearchBudget.parse(self.search_budget, self._field("search_budget"))
+        )
 
     def planner_options(self) -> dict[str, Any]:
         """The values of the `PlannerOptions` fields (to build a `PlannerConfig` from any subclass)."""
@@ -128,6 +213,10 @@ class PlannerConfig(PlannerOptions):
     """B: token budget of one rank in one round (activation memory is linear in tokens)."""
     cost: CostModel = field(default_factory=cost_model)
     """Cost model (a, beta, CP overheads); default: deepseek-v3 on the h100-nvlink profile."""
+    pipeline_stages: int = 1
+    """PP: pipeline stages every domain rank's model is split over (given by the engine, like N).  A
+    step then costs about the sum of round times plus (PP - 1) times the longest round (the
+    pipeline's fill and drain), so more, smaller rounds can be cheaper; 1: no pipeline."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -137,6 +226,11 @@ class PlannerConfig(PlannerOptions):
         check_token_budget(self.max_tokens_per_rank, "config.max_tokens_per_rank")
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"config.cost={self.cost!r}: must be a hdp.packing.CostModel")
+        pp = self.pipeline_stages
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(
+                f"config.pipeline_stages={pp!r}: pass the number of pipeline stages, an integer >= 1 (1: no PP)"
+            )
         if self.static_cp_size is not None and self.static_cp_size > n:
             raise ValueError(
                 f"config.static_cp_size={self.static_cp_size}: must be in [1, num_ranks={n}] or None "

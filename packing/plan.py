@@ -76,7 +76,7 @@ class PlanStats:
     """Figures of a plan under a cost model (all times in token² units unless suffixed _s)."""
 
     step_time: float
-    """T(plan) = sum over rounds of the slowest rank + rounds * beta."""
+    """T(plan) = sum over rounds of the slowest rank + rounds * beta (+ (PP - 1) x the longest round)."""
     lower_bound: float
     """T* = cheapest rank-time of every sample / N + minimum rounds * beta."""
     efficiency: float
@@ -103,6 +103,10 @@ class PlanStats:
     """Largest entry of tokens_per_rank."""
     planner_ms: float = 0.0
     """Wall time of the policy, milliseconds."""
+    pipeline_stages: int = 1
+    """PP stages the step time was computed with (1: no pipeline)."""
+    pipeline_fill: float = 0.0
+    """(PP - 1) x the longest round: the pipeline's fill and drain, part of step_time (units)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (arrays reduced to scalars)."""
@@ -120,6 +124,8 @@ class PlanStats:
             "max_tokens_per_rank": self.max_tokens_per_rank,
             "mean_tokens_per_rank_round": float(self.tokens_per_rank.mean()) if self.tokens_per_rank.size else 0.0,
             "planner_ms": self.planner_ms,
+            "pipeline_stages": self.pipeline_stages,
+            "pipeline_fill": self.pipeline_fill * self.step_time_s / self.step_time if self.step_time else 0.0,
         }
 
 

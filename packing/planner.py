@@ -29,10 +29,14 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
 
     Pure and deterministic: the same (lengths, config) give an identical plan on every rank.
     Raises ValueError for bad input (empty batch, non-positive or non-integer lengths, a sample
-    that does not fit N x B).
+    that does not fit N x B), and `hdp.packing.policies.common.TooLarge` (a ValueError) when a
+    baseline policy would take too long on a batch this large.
     """
     arr = validate_lengths(lengths, config.num_ranks, config.max_tokens_per_rank)
     module = importlib.import_module(POLICY_MODULES[config.policy])
+    check_scale = getattr(module, "check_scale", None)
+    if check_scale is not None:  # a policy that cannot plan this batch in reasonable time says so now
+        check_scale(arr, config)
     t0 = time.perf_counter()
     a = module.assign(arr, config)
     planner_ms = (time.perf_counter() - t0) * 1e3
@@ -45,4 +49,4 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
         group_start=a.group_start,
         group_size=a.group_size,
     )
-    return p.with_stats(simulate(p, config.cost, planner_ms))
+    return p.with_stats(simulate(p, config.cost, planner_ms, config.pipeline_stages))

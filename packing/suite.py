@@ -21,7 +21,17 @@ from hdp.packing.planner import plan
 from hdp.packing.profiles import cost_model
 from hdp.packing.workloads import get_workload
 
-__all__ = ["Case", "SUITE", "run_case", "plan_entry", "RESULT_FIELDS", "SAMPLES_PER_RANK"]
+__all__ = ["Case", "SUITE", "run_case", "plan_entry", "policy_options", "RESULT_FIELDS", "SAMPLES_PER_RANK", "HDP_POW2"]
+
+HDP_POW2 = "hdp-pow2"
+"""The hdp policy with aligned power-of-two groups (``group_shape=pow2``), compared like a policy."""
+
+
+def policy_options(name: str) -> dict[str, Any]:
+    """`PlannerConfig` fields for a policy name; ``hdp-pow2`` is hdp with ``group_shape=pow2``."""
+    if name == HDP_POW2:
+        return {"policy": Policy.HDP, "group_shape": "pow2"}
+    return {"policy": name}
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +77,11 @@ class Case:
         return get_workload(self.workload)(n=self.num_samples, seed=self.seed, **dict(self.params))
 
     def config(self, policy: Policy | str) -> PlannerConfig:
-        """The planner configuration of this case for ``policy``."""
+        """The planner configuration of this case for ``policy`` (or ``hdp-pow2``)."""
         return PlannerConfig(
             num_ranks=self.num_ranks,
             max_tokens_per_rank=self.max_tokens_per_rank,
-            policy=policy,
+            **policy_options(str(policy.value if isinstance(policy, Policy) else policy)),
             cost=cost_model(self.model, self.profile),
             static_cp_size=self.static_cp_size,
         )
@@ -148,8 +158,9 @@ def plan_entry(plan: Any) -> dict[str, Any]:
 def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
     """Plan the case's batch with every policy; one result dict per policy (times in seconds).
 
-    A policy that is not available yet (ImportError / NotImplementedError) or rejects the case
-    (ValueError) gives ``{"case", "policy", "error"}`` instead of the figures.
+    A policy that is not available yet (ImportError / NotImplementedError), rejects the case
+    (ValueError, e.g. a batch too large for a baseline) or runs out of memory gives
+    ``{"case", "policy", "error"}`` (a one-line reason) instead of the figures.
     """
     lengths = case.lengths()
     needs = longest_needs_ranks(lengths, case)
@@ -157,12 +168,10 @@ def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str
     for name in policies:
         try:
             p = plan(lengths, case.config(name))
-        except (ImportError, NotImplementedError, ValueError) as exc:
-            logger.warning("case %s policy %s: %s: %s", case.name, name, type(exc).__name__, exc)
-            out.append({
-                "case": case.name, "policy": str(name), "longest_needs_ranks": needs,
-                "error": f"{type(exc).__name__}: {exc}",
-            })
+        except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            logger.warning("case %s policy %s skipped: %s", case.name, name, reason)
+            out.append({"case": case.name, "policy": str(name), "longest_needs_ranks": needs, "error": reason})
             continue
-        out.append({"case": case.name, **plan_entry(p), "longest_needs_ranks": needs})
+        out.append({"case": case.name, **plan_entry(p), "policy": str(name), "longest_needs_ranks": needs})
     return out

@@ -35,11 +35,12 @@ def test_every_planner_config_inherits_the_one_declaration(cls):
 @pytest.mark.parametrize(
     "bad, field",
     [({"policy": "nope"}, "policy"), ({"group_shape": "hex"}, "group_shape"),
-     ({"max_extra_rounds": -1}, "max_extra_rounds"), ({"search_max_samples": -3}, "search_max_samples"),
+     ({"max_extra_rounds": -1}, "max_extra_rounds"), ({"search_budget": {"search": -3}}, r"search_budget\.search"),
+     ({"search_budget": "fast"}, "search_budget"),
      ({"static_cp_size": 0}, "static_cp_size")],
 )
 def test_errors_name_the_field_under_each_prefix(cls, kwargs, prefix, bad, field):
-    with pytest.raises(ValueError, match=rf"^{prefix.replace('.', chr(92) + '.')}\.{field}="):
+    with pytest.raises(ValueError, match=rf"^{prefix.replace('.', chr(92) + '.')}\.{field}"):
         cls(**kwargs, **bad)
 
 
@@ -47,7 +48,8 @@ def test_engine_and_verl_options_build_the_same_planner_config(tmp_path):
     cost = CostModel(linear_coef=1234.0, step_overhead=5.0)
     path = tmp_path / "cost.json"
     cost.save(path)
-    opts = dict(policy="static-cp", group_shape="pow2", static_cp_size=2, max_extra_rounds=1, search_max_samples=0)
+    opts = dict(policy="static-cp", group_shape="pow2", static_cp_size=2, max_extra_rounds=1,
+                search_budget={"construct": 100, "search": 0})
     engine = PlanningConfig(max_tokens_per_rank=512, cost_model=str(path), **opts).planner_config(8)
     verl = verl_config.HdpOptions(max_tokens_per_rank=512, cost_model_file=str(path), **opts).planner_config(8, None)
     direct = PlannerConfig(num_ranks=8, max_tokens_per_rank=512, cost=cost, **opts)

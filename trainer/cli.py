@@ -7,6 +7,7 @@ progress go to stderr).  User errors print ``error: <message>`` to stderr and ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -23,7 +24,7 @@ __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("hdp.cli")
 
-ALL_POLICIES = ("hdp", "static-cp", "megatron-dcp", "ascend-hdp", "verl-kk")
+ALL_POLICIES = ("hdp", "hdp-pow2", "static-cp", "megatron-dcp", "ascend-hdp", "verl-kk")
 CONTRACT_KEYS = (
     "policy", "ranks", "rounds", "step_time", "lower_bound", "efficiency", "max_idle_ratio",
     "cp_degree_hist", "planner_ms",
@@ -91,8 +92,11 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
     p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
                    help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
-    p.add_argument("--search-max-samples", type=int, default=2048, dest="search_max_samples",
-                   help="hdp: batches up to this many samples also get the local search (default 2048; 0: off)")
+    p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
+                   help="hdp: work it may spend beyond its first plan (hdp.packing.SearchBudget): 'default', "
+                        "'off' (no local search) or pools, e.g. construct=20000,search=500000,rivals=65536")
+    p.add_argument("--pp", type=int, default=1, dest="pp", metavar="P",
+                   help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it (default 1)")
 
 
 def _load_lengths(args: argparse.Namespace) -> np.ndarray:
@@ -115,14 +119,16 @@ def _cost(args: argparse.Namespace):  # noqa: ANN202
 def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: ANN202
     from hdp.packing import PlannerConfig
 
+    shape = "pow2" if policy == "hdp-pow2" else args.group_shape  # hdp-pow2: hdp on power-of-two groups
     return PlannerConfig(
         num_ranks=args.ranks,
         max_tokens_per_rank=args.max_tokens_per_rank,
-        policy=policy,
-        group_shape=args.group_shape,
+        policy="hdp" if policy == "hdp-pow2" else policy,
+        group_shape=shape,
         cost=cost if cost is not None else _cost(args),
         static_cp_size=args.static_cp,
-        search_max_samples=args.search_max_samples,
+        search_budget=args.search_budget,
+        pipeline_stages=args.pp,
     )
 
 
@@ -217,8 +223,8 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
         return None, "megatron-core peer skipped: hdp.trainer.peers has no megatron_core_plan"
     try:
         result = fn(lengths, config)
-    except (ImportError, NotImplementedError) as exc:
-        return None, f"megatron-core peer skipped: {type(exc).__name__}: {exc}"
+    except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+        return None, f"megatron-core peer skipped: {exc}"
     from hdp.packing.plan import Plan
     from hdp.packing.simulate import simulate
 
@@ -248,7 +254,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     if not policies:
         raise CliError("--policies: list at least one policy")
-    known = [p.value for p in Policy]
+    known = [p.value for p in Policy] + ["hdp-pow2"]
     for name in policies:
         if name not in known:
             raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
@@ -277,15 +283,30 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             config = _config(run_args, name, cost)
             try:
                 p = make_plan(lengths, config)
-            except (ImportError, NotImplementedError) as exc:
-                cases.append({"policy": name + suffix, "error": f"{type(exc).__name__}: {exc}"})
-                notes.append(f"{name}: not available ({exc})")
+            except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+                if name == "hdp" and isinstance(exc, ValueError):
+                    raise  # bad input: the batch or the config, not a baseline's limit
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                cases.append({"policy": name + suffix, "error": reason})
+                notes.append(f"{name + suffix} skipped: {reason}")
+                logger.warning("%s skipped: %s", name + suffix, reason)
                 continue
             plans[name + suffix] = p
             entry = _entry(p)
             entry["policy"] = name + suffix
             entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
             cases.append(entry)
+            if name == "hdp" and run_args.pp > 1:
+                # the plan made without the pipeline, scored with it: what knowing PP buys
+                from hdp.packing.simulate import simulate
+
+                flat = make_plan(lengths, _config(argparse.Namespace(**{**vars(run_args), "pp": 1}), name, cost))
+                flat = flat.with_stats(simulate(flat, cost, flat.stats.planner_ms, run_args.pp))
+                plans["hdp-no-pp" + suffix] = flat
+                entry = _entry(flat)
+                entry["policy"] = "hdp-no-pp" + suffix
+                entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+                cases.append(entry)
     if not args.no_peers:
         peer, note = _peer_entry(lengths, _config(args, policies[0], cost))
         if peer is not None:
@@ -302,7 +323,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             plot_gantt(p, cost, out / f"gantt_{name}.png")
         logger.info("wrote %d Gantt charts to %s", len(plans), out)
     if args.json:
-        obj: dict[str, Any] = {"cases": cases}
+        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp}
         if notes:
             obj["notes"] = notes
         _emit_json(obj)
@@ -310,12 +331,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t_ref = next((c["step_time"] for c in cases if c["policy"] == "hdp" and "error" not in c), None)
-    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={args.max_tokens_per_rank}")
+    pp = f", PP={args.pp} (T counts {args.pp - 1} x the longest round more)" if args.pp > 1 else ""
+    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={args.max_tokens_per_rank}{pp}")
     for col in ("policy", "rounds", "T", "T*", "efficiency", "T/T(hdp)", "max idle", "CP degrees", "planner"):
         table.add_column(col, justify="left" if col in ("policy", "CP degrees") else "right")
     for c in cases:
         if "error" in c:
-            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", c["error"][:60], "-")
+            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "skipped (see note)", "-")
             continue
         ratio = f"{c['step_time'] / t_ref:.3f}" if t_ref else "-"
         table.add_row(
@@ -642,41 +664,50 @@ def _bench_planner(args: argparse.Namespace) -> int:
     from hdp.packing import plan as make_plan
     from hdp.packing.workloads import lognormal
 
+    from hdp.packing import SearchBudget
+
+    budget = SearchBudget.parse(args.search_budget, "--search-budget")
     runs = [
+        ("1024 samples / 64 ranks", 1_024, 64, args.repeats, 100.0),
         ("8192 samples / 512 ranks", 8_192, 512, args.repeats, 50.0),
         ("131072 samples / 8192 ranks", 131_072, 8_192, args.large_repeats, 1000.0),
     ]
     if args.small_only:
-        runs = runs[:1]
+        runs = runs[:2]
     out: list[dict[str, Any]] = []
     for label, s, n, repeats, target in runs:
         lengths = lognormal(s, mean=2048.0, sigma=1.2, max_len=32_768, seed=args.seed)
-        config = PlannerConfig(num_ranks=n, max_tokens_per_rank=4_096, policy=args.policy)
-        walls, policy_ms = [], []
+        config = PlannerConfig(num_ranks=n, max_tokens_per_rank=4_096, policy=args.policy, search_budget=budget)
+        walls, cpus, policy_ms = [], [], []
+        make_plan(lengths[: min(s, 256)], config)  # warm-up: imports, caches
         for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             p = make_plan(lengths, config)
             walls.append((time.perf_counter() - t0) * 1e3)
+            cpus.append((time.process_time() - c0) * 1e3)
             policy_ms.append(p.stats.planner_ms)
         med = statistics.median(walls)
         out.append({
             "name": label, "samples": s, "ranks": n, "policy": args.policy, "repeats": len(walls),
-            "median_ms": med, "policy_median_ms": statistics.median(policy_ms), "target_ms": target,
+            "median_ms": med, "median_cpu_ms": statistics.median(cpus),
+            "policy_median_ms": statistics.median(policy_ms), "target_ms": target,
             "passed": med <= target, "efficiency": p.stats.efficiency,
         })
         logger.info("%s: median %.1f ms", label, med)
+    meta = {"search_budget": dataclasses.asdict(budget),
+            "cost_model": "deepseek-v3 on h100-nvlink (PlannerConfig default)", "lengths": "lognormal mean 2048, sigma 1.2, max 32768, B=4096"}
     if args.json:
-        _emit_json({"planner": out, "passed": all(r["passed"] for r in out)})
+        _emit_json({"planner": out, "passed": all(r["passed"] for r in out), **meta})
         return 0
     from rich.table import Table
 
-    table = Table(title=f"planner speed (policy {args.policy}, lognormal lengths, B=4096)")
-    for col in ("case", "repeats", "median plan() ms", "policy ms", "target ms", "efficiency", "result"):
+    table = Table(title=f"planner speed (policy {args.policy}, lognormal lengths, B=4096, search budget {budget})")
+    for col in ("case", "repeats", "median plan() ms", "median CPU ms", "policy ms", "target ms", "efficiency", "result"):
         table.add_column(col, justify="left" if col == "case" else "right")
     for r in out:
         table.add_row(
-            r["name"], str(r["repeats"]), f"{r['median_ms']:.1f}", f"{r['policy_median_ms']:.1f}",
-            f"{r['target_ms']:.0f}", f"{r['efficiency']:.3f}",
+            r["name"], str(r["repeats"]), f"{r['median_ms']:.1f}", f"{r['median_cpu_ms']:.1f}",
+            f"{r['policy_median_ms']:.1f}", f"{r['target_ms']:.0f}", f"{r['efficiency']:.3f}",
             "[green]PASS[/green]" if r["passed"] else "[red]FAIL[/red]",
         )
     _console().print(table)
@@ -759,9 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
     b.add_argument("--algo", default="ring", help="attention: ring or allgather")
     b.add_argument("--policy", default="hdp", help="planner: policy (default hdp)")
-    b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 512-rank case")
+    b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 64- and 512-rank cases")
     b.add_argument("--large-repeats", type=int, default=2, help="planner: repeats of the 8192-rank case")
     b.add_argument("--small-only", action="store_true", help="planner: skip the 8192-rank case")
+    b.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
+                   help="planner: hdp's search budget ('default', 'off' or key=value pairs)")
     b.add_argument("--seed", type=int, default=0, help="planner / exact: workload seed")
     b.add_argument("--instances", type=int, default=20, help="exact: random small instances (default 20)")
     b.add_argument("--json", action="store_true", help="print one JSON object")

@@ -60,12 +60,14 @@ class PlanningConfig(PlannerOptions):
         assert isinstance(self.cost_model, CostModel)
         return self.cost_model
 
-    def planner_config(self, num_ranks: int) -> PlannerConfig:
-        """The planner's config for a domain of ``num_ranks`` ranks."""
+    def planner_config(self, num_ranks: int, pipeline_stages: int = 1) -> PlannerConfig:
+        """The planner's config for a domain of ``num_ranks`` ranks whose model runs in
+        ``pipeline_stages`` pipeline stages (the engine knows both)."""
         return PlannerConfig(
             num_ranks=num_ranks,
             max_tokens_per_rank=self.max_tokens_per_rank,
             cost=self.cost,
+            pipeline_stages=pipeline_stages,
             **self.planner_options(),
         )
 

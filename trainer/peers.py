@@ -15,9 +15,14 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.plan import Plan
+from hdp.packing.policies.common import refuse_above
 from hdp.packing.simulate import simulate
 
-__all__ = ["megatron_core_plan", "budget_ok", "megatron_core_report"]
+__all__ = ["megatron_core_plan", "budget_ok", "megatron_core_report", "MAX_WORK"]
+
+MAX_WORK = 6e7
+"""Largest samples x ranks the real scheduler is run on: its Python loops grow with both
+(8,192 samples on 512 ranks take about 2 s, 16,384 on 1,024 about 7 s)."""
 
 
 class _GroupSize:
@@ -35,9 +40,12 @@ def megatron_core_plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfi
     """Megatron-core's real BalancedCPScheduler schedule as a `Plan` with stats attached.
 
     Each of its micro-batches is one round; a sample's group is the contiguous set of GPUs that
-    hold it in that micro-batch.  Raises ImportError when megatron-core is missing and ValueError
-    when its output is not contiguous or does not place every sample exactly once.
+    hold it in that micro-batch.  Raises ImportError when megatron-core is missing, `TooLarge` (a
+    ValueError, before running it) when samples x ranks exceed `MAX_WORK`, and ValueError when its
+    output is not contiguous or does not place every sample exactly once.
     """
+    refuse_above(float(np.size(lengths)) * config.num_ranks, MAX_WORK, "megatron-core's BalancedCPScheduler",
+                 f"scheduling {np.size(lengths):,} samples over {config.num_ranks:,} ranks")
     try:
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except ImportError as exc:
@@ -73,7 +81,7 @@ def megatron_core_plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfi
         num_ranks=N, max_tokens_per_rank=B, policy="megatron-core", lengths=arr,
         round_of=round_of, group_start=start, group_size=size,
     )
-    return p.with_stats(simulate(p, config.cost))
+    return p.with_stats(simulate(p, config.cost, pipeline_stages=config.pipeline_stages))
 
 
 def budget_ok(plan: Plan) -> bool:

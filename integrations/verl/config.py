@@ -52,7 +52,7 @@ _KEY = "actor_rollout_ref.actor"
 @dataclass(frozen=True, kw_only=True)
 class HdpOptions(PlannerOptions):
     """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): the planner's options (declared once in
-    `hdp.packing.PlannerOptions`: policy, group_shape, static_cp_size, max_extra_rounds, search_max_samples)
+    `hdp.packing.PlannerOptions`: policy, group_shape, static_cp_size, max_extra_rounds, search_budget)
     plus the token budget, the cost model, CP attention and MoE zero-memory.  The domain size comes
     from Megatron."""
 

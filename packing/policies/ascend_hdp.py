@@ -29,10 +29,14 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size
-from hdp.packing.policies.common import Assignment
+from hdp.packing.policies.common import Assignment, refuse_above
 from hdp.packing.policies.kk import static_cp_size
 
-__all__ = ["assign", "HEADROOM"]
+__all__ = ["assign", "check_scale", "HEADROOM", "MAX_WORK"]
+
+MAX_WORK = 1e9
+"""Largest samples x ranks x rounds this port takes on: each sample scans every sub-group of every
+round and box in Python (8,192 samples on 512 ranks, 16 rounds: about 2 s)."""
 
 HEADROOM = 1.18
 """The recipe's memory headroom factor: a sample gets ceil(L / (1.18 * B)) ranks."""
@@ -46,6 +50,14 @@ class _Box:
     free: int
     subs: list[list[int]] = field(default_factory=list)
     """Sub-groups: [start, size, tokens per rank]."""
+
+
+def check_scale(lengths: np.ndarray, config: PlannerConfig) -> None:
+    """Refuse (`TooLarge`, one line) a batch whose samples x ranks x rounds exceed `MAX_WORK`."""
+    rounds = -(-int(lengths.sum()) // (config.num_ranks * config.max_tokens_per_rank))
+    refuse_above(float(lengths.size) * config.num_ranks * max(1, rounds), MAX_WORK, "ascend-hdp",
+                 f"scanning every sub-group of ~{max(1, rounds)} rounds x {config.num_ranks:,} ranks "
+                 f"for each of {lengths.size:,} samples")
 
 
 def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:

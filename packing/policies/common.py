@@ -9,7 +9,20 @@ import numpy as np
 from hdp.packing.config import GroupShape
 from hdp.packing.cost import pow2_ceil
 
-__all__ = ["Assignment", "allowed_sizes", "pow2_ceil", "left_starts"]
+__all__ = ["Assignment", "allowed_sizes", "pow2_ceil", "left_starts", "TooLarge", "refuse_above"]
+
+
+class TooLarge(ValueError):
+    """A policy refuses, before planning, a batch it cannot plan in reasonable time or memory."""
+
+
+def refuse_above(work: float, limit: float, policy: str, what: str) -> None:
+    """Raise `TooLarge` with a one-line reason when the estimated ``work`` exceeds ``limit``."""
+    if work > limit:
+        raise TooLarge(
+            f"{policy} does not scale to this batch: {what} is about {work:.2g} steps, over the "
+            f"{limit:.2g} it takes on (minutes of Python); plan fewer samples or ranks"
+        )
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,13 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import max_rank_tokens, min_group_size
-from hdp.packing.policies.common import Assignment
+from hdp.packing.policies.common import Assignment, refuse_above
 
-__all__ = ["assign", "DELTA"]
+__all__ = ["assign", "check_scale", "DELTA", "MAX_WORK"]
+
+MAX_WORK = 2.5e8
+"""Largest samples x ranks this port takes on: it places samples one by one, scanning the
+micro-batch's groups and rank loads in Python (8,192 samples on 512 ranks take about 0.5 s)."""
 
 DELTA = 0.05
 """Balance slack that closes a micro-batch (Megatron's ``delta``)."""
@@ -182,6 +186,12 @@ def _micro_batch(
         if not grown:
             break
     return st, leftovers
+
+
+def check_scale(lengths: np.ndarray, config: PlannerConfig) -> None:
+    """Refuse (`TooLarge`, one line) a batch whose samples x ranks exceed `MAX_WORK`."""
+    refuse_above(float(lengths.size) * config.num_ranks, MAX_WORK, "megatron-dcp",
+                 f"placing {lengths.size:,} samples one by one over groups of {config.num_ranks:,} ranks")
 
 
 def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:

@@ -5,7 +5,9 @@ is cut into G = N // k aligned blocks ``[g*k, (g+1)*k)`` (ranks beyond G*k idle)
 packed into G * R bins (G groups x R rounds) with Karmarkar–Karp (largest differencing) on the
 per-sample cost ``cost.sample_cost(L, k)``, subject to the per-rank token budget of a bin
 (sum of ``max_rank_tokens(L, k)`` <= B); when KK breaks the budget, greedy LPT with capacity, then
-first-fit decreasing, are tried.  R starts at ceil(total / (G * B)) (per-rank tokens) and grows
+first-fit decreasing, are tried.  KK costs O(n * m log m) time and O(n * m) memory for m bins, so
+above ``KK_MAX_WORK`` (n * m) the bins are filled by LPT alone (O(n log m); at thousands of samples
+per bin the two balance alike) -- 1M samples on 16K ranks would otherwise need ~500 GiB.  R starts at ceil(total / (G * B)) (per-rank tokens) and grows
 until everything fits; the bins are then laid out as rounds so that the sum of round maxima is
 smallest (`rounds_from_bins`).
 """
@@ -26,7 +28,10 @@ from hdp.packing.policies.kk import (
     static_cp_size,
 )
 
-__all__ = ["assign"]
+__all__ = ["assign", "KK_MAX_WORK"]
+
+KK_MAX_WORK = 5_000_000
+"""Largest n x m (samples x bins) balanced with Karmarkar-Karp; LPT above (time and memory)."""
 
 
 def _pack(cost: np.ndarray, tokens: np.ndarray, groups: int, budget: int) -> tuple[np.ndarray, int]:
@@ -37,15 +42,18 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, groups: int, budget: int) -> tup
         m = groups * rounds
         if m >= n:  # one sample per bin always fits (every sample fits k ranks)
             return np.arange(n, dtype=np.int64), rounds
-        bins = karmarkar_karp(cost, m)
-        if bins_fit(bins, tokens, m, budget):
-            return bins, rounds
+        small = n * m <= KK_MAX_WORK
+        if small:
+            bins = karmarkar_karp(cost, m)
+            if bins_fit(bins, tokens, m, budget):
+                return bins, rounds
         lpt = lpt_with_capacity(cost, tokens, m, budget)
         if lpt is not None:
             return lpt, rounds
-        ffd = first_fit_decreasing(tokens, budget)
-        if int(ffd.max()) < m:
-            return ffd, rounds
+        if small:  # first-fit decreasing scans every open bin per sample
+            ffd = first_fit_decreasing(tokens, budget)
+            if int(ffd.max()) < m:
+                return ffd, rounds
         rounds += 1
 
 

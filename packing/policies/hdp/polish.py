@@ -1,0 +1,409 @@
+"""The polish pass: local search on a finished plan -- samples move or trade places to lower the
+round maxima.
+
+The construction balances columns (groups) per size class and lays them out shelf by shelf,
+which leaves gaps a construction cannot see: a round of short multi-rank groups under a roof set
+by its tallest group, a round whose roof is one column a little taller than the rest.  `polish`
+repeats the best of:
+
+* **move**: a sample leaves a column at its round's roof for another column -- of any round and
+  width -- or a new group of its fewest ranks on ranks a round leaves free, where it fits the token
+  budget B and does not raise that round's roof.  A sample that joins a wider group is split over
+  it (the group's exact cost, `CostModel.group_cost`); a group keeps the ranks its samples need;
+* **trade**: when no sample of a roof column can move, one of them trades places with a shorter
+  sample of another column (each split over its new group) whose round roof the trade does not
+  raise;
+* **widen**: a round's only roof column takes ranks its round leaves free, when that lowers the
+  round's roof.
+
+Targets are the roomiest columns of every round (`_targets`: the few single-rank columns with the
+most room under their round's roof -- a single-rank column's height is the sum of its samples'
+work, so the roomiest fits every sample another one fits and levels best -- and the multi-rank
+columns with the most room times width).  The best step lowers the step time the most (its
+round's roof, and with PP stages the tallest round PP - 1 more times), then costs the least
+rank-time, then levels most (lowers sum(width * height**2)); steps on disjoint rounds are taken
+together.  Every step lowers the step time, or keeps it and lowers sum(width * height**2), so the
+search ends, and it never makes a plan worse.
+
+It is anytime: before each evaluation it checks the ``search`` pool of the budget -- every scored
+(sample, target) pair costs one unit, every evaluation and every step a fixed amount for its
+bookkeeping -- and stops when the pool (or the call's ``limit``) would be overspent.
+Deterministic: ties go to the lowest indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.policies.hdp.columns import Columns
+
+__all__ = ["polish"]
+
+_TOL = 1e-9  # relative: a roof drop smaller than this is no drop
+_TARGETS = 4  # moves go to the this many roomiest single-rank and multi-rank columns of every round
+_TRADE_COLUMNS = 8  # trades look at the samples of the this many roomiest columns of every round
+_TRADE_MOVERS = 32  # ... for this many of the longest samples of the roof columns
+_CALL_UNITS = 1_500  # fixed work of one evaluation (a few dozen array operations), in pairs
+_TABLE_SAMPLES = 4_096  # batches up to this size keep every width's per-sample values in a table
+_WORK, _LEN, _SQ, _TOK = range(4)  # the per-column sums: padded work, length, length**2, busiest-rank tokens
+
+
+class _State:
+    """The plan as columns: round, width, member count and the sums their cost needs."""
+
+    def __init__(self, cols: Columns, problem) -> None:
+        c = cols.compact()
+        lengths, N = problem.lengths, problem.num_ranks
+        self.lengths, self.cost, self.N, self.B = lengths, problem.cost, N, problem.budget
+        self.stages = problem.stages
+        n_cols = c.n_columns
+        self.n_rounds = c.num_rounds
+        cap = 2 * n_cols + self.n_rounds + 8  # grows when moves open more groups
+        self.opened = n_cols
+        self.col_of = c.col_of.copy()
+        self.rnd = np.zeros(cap, dtype=np.int64)
+        self.rnd[:n_cols] = c.round
+        self.width = np.ones(cap, dtype=np.int64)
+        self.width[:n_cols] = c.width
+        self.alive = np.zeros(cap, dtype=bool)
+        self.alive[:n_cols] = True
+        self.row_of = np.full(N + 1, -1, dtype=np.int64)  # row of the table of every width (-1: none yet)
+        self.tab = np.zeros((4, 4, lengths.size if lengths.size <= _TABLE_SAMPLES else 0))
+        own = self.vals(np.arange(lengths.size), c.width[self.col_of])  # [n, 4] every sample on its own group
+        self.sums = np.stack([np.bincount(self.col_of, weights=own[:, q], minlength=cap) for q in range(4)], 1)
+        self.count = np.bincount(self.col_of, minlength=cap)  # samples of every column
+        self.h = np.where(self.alive, self._cost(self.sums, self.width), 0.0)
+        self.free = N - np.bincount(self.rnd[:n_cols], weights=self.width[:n_cols],
+                                    minlength=self.n_rounds).astype(np.int64)
+        self.roof = np.zeros(self.n_rounds)
+        np.maximum.at(self.roof, self.rnd[:n_cols], self.h[:n_cols])
+
+    def _cost(self, sums: np.ndarray, width: np.ndarray) -> np.ndarray:
+        """Per-rank cost of groups from their sums [..., 4] (`CostModel.group_cost`)."""
+        return self.cost.group_cost(sums[..., _WORK], sums[..., _LEN], sums[..., _SQ], width)
+
+    def grow(self) -> None:
+        """Double the column capacity (moves open new groups)."""
+        cap = self.rnd.size
+        for name, fill in (("rnd", 0), ("width", 1), ("alive", False), ("h", 0.0), ("count", 0)):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.full(cap, fill, dtype=a.dtype)]))
+        self.sums = np.concatenate([self.sums, np.zeros_like(self.sums)])
+
+    def vals(self, samples: np.ndarray, widths: np.ndarray) -> np.ndarray:
+        """[..., 4] padded work, length, length**2 and busiest-rank tokens of ``samples`` on groups of
+        ``widths`` (arrays broadcast together).  On batches of up to `_TABLE_SAMPLES` samples every
+        width's values for the whole batch are kept in a table made on first use (a gather is
+        cheaper than the arithmetic); on larger ones they are computed for the pairs asked."""
+        widths = np.asarray(widths)
+        if self.lengths.size <= _TABLE_SAMPLES:
+            for w in np.unique(widths).tolist():
+                if self.row_of[w] < 0:
+                    self._add_row(w)
+            return self.tab[self.row_of[widths], :, samples]
+        L, w = np.broadcast_arrays(self.lengths[samples], widths)
+        lp = padded_length(L, w).astype(np.float64)
+        tok = max_rank_tokens(L.ravel(), w.ravel()).reshape(L.shape).astype(np.float64)
+        return np.stack([self.cost.work(lp), lp, lp * lp, tok], axis=-1)
+
+    def _add_row(self, w: int) -> None:
+        """A row of the table: every sample's four values on a group of w ranks."""
+        d = int((self.row_of >= 0).sum())
+        if d == self.tab.shape[0]:  # full: double the rows (amortised O(1) per new width)
+            self.tab = np.concatenate([self.tab, np.zeros_like(self.tab)])
+        lp = padded_length(self.lengths, w).astype(np.float64)
+        self.tab[d] = (self.cost.work(lp), lp, lp * lp, max_rank_tokens(self.lengths, w))
+        self.row_of[w] = d
+
+    def others(self) -> np.ndarray:
+        """[cap] the tallest other column of each column's round (second maximum at the roof)."""
+        live = np.flatnonzero(self.alive[: self.opened])
+        h, r = self.h[live], self.rnd[live]
+        at = h >= self.roof[r] * (1 - 1e-15)
+        n_at = np.bincount(r[at], minlength=self.n_rounds)
+        below = np.zeros(self.n_rounds)
+        np.maximum.at(below, r[~at], h[~at])
+        second = np.where(n_at >= 2, self.roof, below)  # a tie keeps the roof
+        return second[self.rnd]
+
+    def pipeline_gain(self, r: np.ndarray, new_roof: np.ndarray) -> np.ndarray:
+        """(PP - 1) x the change of the tallest round when round ``r``'s roof becomes ``new_roof``
+        (never above its roof): the pipeline term of the step time; 0 without PP."""
+        if self.stages == 1 or self.n_rounds == 0:
+            return 0.0
+        top = int(np.argmax(self.roof))
+        gmax = float(self.roof[top])
+        second = float(np.delete(self.roof, top).max(initial=0.0))
+        d = np.where(r == top, np.maximum(new_roof, second) - gmax, 0.0)
+        return (self.stages - 1) * np.minimum(d, 0.0)
+
+    def move(self, i: int, src: int, dst: int) -> None:
+        """Sample i leaves column ``src`` for column ``dst`` (sums and counts)."""
+        v = self.vals(np.array([i, i]), self.width[[src, dst]])  # [2, 4]
+        self.sums[src] -= v[0]
+        self.sums[dst] += v[1]
+        self.count[src] -= 1
+        self.count[dst] += 1
+        self.col_of[i] = dst
+
+    def open(self, r: int, w: int) -> int:
+        """A new empty column of width w on free ranks of round r."""
+        c = self.opened
+        self.opened += 1
+        self.rnd[c], self.width[c], self.alive[c] = r, w, True
+        self.free[r] -= w
+        return c
+
+    def settle(self, cols: list[int]) -> None:
+        """Recompute heights of ``cols`` (emptied ones close, freeing ranks) and their roofs."""
+        for c in cols:
+            if self.count[c] == 0:
+                if self.alive[c]:
+                    self.alive[c] = False
+                    self.free[self.rnd[c]] += self.width[c]
+                self.h[c] = 0.0
+            else:
+                self.h[c] = float(self._cost(self.sums[c], self.width[c]))
+        live = np.flatnonzero(self.alive[: self.opened])
+        for r in {int(self.rnd[c]) for c in cols}:
+            self.roof[r] = float(self.h[live[self.rnd[live] == r]].max(initial=0.0))
+
+    def columns(self) -> Columns:
+        """The state as `Columns`: wider groups left in a round (aligned power-of-two blocks stay
+        aligned), empty columns and rounds dropped."""
+        live = np.flatnonzero(self.alive)
+        remap = np.full(self.alive.size, -1, dtype=np.int64)
+        remap[live] = np.arange(live.size)
+        return Columns.from_groups(remap[self.col_of], self.rnd[live], self.width[live]).compact()
+
+
+class _Budget:
+    """The search pool as one call of `polish` may spend it."""
+
+    def __init__(self, meter, stop_at: int) -> None:
+        self.meter, self.stop_at = meter, stop_at
+
+    def take(self, units: int) -> bool:
+        """Charge ``units`` when they fit; False (nothing charged) when they do not."""
+        if self.meter.spent["search"] + units > self.stop_at:
+            return False
+        self.meter.charge("search", units)
+        return True
+
+
+def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
+    """The polish pass: lower the step time of ``cols`` (every sample planned) by moves, trades and
+    widenings (module docstring) until no step helps, the ``search`` pool is spent, or ``limit``
+    units are.  Never a higher step time than ``cols``."""
+    assert cols.complete, "polish needs every sample planned"
+    meter = problem.meter
+    left = max(0, meter.left("search"))
+    budget = _Budget(meter, meter.spent["search"] + (left if limit is None else min(left, limit)))
+    if problem.n == 0 or not budget.take(problem.n // 4 + cols.n_columns):  # setting up the state
+        return cols
+    s = _State(cols, problem)
+    steps = 0
+    while budget.take(s.lengths.size // 8 + s.opened):  # the step's bookkeeping: roof samples, columns
+        if s.opened + s.n_rounds + 1 >= s.alive.size:
+            s.grow()
+        at_roof = s.alive & (s.h >= s.roof[s.rnd] * (1 - _TOL))
+        movers = np.flatnonzero(at_roof[s.col_of])  # [M] samples in roof columns
+        if movers.size == 0:
+            break
+        others = s.others()
+        found = _best_move(s, movers, others, problem.k_min, budget)
+        if found is None:
+            break
+        if not found:
+            found = _best_trade(s, movers, others, problem.k_min, budget)
+            if found is None:
+                break
+        if not found:
+            found = _widen(s, np.flatnonzero(at_roof), others, problem.sizes, budget)
+        if not found:
+            break
+        for step in found:  # steps on disjoint rounds: each one's figures stay exact
+            step()
+        steps += len(found)
+    return cols if steps == 0 else problem.better(s.columns(), cols)
+
+
+def _targets(s: _State, k: int) -> np.ndarray:
+    """Columns worth moving a sample to: in every round the ``k`` single-rank columns with the most
+    room under the round's roof, and the ``k`` multi-rank ones with the most room times width
+    (a sample split over w ranks adds about 1/w of its work to each)."""
+    live = np.flatnonzero(s.alive[: s.opened])
+    gap = (s.roof[s.rnd[live]] - s.h[live]) * s.width[live]
+    key = s.rnd[live] * 2 + (s.width[live] > 1)  # [C] (round, kind) classes
+    order = np.lexsort((live, -gap, key))
+    kk = key[order]
+    first = np.r_[True, kk[1:] != kk[:-1]]
+    rank = np.arange(order.size) - np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
+    return np.sort(live[order[rank < k]])
+
+
+def _pick(d_obj: np.ndarray, added: np.ndarray, d_phi: np.ndarray, good: np.ndarray, scale: float,
+          rounds: tuple[np.ndarray, np.ndarray]) -> list[int]:
+    """Flat indices of the best ``good`` steps that touch disjoint rounds, best first: most step-time
+    drop, least rank-time, most levelling, lowest index (time and rank-time compared at relative
+    tolerance).  ``rounds``: the (source, target) round of every step, shaped like ``good``."""
+    g = np.flatnonzero(good.ravel())
+    if g.size == 0:
+        return []
+    q = max(_TOL * scale, 1e-300)
+    o = g[np.lexsort((g, d_phi.ravel()[g], np.round(added.ravel()[g] / q), np.round(d_obj.ravel()[g] / q)))]
+    r_src = np.broadcast_to(rounds[0], good.shape).ravel()[o]
+    r_tgt = np.broadcast_to(rounds[1], good.shape).ravel()[o]
+    busy: set[int] = set()
+    out: list[int] = []
+    for j, a, b in zip(o.tolist(), r_src.tolist(), r_tgt.tolist()):
+        if a in busy or b in busy:
+            continue
+        out.append(j)
+        busy.update((a, b))
+    return out
+
+
+def _best_move(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.ndarray, budget: _Budget):
+    """The best single-sample moves on disjoint rounds, as closures that apply them: to one of the
+    roomiest columns (`_targets`), or to a new group of the sample's fewest ranks on a round's
+    free ranks.  None when the budget does not cover the evaluation."""
+    cols = _targets(s, _TARGETS)  # [C]
+    M, C, R = movers.size, cols.size, s.n_rounds
+    if not budget.take(M * (C + R) + _CALL_UNITS):
+        return None
+    B = s.B
+    src = s.col_of[movers]  # [M]
+    r_src, w_s, h_s = s.rnd[src], s.width[src], s.h[src]
+    rest = s.sums[src] - s.vals(movers, w_s)  # [M, 4] the source without the mover
+    h_src = np.where(s.count[src] > 1, s._cost(rest, w_s), 0.0)  # [M] the source's new height
+    # existing columns: [C, M] with the mover added, split over the column's width
+    grown = s.sums[cols][:, None, :] + s.vals(movers[None, :], s.width[cols][:, None])  # [C, M, 4]
+    w_c = s.width[cols][:, None]
+    h_new = s._cost(grown, w_c)
+    same = s.rnd[cols][:, None] == r_src[None, :]
+    lim = np.where(same, h_s * (1 - _TOL), s.roof[s.rnd[cols]][:, None])
+    ok = ((grown[..., _TOK] <= B) & (h_new <= lim) & (w_c >= k_min[movers]) & (cols[:, None] != src))
+    k0 = k_min[movers]
+    if int(s.free.max(initial=0)) >= int(k0.min()):  # a new group of k_min ranks on a round's free ranks: [R, M]
+        h0 = s.cost.sample_cost(s.lengths[movers], k0)  # [M]
+        same_o = np.arange(R)[:, None] == r_src
+        lim_o = np.where(same_o, h_s * (1 - _TOL), s.roof[:, None])
+        ok_o = (s.free[:, None] >= k0) & (h0 <= lim_o) & (max_rank_tokens(s.lengths[movers], k0) <= B)
+        h_all = np.concatenate([h_new, np.broadcast_to(h0, (R, M))])  # [C+R, M]
+        h_prev = np.concatenate([s.h[cols], np.zeros(R)])[:, None]
+        w_all = np.concatenate([np.broadcast_to(w_c, (C, M)), np.broadcast_to(k0, (R, M))])
+        same_all = np.concatenate([same, same_o])
+        ok_all = np.concatenate([ok, ok_o])
+        tgt_round = np.concatenate([s.rnd[cols], np.arange(R)])[:, None]
+    else:  # no round has ranks free for a new group
+        h_all, h_prev, w_all, same_all, ok_all = h_new, s.h[cols][:, None], w_c, same, ok
+        tgt_round = s.rnd[cols][:, None]
+    base = np.maximum(others[src], h_src)  # [M] the source round without the mover's old column
+    roof_r = np.where(same_all, np.maximum(base, h_all), base)
+    d_obj = roof_r - s.roof[r_src] + s.pipeline_gain(r_src, roof_r)
+    added = w_all * (h_all - h_prev) - w_s * (h_s - h_src)
+    d_phi = w_s * (h_src ** 2 - h_s ** 2) + w_all * (h_all ** 2 - h_prev ** 2)
+    scale = float(s.roof.max())
+    good = ok_all & ((d_obj < -_TOL * scale) | (d_phi < -_TOL * scale * scale))
+    steps = []
+    for j in _pick(d_obj, added, d_phi, good, scale, (r_src[None, :], tgt_round)):
+        t, m = divmod(j, M)
+
+        def apply(i: int = int(movers[m]), c: int = int(src[m]), t: int = t, w0: int = int(k0[m])) -> None:
+            tgt = int(cols[t]) if t < C else s.open(t - C, w0)
+            s.move(i, c, tgt)
+            s.settle([c, tgt])
+        steps.append(apply)
+    return steps
+
+
+def _best_trade(s: _State, movers: np.ndarray, others: np.ndarray, k_min: np.ndarray, budget: _Budget):
+    """The best trade of a roof sample i for a shorter sample j of another column (each takes
+    the other's group, split over its width), on disjoint rounds, as closures that apply them;
+    j from the roomiest columns of every round.  None when the budget does not cover the
+    evaluation."""
+    if movers.size > _TRADE_MOVERS:  # the longest samples of the roof columns
+        movers = movers[np.lexsort((movers, -s.lengths[movers]))[:_TRADE_MOVERS]]
+    roomy = np.zeros(s.alive.size, dtype=bool)
+    roomy[_targets(s, _TRADE_COLUMNS)] = True
+    cand = np.flatnonzero(roomy[s.col_of] & (s.lengths < s.lengths[movers].max()))  # [J]
+    if cand.size:
+        # i takes j's place: j's column grows by about work(i) - work(j) (over its width), which must
+        # stay within that column's room -- so j is no shorter than the shortest mover less that room
+        work1 = s.cost.work(s.lengths.astype(np.float64))  # [n] every sample's work on one rank
+        c2 = s.col_of[cand]
+        room = 2.0 * (s.roof[s.rnd[c2]] - s.h[c2]) * s.width[c2]
+        cand = cand[work1[cand] >= work1[movers].min() - room]
+    if cand.size == 0:
+        return []
+    if not budget.take(movers.size * cand.size + _CALL_UNITS):
+        return None
+    B = s.B
+    src, c2 = s.col_of[movers], s.col_of[cand]  # [M], [J]
+    w1, w2 = s.width[src], s.width[c2]
+    # c loses i and gains j (on c's width); c2 loses j and gains i (on c2's width): [J, M, 4]
+    new_c = (s.sums[src] - s.vals(movers, w1))[None, :, :] + s.vals(cand[:, None], w1[None, :])
+    new_c2 = (s.sums[c2] - s.vals(cand, w2))[:, None, :] + s.vals(movers[None, :], w2[:, None])
+    h_c = s._cost(new_c, w1)  # [J, M]
+    h_c2 = s._cost(new_c2, w2[:, None])
+    hc, hc2 = s.h[src], s.h[c2][:, None]
+    same = s.rnd[c2][:, None] == s.rnd[src]
+    lim = np.where(same, hc * (1 - _TOL), s.roof[s.rnd[c2]][:, None])
+    ok = ((s.lengths[cand][:, None] < s.lengths[movers]) & (c2[:, None] != src)
+          & (h_c < hc * (1 - _TOL)) & (h_c2 <= lim) & (new_c[..., _TOK] <= B) & (new_c2[..., _TOK] <= B)
+          & (k_min[cand][:, None] <= w1) & (k_min[movers] <= w2[:, None]))
+    base = np.maximum(others[src], h_c)
+    roof_r = np.where(same, np.maximum(base, h_c2), base)
+    d_obj = roof_r - s.roof[s.rnd[src]] + s.pipeline_gain(s.rnd[src], roof_r)
+    added = w1 * (h_c - hc) + w2[:, None] * (h_c2 - hc2)
+    d_phi = w1 * (h_c ** 2 - hc ** 2) + w2[:, None] * (h_c2 ** 2 - hc2 ** 2)
+    scale = float(s.roof.max())
+    good = ok & ((d_obj < -_TOL * scale) | (d_phi < -_TOL * scale * scale))
+    steps = []
+    for j in _pick(d_obj, added, d_phi, good, scale, (s.rnd[src][None, :], s.rnd[c2][:, None])):
+        t, m = divmod(j, movers.size)
+
+        def apply(i: int = int(movers[m]), jj: int = int(cand[t]), c: int = int(src[m]), cc: int = int(c2[t])) -> None:
+            s.move(i, c, cc)
+            s.move(jj, cc, c)
+            s.settle([c, cc])
+        steps.append(apply)
+    return steps
+
+
+def _widen(s: _State, roof_cols: np.ndarray, others: np.ndarray, sizes: np.ndarray, budget: _Budget):
+    """A round's only roof column widened onto ranks its round leaves free, when that lowers the
+    round's roof (the size giving the lowest roof, then the least rank-time); on disjoint rounds,
+    as closures that apply them."""
+    steps = []
+    done: set[int] = set()
+    for c in roof_cols.tolist():
+        r, w = int(s.rnd[c]), int(s.width[c])
+        if r in done or s.free[r] <= 0 or others[c] >= s.roof[r] * (1 - _TOL):
+            continue
+        wider = sizes[(sizes > w) & (sizes <= w + s.free[r])]
+        if not budget.take(wider.size * int(s.count[c]) + s.lengths.size // 8 + _CALL_UNITS // 4):
+            break
+        members = np.flatnonzero(s.col_of == c)
+        best = None
+        for w2 in wider.tolist():
+            v = s.vals(members, w2).sum(axis=0)  # [4] the column's sums at width w2
+            h2 = float(s._cost(v, w2))
+            top = max(float(others[c]), h2)
+            if v[_TOK] <= s.B and top < s.roof[r] * (1 - _TOL):
+                key = (round(top / (_TOL * s.roof[r])), w2 * h2, w2)
+                if best is None or key < best[0]:
+                    best = (key, w2, v)
+        if best is None:
+            continue
+        done.add(r)
+
+        def apply(c: int = c, r: int = r, w: int = w, w2: int = best[1], v: np.ndarray = best[2]) -> None:
+            s.width[c] = w2
+            s.sums[c] = v
+            s.free[r] -= w2 - w
+            s.settle([c])
+        steps.append(apply)
+    return steps
