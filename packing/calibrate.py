@@ -289,14 +289,15 @@ class _State:
 
     free: list[str]  # linear parameters fitted besides the unit time (`_Design.columns` names)
     comm_free: list[str]  # of step_latency / comm_per_token
-    fixed: dict[str, float]  # parameter -> value: a as a ratio, the others in seconds (units x u)
+    fixed: dict[str, float]  # parameter -> value: a as a ratio, the others in seconds (or units, below)
+    units: bool = False  # fixed values other than a are in units (scale with the fitted u), not seconds
 
     def without(self, name: str, value: float | None = None) -> "_State":
         """A copy with ``name`` no longer free (fixed to ``value`` when given)."""
         fixed = dict(self.fixed)
         if value is not None:
             fixed[name] = value
-        return _State([n for n in self.free if n != name], [n for n in self.comm_free if n != name], fixed)
+        return _State([n for n in self.free if n != name], [n for n in self.comm_free if n != name], fixed, self.units)
 
 
 _SUBSETS: dict[int, np.ndarray] = {}
@@ -352,16 +353,21 @@ def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> t
     w = 1.0 / des.t
     target = des.t.copy()
     a_fixed = "linear_coef" not in st.free
+    fixed_col = np.zeros_like(des.t)  # fixed parameters that scale with u (units)
     for name, value in st.fixed.items():
         if name in cols and name != "linear_coef":
-            target = target - value * cols[name]  # seconds
+            if st.units:
+                fixed_col = fixed_col + value * cols[name]
+            else:
+                target = target - value * cols[name]  # seconds
     u = u_hint
     params: dict[str, float] = {}
     sse = np.inf
     for _ in range(3):
-        lat_u = lat if "step_latency" in st.comm_free else st.fixed["step_latency"] / u
-        cpt_u = cpt if "comm_per_token" in st.comm_free else st.fixed["comm_per_token"] / u
-        base_col = des.x2 + des.exposed(lat_u, cpt_u)
+        scale = 1.0 if st.units else u
+        lat_u = lat if "step_latency" in st.comm_free else st.fixed["step_latency"] / scale
+        cpt_u = cpt if "comm_per_token" in st.comm_free else st.fixed["comm_per_token"] / scale
+        base_col = des.x2 + des.exposed(lat_u, cpt_u) + fixed_col
         if a_fixed:
             base_col = base_col + st.fixed["linear_coef"] * des.x1
         mat = np.stack([base_col] + [cols[n] for n in st.free], axis=1) * w[:, None]  # [G, 1 + F]
@@ -372,39 +378,26 @@ def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> t
         params = {"unit_time_s": new_u, **{n: float(x[i]) / new_u for i, n in enumerate(st.free, start=1)}}
         settled = abs(new_u / u - 1.0) < 1e-12
         u = new_u
-        if settled or len(st.comm_free) == 2:
+        if settled or len(st.comm_free) == 2 or st.units:
             break
     return params, sse
 
 
-def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint: float) -> tuple[dict[str, float], float, float, float]:
-    """Minimise over the free communication parameters; returns (params, sse, lat, cpt), lat/cpt in units."""
-    if not st.comm_free:
-        params, sse = _solve(des, st, 0.0, 0.0, u_hint)
-        u = params.get("unit_time_s", u_hint)
-        return params, sse, st.fixed["step_latency"] / u, st.fixed["comm_per_token"] / u
-    multi = des.multi
-    scale = float(np.median(des.x3[multi]))
-    tok = float(np.median(des.x1[multi]))
-    lat_free = "step_latency" in st.comm_free
-    cpt_free = "comm_per_token" in st.comm_free
-    lat_grid = np.concatenate([[0.0], scale * np.geomspace(1e-3, 30.0, 25)]) if lat_free else np.zeros(1)
-    cpt_grid = np.concatenate([[0.0], scale / tok * np.geomspace(1e-3, 30.0, 25)]) if cpt_free else np.zeros(1)
-    best = (np.inf, 0.0, 0.0)
-    if start is not None:
-        best = (_solve(des, st, *start, u_hint)[1], *start)
-    for lat in lat_grid:
-        for cpt in cpt_grid:
-            sse = _solve(des, st, float(lat), float(cpt), u_hint)[1]
-            if sse < best[0] * (1 - 1e-12):
-                best = (sse, float(lat), float(cpt))
-    _, lat, cpt = best
+_STARTS = 4
+"""Grid points refined by the pattern search (the best few: the sse over (lat, cpt) has several basins)."""
+
+
+def _pattern(des: _Design, st: _State, lat: float, cpt: float, u_hint: float, lat_free: bool, cpt_free: bool,
+             scale: float, tok: float) -> tuple[float, float, float]:
+    """Multiplicative pattern search from (lat, cpt); returns (sse, lat, cpt)."""
+    best = (_solve(des, st, lat, cpt, u_hint)[1], lat, cpt)
     step = 30.0 ** (1 / 12)
-    moves = [(x, y) for x in (step, 1.0, 1 / step) for y in (step, 1.0, 1 / step) if (x, y) != (1.0, 1.0)]
-    moves = [(x, y) for x, y in moves if (x == 1.0 or lat_free) and (y == 1.0 or cpt_free)]
-    for _ in range(80):
+    signs = [(x, y) for x in (1, 0, -1) for y in (1, 0, -1)
+             if (x, y) != (0, 0) and (x == 0 or lat_free) and (y == 0 or cpt_free)]
+    for _ in range(200):
         improved = False
-        for dl, dc in moves:
+        for sx, sy in signs:
+            dl, dc = step ** sx, step ** sy
             cl = lat * dl if lat > 0 else (scale * 1e-3 if dl > 1 else 0.0)
             cc = cpt * dc if cpt > 0 else (scale / tok * 1e-3 if dc > 1 else 0.0)
             sse = _solve(des, st, cl, cc, u_hint)[1]
@@ -414,12 +407,42 @@ def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint:
             step = step ** 0.5
             if step < 1.0005:
                 break
+    return best
+
+
+def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint: float) -> tuple[dict[str, float], float, float, float]:
+    """Minimise over the free communication parameters; returns (params, sse, lat, cpt), lat/cpt in units."""
+    if not st.comm_free:
+        params, sse = _solve(des, st, 0.0, 0.0, u_hint)
+        scale = 1.0 if st.units else params.get("unit_time_s", u_hint)
+        return params, sse, st.fixed["step_latency"] / scale, st.fixed["comm_per_token"] / scale
+    multi = des.multi
+    scale = float(np.median(des.x3[multi]))
+    tok = float(np.median(des.x1[multi]))
+    lat_free = "step_latency" in st.comm_free
+    cpt_free = "comm_per_token" in st.comm_free
+    lat_grid = np.concatenate([[0.0], scale * np.geomspace(1e-3, 30.0, 25)]) if lat_free else np.zeros(1)
+    cpt_grid = np.concatenate([[0.0], scale / tok * np.geomspace(1e-3, 30.0, 25)]) if cpt_free else np.zeros(1)
+    scored = []  # (sse, lat, cpt) of every grid point
+    for lat in lat_grid:
+        for cpt in cpt_grid:
+            scored.append((_solve(des, st, float(lat), float(cpt), u_hint)[1], float(lat), float(cpt)))
+    scored.sort(key=lambda x: x[0])  # stable: ties keep grid order (deterministic)
+    starts = [s[1:] for s in scored[:_STARTS]]
+    if start is not None:
+        starts.insert(0, start)
+    best = (np.inf, 0.0, 0.0)
+    for lat0, cpt0 in starts:  # the landscape is not convex: refine the best few grid points
+        found = _pattern(des, st, lat0, cpt0, u_hint, lat_free, cpt_free, scale, tok)
+        if found[0] < best[0] * (1 - 1e-12):
+            best = found
+    _, lat, cpt = best
     params, sse = _solve(des, st, lat, cpt, u_hint)
-    u = params.get("unit_time_s", u_hint)
+    scale = 1.0 if st.units else params.get("unit_time_s", u_hint)
     if not lat_free:
-        lat = st.fixed["step_latency"] / u
+        lat = st.fixed["step_latency"] / scale
     if not cpt_free:
-        cpt = st.fixed["comm_per_token"] / u
+        cpt = st.fixed["comm_per_token"] / scale
     return params, sse, lat, cpt
 
 
@@ -511,13 +534,26 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
 
     u_base = base.unit_time_s
 
+    in_units = False  # parameters kept from the base keep their seconds, unless the records contradict that
+
     def make_state() -> _State:
-        fixed = {n: (base.linear_coef if n == "linear_coef" else getattr(base, n) * u_base)
+        per = 1.0 if in_units else u_base
+        fixed = {n: (base.linear_coef if n == "linear_coef" else getattr(base, n) * per)
                  for n in free + comm_free if n in reasons}
-        return _State([n for n in free if n not in reasons], [n for n in comm_free if n not in reasons], fixed)
+        return _State([n for n in free if n not in reasons], [n for n in comm_free if n not in reasons], fixed, in_units)
 
     st = make_state()
     params, sse, lat, cpt = _search(des, st, None, u_base)
+    if not np.isfinite(sse) and any(n in reasons for n in free[1:] + comm_free):
+        # the base's overheads in seconds already exceed some measured time: keep them relative to
+        # the fitted unit time instead (they then scale with this machine's speed)
+        in_units = True
+        warnings.append(
+            "calibrate: the base model's overheads (in seconds) exceed some measured times; the parameters "
+            "kept from the base are scaled with the fitted unit time instead"
+        )
+        st = make_state()
+        params, sse, lat, cpt = _search(des, st, None, u_base)
     if not np.isfinite(sse):
         raise ValueError(
             "calibrate: no fit with a positive unit time; the records do not grow with length "
@@ -543,11 +579,11 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
                 return _solve(des, st, v, cpt, u)[1]  # comm parameters are inputs of _solve
             if name == "comm_per_token":
                 return _solve(des, st, lat, v, u)[1]
-            return _solve(des, st.without(name, v if name == "linear_coef" else v * u), lat, cpt, u)[1]
+            return _solve(des, st.without(name, v if name == "linear_coef" or st.units else v * u), lat, cpt, u)[1]
 
         if all(sse_with(v) - sse > thr for v in trials):
             continue  # determined
-        base_units = base.linear_coef if name == "linear_coef" else getattr(base, name) * u_base / u
+        base_units = base.linear_coef if name == "linear_coef" or in_units else getattr(base, name) * u_base / u
         if sse_with(base_units) - sse <= thr:
             reasons[name] = "the records do not determine it (moving it 2x changes the fit by less than the noise)"
             st = make_state()
@@ -563,7 +599,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
         if n in st.free:
             values[n] = params[n]
         else:
-            values[n] = base.linear_coef if n == "linear_coef" else getattr(base, n) * u_base / u
+            values[n] = base.linear_coef if n == "linear_coef" else getattr(base, n) * (1.0 if in_units else u_base / u)
     values["round_cost"] = base.round_cost * u_base / u
     cost = replace(base, **values)
 
