@@ -469,12 +469,13 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def _check_order(des: _Design, base: CostModel) -> None:
-    """Raise when the measured times fall as the work grows (records that cannot be right)."""
+    """Raise when the measured times fall as the work grows (records that cannot be right): for every
+    group size with >= 3 distinct works spanning >= 2x, the rank correlation of work and time must be > 0."""
     for k in np.unique(des.k):
         rows = des.k == k
         size = base.linear_coef * des.x1[rows] + des.x2[rows]
-        if np.unique(size).size < 2:
-            continue
+        if np.unique(size).size < 3 or size.max() < 2.0 * size.min():
+            continue  # too little spread for noise not to invert the order
         rho = _spearman(size, des.t[rows])
         if rho <= 0:
             raise ValueError(
@@ -484,14 +485,15 @@ def _check_order(des: _Design, base: CostModel) -> None:
             )
 
 
-def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None) -> CalibrationResult:
+def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None, *, warn: bool = True) -> CalibrationResult:
     """Fit the parameters of a `CostModel` that the records determine; keep the others from ``base``.
 
     ``base`` (default: a `CostModel()` with zero overheads) supplies every parameter the records
     cannot determine (see the module docstring: no k >= 2 records, one group size only, comm
     always hidden, no round records, too few records); the result names them and why.  Raises
     ValueError when there is no group record, a record is malformed, or the times fall as the
-    work grows.
+    work grows.  ``warn=False`` logs the result's warnings at INFO instead of WARNING (for fits that
+    run again and again, like the engine's self-calibration).
     """
     base = base if base is not None else CostModel()
     recs = [validate_record(r, f"records[{i}]") for i, r in enumerate(records)]
@@ -635,7 +637,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
     from_base = tuple(n for n in PARAMETERS if n in reasons)
     fitted = tuple(n for n in PARAMETERS if n not in reasons)
     for msg in warnings:
-        logger.warning("%s", msg)
+        logger.log(logging.WARNING if warn else logging.INFO, "%s", msg)
     for n in from_base:
         logger.info("calibrate: %s kept from the base model (%s)", n, reasons[n])
     logger.info("calibrate: %d records, R2=%.4f, median rel err=%.3g", len(recs), r2, float(np.median(rel)))
