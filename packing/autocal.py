@@ -8,9 +8,13 @@ rank of the domain holds the same ``[N, R]`` table and feeds it here:
   record per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
   window of at most `AutoCalibrate.window_groups` group records);
 * every `AutoCalibrate.every_steps` steps, `refit` fits the family to the window's training rounds
-  (every `AutoCalibrate.holdout_every`-th round of the window is held out), with the current model
+  (every `AutoCalibrate.holdout_every`-th round of the window is held out; records far off a first
+  fit, such as a descheduled process's, are dropped before the second), with the current model
   as the base (what the window cannot determine stays as it is), and adopts the refit only when it
-  predicts the held-out rounds better than the current model (mean |log(predicted / measured)|).
+  predicts the held-out rounds better than the current model (median |log(predicted / measured)|);
+* a window without a single-rank group cannot show what context parallelism costs (a model that
+  thinks CP is free puts every sample on a CP group, and its records then never contradict it): the
+  step after such a refit is planned with a CP-averse variant (`explore_model`), once per refit.
 
 Everything here is deterministic in its inputs, so ranks holding the same window reach the same
 decision; the trainer still broadcasts domain rank 0's decision (one fixed-size vector) so that
@@ -23,7 +27,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,7 +36,10 @@ from hdp.packing.calibrate import calibrate, group_seconds
 from hdp.packing.cost import CostModel
 from hdp.packing.plan import Plan
 
-__all__ = ["AutoCalibrate", "CostWindow", "Refit", "refit", "round_error", "records_r2", "auto_calibrate_config"]
+__all__ = [
+    "AutoCalibrate", "CostWindow", "Refit", "refit", "round_error", "records_r2", "auto_calibrate_config",
+    "needs_exploration", "explore_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +63,19 @@ class AutoCalibrate:
     """Every this many-th round of the window is held out of the fit and decides the adoption."""
     min_gain: float = 0.02
     """Adopt a refit only when its held-out error is below (1 - min_gain) x the current model's."""
+    explore: bool = True
+    """When the window holds no single-rank group (so nothing shows what context parallelism costs,
+    e.g. after a model that thinks CP is free put every sample on a CP group), plan the step after a
+    refit with a CP-averse variant of the model (`explore_model`): smallest groups, new records."""
 
     def __post_init__(self) -> None:
         self.check(self._FIELD_PREFIX)
 
     def check(self, prefix: str) -> None:
         """Raise ValueError naming ``prefix.field``, the bad value and the fix."""
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"{prefix}.enabled={self.enabled!r}: pass True or False")
+        for flag in ("enabled", "explore"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{prefix}.{flag}={getattr(self, flag)!r}: pass True or False")
         for name, lo in (("every_steps", 1), ("window_groups", 8), ("min_rounds", 2), ("holdout_every", 2)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -158,6 +170,27 @@ class CostWindow:
         """Every round held, oldest first."""
         return list(self._rounds)
 
+    def group_sizes(self) -> set[int]:
+        """The group sizes of the records held."""
+        return {g["group_size"] for r in self._rounds for g in r.groups}
+
+    def longest(self) -> int:
+        """The longest sample of the records held (0 when empty)."""
+        return max((max(g["lengths"]) for r in self._rounds for g in r.groups), default=0)
+
+
+def needs_exploration(window: CostWindow) -> bool:
+    """True when the window holds group records but none of a single rank: without them the fit
+    cannot tell the per-token cost of context parallelism from the linear work."""
+    sizes = window.group_sizes()
+    return bool(sizes) and 1 not in sizes
+
+
+def explore_model(current: CostModel, window: CostWindow) -> CostModel:
+    """``current`` with a per-token CP cost of 10 x (a + longest sample) units: every sample goes on
+    the smallest group that fits it (single ranks for the short ones) for one step."""
+    return replace(current, cp_per_token=current.cp_per_token + 10.0 * (current.linear_coef + window.longest()))
+
 
 def _records(rounds: Sequence[_Round]) -> list[dict[str, Any]]:
     """Group and round records of ``rounds`` (`hdp.packing.calibrate` schema)."""
@@ -175,11 +208,12 @@ def _round_predictions(cost: CostModel, rounds: Sequence[_Round]) -> np.ndarray:
 
 
 def round_error(cost: CostModel, rounds: Sequence[_Round]) -> float:
-    """Mean |log(predicted / measured)| of the round times (nan without rounds)."""
+    """Median |log(predicted / measured)| of the round times (nan without rounds); the median, so
+    that a few rounds of a descheduled process do not decide."""
     if not rounds:
         return float("nan")
     measured = np.array([r.seconds for r in rounds])
-    return float(np.mean(np.abs(np.log(_round_predictions(cost, rounds) / measured))))
+    return float(np.median(np.abs(np.log(_round_predictions(cost, rounds) / measured))))
 
 
 def records_r2(cost: CostModel, rounds: Sequence[_Round]) -> float:
@@ -211,21 +245,23 @@ class Refit:
     adopt: bool
     """True when the candidate predicts the held-out rounds better than the current model."""
     error_new: float
-    """Held-out mean |log(predicted / measured)| of the candidate (nan when none)."""
+    """Held-out median |log(predicted / measured)| of the candidate (nan when none)."""
     error_old: float
     """The same for the current model."""
     r2: float
     """R² over the whole window of the model in use after this refit."""
     reason: str = ""
     """Why nothing was adopted (empty when adopted)."""
+    explore: bool = False
+    """Plan the next step with `explore_model` (the window lacks single-rank groups)."""
 
-    VECTOR_SIZE: ClassVar[int] = 4
-    """Fixed values before the model's parameters in `to_vector` (adopt, error_new, error_old, r2)."""
+    VECTOR_SIZE: ClassVar[int] = 5
+    """Fixed values before the model's parameters in `to_vector` (adopt, explore, error_new, error_old, r2)."""
 
     def to_vector(self, current: CostModel) -> np.ndarray:
-        """[adopt, error_new, error_old, r2, parameters of the model to plan with] (float64, fixed size)."""
+        """[adopt, explore, error_new, error_old, r2, parameters of the model to plan with] (float64, fixed size)."""
         model = self.candidate if self.adopt and self.candidate is not None else current
-        head = [1.0 if self.adopt else 0.0, self.error_new, self.error_old, self.r2]
+        head = [1.0 if self.adopt else 0.0, 1.0 if self.explore else 0.0, self.error_new, self.error_old, self.r2]
         return np.concatenate([np.array(head, dtype=np.float64), model.to_vector()])
 
     @classmethod
@@ -233,25 +269,49 @@ class Refit:
         """Inverse of `to_vector` (the candidate is the model in the vector)."""
         v = np.asarray(vector, dtype=np.float64)
         adopt = bool(v[0] > 0.5)
-        return cls(candidate=CostModel.from_vector(v[cls.VECTOR_SIZE:]), adopt=adopt, error_new=float(v[1]),
-                   error_old=float(v[2]), r2=float(v[3]), reason="" if adopt else "not better on the held-out rounds")
+        return cls(candidate=CostModel.from_vector(v[cls.VECTOR_SIZE:]), adopt=adopt, explore=bool(v[1] > 0.5),
+                   error_new=float(v[2]), error_old=float(v[3]), r2=float(v[4]),
+                   reason="" if adopt else "not better on the held-out rounds")
+
+
+def _robust(rounds: Sequence[_Round], current: CostModel) -> list[dict[str, Any]]:
+    """The records of ``rounds`` without the outliers of a first fit (a descheduled process, a GC
+    pause): group and round records whose |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x
+    its median) are dropped (at most a fifth of them)."""
+    records = _records(rounds)
+    try:
+        first = calibrate(records, base=current, warn=False).cost
+    except ValueError:
+        return records
+    pred = []
+    for r in records:
+        if r["kind"] == "group":
+            pred.append(group_seconds(first, r["lengths"], r["group_size"]))
+        else:
+            beta = first.round_cost * first.unit_time_s
+            pred.append(max(group_seconds(first, g["lengths"], g["group_size"]) for g in r["groups"]) + beta)
+    dev = np.abs(np.log(np.array(pred) / np.array([r["seconds"] for r in records])))
+    limit = max(0.05, 3.0 * 1.4826 * float(np.median(dev)), float(np.quantile(dev, 0.8)))
+    kept = [r for r, d in zip(records, dev) if d <= limit]
+    return kept if any(r["kind"] == "group" for r in kept) else records
 
 
 def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Refit:
     """Fit the window's training rounds (base: ``current``); adopt when the held-out rounds say so."""
+    explore = settings.explore and needs_exploration(window)
     train, held = window.split(settings.holdout_every)
     if not held or len(train) < 2:
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
-                     r2=records_r2(current, window.rounds()), reason="too few rounds in the window")
+                     r2=records_r2(current, window.rounds()), reason="too few rounds in the window", explore=explore)
     try:
-        fit = calibrate(_records(train), base=current, warn=False)
+        fit = calibrate(_robust(train, current), base=current, warn=False)
     except ValueError as exc:
         logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, held),
-                     r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}")
+                     r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}", explore=explore)
     err_new, err_old = round_error(fit.cost, held), round_error(current, held)
     adopt = bool(np.isfinite(err_new) and err_new < err_old * (1.0 - settings.min_gain))
     in_use = fit.cost if adopt else current
     return Refit(candidate=fit.cost, adopt=adopt, error_new=err_new, error_old=err_old,
-                 r2=records_r2(in_use, window.rounds()),
+                 r2=records_r2(in_use, window.rounds()), explore=explore,
                  reason="" if adopt else f"held-out error {err_new:.3g} not below {err_old:.3g} x (1 - {settings.min_gain:g})")

@@ -8,9 +8,10 @@ the step's plan and this rank's seconds of every round.  It
    `hdp.packing.autocal.CostWindow`;
 2. every ``every_steps`` steps, on domain rank 0 only, refits the cost model to the window
    (`hdp.packing.autocal.refit`), and broadcasts the decision as one fixed-size float64 vector
-   (adopt flag, held-out errors, R², the model's parameters) over the domain group, so every rank
-   adopts bit-identical parameters whatever its BLAS does (plans stay identical; the plan checksum
-   still guards);
+   (adopt and explore flags, held-out errors, R², the model's parameters) over the domain group, so
+   every rank adopts bit-identical parameters whatever its BLAS does (plans stay identical; the plan
+   checksum still guards); an explore decision plans the next step with
+   `hdp.packing.autocal.explore_model` and the one after with the model in use again;
 3. returns the model to plan with from now on (or None) and the metrics ``hdp/cost_fit_r2``,
    ``hdp/predicted_over_measured`` and ``hdp/cost_model_version``.
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from hdp.checksum import collective_device
 from hdp.packing import simulate
-from hdp.packing.autocal import AutoCalibrate, CostWindow, Refit, refit
+from hdp.packing.autocal import AutoCalibrate, CostWindow, Refit, explore_model, refit
 from hdp.packing.cost import PARAMETERS, CostModel
 from hdp.packing.plan import Plan
 
@@ -46,7 +47,8 @@ class AutoCalUpdate:
     """What one observed step changes: the cost model to plan with from now on, and metrics."""
 
     cost: CostModel | None = None
-    """The adopted model (None: keep planning with the current one)."""
+    """The model to plan with from the next step on (None: keep the current one): an adopted refit,
+    for one step an exploration variant, then the adopted model again."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """``hdp/cost_fit_r2``, ``hdp/predicted_over_measured``, ``hdp/cost_model_version`` (empty when off)."""
 
@@ -68,6 +70,7 @@ class DomainAutoCalibrator:
         self.steps = 0
         self.r2 = math.nan
         self.last: Refit | None = None
+        self._exploring = False  # this step was planned with explore_model (the next one reverts)
 
     def observe(self, plan: Plan, round_seconds: Sequence[float]) -> AutoCalUpdate:
         """Feed one step (collective over the domain group when enabled); see the module docstring."""
@@ -78,19 +81,24 @@ class DomainAutoCalibrator:
         self.steps += 1
         measured = float(times.max(axis=0).sum()) if times.size else math.nan  # sum over rounds of the slowest rank
         predicted = simulate(plan, self.cost).step_time_s  # the model this step was planned with
-        adopted = None
+        plan_with = None
+        if self._exploring:  # back to the model in use after one exploration step
+            self._exploring, plan_with = False, self.cost
         if self.steps % self.settings.every_steps == 0 and len(self.window) >= self.settings.min_rounds:
             decision = self._decide()
             self.last = decision
             self.r2 = decision.r2
             if decision.adopt and decision.candidate is not None and decision.candidate != self.cost:
-                adopted = self.cost = decision.candidate
+                plan_with = self.cost = decision.candidate
                 self.version += 1
                 logger.info("auto-calibration: cost model v%d adopted (held-out error %.3g -> %.3g, R2 %.3f)",
                             self.version, decision.error_old, decision.error_new, decision.r2)
             else:
                 logger.info("auto-calibration: kept cost model v%d (%s)", self.version, decision.reason)
-        return AutoCalUpdate(cost=adopted, metrics={
+            if decision.explore:  # identical on every rank: the flag came with the broadcast
+                self._exploring, plan_with = True, explore_model(self.cost, self.window)
+                logger.info("auto-calibration: no single-rank group in the window; next step explores")
+        return AutoCalUpdate(cost=plan_with, metrics={
             "hdp/cost_fit_r2": self.r2,
             "hdp/predicted_over_measured": predicted / measured if measured > 0 else math.nan,
             "hdp/cost_model_version": self.version,

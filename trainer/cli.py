@@ -618,7 +618,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cal = result.get("calibration", {})
-    fields = ("linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token", "unit_time_s")
+    from hdp.packing.cost import PARAMETERS as fields  # every CostModel field, as calibrate's to_dict has them
     cost = CostModel(**{k: cal[k] for k in fields}) if all(k in cal for k in fields) else None
     if cost is None:
         from hdp.trainer.config import PlanningConfig
