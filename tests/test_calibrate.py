@@ -379,3 +379,8 @@ def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
         assert hdp["efficiency"] >= (0.95 if name.startswith("rl") else 0.94), (name, hdp)
         for other in ("megatron-core", "megatron-dcp", "static-cp", "hdp (unfitted preset)"):
             assert hdp["step_time_s"] < row[other]["step_time_s"], (name, other, row[other], hdp)
+
+
+def test_cli_suite_rejects_a_cost_model(capsys):
+    assert main(["simulate", "--suite", "--cost-model", "c.json"]) == 2
+    assert "--suite plans every case with its own model and profile; drop --cost-model" in capsys.readouterr().err

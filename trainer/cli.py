@@ -271,6 +271,10 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.suite:
+        given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
+                                ("--model", args.model), ("--linear-coef", args.linear_coef)) if v is not None]
+        if given:
+            raise CliError(f"--suite plans every case with its own model and profile; drop {' '.join(given)}")
         return _cmd_suite(args)
     if args.lengths is None and args.workload is None:
         raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
