@@ -23,7 +23,7 @@ from dist_helper import run_distributed
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 RANKS, B, STEPS, EVERY, LAST = 4, 256, 14, 4, 6
-NOISE_LIMIT = 0.25  # coefficient of variation of step times above which timings cannot judge 15%
+NOISE_LIMIT = 0.25  # robust spread (1.48 MAD / median) of step times above which timings cannot judge 15%
 
 
 def _lengths(step: int) -> list[int]:
@@ -83,7 +83,7 @@ def test_engine_learns_the_cost_of_context_parallelism(tmp_path):
     ratios = [h["hdp/predicted_over_measured"] for h in hist]
     versions = [h["hdp/cost_model_version"] for h in hist]
     report = json.dumps({"ratios": ratios, "versions": versions, "first": out["first"], "last": out["last"],
-                         "cost": out["cost"]}, default=str)
+                         "step_times": [h["perf/step_time"] for h in hist], "cost": out["cost"]}, default=str)
     # the CP-free model predicts far less than is measured before the first refit
     assert statistics.median(ratios[:EVERY]) < 0.85, report
     assert versions[0] == 0 and versions[-1] >= 1, report
@@ -100,9 +100,10 @@ def test_engine_learns_the_cost_of_context_parallelism(tmp_path):
     # steps).  That needs timings that are themselves good to ~15%: when other jobs share the cores,
     # the same plan takes 0.7 s in one step and 2.4 s in the next, and no model can predict that.
     times = [h["perf/step_time"] for h in hist[-LAST:]]
-    spread = statistics.pstdev(times) / statistics.mean(times)
+    med = statistics.median(times)
+    spread = 1.4826 * statistics.median(abs(t - med) for t in times) / med  # robust: one spike does not count
     if spread > NOISE_LIMIT:
-        pytest.skip(f"step times vary by {spread:.0%} (> {NOISE_LIMIT:.0%}) over the last {LAST} steps: this machine "
+        pytest.skip(f"step times spread by {spread:.0%} (> {NOISE_LIMIT:.0%}) over the last {LAST} steps: this machine "
                     f"is too loaded to judge a 15% prediction (load average {os.getloadavg()[0]:.1f}); {report}")
     assert abs(statistics.median(ratios[-LAST:]) - 1.0) <= 0.15, report
 
