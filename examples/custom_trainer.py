@@ -45,6 +45,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         planning=PlanningConfig(max_tokens_per_rank=args.tokens_per_rank, policy=args.policy),
         loss_aggregation="token-mean",
         device=args.device,
+        calibration_path=args.records,  # measured (lengths, group size, seconds) records for hdp calibrate
     )
     engine = HdpEngine.build(config, dist.group.WORLD)  # domain = all ranks
     history = []
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-rank", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--records", default=None, help="append calibration records here (hdp calibrate --records)")
     args = parser.parse_args()
     if init_from_env(args.device):  # launched by torchrun
         train(dist.get_rank(), dist.get_world_size(), args)

@@ -1,4 +1,4 @@
-"""Fit a `CostModel` to measured times (numpy only).
+"""Fit a `CostModel` to measured times (numpy only, deterministic).
 
 Record schema (one JSON object per line of a ``.jsonl`` file):
 
@@ -7,9 +7,9 @@ Record schema (one JSON object per line of a ``.jsonl`` file):
       {"kind": "group", "lengths": [L1, L2, ...], "group_size": k, "seconds": t}
 
   ``lengths`` are the samples one group of ``k`` ranks ran packed in one round (forward +
-  backward), ``t`` the measured time of one rank of that group for that work, without the fixed
-  per-round cost.  k = 1 records fix a (linear coefficient) and the unit time; k >= 2 records
-  fix the ring-attention overheads.
+  backward), ``t`` the measured time of the slowest rank of that group for that work, without
+  the fixed per-round cost.  k = 1 records fix a (linear coefficient) and the unit time; k >= 2
+  records of at least two group sizes fix the ring-attention terms.
 
 * **round** record::
 
@@ -18,18 +18,37 @@ Record schema (one JSON object per line of a ``.jsonl`` file):
   the wall time of one whole round in which the listed groups ran side by side; ``t - max over
   groups of the group time`` is the per-round cost beta.
 
-Any record may carry extra keys (``"note"``, ``"rank"``, ...); they are ignored.
+Any record may carry extra keys (``"note"``, ``"rank"``, ...); they are ignored.  Lengths are
+integers in [1, `MAX_LENGTH`], group sizes in [1, `MAX_GROUP_SIZE`], seconds in
+[`MIN_SECONDS`, `MAX_SECONDS`] (a time below a nanosecond is not a measurement, and such values
+break the linear algebra).
 
-Model (see `hdp.packing.cost`), with ``Lp`` the lengths padded to 2k chunks and
-``X1 = sum Lp / k``, ``X2 = sum Lp**2 / k``, ``X3 = sum Lp**2 / k**2``::
+Model (`hdp.packing.cost`), with ``Lp`` the lengths padded to 2k chunks, ``X1 = sum Lp / k``,
+``X2 = sum Lp**2 / k``, ``X3 = sum Lp**2 / k**2`` and u the unit time::
 
-    t = u * a * X1 + u * X2 + (k - 1) * u * step_overhead
-        + (k - 1) * u * max(0, step_latency + comm_per_token * X1 - X3)
+    t = u * (a * X1 + X2) + u * (k-1) * max(0, step_latency + comm_per_token * X1 - X3)
+        + u * step_overhead * (k-1) + u * merge_per_token * (k-1) * X1
+        + u * cp_per_token * X1 * [k >= 2]
 
-For fixed (step_latency, comm_per_token) this is linear in (u*a, u, u*step_overhead), so the fit
-solves a non-negative least-squares problem for those three on a grid over the two hideable
-communication parameters, refines the grid around the best point, and finally sets beta from the
-round records.  Residuals are reported as R² and the median relative error over all records.
+For fixed (step_latency, comm_per_token) this is linear in (u, u*a, u*step_overhead,
+u*merge_per_token, u*cp_per_token); the fit solves that non-negative least-squares problem exactly
+(active sets enumerated, u > 0) with rows weighted by 1/t (relative error), on a grid over the two
+hideable communication parameters refined by a pattern search; beta comes last from the round
+records.
+
+**What the records cannot say.**  A parameter is *fitted* only when the records determine it:
+moving it by 2x either way (from 0: to the value where it would add 5% to the typical record)
+must worsen the fit by more than the noise (4 sigma², sigma² the residual variance).  Otherwise it
+keeps the base model's value (when that value is consistent with the records) and the result says
+which and why (`CalibrationResult.from_base`, `CalibrationResult.reasons`).  Parameters are tried
+for this in the order cp_per_token, merge_per_token, step_latency, comm_per_token, step_overhead,
+linear_coef, so of two that the records cannot tell apart the later keeps being fitted.  The unit
+time is always fitted; a fit uses at most (group records - 1) parameters.  Parameters kept from
+the base keep their value in seconds (a keeps its ratio), unless the base's overheads in seconds
+exceed the measured times: then they keep their value in units (they scale with the fitted unit
+time) and a warning says so.  Residuals are reported as R² and relative errors over all records.
+Times that fall as the work grows (rank correlation <= -0.8 within a group size) are an error;
+times that barely grow with it, or a fit with R² < 0.9, give a warning.
 """
 
 from __future__ import annotations
@@ -39,22 +58,40 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hdp.packing.cost import CostModel, padded_length
+from hdp.packing.cost import PARAMETERS, CostModel, padded_length
+from hdp.packing.validate import MAX_LENGTH
 
-__all__ = ["calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds"]
+__all__ = [
+    "calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds",
+    "MAX_LENGTH", "MAX_GROUP_SIZE", "MIN_SECONDS", "MAX_SECONDS", "FIT_ORDER",
+]
 
 logger = logging.getLogger(__name__)
+
+MAX_GROUP_SIZE = 1 << 20
+"""Largest group size a record may hold."""
+MIN_SECONDS = 1e-9
+"""Smallest measured time a record may hold (seconds)."""
+MAX_SECONDS = 1e7
+"""Largest measured time a record may hold (seconds, ~116 days)."""
+
+_LINEAR = ("unit_time_s", "linear_coef", "step_overhead", "merge_per_token", "cp_per_token")
+_COMM = ("step_latency", "comm_per_token")
+FIT_ORDER = ("cp_per_token", "merge_per_token", "step_latency", "comm_per_token", "step_overhead", "linear_coef")
+"""Order in which parameters are tested (and dropped to the base value) when the records cannot
+determine them; the unit time is always fitted."""
+_CP_PARAMS = ("step_overhead", "merge_per_token", "cp_per_token", "step_latency", "comm_per_token")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationResult:
-    """A fitted cost model and how well it explains the records."""
+    """A fitted cost model, which parameters the records determined, and how well it explains them."""
 
     cost: CostModel
     """The fitted model (units: token² units; seconds via cost.unit_time_s)."""
@@ -64,40 +101,85 @@ class CalibrationResult:
     """Median of |predicted - measured| / measured over all records."""
     n_records: int
     """Records used (group + round)."""
+    fitted: tuple[str, ...] = ()
+    """Parameters fitted from the records (`PARAMETERS` order)."""
+    from_base: tuple[str, ...] = ()
+    """Parameters kept from the base model (`PARAMETERS` order)."""
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    """Why each parameter in `from_base` was not fitted."""
+    rel_err_p90: float = float("nan")
+    """90th percentile of the relative errors."""
+    max_rel_err: float = float("nan")
+    """Largest relative error."""
+    n_group_records: int = 0
+    """Group records used."""
+    n_round_records: int = 0
+    """Round records used."""
+    warnings: tuple[str, ...] = ()
+    """Problems worth a look (too few records, a poor fit); also logged."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: fitted parameters and fit quality."""
+        """JSON-ready form: every parameter (and beta in seconds) and the fit quality."""
         c = self.cost
+        out: dict[str, Any] = {n: float(getattr(c, n)) for n in PARAMETERS}
+        out["round_cost_s"] = c.round_cost * c.unit_time_s
+        out.update(self.fit_report())
+        out["fitted"] = list(self.fitted)
+        out["from_base"] = list(self.from_base)
+        return out
+
+    def fit_report(self) -> dict[str, Any]:
+        """The ``fit`` section of a cost-model file (`hdp.packing.cost_file`)."""
         return {
-            "unit_time_s": c.unit_time_s,
-            "linear_coef": c.linear_coef,
-            "round_cost": c.round_cost,
-            "round_cost_s": c.round_cost * c.unit_time_s,
-            "step_overhead": c.step_overhead,
-            "step_latency": c.step_latency,
-            "comm_per_token": c.comm_per_token,
             "r2": self.r2,
             "median_rel_err": self.median_rel_err,
+            "rel_err_p90": self.rel_err_p90,
+            "max_rel_err": self.max_rel_err,
             "n_records": self.n_records,
+            "n_group_records": self.n_group_records,
+            "n_round_records": self.n_round_records,
+            "reasons": dict(self.reasons),
+            "warnings": list(self.warnings),
         }
+
+    def metadata(self, base: str | None) -> dict[str, Any]:
+        """Metadata of the cost-model file for this fit (``base``: the base preset's name or None)."""
+        return {"fitted": list(self.fitted), "from_base": list(self.from_base), "base": base, "fit": self.fit_report()}
+
+
+# ----------------------------------------------------------------------------------------- records
 
 
 def _group_fields(rec: Mapping[str, Any], where: str) -> tuple[np.ndarray, int]:
     lengths = rec.get("lengths")
     if not isinstance(lengths, (list, tuple)) or not lengths:
-        raise ValueError(f"{where}.lengths: expected a non-empty list of sample lengths, got {lengths!r}")
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths):
-        raise ValueError(f"{where}.lengths: every length must be an integer >= 1, got {lengths!r}")
+        raise ValueError(
+            f"{where}.lengths: expected a non-empty list of sample lengths, got {lengths!r}; "
+            "a record holds the lengths of the samples one group ran in one round"
+        )
+    for x in lengths:
+        if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_LENGTH:
+            raise ValueError(
+                f"{where}.lengths: every length must be an integer in [1, {MAX_LENGTH}], got {x!r}"
+            )
     k = rec.get("group_size")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{where}.group_size: expected an integer >= 1, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_GROUP_SIZE:
+        raise ValueError(
+            f"{where}.group_size: expected the number of ranks of the group, an integer in "
+            f"[1, {MAX_GROUP_SIZE}], got {k!r}"
+        )
     return np.asarray(lengths, dtype=np.int64), k
 
 
 def _seconds(rec: Mapping[str, Any], where: str) -> float:
     t = rec.get("seconds")
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0:
-        raise ValueError(f"{where}.seconds: expected a measured time > 0, got {t!r}")
+        raise ValueError(f"{where}.seconds: expected a measured time > 0 in seconds, got {t!r}")
+    if not MIN_SECONDS <= t <= MAX_SECONDS:
+        raise ValueError(
+            f"{where}.seconds={t!r}: outside [{MIN_SECONDS:g}, {MAX_SECONDS:g}] seconds; record times in "
+            "seconds (not ms or us), measured, not derived"
+        )
     return float(t)
 
 
@@ -126,9 +208,14 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read and validate JSON-lines records; errors name the file and line."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"records file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"records file {str(p)!r}: not a text file (byte {exc.start} is not UTF-8); pass the JSON-lines "
+            "records written by the engine (EngineConfig.calibration_path)"
+        ) from exc
     out: list[dict[str, Any]] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -136,144 +223,411 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
         where = f"{p}:{lineno}"
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg}): {line.strip()[:80]!r}") from exc
+        except (json.JSONDecodeError, RecursionError) as exc:
+            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"{where}: not valid JSON ({msg}): {line.strip()[:80]!r}") from exc
         out.append(validate_record(rec, where))
     if not out:
-        raise ValueError(f"records file {str(p)!r}: holds no records")
+        raise ValueError(f"records file {str(p)!r}: holds no records; write one JSON object per line")
     return out
-
-
-def _features(lengths: np.ndarray, k: int) -> tuple[float, float, float]:
-    lp = padded_length(lengths, k).astype(np.float64)
-    s1, s2 = float(lp.sum()), float((lp * lp).sum())
-    return s1 / k, s2 / k, s2 / (k * k)
 
 
 def group_seconds(cost: CostModel, lengths: Sequence[int], k: int) -> float:
     """Predicted per-rank seconds of one group of k ranks running ``lengths`` packed."""
-    lp = padded_length(np.asarray(lengths, dtype=np.int64), k).astype(np.float64)
-    units = cost.group_cost(cost.work(lp).sum(), lp.sum(), (lp * lp).sum(), k)
-    return float(units) * cost.unit_time_s
+    return cost.packed_cost(np.asarray(lengths, dtype=np.int64), k) * cost.unit_time_s
 
 
-def _nnls_small(a: np.ndarray, b: np.ndarray, required: int) -> tuple[np.ndarray, float]:
-    """Least squares with non-negative coefficients by enumerating active sets (few columns).
+# ------------------------------------------------------------------------------------- the design
 
-    Column ``required`` must stay in the model with a positive coefficient (the unit time).
+
+@dataclass(frozen=True)
+class _Design:
+    """Features of the group records (one row each)."""
+
+    t: np.ndarray  # [G] measured seconds
+    k: np.ndarray  # [G] group sizes (float)
+    x1: np.ndarray  # [G] sum Lp / k
+    x2: np.ndarray  # [G] sum Lp**2 / k
+    x3: np.ndarray  # [G] sum Lp**2 / k**2
+
+    @property
+    def ring(self) -> np.ndarray:
+        return self.k - 1.0
+
+    @property
+    def multi(self) -> np.ndarray:
+        return self.k > 1
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The linear columns (in units; the coefficient of each is u times the parameter)."""
+        return {
+            "linear_coef": self.x1,
+            "step_overhead": self.ring,
+            "merge_per_token": self.ring * self.x1,
+            "cp_per_token": np.where(self.multi, self.x1, 0.0),
+        }
+
+    def exposed(self, lat: float, cpt: float) -> np.ndarray:
+        """(k-1) * max(0, lat + cpt * X1 - X3): un-hidden K/V transfer in units."""
+        return self.ring * np.maximum(0.0, lat + cpt * self.x1 - self.x3)
+
+
+def _design(groups: Sequence[Mapping[str, Any]]) -> _Design:
+    rows = []
+    for r in groups:
+        lengths, k = _group_fields(r, "record")
+        lp = padded_length(lengths, k).astype(np.float64)
+        s1, s2 = float(lp.sum()), float((lp * lp).sum())
+        rows.append((float(r["seconds"]), float(k), s1 / k, s2 / k, s2 / (k * k)))
+    t, k, x1, x2, x3 = (np.array(c) for c in zip(*rows))
+    return _Design(t=t, k=k, x1=x1, x2=x2, x3=x3)
+
+
+# -------------------------------------------------------------------------------------- the fit
+
+
+@dataclass
+class _State:
+    """What is free and what is fixed (and to what) during one fit."""
+
+    free: list[str]  # linear parameters fitted besides the unit time (`_Design.columns` names)
+    comm_free: list[str]  # of step_latency / comm_per_token
+    fixed: dict[str, float]  # parameter -> value: a as a ratio, the others in seconds (or units, below)
+    units: bool = False  # fixed values other than a are in units (scale with the fitted u), not seconds
+
+    def without(self, name: str, value: float | None = None) -> "_State":
+        """A copy with ``name`` no longer free (fixed to ``value`` when given)."""
+        fixed = dict(self.fixed)
+        if value is not None:
+            fixed[name] = value
+        return _State([n for n in self.free if n != name], [n for n in self.comm_free if n != name], fixed, self.units)
+
+
+_SUBSETS: dict[int, np.ndarray] = {}
+
+
+def _subsets(n: int) -> np.ndarray:
+    """[S, n] boolean masks of every column subset that holds column 0 (cached)."""
+    if n not in _SUBSETS:
+        rows = [[True, *bits] for bits in itertools.product((False, True), repeat=n - 1)]
+        _SUBSETS[n] = np.array(rows, dtype=bool)
+    return _SUBSETS[n]
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
+    """min ||a x - b||² with x >= 0 and x[0] > 0, by enumerating active sets (a has <= 6 columns).
+
+    Columns are scaled to unit norm first (their magnitudes differ by 10 orders); every subset's
+    least-squares solution comes from one batched solve of its normal equations (a 1e-10 ridge
+    keeps collinear subsets solvable; their sse is then that of the ridge solution, never below
+    the subset's true minimum); the best feasible one is exact NNLS.  Deterministic.  Returns
+    (x, sse); sse is inf when no subset gives x[0] > 0.
     """
     n = a.shape[1]
-    best, best_sse = None, np.inf
-    others = [j for j in range(n) if j != required]
-    for r in range(len(others) + 1):
-        for subset in itertools.combinations(others, r):
-            cols = [required, *subset]
-            coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-            if np.any(coef < 0) or coef[0] <= 0:
-                continue
-            full = np.zeros(n)
-            full[cols] = coef
-            sse = float(np.sum((a @ full - b) ** 2))
-            if sse < best_sse:
-                best, best_sse = full, sse
-    if best is None:
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return np.zeros(n), np.inf  # never hand LAPACK a NaN/inf (it prints to stdout)
+    norms = np.sqrt((a * a).sum(axis=0))
+    norms[norms == 0] = 1.0
+    an = a / norms
+    gram, rhs, bb = an.T @ an, an.T @ b, float(b @ b)
+    masks = _subsets(n)  # [S, n]
+    both = masks[:, :, None] & masks[:, None, :]  # [S, n, n]
+    eye = np.eye(n)
+    mat = np.where(both, gram + 1e-10 * eye, eye)  # [S, n, n]
+    x = np.linalg.solve(mat, np.where(masks, rhs, 0.0)[:, :, None])[:, :, 0]  # [S, n]
+    x = np.where(masks, x, 0.0)
+    sse = bb - 2.0 * (x @ rhs) + np.einsum("si,ij,sj->s", x, gram, x)  # [S]
+    ok = np.all(x >= 0, axis=1) & (x[:, 0] > 0) & np.isfinite(sse)
+    if not ok.any():
         return np.zeros(n), np.inf
-    return best, best_sse
+    i = int(np.flatnonzero(ok)[np.argmin(sse[ok])])
+    resid = an @ x[i] - b
+    return x[i] / norms, float(resid @ resid)
 
 
-def _check_fit(sse: float) -> None:
-    if not np.isfinite(sse):
-        raise ValueError(
-            "calibrate: no fit with a positive unit time; the records do not grow with length "
-            "(check the seconds fields)"
-        )
+def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> tuple[dict[str, float], float]:
+    """Best linear parameters given the communication parameters; ({name: units, "unit_time_s": u}, sse).
+
+    Free ``lat``/``cpt`` are in units.  A fixed one is in seconds, so whether it is hidden depends
+    on u: it is converted with ``u_hint`` and then with the fitted u until u settles (3 passes).
+    Weighted rows (1/t): the sse is a sum of squared relative errors.
+    """
+    cols = des.columns()
+    w = 1.0 / des.t
+    target = des.t.copy()
+    a_fixed = "linear_coef" not in st.free
+    fixed_col = np.zeros_like(des.t)  # fixed parameters that scale with u (units)
+    for name, value in st.fixed.items():
+        if name in cols and name != "linear_coef":
+            if st.units:
+                fixed_col = fixed_col + value * cols[name]
+            else:
+                target = target - value * cols[name]  # seconds
+    u = u_hint
+    params: dict[str, float] = {}
+    sse = np.inf
+    for _ in range(3):
+        scale = 1.0 if st.units else u
+        lat_u = lat if "step_latency" in st.comm_free else st.fixed["step_latency"] / scale
+        cpt_u = cpt if "comm_per_token" in st.comm_free else st.fixed["comm_per_token"] / scale
+        base_col = des.x2 + des.exposed(lat_u, cpt_u) + fixed_col
+        if a_fixed:
+            base_col = base_col + st.fixed["linear_coef"] * des.x1
+        mat = np.stack([base_col] + [cols[n] for n in st.free], axis=1) * w[:, None]  # [G, 1 + F]
+        x, sse = _nnls(mat, target * w)
+        if not np.isfinite(sse):
+            return {}, np.inf
+        new_u = float(x[0])
+        params = {"unit_time_s": new_u, **{n: float(x[i]) / new_u for i, n in enumerate(st.free, start=1)}}
+        settled = abs(new_u / u - 1.0) < 1e-12
+        u = new_u
+        if settled or len(st.comm_free) == 2 or st.units:
+            break
+    return params, sse
 
 
-def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None) -> CalibrationResult:
-    """Fit unit time, a, beta and the CP overheads of a `CostModel` to measured records.
+_STARTS = 4
+"""Grid points refined by the pattern search (the best few: the sse over (lat, cpt) has several basins)."""
 
-    Parameters the records cannot identify keep their values from ``base`` (default: a
-    `CostModel()` with zero overheads): the CP parameters without any k >= 2 record, beta without
-    any round record.  Raises ValueError when there is no group record or a record is malformed.
+
+def _pattern(des: _Design, st: _State, lat: float, cpt: float, u_hint: float, lat_free: bool, cpt_free: bool,
+             scale: float, tok: float) -> tuple[float, float, float]:
+    """Multiplicative pattern search from (lat, cpt); returns (sse, lat, cpt)."""
+    best = (_solve(des, st, lat, cpt, u_hint)[1], lat, cpt)
+    step = 30.0 ** (1 / 12)
+    signs = [(x, y) for x in (1, 0, -1) for y in (1, 0, -1)
+             if (x, y) != (0, 0) and (x == 0 or lat_free) and (y == 0 or cpt_free)]
+    for _ in range(200):
+        improved = False
+        for sx, sy in signs:
+            dl, dc = step ** sx, step ** sy
+            cl = lat * dl if lat > 0 else (scale * 1e-3 if dl > 1 else 0.0)
+            cc = cpt * dc if cpt > 0 else (scale / tok * 1e-3 if dc > 1 else 0.0)
+            sse = _solve(des, st, cl, cc, u_hint)[1]
+            if sse < best[0] * (1 - 1e-12):
+                best, lat, cpt, improved = (sse, cl, cc), cl, cc, True
+        if not improved:
+            step = step ** 0.5
+            if step < 1.0005:
+                break
+    return best
+
+
+def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint: float) -> tuple[dict[str, float], float, float, float]:
+    """Minimise over the free communication parameters; returns (params, sse, lat, cpt), lat/cpt in units."""
+    if not st.comm_free:
+        params, sse = _solve(des, st, 0.0, 0.0, u_hint)
+        scale = 1.0 if st.units else params.get("unit_time_s", u_hint)
+        return params, sse, st.fixed["step_latency"] / scale, st.fixed["comm_per_token"] / scale
+    multi = des.multi
+    scale = float(np.median(des.x3[multi]))
+    tok = float(np.median(des.x1[multi]))
+    lat_free = "step_latency" in st.comm_free
+    cpt_free = "comm_per_token" in st.comm_free
+    lat_grid = np.concatenate([[0.0], scale * np.geomspace(1e-3, 30.0, 25)]) if lat_free else np.zeros(1)
+    cpt_grid = np.concatenate([[0.0], scale / tok * np.geomspace(1e-3, 30.0, 25)]) if cpt_free else np.zeros(1)
+    scored = []  # (sse, lat, cpt) of every grid point
+    for lat in lat_grid:
+        for cpt in cpt_grid:
+            scored.append((_solve(des, st, float(lat), float(cpt), u_hint)[1], float(lat), float(cpt)))
+    scored.sort(key=lambda x: x[0])  # stable: ties keep grid order (deterministic)
+    starts = [s[1:] for s in scored[:_STARTS]]
+    if start is not None:
+        starts.insert(0, start)
+    best = (np.inf, 0.0, 0.0)
+    for lat0, cpt0 in starts:  # the landscape is not convex: refine the best few grid points
+        found = _pattern(des, st, lat0, cpt0, u_hint, lat_free, cpt_free, scale, tok)
+        if found[0] < best[0] * (1 - 1e-12):
+            best = found
+    _, lat, cpt = best
+    params, sse = _solve(des, st, lat, cpt, u_hint)
+    scale = 1.0 if st.units else params.get("unit_time_s", u_hint)
+    if not lat_free:
+        lat = st.fixed["step_latency"] / scale
+    if not cpt_free:
+        cpt = st.fixed["comm_per_token"] / scale
+    return params, sse, lat, cpt
+
+
+def _natural_scale(des: _Design, name: str, u: float) -> float:
+    """The value (units) at which parameter ``name`` would add 5% to the median record it touches."""
+    cols = des.columns()
+    if name in cols:
+        col = cols[name]
+    else:  # comm parameters, as if fully exposed
+        col = des.ring if name == "step_latency" else des.ring * des.x1
+    rows = col > 0
+    if not rows.any():
+        return 0.0
+    return float(0.05 * np.median(des.t[rows] / u) / np.median(col[rows]))
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx = np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
+    ry = np.argsort(np.argsort(y, kind="stable"), kind="stable").astype(np.float64)
+    rx -= rx.mean()
+    ry -= ry.mean()
+    den = float(np.sqrt((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den > 0 else 0.0
+
+
+def _check_order(des: _Design, base: CostModel) -> list[str]:
+    """Raise when the measured times fall as the work grows (records that cannot be right); return
+    warnings where they barely grow.  Per group size with >= 3 distinct works spanning >= 2x: rank
+    correlation of work and time <= -0.8 is an error (3 records: all in reverse order), <= 0.2 a
+    warning (overheads or timing noise dominate: one pair out of order in 3 noisy records is -0.5)."""
+    notes = []
+    for k in np.unique(des.k):
+        rows = des.k == k
+        size = base.linear_coef * des.x1[rows] + des.x2[rows]
+        if np.unique(size).size < 3 or size.max() < 2.0 * size.min():
+            continue  # too little spread for noise not to invert the order
+        rho = _spearman(size, des.t[rows])
+        if rho <= -0.8:
+            raise ValueError(
+                f"records: the measured seconds fall as the work grows in the {int(rows.sum())} group "
+                f"records with group_size={int(k)} (rank correlation {rho:+.2f}); check that each "
+                "record's 'seconds' is the time of its own 'lengths' (one group, one round, forward + backward)"
+            )
+        if rho <= 0.2:
+            notes.append(
+                f"calibrate: the times of the {int(rows.sum())} group records with group_size={int(k)} barely grow "
+                f"with the work (rank correlation {rho:+.2f}): fixed overheads or timing noise dominate them; "
+                "longer samples or a quieter machine give a better fit"
+            )
+    return notes
+
+
+def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None, *, warn: bool = True) -> CalibrationResult:
+    """Fit the parameters of a `CostModel` that the records determine; keep the others from ``base``.
+
+    ``base`` (default: a `CostModel()` with zero overheads) supplies every parameter the records
+    cannot determine (see the module docstring: no k >= 2 records, one group size only, comm
+    always hidden, no round records, too few records); the result names them and why.  Raises
+    ValueError when there is no group record, a record is malformed, or the times fall as the
+    work grows.  ``warn=False`` logs the result's warnings at INFO instead of WARNING (for fits that
+    run again and again, like the engine's self-calibration).
     """
     base = base if base is not None else CostModel()
     recs = [validate_record(r, f"records[{i}]") for i, r in enumerate(records)]
     groups = [r for r in recs if r["kind"] == "group"]
     rounds = [r for r in recs if r["kind"] == "round"]
     if not groups:
-        raise ValueError("calibrate: records hold no group records ({'lengths', 'group_size', 'seconds'})")
-
-    feats = np.array([_features(*_group_fields(r, "record")) for r in groups])  # [G, 3]
-    ks = np.array([int(r["group_size"]) for r in groups], dtype=np.float64)  # [G]
-    t = np.array([float(r["seconds"]) for r in groups])  # [G]
-    x1, x2, x3 = feats.T
-    ring = ks - 1.0
-    multi = ring > 0
-    # weight rows by 1/t so the fit minimises relative error (times span orders of magnitude)
-    w = 1.0 / t
-
-    def solve(lat: float, cpt: float) -> tuple[np.ndarray, float]:
-        hidden = np.maximum(0.0, lat + cpt * x1 - x3)
-        cols = [x2 + ring * hidden, x1]
-        if multi.any():
-            cols.append(ring)
-        a = np.stack(cols, axis=1) * w[:, None]
-        return _nnls_small(a, t * w, required=0)
-
-    if multi.any():
-        scale = float(np.median(x3[multi]))
-        lat_grid = np.concatenate([[0.0], scale * np.geomspace(1e-3, 30.0, 25)])
-        tok = float(np.median(x1[multi]))
-        cpt_grid = np.concatenate([[0.0], scale / tok * np.geomspace(1e-3, 30.0, 25)])
-        best = (np.inf, 0.0, 0.0)
-        for lat in lat_grid:
-            for cpt in cpt_grid:
-                _, sse = solve(lat, cpt)
-                if sse < best[0] * (1 - 1e-12):
-                    best = (sse, lat, cpt)
-        # pattern search: shrink multiplicative steps around the best grid point
-        _, lat, cpt = best
-        step = 30.0 ** (1 / 12)
-        for _ in range(40):
-            improved = False
-            for dl, dc in ((step, 1), (1 / step, 1), (1, step), (1, 1 / step),
-                           (step, step), (1 / step, 1 / step), (step, 1 / step), (1 / step, step)):
-                cand_lat = lat * dl if lat > 0 else (scale * 1e-3 if dl > 1 else 0.0)
-                cand_cpt = cpt * dc if cpt > 0 else (scale / tok * 1e-3 if dc > 1 else 0.0)
-                _, sse = solve(cand_lat, cand_cpt)
-                if sse < best[0] * (1 - 1e-12):
-                    best, lat, cpt, improved = (sse, cand_lat, cand_cpt), cand_lat, cand_cpt, True
-            if not improved:
-                step = step ** 0.5
-                if step < 1.0005:
-                    break
-        coef, sse = solve(lat, cpt)
-        _check_fit(sse)
-        u, ua = coef[0], coef[1]
-        cost = replace(
-            base, unit_time_s=float(u), linear_coef=float(ua / u), step_overhead=float(coef[2] / u),
-            step_latency=float(lat), comm_per_token=float(cpt),
+        raise ValueError(
+            "calibrate: records hold no group records ({'lengths', 'group_size', 'seconds'}); the unit "
+            "time and a come from them"
         )
-    else:
-        logger.info("calibrate: no k >= 2 records; CP overheads kept from base")
-        coef, sse = solve(0.0, 0.0)
-        _check_fit(sse)
-        cost = replace(base, unit_time_s=float(coef[0]), linear_coef=float(coef[1] / coef[0]))
+    des = _design(groups)
+    warnings: list[str] = _check_order(des, base)
+    reasons: dict[str, str] = {}
+
+    # structural limits of the design
+    free = ["linear_coef", "step_overhead", "merge_per_token", "cp_per_token"]
+    comm_free = ["step_latency", "comm_per_token"]
+    multi_ks = np.unique(des.k[des.multi])
+    if multi_ks.size == 0:
+        for n in _CP_PARAMS:
+            reasons[n] = "no group record with group_size >= 2"
+    elif multi_ks.size == 1:
+        reasons["cp_per_token"] = (
+            f"every k >= 2 record has group_size={int(multi_ks[0])}: records of two group sizes >= 2 "
+            "separate cp_per_token from merge_per_token"
+        )
+    budget = len(groups) - 1  # parameters besides the unit time
+    for n in FIT_ORDER:
+        if n in reasons:
+            continue
+        n_free = sum(1 for m in FIT_ORDER if m not in reasons)
+        if n_free > budget:
+            reasons[n] = (f"too few records: {len(groups)} group record{'s' if len(groups) > 1 else ''} fit at "
+                          f"most {budget} parameter{'s' if budget != 1 else ''} besides the unit time")
+    if "linear_coef" not in reasons and np.unique(np.round(des.x2 / des.x1, 9)).size < 2:
+        reasons["linear_coef"] = "every group record has the same ratio sum L**2 / sum L: lengths must vary to separate a from L**2"
+    if len(groups) < 2:
+        warnings.append(f"calibrate: only {len(groups)} group record: the unit time alone is fitted, every other parameter comes from the base model")
+
+    u_base = base.unit_time_s
+
+    in_units = False  # parameters kept from the base keep their seconds, unless the records contradict that
+
+    def make_state() -> _State:
+        per = 1.0 if in_units else u_base
+        fixed = {n: (base.linear_coef if n == "linear_coef" else getattr(base, n) * per)
+                 for n in free + comm_free if n in reasons}
+        return _State([n for n in free if n not in reasons], [n for n in comm_free if n not in reasons], fixed, in_units)
+
+    st = make_state()
+    params, sse, lat, cpt = _search(des, st, None, u_base)
+    if not np.isfinite(sse) and any(n in reasons for n in free[1:] + comm_free):
+        # the base's overheads in seconds already exceed some measured time: keep them relative to
+        # the fitted unit time instead (they then scale with this machine's speed)
+        in_units = True
+        warnings.append(
+            "calibrate: the base model's overheads (in seconds) exceed some measured times; the parameters "
+            "kept from the base are scaled with the fitted unit time instead"
+        )
+        st = make_state()
+        params, sse, lat, cpt = _search(des, st, None, u_base)
+    if not np.isfinite(sse):
+        raise ValueError(
+            "calibrate: no fit with a positive unit time; the records do not grow with length "
+            "(check the seconds fields)"
+        )
+
+    # which of the fitted parameters do the records actually determine?
+    n_rows = len(groups)
+    for name in FIT_ORDER:
+        if name in reasons:
+            continue
+        u = params["unit_time_s"]
+        value = lat if name == "step_latency" else cpt if name == "comm_per_token" else params[name]
+        dof = max(1, n_rows - 1 - len(st.free) - len(st.comm_free))
+        thr = max(4.0 * sse / dof, 1e-10 * n_rows)
+        trials = [2.0 * value, 0.5 * value] if value > 0 else [_natural_scale(des, name, u)]
+        if trials == [0.0]:
+            continue
+
+        def sse_with(v: float, name: str = name, u: float = u) -> float:
+            """Fit with parameter ``name`` held at ``v`` (units)."""
+            if name == "step_latency":
+                return _solve(des, st, v, cpt, u)[1]  # comm parameters are inputs of _solve
+            if name == "comm_per_token":
+                return _solve(des, st, lat, v, u)[1]
+            return _solve(des, st.without(name, v if name == "linear_coef" or st.units else v * u), lat, cpt, u)[1]
+
+        if all(sse_with(v) - sse > thr for v in trials):
+            continue  # determined
+        base_units = base.linear_coef if name == "linear_coef" or in_units else getattr(base, name) * u_base / u
+        if sse_with(base_units) - sse <= thr:
+            reasons[name] = "the records do not determine it (moving it 2x changes the fit by less than the noise)"
+            st = make_state()
+            params, sse, lat, cpt = _search(des, st, (lat, cpt), u)
+        else:
+            logger.info("calibrate: %s only loosely determined, but the base value %.4g contradicts the "
+                        "records; kept the fitted %.4g", name, getattr(base, name), value)
+
+    u = params["unit_time_s"]
+    values: dict[str, float] = {"unit_time_s": u, "step_latency": lat, "comm_per_token": cpt}
+    for n in free:
+        if n in st.free:
+            values[n] = params[n]
+        else:
+            values[n] = base.linear_coef if n == "linear_coef" else getattr(base, n) * (1.0 if in_units else u_base / u)
+    values["round_cost"] = base.round_cost * (1.0 if in_units else u_base / u)
+    cost = replace(base, **values)
 
     if rounds:
         excess = np.array([
             float(r["seconds"]) - max(group_seconds(cost, *_group_fields(g, "group")) for g in r["groups"])
             for r in rounds
         ])
-        # relative-error weighting, as for the group records: weights 1 / t**2
-        wr = 1.0 / np.array([float(r["seconds"]) for r in rounds]) ** 2
+        wr = 1.0 / np.array([float(r["seconds"]) for r in rounds]) ** 2  # relative-error weights
         beta_s = max(0.0, float(np.sum(wr * excess) / np.sum(wr)))
         cost = replace(cost, round_cost=beta_s / cost.unit_time_s)
     else:
-        logger.info("calibrate: no round records; round_cost kept from base")
-        cost = replace(cost, round_cost=base.round_cost * base.unit_time_s / cost.unit_time_s)
+        reasons["round_cost"] = "no round records"
 
-    measured = np.concatenate([t, [float(r["seconds"]) for r in rounds]])
+    measured = np.concatenate([des.t, [float(r["seconds"]) for r in rounds]])
     predicted = np.array(
         [group_seconds(cost, *_group_fields(r, "group")) for r in groups]
         + [
@@ -284,7 +638,23 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
     )
     ss_res = float(np.sum((measured - predicted) ** 2))
     ss_tot = float(np.sum((measured - measured.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    rel = float(np.median(np.abs(predicted - measured) / measured))
-    logger.info("calibrate: %d records, R2=%.4f, median rel err=%.3g", len(recs), r2, rel)
-    return CalibrationResult(cost=cost, r2=r2, median_rel_err=rel, n_records=len(recs))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")  # one distinct time: R² undefined
+    rel = np.abs(predicted - measured) / measured
+    if len(recs) >= 3 and np.isfinite(r2) and r2 < 0.9:
+        warnings.append(
+            f"calibrate: the model explains the records poorly (R²={r2:.3f}, median relative error "
+            f"{float(np.median(rel)):.1%}); check that the records come from one machine and model"
+        )
+    from_base = tuple(n for n in PARAMETERS if n in reasons)
+    fitted = tuple(n for n in PARAMETERS if n not in reasons)
+    for msg in warnings:
+        logger.log(logging.WARNING if warn else logging.INFO, "%s", msg)
+    for n in from_base:
+        logger.info("calibrate: %s kept from the base model (%s)", n, reasons[n])
+    logger.info("calibrate: %d records, R2=%.4f, median rel err=%.3g", len(recs), r2, float(np.median(rel)))
+    return CalibrationResult(
+        cost=cost, r2=r2, median_rel_err=float(np.median(rel)), n_records=len(recs),
+        fitted=fitted, from_base=from_base, reasons={n: reasons[n] for n in from_base},
+        rel_err_p90=float(np.quantile(rel, 0.9)), max_rel_err=float(rel.max()),
+        n_group_records=len(groups), n_round_records=len(rounds), warnings=tuple(warnings),
+    )

@@ -3,20 +3,43 @@
 work(L) = a*L + L**2 is the forward+backward cost of one causal sample of L tokens: ``a*L`` the
 linear part (projections, MLP, experts), ``L**2`` causal attention.  One unit is the attention
 cost of one token pair row (``6 * n_layers * d_attn`` FLOPs, the convention under which
-``a ~ N_active_params / (n_layers * d_attn)``).
+``a ~ N_active_params / (n_layers * d_attn)``); `CostModel.unit_time_s` converts units to seconds.
 
 A group of k >= 2 ranks running a packed set of samples with zigzag ring attention costs every
-rank of the group
+rank of the group (``Lp = ceil(L / 2k) * 2k``, the length rounded to 2k chunks, i.e. the busiest
+rank's share; sums over the group's samples)
 
-    sum_i work(Lp_i) / k
-      + (k - 1) * ( step_overhead
-                    + max(0, step_latency + comm_per_token * sum_i Lp_i / k - sum_i (Lp_i / k)**2) )
+    sum work(Lp) / k                                          compute of the rank's share
+      + (k - 1) * step_overhead                               fixed cost of every ring step
+      + (k - 1) * max(0, step_latency + comm_per_token * sum Lp / k
+                          - sum (Lp / k)**2)                  K/V transfer not hidden by compute
+      + merge_per_token * (k - 1) * sum Lp / k                per-token work of every ring step
+      + cp_per_token * sum Lp / k                             per-token work of being split at all
 
-where ``Lp = ceil(L / 2k) * 2k`` is the length rounded to 2k chunks (the busiest rank's share),
-``step_overhead`` is the un-hidable fixed cost of one ring step (kernel launches, small-kernel
-inefficiency, synchronisation), and the ``max(0, ...)`` term is the K/V transfer of one ring step
-(latency + bytes / bandwidth) minus the attention compute of that step that hides it.  For k = 1
-the cost is ``sum_i work(L_i)``.  All parameters are in units; `unit_time_s` converts to seconds.
+and a rank of a group of k = 1 costs ``sum work(L)``.  A round costs its busiest rank plus
+``round_cost`` (beta); a step is the sum of its rounds (DESIGN.md's rounds model).
+
+The two per-token terms are the memory-bound work that the K/V transfer does not hide and that
+grows with L on every rank whatever k is: in forward every ring step after the first merges a
+partial output and log-sum-exp into the rank's L/k query tokens; in backward dK/dV of the block
+travelling with the ring are accumulated once per step (and dQ of the local block).  That is
+``merge_per_token * (k - 1) * L / k`` per rank, about ``merge_per_token * L`` for large k.
+``cp_per_token * L / k`` is the per-local-token work of being split (zigzag split and re-assembly,
+fp32 output/LSE buffers, the first step's bookkeeping).  Together they span ``c * L`` per rank
+(``c * L = c * (k-1) * L/k + c * L/k``) and every mix of per-step and per-split work, with
+non-negative coefficients, linear in the parameters (the fit in `hdp.packing.calibrate` is a
+non-negative least-squares problem in them).
+
+Attention-kernel efficiency that falls with block size needs no parameter of its own: a kernel
+running s-token blocks at efficiency ``s / (s + s0)`` takes ``pairs * (1 + s0 / s)``; with blocks
+of s = L/k tokens in each of the k ring steps that is ``L**2 / k + s0 * L`` per rank, the k = 1
+part ``s0 * L / k`` is in ``a`` (fitted on single-rank records) and the rest,
+``s0 * (k - 1) * L / k``, is exactly a ``merge_per_token`` term (`tests/test_cost_model.py`
+fits records made under such a law).
+
+Units: ``linear_coef`` is dimensionless (units per token per unit of L**2 / L); ``round_cost``,
+``step_overhead`` and ``step_latency`` are units; ``comm_per_token``, ``merge_per_token`` and
+``cp_per_token`` are units per token; ``unit_time_s`` is seconds per unit.
 """
 
 from __future__ import annotations
@@ -26,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostModel", "work", "padded_length", "max_rank_tokens", "min_group_size", "pow2_ceil"]
+__all__ = ["CostModel", "PARAMETERS", "work", "padded_length", "max_rank_tokens", "min_group_size", "pow2_ceil"]
 
 
 def work(lengths: np.ndarray | float, linear_coef: float) -> np.ndarray:
@@ -96,30 +119,47 @@ def min_group_size(lengths: np.ndarray, budget: int, max_k: int, pow2: bool = Fa
         k = np.where(over, 2 * k, k)
 
 
+PARAMETERS = (
+    "linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token",
+    "merge_per_token", "cp_per_token", "unit_time_s",
+)
+"""Names of the `CostModel` fields, in the order of `CostModel.to_vector`."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Per-rank cost of samples on groups, in token² units (see module docstring)."""
 
     linear_coef: float = 24_700.0
-    """a: linear work per token over attention work (DeepSeek-V3 ~ 24.7K, Qwen3-235B ~ 28.6K)."""
+    """a: linear work per token over attention work (DeepSeek-V3 ~ 24.7K, Qwen3-235B ~ 28.6K); dimensionless."""
     round_cost: float = 0.0
     """beta: fixed cost of one round (launches, gradient accumulation, pipeline bubble), units."""
     step_overhead: float = 0.0
-    """Un-hidable fixed cost of one ring step (launch, sync, small kernels), units."""
+    """Un-hidable fixed cost of one ring step (kernel launches, P2P set-up, synchronisation), units per step."""
     step_latency: float = 0.0
-    """Latency of one ring step's K/V transfer (hidden behind attention compute), units."""
+    """Latency of one ring step's K/V transfer (hidden behind attention compute), units per step."""
     comm_per_token: float = 0.0
-    """K/V transfer time per token of a ring step (bytes / bandwidth), units per token."""
+    """K/V transfer time per token of a ring step (bytes / link bandwidth), units per token per step."""
+    merge_per_token: float = 0.0
+    """Memory-bound work per local token per ring step after the first (output/LSE merge in forward,
+    dK/dV and dQ accumulation in backward, small-block kernel efficiency); enters as
+    ``(k - 1) * sum Lp / k`` per rank, units per token per step."""
+    cp_per_token: float = 0.0
+    """Work per local token of a sample that is split at all (k >= 2: zigzag split and re-assembly,
+    fp32 output/LSE buffers); enters as ``sum Lp / k`` per rank, units per token."""
     unit_time_s: float = 1.0e-9
     """Seconds per unit on the target hardware (converts step times to seconds)."""
 
     def __post_init__(self) -> None:
-        for name in ("linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token"):
+        for name in PARAMETERS[:-1]:
             value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+                raise ValueError(f"cost.{name}={value!r}: must be a finite number >= 0")
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost.{name}={value!r}: must be a finite number >= 0")
-        if not np.isfinite(self.unit_time_s) or self.unit_time_s <= 0:
-            raise ValueError(f"cost.unit_time_s={self.unit_time_s!r}: must be a number > 0")
+        u = self.unit_time_s
+        if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not np.isfinite(u) or u <= 0:
+            raise ValueError(f"cost.unit_time_s={u!r}: must be a finite number > 0 (seconds per unit)")
 
     def save(self, path: str | os.PathLike[str], *, metadata: dict | None = None) -> None:
         """Write this model to a cost-model file (`hdp.packing.cost_file`; ``hdp plan --cost-model`` reads it)."""
@@ -134,6 +174,18 @@ class CostModel:
 
         return load_cost_model(path)
 
+    def to_vector(self) -> np.ndarray:
+        """The parameters as a float64 vector in `PARAMETERS` order (for collectives)."""
+        return np.array([float(getattr(self, n)) for n in PARAMETERS], dtype=np.float64)
+
+    @classmethod
+    def from_vector(cls, vector: np.ndarray) -> CostModel:
+        """Inverse of `to_vector`."""
+        v = np.asarray(vector, dtype=np.float64).reshape(-1)
+        if v.size != len(PARAMETERS):
+            raise ValueError(f"cost vector has {v.size} values; a CostModel has {len(PARAMETERS)} ({', '.join(PARAMETERS)})")
+        return cls(**{n: float(x) for n, x in zip(PARAMETERS, v)})
+
     def work(self, lengths: np.ndarray | float) -> np.ndarray:
         """work(L) = a*L + L**2 (units), the cost of a sample on one rank."""
         return work(lengths, self.linear_coef)
@@ -147,10 +199,30 @@ class CostModel:
         all taken with Lp padded for the group size ``k`` (arrays broadcast together).
         """
         k = np.asarray(k, dtype=np.float64)
-        comm = self.step_latency + self.comm_per_token * np.asarray(sum_len) / k
+        local = np.asarray(sum_len, dtype=np.float64) / k  # tokens per rank
+        comm = self.step_latency + self.comm_per_token * local
         hidden = np.asarray(sum_sq, dtype=np.float64) / (k * k)
-        ring = (k - 1.0) * (self.step_overhead + np.maximum(0.0, comm - hidden))
+        per_step = self.step_overhead + np.maximum(0.0, comm - hidden)
+        if self.merge_per_token:
+            per_step = per_step + self.merge_per_token * local
+        ring = (k - 1.0) * per_step
+        if self.cp_per_token:
+            ring = ring + self.cp_per_token * local
         return np.asarray(sum_work, dtype=np.float64) / k + np.where(k > 1, ring, 0.0)
+
+    def group_cost_one(self, sum_work: float, sum_len: float, sum_sq: float, k: int) -> float:
+        """`group_cost` of one group, in plain Python floats (for scalar search loops)."""
+        if k <= 1:
+            return float(sum_work)
+        local = sum_len / k
+        comm = self.step_latency + self.comm_per_token * local - sum_sq / (k * k)
+        per_step = self.step_overhead + (comm if comm > 0.0 else 0.0) + self.merge_per_token * local
+        return sum_work / k + (k - 1) * per_step + self.cp_per_token * local
+
+    def packed_cost(self, lengths: np.ndarray | list[int], k: int) -> float:
+        """Per-rank cost (units) of one group of ``k`` ranks running ``lengths`` packed in one round."""
+        lp = padded_length(np.asarray(lengths, dtype=np.int64), k).astype(np.float64)
+        return float(self.group_cost(self.work(lp).sum(), lp.sum(), (lp * lp).sum(), k))
 
     def sample_cost(self, lengths: np.ndarray | float, k: np.ndarray | int) -> np.ndarray:
         """Per-rank cost of each sample alone on a group of k ranks (units)."""

@@ -1,20 +1,39 @@
 """The cost-model file: a `CostModel` on disk (JSON), as ``hdp calibrate --out`` writes it.
 
-Layout (``"format"`` and ``"version"`` are checked on load; every other key is documentation)::
+Layout (``format`` and ``version`` are checked on load, ``parameters`` is the model; every other
+key documents where the numbers come from)::
 
     {
       "format": "hdp-cost-model",
-      "version": 1,
-      "parameters": {"linear_coef": ..., "round_cost": ..., ..., "unit_time_s": ...},
-      "fitted": ["unit_time_s", "linear_coef", ...],      # parameters fitted from records
-      "from_base": ["round_cost", ...],                   # parameters kept from the base model
-      "base": "deepseek-v3@h100-nvlink",                  # the base preset (or null)
-      "fit": {"r2": ..., "median_rel_err": ..., "n_records": ..., ...}   # fit quality (or null)
+      "version": 2,
+      "parameters": {                  # every CostModel field (hdp.packing.cost.PARAMETERS)
+        "linear_coef": ...,            #   a, dimensionless
+        "round_cost": ...,             #   beta, units per round
+        "step_overhead": ...,          #   fixed cost per ring step, units
+        "step_latency": ...,           #   K/V transfer latency per ring step (hideable), units
+        "comm_per_token": ...,         #   K/V transfer per token per ring step (hideable), units
+        "merge_per_token": ...,        #   per-token work per ring step after the first, units
+        "cp_per_token": ...,           #   per-token work of a split sample (k >= 2), units
+        "unit_time_s": ...             #   seconds per unit
+      },
+      "fitted": ["unit_time_s", ...],  # parameters fitted from measured records
+      "from_base": ["cp_per_token"],   # parameters kept from the base model
+      "base": "dense-8b@h100-nvlink",  # the base preset ("model@profile"), or null
+      "fit": {                         # fit quality, or null for a model not fitted
+        "r2": ...,                     #   coefficient of determination over all records
+        "median_rel_err": ...,         #   median |predicted - measured| / measured
+        "rel_err_p90": ..., "max_rel_err": ...,
+        "n_records": ..., "n_group_records": ..., "n_round_records": ...,
+        "reasons": {"cp_per_token": "..."},   # why each from_base parameter was not fitted
+        "warnings": [...]              #   e.g. too few records, a poor fit
+      }
     }
 
-``parameters`` must hold exactly the fields of `CostModel` (all in token² units except
-``unit_time_s``, seconds per unit); a missing or unknown field is an error naming it, as is a file
-of another format or version.
+Units are the token² units of `hdp.packing.cost` (one unit: ``6 * n_layers * d_attn`` FLOPs of
+attention).  ``parameters`` must hold exactly the fields of `CostModel`; a missing or unknown field
+is an error naming it, as is a file of another format or version.  Version 1 files (written before
+the per-token ring terms existed) are read with ``merge_per_token = cp_per_token = 0``, which is
+exactly the model they describe.
 """
 
 from __future__ import annotations
@@ -28,23 +47,47 @@ from typing import Any, Mapping
 
 from hdp.packing.cost import CostModel
 
-__all__ = ["FORMAT", "VERSION", "save_cost_model", "load_cost_model", "read_cost_file", "resolve_cost"]
+__all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_model", "load_cost_model", "read_cost_file", "resolve_cost"]
 
 FORMAT = "hdp-cost-model"
 """Value of the ``format`` key of a cost-model file."""
-VERSION = 1
-"""Version of the layout written by this hdp; a file of another version is rejected."""
+VERSION = 2
+"""Version of the layout written by this hdp; a file of another version is rejected (version 1 is read)."""
+_ADDED_IN_2 = {"merge_per_token": 0.0, "cp_per_token": 0.0}
+"""Parameters version 1 files lack, and the value that reproduces the model they describe."""
 
 
-def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write ``cost`` to ``path`` as a cost-model file; ``metadata`` adds ``fitted``/``from_base``/``base``/``fit``."""
+METADATA_KEYS = ("fitted", "from_base", "base", "fit")
+"""Keys besides format/version/parameters (documentation of where the numbers come from)."""
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with NaN/inf numbers (nested) replaced by None: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def cost_document(cost: CostModel, *, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document of a cost-model file for ``cost`` (what `save_cost_model` writes).
+
+    ``metadata`` may set ``fitted``, ``from_base``, ``base`` and ``fit`` (`METADATA_KEYS`); NaN
+    and infinite numbers in it become null.
+    """
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost is {type(cost).__name__}; pass a hdp.packing.CostModel")
     meta = dict(metadata or {})
     clash = {"format", "version", "parameters"} & set(meta)
     if clash:
         raise ValueError(f"metadata may not set {sorted(clash)}: they describe the file itself")
-    doc = {
+    unknown = sorted(set(meta) - set(METADATA_KEYS))
+    if unknown:
+        raise ValueError(f"metadata keys {unknown} are not part of the file; use {', '.join(METADATA_KEYS)}")
+    return {
         "format": FORMAT,
         "version": VERSION,
         "parameters": {f.name: float(getattr(cost, f.name)) for f in dataclasses.fields(CostModel)},
@@ -52,8 +95,13 @@ def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: 
         "from_base": [],
         "base": None,
         "fit": None,
-        **meta,
+        **{k: _finite_or_none(v) for k, v in meta.items()},
     }
+
+
+def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write ``cost`` to ``path`` as a cost-model file; ``metadata`` adds ``fitted``/``from_base``/``base``/``fit``."""
+    doc = cost_document(cost, metadata=metadata)
     out = Path(path)
     if out.is_dir():
         raise ValueError(f"cost-model file {str(out)!r} is a directory; pass a file path such as cost.json")
@@ -82,14 +130,18 @@ def read_cost_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"cost-model file {str(p)!r}: format={got!r}, expected {FORMAT!r}; write it with "
             "`hdp calibrate --records R.jsonl --out COST.json` or CostModel.save"
         )
-    if doc.get("version") != VERSION:
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in (1, VERSION):
         raise ValueError(
-            f"cost-model file {str(p)!r}: version={doc.get('version')!r}, this hdp reads version {VERSION}; "
+            f"cost-model file {str(p)!r}: version={version!r}, this hdp reads versions 1 and {VERSION}; "
             "re-run hdp calibrate with this hdp to rewrite it"
         )
     params = doc.get("parameters")
     if not isinstance(params, dict):
         raise ValueError(f"cost-model file {str(p)!r}: 'parameters' must be an object of CostModel fields")
+    if version == 1:
+        params = {**_ADDED_IN_2, **params}
+        doc = {**doc, "parameters": params, "version": VERSION}
     names = [f.name for f in dataclasses.fields(CostModel)]
     missing = [n for n in names if n not in params]
     if missing:

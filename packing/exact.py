@@ -141,11 +141,7 @@ def exact_search(
             pieces[(i, k)] = (per_rank, a * lp + lp * lp, lp, lp * lp)
 
     def gcost(k: int, sw: float, sl: float, sq: float) -> float:
-        # scalar form of CostModel.group_cost
-        if k == 1:
-            return sw
-        comm = cm.step_latency + cm.comm_per_token * sl / k
-        return sw / k + (k - 1) * (cm.step_overhead + max(0.0, comm - sq / (k * k)))
+        return cm.group_cost_one(sw, sl, sq, k)  # scalar form of CostModel.group_cost
 
     rem_work = [0.0] * (n + 1)  # work of order[d:]
     for d in range(n - 1, -1, -1):

@@ -9,7 +9,10 @@ import numpy as np
 from hdp.packing.cost import max_rank_tokens, min_group_size
 from hdp.packing.plan import Plan
 
-__all__ = ["validate_lengths", "check_plan"]
+__all__ = ["validate_lengths", "check_plan", "MAX_LENGTH"]
+
+MAX_LENGTH = 1 << 40
+"""Longest sample (tokens) the planner accepts: sums over a batch stay exact in int64 and float64."""
 
 
 def validate_lengths(lengths: Sequence[int] | np.ndarray, num_ranks: int, budget: int) -> np.ndarray:
@@ -26,7 +29,17 @@ def validate_lengths(lengths: Sequence[int] | np.ndarray, num_ranks: int, budget
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"lengths[{i}]={float(arr[i])!r} is not an integer; token counts are whole numbers")
+    if np.issubdtype(arr.dtype, np.floating) and np.any(np.abs(arr) > MAX_LENGTH):
+        i = int(np.flatnonzero(np.abs(arr) > MAX_LENGTH)[0])
+        raise ValueError(f"lengths[{i}]={float(arr[i])!r} is above {MAX_LENGTH} tokens (2^40); no sample is that long")
     arr = arr.astype(np.int64)
+    bad = np.flatnonzero(arr > MAX_LENGTH)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"lengths[{i}]={int(arr[i])} is above {MAX_LENGTH} tokens (2^40); no sample is that long: "
+            "check the lengths (tokens per sample, one per line)"
+        )
     bad = np.flatnonzero(arr <= 0)
     if bad.size:
         i = int(bad[0])

@@ -184,12 +184,18 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         if not line:
             continue
         try:
-            values.append(int(line))
+            value = int(line)
         except ValueError:
             raise ValueError(
                 f"lengths file {str(p)!r} line {lineno}: {raw.strip()!r} is not an integer; "
                 "write one integer length per line ('#' starts a comment)"
             ) from None
+        if not -(1 << 63) <= value < 1 << 63:
+            raise ValueError(
+                f"lengths file {str(p)!r} line {lineno}: {value} does not fit a 64-bit integer; "
+                "a length is a token count (at most 2^40)"
+            )
+        values.append(value)
     return np.asarray(values, dtype=np.int64)
 
 

@@ -69,3 +69,43 @@ def test_resolve_cost_names_the_field(tmp_path):
         resolve_cost(tmp_path / "none.json", "x.cost")
     with pytest.raises(ValueError, match=r"x\.cost=3"):
         resolve_cost(3, "x.cost")
+
+
+def test_version_1_files_read_with_the_per_token_terms_at_zero(tmp_path):
+    """Version 1 (before merge_per_token / cp_per_token) described exactly the model with both at 0."""
+    cost = CostModel(linear_coef=123.0, step_overhead=4.0)
+    path = tmp_path / "v1.json"
+    cost.save(path)
+    doc = json.loads(path.read_text())
+    doc["version"] = 1
+    for name in ("merge_per_token", "cp_per_token"):
+        doc["parameters"].pop(name)
+    path.write_text(json.dumps(doc))
+    assert CostModel.load(path) == cost
+    assert read_cost_file(path)["version"] == VERSION
+
+
+def test_metadata_keys_are_documented_and_nan_becomes_null(tmp_path):
+    path = tmp_path / "c.json"
+    with pytest.raises(ValueError, match=r"metadata keys \['note'\] are not part of the file"):
+        CostModel().save(path, metadata={"note": "x"})
+    with pytest.raises(ValueError, match="may not set"):
+        CostModel().save(path, metadata={"version": 3})
+    CostModel().save(path, metadata={"fit": {"r2": float("nan"), "n_records": 1}, "fitted": ["unit_time_s"]})
+    doc = json.loads(path.read_text())  # strict JSON: no NaN
+    assert doc["fit"] == {"r2": None, "n_records": 1} and doc["from_base"] == [] and doc["base"] is None
+
+
+def test_calibrate_result_round_trips_through_the_file(tmp_path):
+    from hdp.packing.calibrate import calibrate, group_seconds
+
+    true = cost_model("dense-8b", "h100-nvlink")
+    recs = [{"lengths": [n, n // 3], "group_size": k, "seconds": group_seconds(true, [n, n // 3], k)}
+            for k in (1, 2, 4, 8) for n in (512, 2048, 8192, 30000)]
+    res = calibrate(recs, base=true)
+    path = tmp_path / "fit.json"
+    res.cost.save(path, metadata=res.metadata("dense-8b@h100-nvlink"))
+    doc = read_cost_file(path)
+    assert CostModel.load(path) == res.cost
+    assert doc["fitted"] == list(res.fitted) and doc["from_base"] == list(res.from_base)
+    assert doc["fit"]["n_group_records"] == 16 and set(doc["fit"]["reasons"]) == set(res.from_base)

@@ -193,7 +193,8 @@ def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int) -> "CostMode
             if path.is_file():
                 records.extend(load_records(path))
         try:
-            fitted[0] = asdict(calibrate(records).cost)
+            # [cost model] what the warm-up cannot determine comes from the engine's default preset
+            fitted[0] = asdict(calibrate(records, base=PlanningConfig().cost).cost)
         except ValueError as exc:
             logger.warning("bench train: cost model not fitted (%s); planning with the default", exc)
     if dist.is_initialized():
@@ -253,6 +254,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
     """Fit the cost model to all policies' records; simulated / measured step time per policy."""
     from hdp.packing import PlannerConfig, plan, simulate
     from hdp.packing.calibrate import calibrate, load_records
+    from hdp.trainer.config import PlanningConfig
 
     records: list[Any] = []
     for p in spec.policies:
@@ -262,7 +264,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
     if not records:
         return {"error": "no calibration records were written"}
     try:
-        fit = calibrate(records)
+        fit = calibrate(records, base=PlanningConfig().cost)  # [cost model] base: the engine's default preset
     except ValueError as exc:
         return {"error": f"calibrate: {exc}"}
     ratios = {}

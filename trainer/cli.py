@@ -86,10 +86,7 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
         help="B: per-rank token budget of one round",
     )
     p.add_argument("--group-shape", default="any", help="any (contiguous ranges) or pow2 (aligned blocks)")
-    p.add_argument("--profile", default="h100-nvlink", help="hardware profile (default h100-nvlink)")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
-    model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
+    _add_cost_args(p)
     p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
                    help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
     p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
@@ -97,6 +94,28 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
                         "'off' (no local search) or pools, e.g. construct=20000,search=500000,rivals=65536")
     p.add_argument("--pp", type=int, default=1, dest="pp", metavar="P",
                    help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it (default 1)")
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    """--cost-model FILE, or --profile/--model/--linear-coef (a preset pair); not both."""
+    p.add_argument("--cost-model", metavar="COST.json", dest="cost_model", default=None,
+                   help="cost-model file (hdp calibrate --out); replaces --profile/--model/--linear-coef")
+    p.add_argument("--profile", default=None, help="hardware profile (default h100-nvlink)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
+    model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
+
+
+def _check_domain_args(args: argparse.Namespace) -> None:
+    """Range checks of --ranks / --max-tokens-per-rank beyond what argparse does (CliError)."""
+    from hdp.packing.validate import MAX_LENGTH
+
+    b = getattr(args, "max_tokens_per_rank", None)
+    if b is not None and not 1 <= b <= MAX_LENGTH:
+        raise CliError(f"--max-tokens-per-rank={b}: the per-rank token budget B must be in [1, {MAX_LENGTH}] (2^40)")
+    n = getattr(args, "ranks", None)
+    if n is not None and not 1 <= n <= 1 << 24:
+        raise CliError(f"--ranks={n}: the domain size N must be in [1, {1 << 24}]")
 
 
 def _load_lengths(args: argparse.Namespace) -> np.ndarray:
@@ -110,10 +129,24 @@ def _load_lengths(args: argparse.Namespace) -> np.ndarray:
 
 
 def _cost(args: argparse.Namespace):  # noqa: ANN202
+    """The cost model of --cost-model FILE, or of the --model/--linear-coef and --profile presets."""
     from hdp.packing import cost_model
+    from hdp.packing.cost_file import load_cost_model
 
+    if getattr(args, "cost_model", None):
+        given = [f for f, v in (("--profile", args.profile), ("--model", args.model),
+                                ("--linear-coef", args.linear_coef)) if v is not None]
+        if given:
+            raise CliError(
+                f"--cost-model and {'/'.join(given)} are mutually exclusive: the cost-model file holds every "
+                f"parameter; drop {' '.join(given)} (or drop --cost-model to plan with the presets)"
+            )
+        try:
+            return load_cost_model(args.cost_model)
+        except ValueError as exc:
+            raise CliError(f"--cost-model: {exc}") from exc
     model: Any = args.linear_coef if args.linear_coef is not None else (args.model or "deepseek-v3")
-    return cost_model(model, args.profile)
+    return cost_model(model, args.profile or "h100-nvlink")
 
 
 def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: ANN202
@@ -152,8 +185,9 @@ def _hist_text(hist: dict[str, int], top: int = 6) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hdp.packing import plan as make_plan
 
-    lengths = _load_lengths(args)
+    _check_domain_args(args)
     cost = _cost(args)
+    lengths = _load_lengths(args)
     p = make_plan(lengths, _config(args, args.policy, cost))
     if args.plot:
         from hdp.trainer.gantt import plot_gantt
@@ -243,6 +277,10 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.suite:
+        given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
+                                ("--model", args.model), ("--linear-coef", args.linear_coef)) if v is not None]
+        if given:
+            raise CliError(f"--suite plans every case with its own model and profile; drop {' '.join(given)}")
         return _cmd_suite(args)
     if args.lengths is None and args.workload is None:
         raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
@@ -258,8 +296,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in known:
             raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
-    lengths = _load_lengths(args)
+    _check_domain_args(args)
     cost = _cost(args)
+    lengths = _load_lengths(args)
     cases: list[dict[str, Any]] = []
     notes: list[str] = []
     plans = {}
@@ -610,7 +649,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cal = result.get("calibration", {})
-    fields = ("linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token", "unit_time_s")
+    from hdp.packing.cost import PARAMETERS as fields  # every CostModel field, as calibrate's to_dict has them
     cost = CostModel(**{k: cal[k] for k in fields}) if all(k in cal for k in fields) else None
     if cost is None:
         from hdp.trainer.config import PlanningConfig
@@ -718,19 +757,50 @@ def _bench_planner(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model to measured records; print it and write the cost-model file (--out)."""
+    from hdp.packing import cost_model
     from hdp.packing.calibrate import calibrate, load_records
+    from hdp.packing.cost import PARAMETERS
+    from hdp.packing.cost_file import cost_document, save_cost_model
 
-    base = None
-    if args.profile or args.model:
-        from hdp.packing import cost_model
-
-        base = cost_model(args.model or "deepseek-v3", args.profile or "h100-nvlink")
+    model, profile = args.model or "deepseek-v3", args.profile or "h100-nvlink"
+    base = cost_model(model, profile)
+    base_name = f"{model}@{profile}"
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise CliError(f"--out={args.out!r} is a directory; pass a file path such as cost.json")
+        if not out.parent.is_dir():
+            raise CliError(f"--out={args.out!r}: the folder {str(out.parent)!r} does not exist")
     result = calibrate(load_records(args.records), base=base)
-    d = result.to_dict()
+    meta = result.metadata(base_name)
+    if args.out is not None:
+        save_cost_model(result.cost, args.out, metadata=meta)
+        logger.info("wrote %s", args.out)
+    doc = cost_document(result.cost, metadata=meta)
     if args.json:
-        _emit_json(d)
+        _emit_json(doc)
         return 0
-    _print_dict(d, f"calibrated cost model ({result.n_records} records)")
+    from rich.table import Table
+
+    c = result.cost
+    table = Table(title=f"calibrated cost model ({result.n_records} records; base {base_name})")
+    for col in ("parameter", "value", "seconds", "source"):
+        table.add_column(col, justify="left" if col in ("parameter", "source") else "right")
+    per_unit = {"linear_coef": None, "unit_time_s": None}
+    for n in PARAMETERS:
+        v = float(getattr(c, n))
+        secs = "-" if n in per_unit else _fmt_s(v * c.unit_time_s) + ("/token" if n.endswith("per_token") else "")
+        src = "fitted" if n in result.fitted else f"base ({result.reasons.get(n, '')})"
+        table.add_row(n, f"{v:.6g}", secs, src)
+    con = _console()
+    con.print(table)
+    con.print(f"R² {result.r2:.4f}; relative error median {result.median_rel_err:.2%}, p90 "
+              f"{result.rel_err_p90:.2%}, max {result.max_rel_err:.2%}")
+    for w in result.warnings:
+        con.print(f"[yellow]warning:[/yellow] {w}")
+    if args.out is not None:
+        con.print(f"cost-model file: {args.out} (hdp plan / hdp simulate --cost-model {args.out})")
     return 0
 
 
@@ -808,9 +878,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="fit the cost model to measured records (JSON lines)")
     c.add_argument("--records", required=True, metavar="FILE.jsonl", help="measured records")
-    c.add_argument("--profile", default=None, help="base profile for parameters the records cannot fit")
-    c.add_argument("--model", default=None, help="base model preset")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--out", metavar="COST.json", default=None,
+                   help="write the cost-model file (hdp plan / simulate --cost-model read it)")
+    c.add_argument("--profile", default=None,
+                   help="base profile for parameters the records cannot determine (default h100-nvlink)")
+    c.add_argument("--model", default=None, help="base model preset (default deepseek-v3)")
+    c.add_argument("--json", action="store_true", help="print the cost-model file's JSON document")
     c.set_defaults(func=_cmd_calibrate)
     return parser
 

@@ -20,6 +20,7 @@ from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing import CostModel, PlannerConfig, cost_model
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
+from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
 from hdp.packing.cost_file import resolve_cost
 from hdp.trainer.model import ModelConfig, OptimConfig
 
@@ -45,6 +46,10 @@ class PlanningConfig(PlannerOptions):
     ``cpu-gloo``.  After construction it always holds the `CostModel`."""
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     """CP attention: ``ring`` for every group, or ``allgather`` on aligned power-of-two blocks (ring elsewhere)."""
+    auto_calibrate: AutoCalibrate | bool = field(default_factory=AutoCalibrate)
+    """Self-calibration of the cost model from the rounds the engine times (`hdp.packing.autocal.AutoCalibrate`:
+    refit every ``every_steps`` steps, adopted when it predicts held-out rounds better); True/False: on with
+    the defaults / off.  After construction it always holds the `AutoCalibrate`."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -53,6 +58,7 @@ class PlanningConfig(PlannerOptions):
         )
         check_token_budget(self.max_tokens_per_rank, "PlanningConfig.max_tokens_per_rank")
         object.__setattr__(self, "cost_model", resolve_cost(self.cost_model, "PlanningConfig.cost_model"))
+        object.__setattr__(self, "auto_calibrate", auto_calibrate_config(self.auto_calibrate, "PlanningConfig.auto_calibrate"))
 
     @property
     def cost(self) -> CostModel:

@@ -36,6 +36,7 @@ Legend: S samples, L_i sample length, T local tokens of one round, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.util
 import json
@@ -64,6 +65,7 @@ from hdp.megatron_compat import dist_checkpointing
 from hdp.packing import Plan, check_plan, simulate
 from hdp.packing import plan as make_plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
+from hdp.trainer.autocal import DomainAutoCalibrator  # [auto-calibration]
 from hdp.trainer.config import EngineConfig
 from hdp.trainer.model import build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp
 
@@ -231,6 +233,9 @@ class HdpEngine:
         self.num_ranks = groups.size
         self.step = 0
         self._planner = config.planning.planner_config(self.num_ranks)
+        # [auto-calibration] refits the cost model from the timed rounds (trainer/autocal.py)
+        self._autocal = DomainAutoCalibrator(config.planning.auto_calibrate, self._planner.cost, domain_group,
+                                             rank=self.rank, size=self.num_ranks)
 
     # -- construction --
 
@@ -545,8 +550,12 @@ class HdpEngine:
             raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
         if self.config.calibration_path:
             self._write_records(plan, round_s)
+        # [auto-calibration] one all-gather of the round times; every n steps a refit, adopted alike on every rank
+        cal = self._autocal.observe(plan, round_s)
+        if cal.cost is not None:
+            self._planner = dataclasses.replace(self._planner, cost=cal.cost)
         step_s = self._sync_time() - t_start
-        return self._metrics(plan, prep.planner_ms, float(red[0]), grad_norm, step_s)
+        return {**self._metrics(plan, prep.planner_ms, float(red[0]), grad_norm, step_s), **cal.metrics}
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:

@@ -1,0 +1,317 @@
+"""Self-calibration of the cost model from the rounds a job times (pure numpy; no torch.distributed).
+
+The engine times every round on every rank; `hdp.trainer.autocal` gathers those times so that every
+rank of the domain holds the same ``[N, R]`` table and feeds it here:
+
+* `CostWindow` turns a step's plan and its ``[N, R]`` round times into calibration records
+  (`hdp.packing.calibrate` schema: a group record per group, the slowest of its ranks; a round
+  record per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
+  window of at most `AutoCalibrate.window_groups` group records);
+* every `AutoCalibrate.every_steps` steps, `refit` fits the family to the window's training rounds
+  (every `AutoCalibrate.holdout_every`-th round of the window is held out; records far off a first
+  fit, such as a descheduled process's, are dropped before the second), with the current model
+  as the base (what the window cannot determine stays as it is), and adopts the refit only when it
+  predicts the held-out rounds better than the current model (median |log(predicted / measured)|);
+* a window without a single-rank group cannot show what context parallelism costs (a model that
+  thinks CP is free puts every sample on a CP group, and its records then never contradict it): the
+  step after such a refit is planned with a CP-averse variant (`explore_model`), once per refit.
+
+Everything here is deterministic in its inputs, so ranks holding the same window reach the same
+decision; the trainer still broadcasts domain rank 0's decision (one fixed-size vector) so that
+BLAS differences between nodes cannot split the domain.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hdp.packing.calibrate import calibrate, group_seconds
+from hdp.packing.cost import CostModel
+from hdp.packing.plan import Plan
+
+__all__ = [
+    "AutoCalibrate", "CostWindow", "Refit", "refit", "round_error", "records_r2", "auto_calibrate_config",
+    "needs_exploration", "explore_model",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoCalibrate:
+    """How the engine refits its cost model from the rounds it times (``PlanningConfig.auto_calibrate``)."""
+
+    _FIELD_PREFIX: ClassVar[str] = "AutoCalibrate"
+
+    enabled: bool = True
+    """Time every round, keep a window of records on every rank and refit the cost model; False: plan
+    with the configured model forever (no extra collective)."""
+    every_steps: int = 20
+    """Refit every this many training steps (once the window holds `min_rounds` rounds)."""
+    window_groups: int = 8192
+    """Group records the sliding window keeps (the oldest rounds leave first)."""
+    min_rounds: int = 16
+    """Rounds the window must hold before the first refit."""
+    holdout_every: int = 4
+    """Every this many-th round of the window is held out of the fit and decides the adoption."""
+    min_gain: float = 0.02
+    """Adopt a refit only when its held-out error is below (1 - min_gain) x the current model's."""
+    explore: bool = True
+    """When the window holds no single-rank group (so nothing shows what context parallelism costs,
+    e.g. after a model that thinks CP is free put every sample on a CP group), plan the step after a
+    refit with a CP-averse variant of the model (`explore_model`): smallest groups, new records."""
+
+    def __post_init__(self) -> None:
+        self.check(self._FIELD_PREFIX)
+
+    def check(self, prefix: str) -> None:
+        """Raise ValueError naming ``prefix.field``, the bad value and the fix."""
+        for flag in ("enabled", "explore"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{prefix}.{flag}={getattr(self, flag)!r}: pass True or False")
+        for name, lo in (("every_steps", 1), ("window_groups", 8), ("min_rounds", 2), ("holdout_every", 2)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{prefix}.{name}={v!r}: pass an integer >= {lo}")
+        g = self.min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
+            raise ValueError(f"{prefix}.min_gain={g!r}: pass a fraction in [0, 1) (0.02: adopt on a 2% better fit)")
+
+
+def auto_calibrate_config(value: object, field_name: str) -> AutoCalibrate:
+    """An `AutoCalibrate` from an `AutoCalibrate`, a bool (on with defaults / off) or a mapping of its fields."""
+    if isinstance(value, AutoCalibrate):
+        return value
+    if isinstance(value, bool):
+        return AutoCalibrate(enabled=value)
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(AutoCalibrate)}
+        unknown = sorted(set(map(str, value)) - known)
+        if unknown:
+            raise ValueError(f"{field_name}: unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        try:
+            return AutoCalibrate(**dict(value))
+        except ValueError as exc:
+            raise ValueError(f"{field_name}: {exc}") from exc
+    raise ValueError(
+        f"{field_name}={value!r}: pass True, False, a hdp.packing.autocal.AutoCalibrate or a mapping of its fields"
+    )
+
+
+# -------------------------------------------------------------------------------------- the window
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One timed round: its group records and its wall time."""
+
+    ident: int  # running number of the round in the window's life (decides the hold-out)
+    groups: tuple[dict[str, Any], ...]
+    seconds: float
+
+
+class CostWindow:
+    """The most recent timed rounds as calibration records (identical on every rank fed the same input)."""
+
+    def __init__(self, capacity_groups: int) -> None:
+        self.capacity = int(capacity_groups)
+        self._rounds: deque[_Round] = deque()
+        self._groups = 0
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
+    @property
+    def num_groups(self) -> int:
+        """Group records held."""
+        return self._groups
+
+    def add_step(self, plan: Plan, times: np.ndarray) -> None:
+        """Add a step: ``times`` [N, R] are every rank's seconds of every round of ``plan``.
+
+        A group's time is its slowest rank's, a round's the slowest rank of the domain.  Rounds
+        whose times are not finite and positive are skipped.
+        """
+        times = np.asarray(times, dtype=np.float64)
+        assert times.shape == (plan.num_ranks, plan.num_rounds), (times.shape, plan.num_ranks, plan.num_rounds)
+        for rnd in plan.rounds:
+            col = times[:, rnd.index]  # [N]
+            if not np.all(np.isfinite(col)) or col.max() <= 0:
+                continue
+            groups = []
+            for g in rnd.groups:
+                secs = float(col[g.start : g.start + g.size].max())
+                if secs > 0:
+                    groups.append({"kind": "group", "lengths": [int(x) for x in g.lengths], "group_size": int(g.size),
+                                   "seconds": secs})
+            if not groups:
+                continue
+            self._rounds.append(_Round(self._next, tuple(groups), float(col.max())))
+            self._next += 1
+            self._groups += len(groups)
+        while self._groups > self.capacity and len(self._rounds) > 1:
+            self._groups -= len(self._rounds.popleft().groups)
+
+    def split(self, holdout_every: int) -> tuple[list[_Round], list[_Round]]:
+        """(training rounds, held-out rounds): every ``holdout_every``-th round (by its number) is held out."""
+        train = [r for r in self._rounds if r.ident % holdout_every]
+        held = [r for r in self._rounds if not r.ident % holdout_every]
+        return train, held
+
+    def rounds(self) -> list[_Round]:
+        """Every round held, oldest first."""
+        return list(self._rounds)
+
+    def group_sizes(self) -> set[int]:
+        """The group sizes of the records held."""
+        return {g["group_size"] for r in self._rounds for g in r.groups}
+
+    def longest(self) -> int:
+        """The longest sample of the records held (0 when empty)."""
+        return max((max(g["lengths"]) for r in self._rounds for g in r.groups), default=0)
+
+
+def needs_exploration(window: CostWindow) -> bool:
+    """True when the window holds group records but none of a single rank: without them the fit
+    cannot tell the per-token cost of context parallelism from the linear work."""
+    sizes = window.group_sizes()
+    return bool(sizes) and 1 not in sizes
+
+
+def explore_model(current: CostModel, window: CostWindow) -> CostModel:
+    """``current`` with a per-token CP cost of 10 x (a + longest sample) units: every sample goes on
+    the smallest group that fits it (single ranks for the short ones) for one step."""
+    return replace(current, cp_per_token=current.cp_per_token + 10.0 * (current.linear_coef + window.longest()))
+
+
+def _records(rounds: Sequence[_Round]) -> list[dict[str, Any]]:
+    """Group and round records of ``rounds`` (`hdp.packing.calibrate` schema)."""
+    out: list[dict[str, Any]] = []
+    for r in rounds:
+        out.extend(r.groups)
+        out.append({"kind": "round", "seconds": r.seconds,
+                    "groups": [{"lengths": g["lengths"], "group_size": g["group_size"]} for g in r.groups]})
+    return out
+
+
+def _round_predictions(cost: CostModel, rounds: Sequence[_Round]) -> np.ndarray:
+    beta = cost.round_cost * cost.unit_time_s
+    return np.array([max(group_seconds(cost, g["lengths"], g["group_size"]) for g in r.groups) + beta for r in rounds])
+
+
+def round_error(cost: CostModel, rounds: Sequence[_Round]) -> float:
+    """Median |log(predicted / measured)| of the round times (nan without rounds); the median, so
+    that a few rounds of a descheduled process do not decide."""
+    if not rounds:
+        return float("nan")
+    measured = np.array([r.seconds for r in rounds])
+    return float(np.median(np.abs(np.log(_round_predictions(cost, rounds) / measured))))
+
+
+def records_r2(cost: CostModel, rounds: Sequence[_Round]) -> float:
+    """R² of ``cost`` on the group and round times of ``rounds`` (nan when undefined)."""
+    pred, meas = [], []
+    for r in rounds:
+        for g in r.groups:
+            pred.append(group_seconds(cost, g["lengths"], g["group_size"]))
+            meas.append(g["seconds"])
+    if rounds:
+        pred.extend(_round_predictions(cost, rounds))
+        meas.extend(r.seconds for r in rounds)
+    y, p = np.array(meas), np.array(pred)
+    if y.size < 2:
+        return float("nan")
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - p) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------- refits
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refit:
+    """The outcome of one refit: the candidate, whether to adopt it, and why."""
+
+    candidate: CostModel | None
+    """The model fitted to the window's training rounds (None when the fit failed)."""
+    adopt: bool
+    """True when the candidate predicts the held-out rounds better than the current model."""
+    error_new: float
+    """Held-out median |log(predicted / measured)| of the candidate (nan when none)."""
+    error_old: float
+    """The same for the current model."""
+    r2: float
+    """R² over the whole window of the model in use after this refit."""
+    reason: str = ""
+    """Why nothing was adopted (empty when adopted)."""
+    explore: bool = False
+    """Plan the next step with `explore_model` (the window lacks single-rank groups)."""
+
+    VECTOR_SIZE: ClassVar[int] = 5
+    """Fixed values before the model's parameters in `to_vector` (adopt, explore, error_new, error_old, r2)."""
+
+    def to_vector(self, current: CostModel) -> np.ndarray:
+        """[adopt, explore, error_new, error_old, r2, parameters of the model to plan with] (float64, fixed size)."""
+        model = self.candidate if self.adopt and self.candidate is not None else current
+        head = [1.0 if self.adopt else 0.0, 1.0 if self.explore else 0.0, self.error_new, self.error_old, self.r2]
+        return np.concatenate([np.array(head, dtype=np.float64), model.to_vector()])
+
+    @classmethod
+    def from_vector(cls, vector: np.ndarray) -> Refit:
+        """Inverse of `to_vector` (the candidate is the model in the vector)."""
+        v = np.asarray(vector, dtype=np.float64)
+        adopt = bool(v[0] > 0.5)
+        return cls(candidate=CostModel.from_vector(v[cls.VECTOR_SIZE:]), adopt=adopt, explore=bool(v[1] > 0.5),
+                   error_new=float(v[2]), error_old=float(v[3]), r2=float(v[4]),
+                   reason="" if adopt else "not better on the held-out rounds")
+
+
+def _robust(rounds: Sequence[_Round], current: CostModel) -> list[dict[str, Any]]:
+    """The records of ``rounds`` without the outliers of a first fit (a descheduled process, a GC
+    pause): group and round records whose |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x
+    its median) are dropped (at most a fifth of them)."""
+    records = _records(rounds)
+    try:
+        first = calibrate(records, base=current, warn=False).cost
+    except ValueError:
+        return records
+    pred = []
+    for r in records:
+        if r["kind"] == "group":
+            pred.append(group_seconds(first, r["lengths"], r["group_size"]))
+        else:
+            beta = first.round_cost * first.unit_time_s
+            pred.append(max(group_seconds(first, g["lengths"], g["group_size"]) for g in r["groups"]) + beta)
+    dev = np.abs(np.log(np.array(pred) / np.array([r["seconds"] for r in records])))
+    limit = max(0.05, 3.0 * 1.4826 * float(np.median(dev)), float(np.quantile(dev, 0.8)))
+    kept = [r for r, d in zip(records, dev) if d <= limit]
+    return kept if any(r["kind"] == "group" for r in kept) else records
+
+
+def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Refit:
+    """Fit the window's training rounds (base: ``current``); adopt when the held-out rounds say so."""
+    explore = settings.explore and needs_exploration(window)
+    train, held = window.split(settings.holdout_every)
+    if not held or len(train) < 2:
+        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
+                     r2=records_r2(current, window.rounds()), reason="too few rounds in the window", explore=explore)
+    try:
+        fit = calibrate(_robust(train, current), base=current, warn=False)
+    except ValueError as exc:
+        logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
+        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, held),
+                     r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}", explore=explore)
+    err_new, err_old = round_error(fit.cost, held), round_error(current, held)
+    adopt = bool(np.isfinite(err_new) and err_new < err_old * (1.0 - settings.min_gain))
+    in_use = fit.cost if adopt else current
+    return Refit(candidate=fit.cost, adopt=adopt, error_new=err_new, error_old=err_old,
+                 r2=records_r2(in_use, window.rounds()), explore=explore,
+                 reason="" if adopt else f"held-out error {err_new:.3g} not below {err_old:.3g} x (1 - {settings.min_gain:g})")
