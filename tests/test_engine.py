@@ -183,7 +183,8 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
         engine = HdpEngine.build(_engine_cfg(policy=run["policy"]), dist.group.WORLD, init_fn=init_param)
         if name == "hdp":
             p = engine.plan(batches[0])
-            assert 3 in p.stats.cp_degree_hist and p.num_rounds >= 2, p.to_dict()  # a non-pow2 ring
+            # a CP ring over several rounds (the explicit plan below pins a non-pow2 CP3 ring + idle rank)
+            assert max(int(k) for k in p.stats.cp_degree_hist) >= 2 and p.num_rounds >= 2, p.to_dict()
             # forward: log-probs in the caller's order equal the single-process ones
             out = engine.forward(batches[0])
             ref = _reference_model()

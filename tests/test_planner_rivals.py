@@ -3,14 +3,14 @@
 Under the cost model it plans with, hdp's step time is at most that of static-cp, verl-kk,
 megatron-dcp, ascend-hdp and hdp with power-of-two groups, on random batches and random cost
 parameters -- every float field of `CostModel` (except the unit) drawn over a range wide enough
-for "CP nearly free" and "CP very expensive per token" -- with and without a pipeline, and under a
-cost model with an extra per-rank, per-token cost for every sample on k >= 2 ranks.
+for "CP nearly free" and "CP very expensive per token" -- with and without a pipeline, including large
+per-rank, per-token CP costs (``merge_per_token``, ``cp_per_token``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,18 +24,6 @@ COST_FIELDS = [f.name for f in dataclasses.fields(CostModel) if f.name != "unit_
 REL = 1e-8  # step times compared at round-off
 
 
-@dataclass(frozen=True, kw_only=True)
-class PerTokenCP(CostModel):
-    """A CostModel with an extra per-rank cost of c x L for every sample on k >= 2 ranks, whatever k
-    (output/LSE merges and dK/dV accumulation along the ring): hardware the planner must handle."""
-
-    cp_per_token: float = 0.0
-
-    def group_cost(self, sum_work, sum_len, sum_sq, k):
-        base = super().group_cost(sum_work, sum_len, sum_sq, k)
-        return base + np.where(np.asarray(k) > 1, self.cp_per_token * np.asarray(sum_len, dtype=np.float64), 0.0)
-
-
 def _magnitude(draw, lo: float, hi: float) -> float:
     """0, or a log-uniform value in [lo, hi]."""
     if draw(st.booleans()) and draw(st.booleans()):
@@ -46,10 +34,9 @@ def _magnitude(draw, lo: float, hi: float) -> float:
 @st.composite
 def cost_models(draw):
     """Every float field of CostModel (the unit aside) from 0 or 1e-3 .. 1e8 token^2 units, so a
-    field's term ranges from negligible to dominating; sometimes a per-token CP cost on top."""
+    field's term ranges from negligible to dominating -- the per-token CP terms (``merge_per_token``,
+    ``cp_per_token``) included, so large per-rank, per-token CP costs are drawn too."""
     values = {name: _magnitude(draw, 1e-3, 1e8) for name in COST_FIELDS}
-    if draw(st.booleans()):
-        return PerTokenCP(**values, cp_per_token=_magnitude(draw, 1.0, 1e5))
     return CostModel(**values)
 
 
@@ -134,7 +121,7 @@ def test_per_token_cp_cost_keeps_short_samples_off_cp(stages):
     beats static CP by a wide margin."""
     rng = np.random.default_rng(2)
     lengths = np.concatenate([rng.integers(200, 3000, 120), [16000, 12000]])
-    cost = PerTokenCP(linear_coef=24_700.0, step_overhead=1e6, cp_per_token=2e4)
+    cost = CostModel(linear_coef=24_700.0, step_overhead=1e6, merge_per_token=2e4, cp_per_token=2e4)
     cfg = PlannerConfig(num_ranks=8, max_tokens_per_rank=4096, cost=cost, pipeline_stages=stages)
     p = plan(lengths, cfg)
     check_plan(p)
