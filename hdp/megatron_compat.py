@@ -82,6 +82,7 @@ __all__ = [
     "apply_cpu_shim",
     "cpu_shim_applied",
     "initialize_megatron",
+    "megatron_groups",
     "destroy_megatron",
     "manual_seed",
     "dist_checkpointing",
@@ -709,6 +710,17 @@ def initialize_megatron(
         raise
     _GENERATION[0] += 1
     return MegatronRuntime(groups=groups, shim=shim, generation=_GENERATION[0])
+
+
+def megatron_groups() -> ProcessGroupCollection:
+    """Megatron's process groups of this rank, read once from its parallel state.
+
+    For callers whose Megatron was initialised elsewhere (verl's Megatron engine, Megatron-Bridge):
+    hdp's builders take the groups explicitly, never ``None``.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("megatron_groups: Megatron's parallel state is not initialised (initialize_megatron)")
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def manual_seed(seed: int) -> None:
