@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from hdp.packing.cost import CostModel
 
-__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "train_batch_lengths"]
+__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "domain_size",
+           "train_batch_lengths"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ class TrainBenchSpec:
     """What one benchmark run trains (picklable: it travels to spawned ranks)."""
 
     ranks: int = 4
-    """Domain size (local ranks when spawned)."""
+    """All ranks of the job, TP × PP × domain (local ranks when spawned)."""
+    tp: int = 1
+    """Tensor-parallel size (sequence parallel on), the same for every policy."""
+    pp: int = 1
+    """Pipeline stages, the same for every policy (each round one micro-batch of the 1F1B schedule)."""
     policies: tuple[str, ...] = ("static-cp", "hdp")
     """Policies compared side by side."""
     steps: int = 4
@@ -82,17 +87,32 @@ class TrainBenchSpec:
             raise ValueError(f"workload={self.workload!r} is unknown; choose one of: {', '.join(TRAIN_WORKLOADS)}")
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks}: need at least 1 rank")
+        for name in ("tp", "pp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: pass a positive integer")
+        if self.ranks % (self.tp * self.pp):
+            raise ValueError(
+                f"ranks={self.ranks}: must be a multiple of tp x pp = {self.tp} x {self.pp} (the world is "
+                "TP x PP x domain)"
+            )
         if self.steps < 2:
             raise ValueError(f"steps={self.steps}: need at least 2 (the first step is a warm-up)")
         if not self.policies:
             raise ValueError("policies: name at least one policy")
 
 
+def domain_size(spec: TrainBenchSpec) -> int:
+    """N: the ranks hdp plans over (ranks / (TP · PP))."""
+    return spec.ranks // (spec.tp * spec.pp)
+
+
 def train_batch_lengths(spec: TrainBenchSpec, step: int) -> list[int]:
-    """Sample lengths of the batch of ``step`` (deterministic in the spec's seed)."""
+    """Sample lengths of the batch of ``step`` (deterministic in the spec's seed), sized for the domain."""
     rng = np.random.default_rng([spec.seed, step])
     budget, n = spec.max_tokens_per_rank, spec.samples
-    full = spec.ranks * budget - 2 * spec.ranks  # longest that fits all ranks (zigzag rounding)
+    ranks = domain_size(spec)
+    full = ranks * budget - 2 * ranks  # longest that fits all domain ranks (zigzag rounding)
     if spec.workload == "short-tail":
         # most samples well under one rank's budget, a thin tail needing all ranks
         lengths = rng.lognormal(np.log(0.25 * budget), 0.6, n)
@@ -124,10 +144,10 @@ def _batch(spec: TrainBenchSpec, step: int):
 
 
 def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
-    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
     from hdp.trainer.model import ModelConfig, OptimConfig
 
-    longest = spec.ranks * spec.max_tokens_per_rank
+    longest = domain_size(spec) * spec.max_tokens_per_rank
     return EngineConfig(
         model=ModelConfig(
             num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -136,6 +156,7 @@ def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
         ),
         optim=OptimConfig(lr=1e-4),
         planning=PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank, policy=policy),
+        parallel=ParallelConfig(tp=spec.tp, pp=spec.pp),
         device=spec.device,
         calibration_path=records,
     )
@@ -167,11 +188,13 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         order = [(s, p) for p in spec.policies for s in steps]
     for s, p in order:
         plan = make_plan(batches[s].lengths, PlannerConfig(
-            num_ranks=world, max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
+            num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
         if s == 1:
             plans[p] = plan.to_dict()
         m = engines[p].train_step(batches[s], nll_loss, plan=plan)
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+    for engine in engines.values():
+        engine.close()
     if dist.is_initialized():
         dist.barrier(group=dist.group.WORLD)
     return {"history": history, "plans": plans} if rank == 0 else {}
@@ -214,6 +237,7 @@ def _environment(spec: TrainBenchSpec) -> dict[str, Any]:
         "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "megatron-core": version("megatron-core"),
         "hdp-engine": version("hdp-engine"), "device": spec.device, "ranks": spec.ranks,
+        "tp": spec.tp, "pp": spec.pp, "domain": domain_size(spec),
         "threads_per_rank": 1, "cpu_count": os.cpu_count(),
     }
 
@@ -270,7 +294,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
         predicted = []
         for s in range(1, len(steps)):
             lengths = train_batch_lengths(spec, s)
-            cfg = PlannerConfig(num_ranks=spec.ranks, max_tokens_per_rank=spec.max_tokens_per_rank,
+            cfg = PlannerConfig(num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank,
                                 policy=p, cost=fit.cost)
             predicted.append(simulate(plan(lengths, cfg), fit.cost).step_time_s)
         measured = statistics.median(m["perf/step_time"] for m in steps[1:])
