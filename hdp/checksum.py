@@ -31,6 +31,7 @@ from hdp.packing.plan import Plan
 __all__ = [
     "plan_digest",
     "verify_plan",
+    "agree_step",
     "check_cu_seqlens",
     "check_plan_domain",
     "check_plan_budget",
@@ -97,6 +98,52 @@ def verify_plan(
             f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
         )
     logger.debug("plan %s agreed on %d ranks", plan.checksum(), n)
+
+
+def agree_step(
+    plan: Plan | None,
+    group: dist.ProcessGroup,
+    *,
+    failed: bool,
+    device: torch.device | None = None,
+    domain_size: int | None = None,
+) -> list[int]:
+    """One collective before a step: did any rank fail its input checks, and do all hold ``plan``?
+
+    Every rank of ``group`` calls it, with ``failed=True`` (and ``plan=None``) when its own checks
+    failed.  One ``all_reduce`` (MAX) of ``[failed, record, −record]`` (``record`` as in
+    :func:`verify_plan`).  Returns the ranks that failed (a diagnostic ``all_gather`` names them,
+    only when some did; the caller raises), else ``[]`` after checking the plan exactly like
+    :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same
+    collectives on every rank whatever their inputs.
+    """
+    if group is None:
+        raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
+    if not failed and plan is None:
+        raise ValueError("agree_step: pass the plan (or failed=True)")
+    dev = device if device is not None else collective_device(group)
+    n = dist.get_world_size(group)
+    rec = [0] * _RECORD if plan is None else [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks]
+    mine = torch.tensor(rec, dtype=torch.int64, device=dev)  # [W]
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=dev)
+    both = torch.cat([flag, mine, -mine])  # [1 + 2W]
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    host = both.cpu()  # one host read
+    if int(host[0]):
+        flags = [torch.empty_like(flag) for _ in range(n)]
+        dist.all_gather(flags, flag, group=group)
+        return [r for r, f in enumerate(flags) if int(f.item())]
+    assert plan is not None
+    hi, lo = host[1 : 1 + _RECORD], -host[1 + _RECORD :]
+    if not torch.equal(hi, lo):
+        _raise_mismatch(mine, group, n)
+    expect = n if domain_size is None else int(domain_size)
+    if plan.num_ranks != expect:
+        raise ValueError(
+            f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
+            f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
+        )
+    return []
 
 
 def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int) -> None:

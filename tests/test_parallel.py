@@ -191,14 +191,30 @@ def _check_forward(engine, batch, ref: dict, what: str) -> None:
         assert bool((out.entropies[i][1:] > 0).all()) and out.entropies[i][0] == 0
 
 
+def _check_stage_mismatch(engine, batch, plan) -> None:
+    """The last pipeline stage holds another plan: every rank of the job raises, nothing runs."""
+    from hdp.packing import PlannerConfig
+    from hdp.packing import plan as make_plan
+    from hdp.trainer.engine import nll_loss
+
+    other = make_plan(batch.lengths, PlannerConfig(num_ranks=plan.num_ranks, max_tokens_per_rank=B,
+                                                   policy="static-cp"))
+    assert other.checksum() != plan.checksum()
+    mine = other if engine.groups.is_last_stage else plan
+    with pytest.raises(ValueError, match="plan mismatch"):
+        engine.train_step(batch, nll_loss, plan=mine)
+
+
 def _layout_run(parallel: dict, ref: dict, batches, what: str, *, ckpt: str | None = None, model_kw=None,
-                forward: bool = True, **kw: object) -> None:
+                forward: bool = True, mismatch: bool = False, **kw: object) -> None:
     """Gradients, ``train_step`` losses / norms / parameters, forward log-probs, checkpoint resume."""
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     engine = HdpEngine.build(_engine_cfg(parallel, model_kw, **kw), dist.group.WORLD, init_fn=init_param)
     plan = engine.plan(batches[0])
     assert 2 in plan.stats.cp_degree_hist and plan.num_rounds >= 3, plan.to_dict()  # a CP2 ring, a pipeline
+    if mismatch:
+        _check_stage_mismatch(engine, batches[0], plan)
     _check_grads(engine, batches[0], ref, what)
     if forward:
         _check_forward(engine, batches[0], ref, what)
@@ -257,7 +273,7 @@ def _pp(rank: int, world: int, tmp: str) -> None:
     batches = [_batch(0), _batch(1)]
     ref = _reference(batches, 2)
     # 1F1B, with a distributed checkpoint after step 1
-    _layout_run(dict(pp=2), ref, batches, "pp2", ckpt=os.path.join(tmp, "pp2"))
+    _layout_run(dict(pp=2), ref, batches, "pp2", ckpt=os.path.join(tmp, "pp2"), mismatch=True)
     # interleaved 1F1B, 2 virtual stages per rank (rounds padded to a multiple of PP with idle rounds)
     one = {k: v[:1] for k, v in ref.items() if k in ("loss", "norm", "params")} | {
         k: ref[k] for k in ("grads", "logprobs")}
@@ -269,8 +285,9 @@ def _pp(rank: int, world: int, tmp: str) -> None:
 
 
 def test_pp2_domain2_1f1b_interleaved_moe_forward_checkpoint_and_bad_layouts(tmp_path) -> None:
-    """PP 2 x domain 2: 1F1B (+ forward log-probs, checkpoint resume), interleaved with 2 virtual stages,
-    MoE EP 2 with zero-memory level1; bad layouts raise on every rank without a hang."""
+    """PP 2 x domain 2: 1F1B (+ forward log-probs, checkpoint resume, a plan mismatch between stages
+    raises everywhere), interleaved with 2 virtual stages, MoE EP 2 with zero-memory level1; bad
+    layouts raise on every rank without a hang."""
     run_distributed(_pp, 4, str(tmp_path), timeout=600)
 
 
@@ -282,12 +299,14 @@ def _tp(rank: int, world: int, tmp: str) -> None:
     ref = _reference(batches, 2)
     _layout_run(dict(tp=2), ref, batches, "tp2 sp", ckpt=os.path.join(tmp, "tp2"))
     moe_ref = _reference(batches, 1, MOE)
-    # EP 2 with expert-TP 1 under TP 2: each EP group spans the two TP ranks of a domain rank
-    _layout_run(dict(tp=2, ep=2), moe_ref, batches, "moe tp2 ep2", model_kw=MOE, forward=False)
+    # EP 2 with expert-TP 1 under TP 2 (each EP group spans the two TP ranks of a domain rank), zero-memory
+    _layout_run(dict(tp=2, ep=2), moe_ref, batches, "moe tp2 ep2 zero-memory", model_kw=MOE, forward=False,
+                moe_zero_memory="level0")
 
 
 def test_tp2_sequence_parallel_domain2_forward_checkpoint_and_moe(tmp_path) -> None:
-    """TP 2 with sequence parallelism x domain 2 (+ forward log-probs, checkpoint resume); MoE EP 2 under TP 2."""
+    """TP 2 with sequence parallelism x domain 2 (+ forward log-probs, checkpoint resume); MoE EP 2 under
+    TP 2 with zero-memory level0."""
     run_distributed(_tp, 4, str(tmp_path), timeout=600)
 
 

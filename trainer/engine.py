@@ -16,9 +16,10 @@ the domain ranks of the same TP rank and stage.
 A step runs four phases, each a method of its own (so callers and later wrappers can see them):
 
 1. **validate and plan** (:meth:`HdpEngine._prepare`): validate the batch and plan it (pure,
-   identical on every rank); agree on input errors with one fixed-size all-gather over the job,
-   then :func:`hdp.checksum.verify_plan` over the job (the domain, the pipeline and the TP ranks in
-   one all-reduce) — so a bad input or a plan mismatch raises on every rank instead of hanging;
+   identical on every rank); then one fixed-size all-reduce over the job
+   (:func:`hdp.checksum.agree_step`) agrees on input errors and compares the plan checksum over
+   the domain, the pipeline and the TP ranks at once — so a bad input or a plan mismatch raises on
+   every rank instead of hanging;
    per-token loss weights for the whole batch (:mod:`hdp.loss`): Σ over the domain of
    Σ_t w_t ℓ_t is the exact single-process loss of the configured aggregation;
 2. **rounds** (:meth:`HdpEngine._run_rounds`): every round is one micro-batch of Megatron's
@@ -32,7 +33,8 @@ A step runs four phases, each a method of its own (so callers and later wrappers
    with hdp's per-token weights.  Losses and non-finite flags stay on the device; rounds are timed
    with device events (:class:`hdp.device.RoundTimer`);
 3. **reduce** (:meth:`HdpEngine._reduce`): one all-reduce of (loss, loss_fn failed, per-sample
-   non-finite flags) over the job — the step's one host synchronisation; a non-finite loss
+   non-finite flags) over the job — the one host synchronisation after the rounds (no round
+   synchronises; phase 1's agreement reads one small vector before any device work); a non-finite loss
    anywhere skips the update on every rank (grads zeroed, parameters unchanged) and raises
    :class:`NonFiniteLossError` naming the step and the samples;
 4. **optimizer step** (:meth:`HdpEngine._optimizer_step`): Megatron's ``finalize_model_grads``
@@ -71,7 +73,7 @@ import torch.distributed as dist
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
-from hdp.checksum import collective_device, verify_plan
+from hdp.checksum import agree_step
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
 from hdp.groups import DomainGroups, LayoutGroups
@@ -480,21 +482,6 @@ class HdpEngine:
         for name, tensors in batch.extras.items():
             check(f"extras[{name!r}]", tensors)
 
-    def _agree(self, what: str, error: BaseException | None) -> None:
-        """One fixed-size all-gather of error flags over the job: a bad input on any rank raises on every rank."""
-        dev = self._collective_device
-        flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=dev)
-        flags = [torch.empty_like(flag) for _ in range(self.groups.world_size)]
-        dist.all_gather(flags, flag, group=self.world_group)
-        bad = [r for r, f in enumerate(flags) if int(f.item())]
-        if error is not None:
-            raise type(error)(f"{what} (step {self.step + 1}, domain rank {self.rank}): {error}") from error
-        if bad:
-            raise ValueError(
-                f"{what} (step {self.step + 1}): invalid input on ranks {bad} (see their errors); "
-                "nothing was run; every rank must pass the same valid batch"
-            )
-
     def plan(self, batch: Batch) -> Plan:
         """The plan of ``batch`` on this domain (pure; the same on every rank of the job)."""
         self._validate(batch)
@@ -531,11 +518,18 @@ class HdpEngine:
             prepared = self._shifted(batch, plan, planner_ms)
         except (ValueError, TypeError) as exc:
             error = exc
-        self._agree(what, error)  # fixed size: never hangs, whatever the inputs
+        # one fixed-size collective over the job (never hangs, whatever the inputs): input errors
+        # anywhere, and the plan checksum over the domain, the pipeline and the TP ranks at once
+        bad = agree_step(None if prepared is None else prepared.plan, self.world_group, failed=error is not None,
+                         device=self._collective_device, domain_size=self.num_ranks)
+        if error is not None:
+            raise type(error)(f"{what} (step {self.step + 1}, domain rank {self.rank}): {error}") from error
+        if bad:
+            raise ValueError(
+                f"{what} (step {self.step + 1}): invalid input on ranks {bad} (see their errors); "
+                "nothing was run; every rank must pass the same valid batch"
+            )
         assert prepared is not None
-        # one check covers the domain, the pipeline and the TP ranks of every domain rank
-        verify_plan(prepared.plan, self.world_group, device=self._collective_device,
-                    domain_size=self.num_ranks)
         return prepared
 
     def _shifted(self, batch: Batch, plan: Plan, planner_ms: float) -> _Prepared:
