@@ -158,8 +158,8 @@ class LocalTensors:
     """[T, V] logits (with grad), e.g. for an entropy bonus.  Under tensor parallelism this is the TP
     rank's vocabulary shard [T, V/TP]; use :func:`hdp.trainer.model.vocab_parallel_entropy` /
     ``vocab_parallel_logprobs`` with ``tp_group`` for full-vocabulary quantities."""
-    tp_group: dist.ProcessGroup | None = None
-    """The tensor-parallel group the logits are sharded over (size 1 without TP)."""
+    tp_group: dist.ProcessGroup
+    """The tensor-parallel group the logits are sharded over (a size-1 group without TP)."""
 
 
 class LossFn(Protocol):
