@@ -559,8 +559,9 @@ def _print_train_table(result: dict[str, Any], title: str) -> None:
         steps.add_row(str(s) + (" (warm-up)" if s == 0 else ""), *cells)
     con.print(steps)
     sp = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
-    con.print(f"speedup (tokens/s): {sp}; losses match: {result['loss_match']} "
-              f"(max rel. diff {result['loss_max_rel_diff']:.1e})")
+    cpu = ", ".join(f"{k} {v:.2f}x" for k, v in result.get("speedup_cpu_time", {}).items())
+    con.print(f"speedup (tokens/s): {sp}; per CPU-second of all ranks: {cpu}; losses match: "
+              f"{result['loss_match']} (max rel. diff {result['loss_max_rel_diff']:.1e})")
     cal = result.get("calibration", {})
     if "predicted_over_measured" in cal:
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())

@@ -234,11 +234,27 @@ class _RoundInput:
     """[T] int64 token ids on the device (Tr real ones, then padding)."""
     psp: HdpPackedSeqParams
     """THD packed-sequence parameters with the CP context."""
+    loss: "_LossInputs | None" = None
+    """What the last stage's loss needs (``None`` elsewhere, and for rounds without tokens)."""
 
     @property
     def real(self) -> int:
         """Tr: the real tokens."""
         return 0 if self.meta is None else self.meta.num_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class _LossInputs:
+    """The per-token loss inputs of one round on the device (target aligned, [Tr, ...])."""
+
+    targets: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    extras: Mapping[str, torch.Tensor]
+    sample_index: torch.Tensor
+    target_position: torch.Tensor
+    samples: torch.Tensor
+    """[Sg] caller indices of the group's samples (for the non-finite flags)."""
 
 
 @dataclass(eq=False)
@@ -324,6 +340,7 @@ class HdpEngine:
         self._token_multiple = config.parallel.token_multiple
         self._state: _StepState | None = None
         self._chunk_index = {id(m): i for i, m in enumerate(self.model_chunks)}
+        self._holds_loss = any(m.module.post_process for m in self.model_chunks)
         self._p2p = (
             mc.HdpP2PCommunicator(groups.pp, self.model_chunks[0].config, device) if groups.pp_size > 1 else None
         )
@@ -589,22 +606,23 @@ class HdpEngine:
             real = pack(meta, state.prep.tokens) if meta.num_tokens else torch.empty(0, dtype=torch.int64)
         pad = torch.full((psp.pad_tokens,), self.config.pad_token_id, dtype=torch.int64)
         tokens = torch.cat([real, pad]).to(self.device)  # [T]
-        inp = _RoundInput(meta=meta, tokens=tokens, psp=psp)
+        loss = None
+        if self._holds_loss and meta is not None and meta.num_tokens:
+            loss = self._loss_inputs(state.prep, meta)
+        inp = _RoundInput(meta=meta, tokens=tokens, psp=psp, loss=loss)
         state.inputs[r] = inp
         return inp
 
-    def _local(self, prep: _Prepared, meta: LocalMeta, logits: torch.Tensor) -> LocalTensors:
+    def _loss_inputs(self, prep: _Prepared, meta: LocalMeta) -> _LossInputs:
         dev = self.device
-        return LocalTensors(
-            round_index=meta.round_index,
-            samples=meta.samples,
+        return _LossInputs(
             targets=pack(meta, prep.targets).to(dev),
             mask=pack(meta, prep.mask).to(dev),
+            weights=pack(meta, prep.weights).to(dev),
             extras={name: pack(meta, xs).to(dev) for name, xs in prep.extras.items()},
             sample_index=meta.sample_index.to(dev),
             target_position=(meta.position_ids + 1).to(dev),
-            logits=logits,
-            tp_group=self.groups.tp,
+            samples=torch.tensor(meta.samples, dtype=torch.int64, device=dev),
         )
 
     def _mark_stage_input(self, chunk: int, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -640,24 +658,28 @@ class HdpEngine:
         logits = output[0]  # [T, Vl]
         meta = inp.meta
         real = inp.real
+        li = inp.loss
         tp = self.groups.tp
         count = torch.zeros((), dtype=torch.int, device=logits.device)
         if not state.train:
             if real:
-                targets = pack(meta, state.prep.targets).to(self.device)  # [Tr]
+                assert li is not None
                 lr = logits[:real]
-                lp = vocab_parallel_logprobs(lr, targets, tp)  # [Tr]
+                lp = vocab_parallel_logprobs(lr, li.targets, tp)  # [Tr]
                 ent = vocab_parallel_entropy(lr, tp)  # [Tr]
                 state.outputs[r] = torch.stack([lp.float(), ent.float()], dim=-1)  # [Tr, 2]
             state.timer.stop(key)
             return logits.sum() * 0.0, count, {}
         loss = None
         if real and state.fn_error is None:
-            assert meta is not None
-            local = self._local(state.prep, meta, logits[:real])
-            weights = pack(meta, state.prep.weights).to(self.device)  # [Tr]
+            assert meta is not None and li is not None
+            local = LocalTensors(
+                round_index=meta.round_index, samples=meta.samples, targets=li.targets, mask=li.mask,
+                extras=li.extras, sample_index=li.sample_index, target_position=li.target_position,
+                logits=logits[:real], tp_group=tp,
+            )
             try:
-                loss = state.loss_fn(local, vocab_parallel_logprobs(local.logits, local.targets, tp), weights)
+                loss = state.loss_fn(local, vocab_parallel_logprobs(local.logits, local.targets, tp), li.weights)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(
                         f"loss_fn returned {type(loss).__name__}"
@@ -670,10 +692,9 @@ class HdpEngine:
         loss = loss.reshape(())
         value = loss.detach().to(torch.float64)
         state.loss_sum += value
-        if meta is not None and meta.samples:
-            idx = torch.tensor(meta.samples, dtype=torch.int64, device=state.bad.device)
-            flag = (~torch.isfinite(value)).to(torch.float64).to(state.bad.device)
-            state.bad.index_add_(0, idx, flag.expand(idx.shape[0]))
+        if li is not None:
+            flag = (~torch.isfinite(value)).to(torch.float64)
+            state.bad.index_add_(0, li.samples, flag.expand(li.samples.shape[0]))
         state.timer.stop(key)
         return loss, count, {}
 
@@ -700,11 +721,14 @@ class HdpEngine:
         )
         m = state.num_microbatches
         chunks = self.model_chunks
+        # every round's inputs go to the device before the first round (no host-device copy, so no
+        # synchronisation, between rounds)
+        longest = max(self._round_input(state, r).tokens.shape[0] for r in range(m))
         iters = [iter(range(m)) for _ in chunks]
         kwargs: dict[str, Any] = dict(
             forward_step_func=functools.partial(self._forward_step, state),
             num_microbatches=m,
-            seq_length=max(1, max((self._round_input(state, r).tokens.shape[0] for r in range(m)), default=1)),
+            seq_length=longest,
             micro_batch_size=1,
             forward_only=not train,
         )
