@@ -449,3 +449,43 @@ def test_engine_config_validation_names_the_field() -> None:
     assert cfg.planning.planner_config(4).num_ranks == 4
     with pytest.raises(Exception):
         cfg.seed = 3  # frozen
+
+
+def test_parallel_config_validation_names_the_field() -> None:
+    from hdp.trainer.config import EngineConfig, ParallelConfig
+    from hdp.trainer.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"ParallelConfig.tp=0"):
+        ParallelConfig(tp=0)
+    with pytest.raises(ValueError, match=r"ParallelConfig.expert_tp=2"):
+        ParallelConfig(expert_tp=2)
+    par = ParallelConfig(tp=2, pp=2)
+    assert par.domain_size(8) == 2 and par.token_multiple == 2 and ParallelConfig(tp=2, sequence_parallel=False).token_multiple == 1
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2 = 4 does not divide the world of 6"):
+        par.check_world(6)
+    with pytest.raises(ValueError, match=r"EngineConfig.parallel.tp=2: model.num_query_groups=1"):
+        EngineConfig(model=ModelConfig(num_attention_heads=4, num_query_groups=1), parallel=ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match=r"model.num_layers=2 is not divisible by pp x virtual_pp = 2 x 2"):
+        EngineConfig(model=ModelConfig(num_layers=2), parallel=ParallelConfig(pp=2, virtual_pp=2))
+    with pytest.raises(ValueError, match=r"EngineConfig.parallel.ep=3: model.num_moe_experts=4"):
+        EngineConfig(model=ModelConfig(num_moe_experts=4), parallel=ParallelConfig(ep=3))
+
+
+def test_round_timer_sums_spans_per_key_with_one_synchronisation() -> None:
+    from hdp.device import RoundTimer
+
+    timer = RoundTimer(torch.device("cpu"))
+    for key in (("f", 0), ("b", 0), ("f", 0)):
+        timer.start(key)
+        sum(range(20_000))
+        timer.stop(key)
+    with pytest.raises(ValueError, match="no open span"):
+        timer.stop(("b", 1))
+    timer.start(("f", 1))
+    with pytest.raises(ValueError, match="already open"):
+        timer.start(("f", 1))
+    with pytest.raises(ValueError, match="still open"):
+        timer.seconds()
+    timer.stop(("f", 1))
+    secs = timer.seconds()
+    assert set(secs) == {("f", 0), ("b", 0), ("f", 1)} and all(v > 0 for v in secs.values())
