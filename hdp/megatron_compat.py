@@ -41,6 +41,7 @@ How the patches work
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
@@ -598,15 +599,38 @@ class HdpP2PCommunicator(P2PCommunicator):
     path (``_p2p_ops``, used with ``batch_p2p_comm=False``) avoids that for two stages by sending one
     direction over another group; this communicator exchanges the shapes the same way.  Any device:
     the shape tensors live on ``device``.  Can go when megatron-core's ``_communicate_shapes`` takes
-    the ``_p2p_ops`` path (or distinct tags) for two stages.
+    the ``_p2p_ops`` path (or distinct tags) for two stages.  :meth:`expect_shapes` skips the
+    exchange altogether when the caller knows every micro-batch's shape (1F1B).
     """
 
     def __init__(self, pp_group: Any, config: Any, device: torch.device | str) -> None:
         super().__init__(pp_group=pp_group, config=config)
         self.device = torch.device(device)
+        self._known: tuple[collections.deque, collections.deque] | None = None
+
+    def expect_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
+        """Shapes every stage sends, one per micro-batch in schedule order (``None``: exchange them).
+
+        With the non-interleaved 1F1B schedule a stage receives its forward inputs, and its output
+        gradients, each in micro-batch order; when every stage knows every micro-batch's shape (hdp's
+        plan fixes them), the receiver takes them from here and no shape message is sent.
+        """
+        self._known = None if shapes is None else (collections.deque(shapes), collections.deque(shapes))
+
+    def unused_shapes(self) -> int:
+        """Expected shapes not consumed (0 after a complete schedule that received them)."""
+        return 0 if self._known is None else min(len(self._known[0]), len(self._known[1]))
 
     def _communicate_shapes(self, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
                             recv_next: bool) -> tuple[list[int], list[int]]:
+        if self._known is not None:
+            fwd, bwd = self._known
+            if (recv_prev and not fwd) or (recv_next and not bwd):
+                raise RuntimeError("HdpP2PCommunicator: more receives than expected micro-batch shapes")
+            prev = list(fwd.popleft()) if recv_prev else [0, 0, 0]
+            nxt = list(bwd.popleft()) if recv_next else [0, 0, 0]
+            return prev, nxt
+
         def shape_of(t: Any) -> torch.Tensor | None:
             return None if t is None else torch.tensor(t.size(), device=self.device, dtype=torch.int64)
 

@@ -733,6 +733,13 @@ class HdpEngine:
             forward_only=not train,
         )
         self._state = state
+        known = self._p2p is not None and len(chunks) == 1
+        if known:
+            # every stage knows each round's length from the plan: no shape messages (1F1B order)
+            split = self._token_multiple  # sequence parallelism: a stage sends its [T/TP, 1, H] shard
+            hidden = chunks[0].config.hidden_size
+            self._p2p.expect_shapes(
+                [(self._round_input(state, r).tokens.shape[0] // split, 1, hidden) for r in range(m)])
         try:
             if self.groups.pp_size == 1:
                 mc.forward_backward_no_pipelining(data_iterator=iters[0], model=chunks[0], **kwargs)
@@ -746,6 +753,11 @@ class HdpEngine:
                     pg_collection=self.runtime.groups, **kwargs)
         finally:
             self._state = None
+            if known:
+                left = self._p2p.unused_shapes()
+                self._p2p.expect_shapes(None)
+        if known and left and self.groups.pp_rank not in (0, self.groups.pp_size - 1):
+            raise RuntimeError(f"pipeline schedule received {m - left} of {m} micro-batches")
         return state
 
     # -- phase 3: reduce --

@@ -391,8 +391,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
     """log p(target) from vocabulary-sharded logits, reduced over an explicit TP group.
 
     Forward (Megatron's vocab-parallel cross-entropy, with the group named): m = max_v z (all-reduce
-    MAX), s = Σ_v exp(z − m) (all-reduce SUM), z_t = the target's logit (all-reduce SUM; 0 on the
-    ranks not holding it), log p = z_t − m − log s.  Backward: d log p / d z = onehot − softmax,
+    MAX), s = Σ_v exp(z − m) and z_t = the target's logit (0 on the ranks not holding it) in one
+    all-reduce SUM, log p = z_t − m − log s.  Backward: d log p / d z = onehot − softmax,
     local to each shard (the loss is replicated over the TP ranks, so no reduction).
     """
 
@@ -404,13 +404,13 @@ class _VocabParallelLogProb(torch.autograd.Function):
         m = z.max(dim=-1).values  # [T]
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         e = torch.exp(z - m[:, None])  # [T, Vl]
-        s = e.sum(dim=-1)  # [T]
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
         local = targets.long() - start  # [T]
         mine = (local >= 0) & (local < vl)
         idx = torch.where(mine, local, torch.zeros_like(local))
         zt = torch.where(mine, z.gather(-1, idx[:, None])[:, 0], torch.zeros_like(m))  # [T]
-        dist.all_reduce(zt, op=dist.ReduceOp.SUM, group=group)
+        both = torch.stack([e.sum(dim=-1), zt])  # [2, T]: Σ_v exp(z − m) and the target's logit
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        s, zt = both[0], both[1]
         logp = zt - m - torch.log(s)  # [T]
         ctx.save_for_backward(e, s, idx, mine)
         ctx.in_dtype = logits.dtype
