@@ -1,7 +1,8 @@
 """A custom training loop on hdp's engine: build, plan, step, log, checkpoint.
 
 Run on CPU (spawns 4 gloo ranks):      python examples/custom_trainer.py --steps 2
-Run under torchrun (any device):       torchrun --nproc-per-node 8 examples/custom_trainer.py --device cuda
+With pipeline / tensor parallelism:    python examples/custom_trainer.py --pp 2 --tp 2 --ranks 8
+Run under torchrun (any device):       torchrun --nproc-per-node 8 examples/custom_trainer.py --device cuda --tp 2
 
 Every rank runs the same loop on the same global batch; hdp plans which rank computes which
 chunk of which sample, and the update equals the single-process update of the whole batch.
@@ -16,10 +17,13 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from hdp.trainer.config import EngineConfig, PlanningConfig
-from hdp.trainer.engine import Batch, HdpEngine, LocalTensors
-from hdp.trainer.launch import init_from_env, spawn
-from hdp.trainer.model import ModelConfig, OptimConfig
+from hdp.trainer.launch import init_from_env, quiet_third_party_warnings, spawn
+
+quiet_third_party_warnings()  # Megatron's TransformerEngine/Apex fallback notices, torch deprecations
+
+from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig  # noqa: E402
+from hdp.trainer.engine import Batch, HdpEngine, LocalTensors  # noqa: E402
+from hdp.trainer.model import ModelConfig, OptimConfig  # noqa: E402
 
 
 def make_batch(step: int, vocab: int, num_samples: int = 12) -> Batch:
@@ -43,11 +47,12 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=512),
         optim=OptimConfig(lr=1e-3, clip_grad=1.0),
         planning=PlanningConfig(max_tokens_per_rank=args.tokens_per_rank, policy=args.policy),
+        parallel=ParallelConfig(tp=args.tp, pp=args.pp),  # world = TP x PP x domain; hdp plans the domain
         loss_aggregation="token-mean",
         device=args.device,
         calibration_path=args.records,  # measured (lengths, group size, seconds) records for hdp calibrate
     )
-    engine = HdpEngine.build(config, dist.group.WORLD)  # domain = all ranks
+    engine = HdpEngine.build(config, dist.group.WORLD)  # the whole job; the domain is world / (TP x PP)
     history = []
     for step in range(args.steps):
         batch = make_batch(step, config.model.vocab_size)
@@ -71,6 +76,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     engine.load_checkpoint(ckpt)
     if rank == 0:
         print(f"checkpoint of step {engine.step} saved to and restored from {ckpt}")
+    engine.close()
     return history
 
 
@@ -80,6 +86,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--policy", default="hdp", choices=["hdp", "static-cp"])
     parser.add_argument("--tokens-per-rank", type=int, default=128)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each round one micro-batch)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--records", default=None, help="append calibration records here (hdp calibrate --records)")

@@ -1,9 +1,10 @@
 """Cross-rank plan agreement and pre-communication validation.
 
 DESIGN invariant 3: every rank of the domain computes the same plan from the same lengths and
-config.  If one rank's plan differs (different lengths, config or code version), the ranks would
+config (and, with TP and PP, every TP rank and pipeline stage of a domain rank runs that same
+plan).  If one rank's plan differs (different lengths, config or code version), the ranks would
 post different collectives and hang.  :func:`verify_plan` catches that with one fixed-size
-all-gather that every rank takes part in, so it can never hang itself, and raises the same
+all-reduce that every rank takes part in, so it can never hang itself, and raises the same
 ``ValueError`` on every rank naming the ranks whose plan differs.
 
 The other checks here are pure and run before any communication: local ``cu_seqlens`` against the
@@ -30,6 +31,7 @@ from hdp.packing.plan import Plan
 __all__ = [
     "plan_digest",
     "verify_plan",
+    "agree_step",
     "check_cu_seqlens",
     "check_plan_domain",
     "check_plan_budget",
@@ -58,49 +60,114 @@ def plan_digest(plan: Plan) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
-def verify_plan(plan: Plan, domain_group: dist.ProcessGroup, *, device: torch.device | None = None) -> None:
-    """Check that every rank of ``domain_group`` holds the same plan; raise ``ValueError`` on every rank if not.
+def verify_plan(
+    plan: Plan,
+    group: dist.ProcessGroup,
+    *,
+    device: torch.device | None = None,
+    domain_size: int | None = None,
+) -> None:
+    """Check that every rank of ``group`` holds the same plan; raise ``ValueError`` on every rank if not.
 
-    Call it before the first collective of a step.  One ``all_gather`` of a fixed-size int64
-    record ``[digest, num_samples, num_rounds, num_ranks]`` over the explicit ``domain_group``;
-    every rank takes part whatever its plan, so the check never hangs.  ``device`` defaults to
-    CPU for gloo groups and the accelerator otherwise.  Also raises when the plan's ``num_ranks``
-    differs from the domain size.
+    Call it before the first collective of a step.  ``group`` is the domain, or any group whose
+    ranks must all run the same plan (the engine passes the whole TP × PP × domain job, so the
+    check covers the domain, the pipeline and the TP ranks at once).  One ``all_reduce`` (MAX) of a
+    fixed-size int64 record ``[digest, num_samples, num_rounds, num_ranks]`` and its negation
+    (so the maximum and the minimum of every field) over the explicit ``group``; only when they
+    differ does a second, diagnostic ``all_gather`` name the ranks.  Every rank takes part whatever
+    its plan, so the check never hangs.  ``device`` defaults to CPU for gloo groups and the
+    accelerator otherwise.  Also raises when the plan's ``num_ranks`` differs from ``domain_size``
+    (default: the size of ``group``).
     """
-    if domain_group is None:
-        raise ValueError("domain_group=None: pass the domain's process group explicitly (None means the whole world)")
-    dev = device if device is not None else collective_device(domain_group)
-    n = dist.get_world_size(domain_group)
+    if group is None:
+        raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
+    dev = device if device is not None else collective_device(group)
+    n = dist.get_world_size(group)
+    expect = n if domain_size is None else int(domain_size)
     mine = torch.tensor(
         [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks], dtype=torch.int64, device=dev
     )  # [W]
+    both = torch.cat([mine, -mine])  # [2W]: max of the fields, and minus their min
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[:_RECORD], -both[_RECORD:]
+    if not torch.equal(hi, lo):
+        _raise_mismatch(mine, group, n)
+    if plan.num_ranks != expect:
+        raise ValueError(
+            f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
+            f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
+        )
+    logger.debug("plan %s agreed on %d ranks", plan.checksum(), n)
+
+
+def agree_step(
+    plan: Plan | None,
+    group: dist.ProcessGroup,
+    *,
+    failed: bool,
+    device: torch.device | None = None,
+    domain_size: int | None = None,
+) -> list[int]:
+    """One collective before a step: did any rank fail its input checks, and do all hold ``plan``?
+
+    Every rank of ``group`` calls it, with ``failed=True`` (and ``plan=None``) when its own checks
+    failed.  One ``all_reduce`` (MAX) of ``[failed, record, −record]`` (``record`` as in
+    :func:`verify_plan`).  Returns the ranks that failed (a diagnostic ``all_gather`` names them,
+    only when some did; the caller raises), else ``[]`` after checking the plan exactly like
+    :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same
+    collectives on every rank whatever their inputs.
+    """
+    if group is None:
+        raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
+    if not failed and plan is None:
+        raise ValueError("agree_step: pass the plan (or failed=True)")
+    dev = device if device is not None else collective_device(group)
+    n = dist.get_world_size(group)
+    rec = [0] * _RECORD if plan is None else [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks]
+    mine = torch.tensor(rec, dtype=torch.int64, device=dev)  # [W]
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=dev)
+    both = torch.cat([flag, mine, -mine])  # [1 + 2W]
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    host = both.cpu()  # one host read
+    if int(host[0]):
+        flags = [torch.empty_like(flag) for _ in range(n)]
+        dist.all_gather(flags, flag, group=group)
+        return [r for r, f in enumerate(flags) if int(f.item())]
+    assert plan is not None
+    hi, lo = host[1 : 1 + _RECORD], -host[1 + _RECORD :]
+    if not torch.equal(hi, lo):
+        _raise_mismatch(mine, group, n)
+    expect = n if domain_size is None else int(domain_size)
+    if plan.num_ranks != expect:
+        raise ValueError(
+            f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
+            f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
+        )
+    return []
+
+
+def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int) -> None:
+    """Every rank of ``group`` knows the plans differ: gather the records and name the odd ranks."""
     records = [torch.empty_like(mine) for _ in range(n)]  # N x [W]
-    dist.all_gather(records, mine, group=domain_group)
+    dist.all_gather(records, mine, group=group)
     table = np.stack([r.cpu().numpy() for r in records])  # [N, W]
     keys = [tuple(int(x) for x in row) for row in table]
     counts = Counter(keys)
-    if len(counts) > 1:
-        # the reference is the most common plan; ties go to the plan of domain rank 0
-        best = max(counts.values())
-        ref = next(key for key in keys if counts[key] == best)
-        bad = [r for r, key in enumerate(keys) if key != ref]
-        detail = "; ".join(
-            f"rank {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
-            f"{keys[r][2]} rounds, num_ranks={keys[r][3]}"
-            for r in bad
-        )
-        raise ValueError(
-            f"plan mismatch across the domain of {n} ranks: ranks {bad} differ from the plan of "
-            f"{best} rank(s) (digest {ref[0] & ((1 << 64) - 1):016x}, {ref[1]} samples, {ref[2]} rounds, "
-            f"num_ranks={ref[3]}) [{detail}]; every rank must call hdp.packing.plan with the same "
-            "lengths and PlannerConfig (same batch, same config, same hdp version)"
-        )
-    if plan.num_ranks != n:
-        raise ValueError(
-            f"plan.num_ranks={plan.num_ranks} but the domain group has {n} ranks; "
-            f"plan with PlannerConfig(num_ranks={n}, ...) for this domain"
-        )
-    logger.debug("plan %s agreed on %d ranks", plan.checksum(), n)
+    # the reference is the most common plan; ties go to the plan of rank 0 of the group
+    best = max(counts.values())
+    ref = next(key for key in keys if counts[key] == best)
+    bad = [r for r, key in enumerate(keys) if key != ref]
+    detail = "; ".join(
+        f"rank {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
+        f"{keys[r][2]} rounds, num_ranks={keys[r][3]}"
+        for r in bad
+    )
+    raise ValueError(
+        f"plan mismatch across the {n} ranks of the group: ranks {bad} differ from the plan of "
+        f"{best} rank(s) (digest {ref[0] & ((1 << 64) - 1):016x}, {ref[1]} samples, {ref[2]} rounds, "
+        f"num_ranks={ref[3]}) [{detail}]; every rank must call hdp.packing.plan with the same "
+        "lengths and PlannerConfig (same batch, same config, same hdp version)"
+    )
 
 
 def check_cu_seqlens(

@@ -11,6 +11,7 @@ import functools
 import logging
 import resource
 import sys
+import time
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "backend_for",
     "current_stream",
     "new_event",
+    "RoundTimer",
     "synchronize",
     "memory_stats",
     "npu_available",
@@ -126,11 +128,19 @@ def current_stream(device: torch.device) -> Any | None:
     return None if mod is None else mod.current_stream(torch.device(device))
 
 
-class _NullEvent:
-    """Event stand-in on CPU: work is synchronous, so record/wait/synchronize do nothing."""
+class _HostEvent:
+    """Event stand-in on CPU: work is synchronous, so ``record`` stamps the host clock.
+
+    ``elapsed_time(end)`` is the milliseconds from this event's record to ``end``'s, as for CUDA
+    events; wait/synchronize do nothing.
+    """
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self._enable_timing = enable_timing
+        self._t: float | None = None
 
     def record(self, stream: Any = None) -> None:
-        return None
+        self._t = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
         return None
@@ -141,13 +151,65 @@ class _NullEvent:
     def query(self) -> bool:
         return True
 
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        """Milliseconds from this event to ``end`` (both recorded, timing enabled)."""
+        if not (self._enable_timing and end._enable_timing):
+            raise ValueError("elapsed_time: both events need enable_timing=True")
+        if self._t is None or end._t is None:
+            raise ValueError("elapsed_time: record both events first")
+        return (end._t - self._t) * 1e3
+
 
 def new_event(device: torch.device, enable_timing: bool = False) -> Any:
-    """A new event on ``device`` (a no-op event on CPU)."""
+    """A new event on ``device`` (a host-clock event on CPU); ``elapsed_time`` works on both."""
     mod = _module_for(device)
     if mod is None:
-        return _NullEvent()
+        return _HostEvent(enable_timing)
     return mod.Event(enable_timing=enable_timing)
+
+
+class RoundTimer:
+    """Per-round device time of one step without a host synchronisation per round.
+
+    ``start(key)`` / ``stop(key)`` record timing events on the device's current stream (any number
+    of start/stop pairs per key: their durations add up, e.g. a pipeline stage's forward and
+    backward of one micro-batch); :meth:`seconds` synchronises once (call it once per step,
+    after the step's work) and returns the summed seconds per key.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._spans: dict[Any, list[tuple[Any, Any]]] = {}
+        self._open: dict[Any, Any] = {}
+
+    def start(self, key: Any) -> None:
+        """Open a span of ``key`` (an open span of the same key is an error)."""
+        if key in self._open:
+            raise ValueError(f"RoundTimer.start({key!r}): a span of this key is already open")
+        ev = new_event(self.device, enable_timing=True)
+        ev.record()
+        self._open[key] = ev
+
+    def stop(self, key: Any) -> None:
+        """Close the open span of ``key``."""
+        begin = self._open.pop(key, None)
+        if begin is None:
+            raise ValueError(f"RoundTimer.stop({key!r}): no open span of this key")
+        end = new_event(self.device, enable_timing=True)
+        end.record()
+        self._spans.setdefault(key, []).append((begin, end))
+
+    def seconds(self, *, sync: bool = True) -> dict[Any, float]:
+        """Summed seconds of the closed spans per key.
+
+        ``sync``: wait for the device first (one synchronisation); pass ``False`` when the
+        caller has just synchronised (e.g. read a reduced tensor back to the host) after the spans.
+        """
+        if self._open:
+            raise ValueError(f"RoundTimer.seconds: spans still open for {sorted(map(str, self._open))}")
+        if sync:
+            synchronize(self.device)
+        return {k: sum(b.elapsed_time(e) for b, e in spans) / 1e3 for k, spans in self._spans.items()}
 
 
 def synchronize(device: torch.device) -> None:

@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-__all__ = ["DomainGroups", "RingSpec", "aligned_blocks"]
+__all__ = ["DomainGroups", "LayoutGroups", "RingSpec", "aligned_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,3 +149,77 @@ class DomainGroups:
             ranks=self.global_ranks[start : start + size],
             position=self.domain_rank - start,
         )
+
+
+@dataclass(frozen=True)
+class LayoutGroups:
+    """Every process group one rank of a TP × PP × domain job uses, each named explicitly.
+
+    World = TP × PP × N: the domain (N ranks) holds the DP × CP ranks of one (TP rank, PP stage)
+    position and runs hdp's plans; ``tp`` connects the ranks of one TP group (same domain rank and
+    stage), ``pp`` the stages of one pipeline (same domain rank and TP rank), ``ep`` the ranks
+    that exchange tokens in MoE layers (a subset of one stage).  No field is ever ``None``: a size-1
+    dimension has a size-1 group.
+    """
+
+    world: dist.ProcessGroup
+    """The whole job (all TP × PP × N ranks)."""
+    domain: DomainGroups
+    """This rank's domain and its cached CP blocks."""
+    tp: dist.ProcessGroup
+    """Tensor-parallel group."""
+    pp: dist.ProcessGroup
+    """Pipeline-parallel group (stages in order)."""
+    ep: dist.ProcessGroup
+    """Expert-parallel group."""
+
+    def __post_init__(self) -> None:
+        for name in ("world", "tp", "pp", "ep"):
+            if getattr(self, name) is None:
+                raise ValueError(f"LayoutGroups.{name}=None: pass the process group explicitly (None means the world)")
+        world = dist.get_world_size(self.world)
+        tp, pp, n = dist.get_world_size(self.tp), dist.get_world_size(self.pp), self.domain.size
+        if tp * pp * n != world:
+            raise ValueError(
+                f"LayoutGroups: TP {tp} x PP {pp} x domain {n} = {tp * pp * n} ranks but the world has {world}"
+            )
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's position in its TP group."""
+        return dist.get_rank(self.tp)
+
+    @property
+    def tp_size(self) -> int:
+        """TP."""
+        return dist.get_world_size(self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return dist.get_rank(self.pp)
+
+    @property
+    def pp_size(self) -> int:
+        """PP."""
+        return dist.get_world_size(self.pp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank of this pipeline's last stage."""
+        return int(dist.get_process_group_ranks(self.pp)[-1])
+
+    @property
+    def world_rank(self) -> int:
+        """This rank in the world group."""
+        return dist.get_rank(self.world)
+
+    @property
+    def world_size(self) -> int:
+        """TP × PP × N."""
+        return dist.get_world_size(self.world)

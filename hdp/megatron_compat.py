@@ -1,18 +1,25 @@
-"""The one compat module for Megatron-core: private imports and the CPU shim.
+"""The one compat module for Megatron-core: private imports and the scoped CPU shim.
 
 Every private (or version-sensitive) Megatron-core name that hdp uses is imported here and nowhere
 else, and :func:`apply_cpu_shim` holds every patch hdp applies to Megatron-core.  The shim is the
-minimum that lets megatron-core run a GPT model, DDP and the distributed optimizer on CPU with gloo;
-it is applied only when the run's device is CPU (:func:`apply_cpu_shim` is a no-op for any other device),
-so nothing changes on CUDA or NPU.
+minimum that lets megatron-core run a GPT model with tensor, pipeline and expert parallelism, DDP
+and the distributed optimizer on CPU with gloo.
 
-Tested with megatron-core 0.16.1 (torch 2.13 CPU build).  Each patch says what it fixes and the
-versions it was checked against; re-check the list when upgrading (``tests/test_megatron_model.py``
-fails loudly when a new hard-coded CUDA call is hit).
+The shim is a **scoped handle**: :func:`apply_cpu_shim` returns a :class:`CpuShim`; the first live
+handle installs the patches (recording every attribute it replaces), and when the last live handle
+is undone (:meth:`CpuShim.undo`, or leaving its ``with`` block) every replaced attribute is put
+back, so Megatron is exactly as imported.  It is applied only for a CPU device: for CUDA or NPU
+:func:`apply_cpu_shim` returns ``None`` and changes nothing, and :func:`initialize_megatron` /
+:func:`hdp.trainer.model.build_gpt_model` take the device as a required argument, so a GPU run
+never gets the CPU shim by omission.
+
+Tested with megatron-core 0.16.1 (torch 2.13 CPU build).  Each patch says what it fixes and when
+it can go; re-check the list when upgrading (``tests/test_megatron_model.py`` and
+``tests/test_parallel*.py`` fail loudly when a new hard-coded CUDA call is hit).
 
 How the patches work
 --------------------
-* **Module-scoped torch proxy** (:class:`_TorchProxy`): in the handful of Megatron modules listed in
+* **Module-scoped torch proxy** (:class:`_TorchProxy`): in the Megatron modules listed in
   :data:`_PROXIED_MODULES`, the module global ``torch`` is replaced by a proxy that forwards every
   attribute to the real ``torch`` except ``torch.cuda`` (a CPU stand-in: ``current_device()`` is
   ``"cpu"``, streams and events are no-ops) and the tensor factories (``torch.tensor``,
@@ -20,45 +27,63 @@ How the patches work
   module is never modified, and code outside those modules is unaffected.
 * **CPU RNG tracker** (:class:`_CpuRNGStatesTracker`): Megatron's ``CudaRNGStatesTracker`` keeps
   CUDA generator states; on CPU it tracks the CPU generator instead.
+* **Type names without touching** ``torch.Tensor``: the distributed optimizer's constructor
+  dispatches on ``param.type() == 'torch.cuda.FloatTensor'``; during that constructor only, each
+  of *its own* CPU parameters carries an instance attribute ``type`` answering the CUDA name (removed
+  afterwards).  ``torch.Tensor.type`` itself is never replaced, so nothing changes for any other
+  tensor or thread, and nothing is swapped while the optimizer steps.  The grad-clipping helper
+  that asserts the CUDA name is replaced by the same arithmetic without the assertion.
 * **Distributed checkpointing**: ``dist_checkpointing`` (re-exported here) runs on CPU through the
   two proxied ``dist_checkpointing.strategies`` modules below; its torch_dist writer also needs
   ``psutil`` and starts a ``multiprocessing`` Manager and forked writers, so the calling process
   must not be daemonic.
-* **``Tensor.type()`` names**: the distributed optimizer and grad clipping dispatch on
-  ``param.type() == 'torch.cuda.FloatTensor'``; during those calls only, CPU tensors report the
-  ``torch.cuda.*`` name of the same dtype.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
 import logging
-from typing import Any, Callable, Iterator
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 # --- Megatron-core names hdp uses (public and private), imported in this module only ------------
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, _p2p_ops
+from megatron.core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from hdp import device as _device
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
     "TESTED_VERSIONS",
+    "CpuShim",
+    "MegatronRuntime",
     "apply_cpu_shim",
     "cpu_shim_applied",
     "initialize_megatron",
+    "megatron_groups",
     "destroy_megatron",
     "manual_seed",
     "dist_checkpointing",
@@ -66,15 +91,24 @@ __all__ = [
     "tensor_parallel",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
+    "finalize_model_grads",
     "GPTModel",
     "get_gpt_layer_local_spec",
     "OptimizerConfig",
     "get_megatron_optimizer",
     "PackedSeqParams",
+    "P2PCommunicator",
+    "HdpP2PCommunicator",
+    "ProcessGroupCollection",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
     "TransformerConfig",
     "AttnMaskType",
     "MegatronModule",
     "ModuleSpec",
+    "TransformerBlockSubmodules",
+    "get_num_layers_to_build",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,7 +124,8 @@ TESTED_VERSIONS: tuple[str, ...] = ("0.16.1",)
 _CUDA = "cuda"
 
 # Megatron modules whose global ``torch`` gets the CPU proxy, with the CUDA calls each one makes
-# on the paths hdp runs (megatron-core 0.16.1).
+# on the paths hdp runs (megatron-core 0.16.1).  Each entry can go when megatron-core takes the
+# device from its inputs there (none of them does as of 0.16.1).
 _PROXIED_MODULES: dict[str, str] = {
     # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() on the first forward
     # (hit with position_embedding_type="rope"; hdp's own model uses "none").
@@ -104,25 +139,38 @@ _PROXIED_MODULES: dict[str, str] = {
     # shards, and the gather-based checkpoint formats their buffers, on torch.cuda.current_device()
     # (hdp's engine allocates the state before loading and saves 'dp_reshardable', so neither is hit).
     "megatron.core.optimizer.distrib_optimizer": "distributed optimizer checkpoint buffers",
-    # get_grad_norm_fp32 / clip_grad_by_total_norm_fp32: device='cuda' literals (hit by step()).
+    # get_grad_norm_fp32: device='cuda' literals (hit by step()).
     "megatron.core.optimizer.clip_grads": "grad-norm device literals",
     # utils.local_multi_tensor_l2_norm, the no-Apex grad-norm fallback get_grad_norm_fp32 calls:
-    # result tensor created with device="cuda" (hit by step()).
-    "megatron.core.utils": "grad-norm fallback device literal",
+    # result tensor created with device="cuda" (hit by step()); GlobalMemoryBuffer.get_tensor
+    # allocates on torch.cuda.current_device() (sequence-parallel all-gathers in the TP linears).
+    "megatron.core.utils": "grad-norm fallback and global memory buffer device",
     # TopKRouter.gating moves weight/bias to torch.cuda.current_device() (hit by every MoE forward).
     "megatron.core.transformer.moe.router": "MoE router device",
     # MoEAlltoAllTokenDispatcher: class-level torch.cuda.Stream() and current_stream()/stream()
     # around the device-to-host copy of the split sizes (hit by every alltoall dispatch).
     "megatron.core.transformer.moe.token_dispatcher": "MoE split sizes stream",
-    # mappings: gather / all-to-all outputs on torch.cuda.current_device(); the alltoall dispatcher
-    # gathers tokens-per-expert (split sizes) over the EP group and all-to-alls tokens with them.
-    "megatron.core.tensor_parallel.mappings": "MoE split-size gathers and EP all-to-all buffers",
+    # mappings: gather / all-to-all / reduce-scatter outputs on torch.cuda.current_device() (the
+    # alltoall dispatcher's split sizes and token all-to-all; TP / sequence-parallel collectives).
+    "megatron.core.tensor_parallel.mappings": "TP collectives and EP all-to-all buffers",
+    # tensor_parallel.layers: LinearWithGradAccumulationAndAsyncCommunication allocates the
+    # sequence-parallel all-gather buffer through get_global_memory_buffer and reads
+    # torch.cuda.current_device() for the weight-gradient path (hit by every TP linear).
+    "megatron.core.tensor_parallel.layers": "TP linear device",
     # transformer.utils.get_default_causal_mask: torch.ones(sq, sq, device="cuda"), used by
     # Megatron's local DotProductAttention (hdp's tests use it as the reference).
     "megatron.core.transformer.utils": "local attention causal-mask device literal",
-    # forward_backward_no_pipelining / _with_interleaving: total_num_tokens = torch.zeros(...,
-    # device="cuda") (hit by every get_forward_backward_func() call; hdp's verl engine runs it).
+    # forward_backward_no_pipelining / _with(out)_interleaving: total_num_tokens = torch.zeros(...,
+    # device="cuda") (hit by every schedule call).
     "megatron.core.pipeline_parallel.schedules": "schedule token-count device literal",
+    # P2PCommunicator: the shape tensors (variable_seq_lengths) and receive buffers are created on
+    # torch.cuda.current_device(), and torch.cuda.synchronize() follows batched sends (hit by every
+    # pipeline-parallel send/receive).
+    "megatron.core.pipeline_parallel.p2p_communication": "pipeline send/receive buffers",
+    # finalize_model_grads and its helpers: no CUDA call on hdp's paths today (embedding and
+    # layer-norm all-reduces take the device of the gradients); proxied so a future one fails over
+    # to CPU instead of raising.
+    "megatron.core.distributed.finalize_model_grads": "gradient finalisation",
     # FileSystemWriterAsync.preload_tensors: torch.cuda.synchronize() after staging the tensors to
     # host memory (hit by every dist_checkpointing.save with the torch_dist backend).
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer synchronize",
@@ -146,8 +194,6 @@ _FACTORIES = (
     "randn",
     "randint",
 )
-
-_shim_applied = False
 
 
 # --- the CPU stand-in for torch.cuda ------------------------------------------------------------
@@ -311,170 +357,394 @@ class _CpuRNGStatesTracker(tensor_parallel.random.CudaRNGStatesTracker):
             self._current_state_name = orig_name
 
 
-def _install_cpu_rng_tracker() -> None:
-    # megatron-core 0.16.1: initialize_rng_tracker() instantiates the module-level name
-    # CudaRNGStatesTracker; pointing that name at the CPU subclass covers force_reset too.
-    rnd = tensor_parallel.random
-    rnd.CudaRNGStatesTracker = _CpuRNGStatesTracker
-    if rnd._CUDA_RNG_STATE_TRACKER is not None and not isinstance(rnd._CUDA_RNG_STATE_TRACKER, _CpuRNGStatesTracker):
-        rnd.initialize_rng_tracker(force_reset=True)
+# --- CUDA type names for the distributed optimizer's own parameters ------------------------------
 
 
-# --- Tensor.type() names ----------------------------------------------------------------------------
-
-_ORIG_TENSOR_TYPE = torch.Tensor.type
-
-
-def _cuda_named_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-    if dtype is None and not kwargs and self.device.type == "cpu":
-        name = _ORIG_TENSOR_TYPE(self)
-        return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") else name
-    return _ORIG_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+def _cuda_type_name(t: torch.Tensor) -> str:
+    """``torch.cuda.<T>Tensor`` for a CPU tensor ``t`` (what Megatron's optimizer expects)."""
+    name = torch.Tensor.type(t)
+    return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") else name
 
 
 @contextlib.contextmanager
-def _cuda_type_names() -> Iterator[None]:
-    """While active, CPU tensors report ``torch.cuda.<T>Tensor`` from ``.type()``."""
-    prev = torch.Tensor.type
-    torch.Tensor.type = _cuda_named_type  # type: ignore[method-assign]
+def _params_report_cuda_type(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While active, each CPU tensor of ``params`` answers ``.type()`` with its CUDA type name.
+
+    An instance attribute shadows the ``Tensor.type`` method for these objects only (``type`` is a
+    non-data descriptor); ``torch.Tensor`` itself is not modified and the attributes are removed
+    on exit.
+    """
+    marked = []
     try:
+        for p in params:
+            if p.device.type != "cpu" or "type" in vars(p):
+                continue
+            name = _cuda_type_name(p)
+
+            def reported(dtype: Any = None, non_blocking: bool = False, _p: Any = p, _n: str = name, **kw: Any) -> Any:
+                if dtype is None and not kw:
+                    return _n
+                return torch.Tensor.type(_p, dtype, non_blocking, **kw)
+
+            p.type = reported  # type: ignore[method-assign]
+            marked.append(p)
         yield
     finally:
-        torch.Tensor.type = prev  # type: ignore[method-assign]
+        for p in marked:
+            del p.type
 
 
-def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(fn, "_hdp_cpu_wrapped", False):
-        return fn
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
-            return fn(*args, **kwargs)
-
-    wrapper._hdp_cpu_wrapped = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _patch_type_checks() -> None:
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
-
-    # megatron-core 0.16.1: DistributedOptimizer.__init__ and _build_model_and_main_param_groups
-    # raise TypeError unless param.type() is 'torch.cuda.{Float,Half,BFloat16}Tensor'.
-    dopt = distrib_optimizer.DistributedOptimizer
-    dopt.__init__ = _with_cuda_type_names(dopt.__init__)
-    # megatron-core 0.16.1: clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor';
-    # optimizer.py imported it by name, so both bindings are wrapped.
-    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
-
-
-# --- MoE router without TransformerEngine ------------------------------------------------------------
-
-
-def _patch_moe_router_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    # megatron-core 0.16.1: moe_utils imports te_general_gemm inside a try block and never binds it
-    # when TransformerEngine is missing, so RouterGatingLinearFunction raises NameError on
-    # ``te_general_gemm is not None``.  Binding it to None selects the plain torch matmul path.
-    # (Affects any install without TE; hdp only patches it on CPU, where TE never exists.)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def _patch_moe_split_sizes() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    # megatron-core 0.16.1: the alltoall dispatcher turns its split sizes (input_splits,
-    # output_splits) into host numpy arrays with maybe_move_tensor_to_cpu(t, as_numpy=True), which
-    # only converts *CUDA* tensors; on CPU they stay tensors and all_to_all_single rejects them
-    # ("incompatible function arguments").  On CPU the data is already on the host, so only the
-    # numpy conversion is needed.  token_dispatcher imported the function by name: patch both.
-    orig = moe_utils.maybe_move_tensor_to_cpu
-    if getattr(orig, "_hdp_cpu_wrapped", False):
-        return
-
+def _dist_opt_init_with_type_names(orig: Callable[..., None]) -> Callable[..., None]:
+    # megatron-core 0.16.1: DistributedOptimizer.__init__ (and _build_model_and_main_param_groups,
+    # which it calls) raise TypeError unless param.type() is 'torch.cuda.{Float,Half,BFloat16}Tensor'.
+    # Can go when Megatron dispatches on param.dtype instead.
     @functools.wraps(orig)
-    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
-            return tensor.numpy() if as_numpy else tensor
-        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    def __init__(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with _params_report_cuda_type(params):
+            orig(self, optimizer, *args, **kwargs)
 
-    maybe_move_tensor_to_cpu._hdp_cpu_wrapped = True  # type: ignore[attr-defined]
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    return __init__
 
 
-# --- entry points -------------------------------------------------------------------------------------
+def _make_cpu_clip_grad_by_total_norm_fp32(orig: Callable[..., None]) -> Callable[..., None]:
+    # megatron-core 0.16.1: clip_grad_by_total_norm_fp32 asserts grad.type() ==
+    # 'torch.cuda.FloatTensor' and scales with multi_tensor_applier (no Apex on CPU: a Python
+    # loop of dst.copy_(src * scale)).  The same product in place, without the assertion, for CPU
+    # gradients; anything else goes to Megatron's own function.  Can go when the assertion checks
+    # dtype instead of the CUDA type name.
+    @functools.wraps(orig)
+    def clip_grad_by_total_norm_fp32(parameters: Any, max_norm: Any, total_norm: float, use_decoupled_grad: bool = False) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr, None) for p in params]
+        grads = [g.detach() for g in grads if g is not None]
+        if any(g.device.type != "cpu" for g in grads):
+            return orig(parameters, max_norm, total_norm, use_decoupled_grad)
+        for g in grads:
+            if g.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"clip_grad_by_total_norm_fp32: gradient dtype {g.dtype} (expected float32)")
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for g in grads:
+                g.copy_(g * clip_coeff)
+        return None
+
+    return clip_grad_by_total_norm_fp32
+
+
+# --- the patch registry and the scoped handle ---------------------------------------------------------
+
+_MISSING = object()
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    original: Any
+
+
+@dataclass
+class _ShimState:
+    """The process's applied patches and how many live :class:`CpuShim` handles hold them."""
+
+    holders: int = 0
+    patches: list[_Patch] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self.patches.append(_Patch(owner, name, owner.__dict__.get(name, _MISSING) if isinstance(owner, type)
+                                   else getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def restore_all(self) -> None:
+        for patch in reversed(self.patches):
+            if patch.original is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(patch.owner, patch.name)
+            else:
+                setattr(patch.owner, patch.name, patch.original)
+        self.patches.clear()
+
+
+_STATE = _ShimState()
+
+
+class CpuShim:
+    """A live hold on the CPU shim; :meth:`undo` releases it (idempotent).
+
+    The patches are installed when the first handle is taken and every replaced attribute is
+    restored when the last live handle is released.  Use as a context manager for a scope.
+    """
+
+    def __init__(self) -> None:
+        self._live = True
+
+    @property
+    def live(self) -> bool:
+        """Whether this handle still holds the shim."""
+        return self._live
+
+    def undo(self) -> None:
+        """Release this hold; the last release restores every attribute the shim replaced."""
+        with _STATE.lock:
+            if not self._live:
+                return
+            self._live = False
+            _STATE.holders -= 1
+            if _STATE.holders == 0:
+                _STATE.restore_all()
+                logger.debug("megatron-core CPU shim undone")
+
+    def __enter__(self) -> "CpuShim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
 
 
 def cpu_shim_applied() -> bool:
-    """Whether :func:`apply_cpu_shim` has run in this process."""
-    return _shim_applied
+    """Whether some live :class:`CpuShim` handle holds the shim in this process."""
+    return _STATE.holders > 0
 
 
-def apply_cpu_shim(device: torch.device | str = "cpu") -> bool:
-    """Make megatron-core run on CPU; idempotent.  Returns whether the shim is active.
-
-    Does nothing (returns False) for a CUDA or NPU ``device``: the shim must never change
-    behaviour there.  Call it before building any Megatron model, DDP wrapper or optimizer.
-    """
-    global _shim_applied
-    if torch.device(device).type != "cpu":
-        return False
-    if _shim_applied:
-        return True
+def _install() -> None:
+    """Install every patch (called with the lock held, by the first handle)."""
     if MEGATRON_CORE_VERSION not in TESTED_VERSIONS:
         logger.warning(
             "megatron-core %s: the hdp CPU shim was tested with %s only",
             MEGATRON_CORE_VERSION,
             ", ".join(TESTED_VERSIONS),
         )
+    st = _STATE
     proxy = _TorchProxy()
     for modname in _PROXIED_MODULES:
         mod = importlib.import_module(modname)
-        if getattr(getattr(mod, "torch", None), "_hdp_cpu_proxy", False):
-            continue
-        mod.torch = proxy  # type: ignore[attr-defined]
-    _install_cpu_rng_tracker()
-    _patch_type_checks()
-    _patch_moe_router_gemm()
-    _patch_moe_split_sizes()
-    _shim_applied = True
-    logger.debug("megatron-core %s CPU shim applied", MEGATRON_CORE_VERSION)
-    return True
+        st.set(mod, "torch", proxy)
+
+    # megatron-core 0.16.1: initialize_rng_tracker() instantiates the module-level name
+    # CudaRNGStatesTracker, whose add/fork use CUDA generator states; the CPU subclass tracks the CPU
+    # generator.  A tracker built before the shim is dropped so the next seeding builds a CPU one.
+    # Can go when Megatron's tracker takes the generator's device as an argument.
+    rnd = tensor_parallel.random
+    st.set(rnd, "CudaRNGStatesTracker", _CpuRNGStatesTracker)
+    st.set(rnd, "_CUDA_RNG_STATE_TRACKER", None)
+    st.set(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dopt = distrib_optimizer.DistributedOptimizer
+    st.set(dopt, "__init__", _dist_opt_init_with_type_names(dopt.__init__))
+    # optimizer.py imported clip_grad_by_total_norm_fp32 by name, so both bindings are replaced.
+    cpu_clip = _make_cpu_clip_grad_by_total_norm_fp32(clip_grads.clip_grad_by_total_norm_fp32)
+    st.set(clip_grads, "clip_grad_by_total_norm_fp32", cpu_clip)
+    st.set(optimizer, "clip_grad_by_total_norm_fp32", cpu_clip)
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # megatron-core 0.16.1: moe_utils imports te_general_gemm inside a try block and never binds it
+    # when TransformerEngine is missing, so RouterGatingLinearFunction raises NameError on
+    # ``te_general_gemm is not None``.  Binding it to None selects the plain torch matmul path.
+    # Can go when megatron-core binds the name in its except branch.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        st.set(moe_utils, "te_general_gemm", None)
+
+    # megatron-core 0.16.1: the alltoall dispatcher turns its split sizes into host numpy arrays
+    # with maybe_move_tensor_to_cpu(t, as_numpy=True), which only converts *CUDA* tensors; on CPU
+    # they stay tensors and all_to_all_single rejects them.  On CPU only the numpy conversion is
+    # needed.  token_dispatcher imported the function by name: both bindings are replaced.  Can go
+    # when the helper converts host tensors too.
+    orig_move = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(orig_move)
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    st.set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    st.set(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    logger.debug("megatron-core %s CPU shim applied (%d patches)", MEGATRON_CORE_VERSION, len(st.patches))
+
+
+def apply_cpu_shim(device: torch.device | str) -> CpuShim | None:
+    """Take a hold on the CPU shim for ``device``; ``None`` (and no change) for CUDA or NPU.
+
+    Returns a :class:`CpuShim` handle; call its :meth:`~CpuShim.undo` (or use it as a context
+    manager) when Megatron no longer runs on CPU in this process.  Take it before building any
+    Megatron model, DDP wrapper or optimizer.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    with _STATE.lock:
+        if _STATE.holders == 0:
+            _install()
+        _STATE.holders += 1
+    return CpuShim()
+
+
+# --- pipeline communication of variable-length micro-batches ------------------------------------------
+
+
+class HdpP2PCommunicator(P2PCommunicator):
+    """Megatron's pipeline communicator whose shape exchange pairs messages like its data exchange.
+
+    Why: with ``variable_seq_lengths`` megatron-core 0.16.1 sends each micro-batch's shape first,
+    always through ``batch_isend_irecv`` in the order [send_prev, recv_prev, send_next, recv_next].
+    With two stages the previous and the next stage are the same rank, and a call that moves both
+    directions (the interleaved schedule's ``send_forward_backward_recv_forward_backward``) then pairs
+    the forward shape with the backward one: the stages receive each other's shapes swapped (seen
+    on gloo; NCCL orders point-to-point messages per peer the same way).  Megatron's non-batched data
+    path (``_p2p_ops``, used with ``batch_p2p_comm=False``) avoids that for two stages by sending one
+    direction over another group; this communicator exchanges the shapes the same way.  Any device:
+    the shape tensors live on ``device``.  Can go when megatron-core's ``_communicate_shapes`` takes
+    the ``_p2p_ops`` path (or distinct tags) for two stages.  :meth:`expect_shapes` skips the
+    exchange altogether when the caller knows every micro-batch's shape (1F1B).
+    """
+
+    def __init__(self, pp_group: Any, config: Any, device: torch.device | str) -> None:
+        super().__init__(pp_group=pp_group, config=config)
+        self.device = torch.device(device)
+        self._known: tuple[collections.deque, collections.deque] | None = None
+
+    def expect_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
+        """Shapes every stage sends, one per micro-batch in schedule order (``None``: exchange them).
+
+        With the non-interleaved 1F1B schedule a stage receives its forward inputs, and its output
+        gradients, each in micro-batch order; when every stage knows every micro-batch's shape (hdp's
+        plan fixes them), the receiver takes them from here and no shape message is sent.
+        """
+        self._known = None if shapes is None else (collections.deque(shapes), collections.deque(shapes))
+
+    def unused_shapes(self) -> int:
+        """Expected shapes not consumed (0 after a complete schedule that received them)."""
+        return 0 if self._known is None else min(len(self._known[0]), len(self._known[1]))
+
+    def _communicate_shapes(self, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
+                            recv_next: bool) -> tuple[list[int], list[int]]:
+        if self._known is not None:
+            fwd, bwd = self._known
+            if (recv_prev and not fwd) or (recv_next and not bwd):
+                raise RuntimeError("HdpP2PCommunicator: more receives than expected micro-batch shapes")
+            prev = list(fwd.popleft()) if recv_prev else [0, 0, 0]
+            nxt = list(bwd.popleft()) if recv_next else [0, 0, 0]
+            return prev, nxt
+
+        def shape_of(t: Any) -> torch.Tensor | None:
+            return None if t is None else torch.tensor(t.size(), device=self.device, dtype=torch.int64)
+
+        recv_prev_t = torch.empty((3,), device=self.device, dtype=torch.int64) if recv_prev else None
+        recv_next_t = torch.empty((3,), device=self.device, dtype=torch.int64) if recv_next else None
+        reqs = _p2p_ops(
+            tensor_send_prev=shape_of(tensor_send_prev),
+            tensor_recv_prev=recv_prev_t,
+            tensor_send_next=shape_of(tensor_send_next),
+            tensor_recv_next=recv_next_t,
+            group=self.pp_group,
+            prev_pipeline_rank=self.prev_rank,
+            next_pipeline_rank=self.next_rank,
+        )
+        for req in reqs.values():
+            req.wait()
+        prev_shape = recv_prev_t.tolist() if recv_prev_t is not None else [0, 0, 0]
+        next_shape = recv_next_t.tolist() if recv_next_t is not None else [0, 0, 0]
+        return prev_shape, next_shape
+
+
+# --- Megatron's parallel state ---------------------------------------------------------------------
+
+
+_GENERATION = [0]  # bumped by every initialize_megatron; a runtime tears down only its own state
+
+
+@dataclass(eq=False)
+class MegatronRuntime:
+    """What :func:`initialize_megatron` set up: the explicit process groups and the CPU shim hold.
+
+    :meth:`close` releases the shim hold and, if no later :func:`initialize_megatron` replaced
+    this one, destroys Megatron's parallel state.
+    """
+
+    groups: ProcessGroupCollection
+    """Megatron's process groups of this rank, named explicitly (pass them down; never ``None``)."""
+    shim: CpuShim | None
+    """The CPU shim hold (``None`` on an accelerator)."""
+    generation: int
+    """Which initialisation this is (internal)."""
+
+    def close(self) -> None:
+        """Release the CPU shim hold and this initialisation's Megatron state (idempotent)."""
+        if self.generation == _GENERATION[0] and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if self.shim is not None:
+            self.shim.undo()
 
 
 def initialize_megatron(
     *,
+    device: torch.device | str,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
     seed: int = 1234,
-    device: torch.device | str = "cpu",
-) -> None:
-    """Initialise Megatron's parallel state over the default (domain) group: TP = PP = CP = 1.
+) -> MegatronRuntime:
+    """Initialise Megatron's parallel state over the world: TP × PP × DP, CP = 1.
 
-    hdp supplies context parallelism itself, so Megatron sees pure data parallelism (plus expert
-    parallelism of ``expert_model_parallel_size``).  ``torch.distributed`` must be initialised.
-    Applies the CPU shim when ``device`` is CPU, then seeds Megatron's RNG tracker.
+    hdp supplies context parallelism itself, so Megatron sees data parallelism over the domain
+    (the DP×CP ranks of one TP rank and PP stage), plus expert parallelism carved from the
+    TP × DP ranks of each stage.  ``torch.distributed`` must be initialised.  ``device`` is
+    required: the CPU shim is taken for ``cpu`` only.  Seeds Megatron's RNG tracker.  Returns the
+    :class:`MegatronRuntime` (explicit groups, shim hold).
     """
     if not torch.distributed.is_initialized():
         raise ValueError("initialize_megatron: torch.distributed is not initialised; call init_process_group first")
     world = torch.distributed.get_world_size()
-    if expert_model_parallel_size < 1 or world % expert_model_parallel_size:
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", expert_tensor_parallel_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"initialize_megatron: {name}={value!r}: pass a positive integer")
+    if world % (tp * pp):
+        raise ValueError(f"initialize_megatron: TP {tp} x PP {pp} must divide the world size {world}")
+    if (world // pp) % (ep * expert_tensor_parallel_size):
         raise ValueError(
-            f"expert_model_parallel_size={expert_model_parallel_size}: must divide the world size {world}"
+            f"initialize_megatron: expert_model_parallel_size={ep} x expert_tensor_parallel_size="
+            f"{expert_tensor_parallel_size} must divide the {world // pp} ranks of a pipeline stage"
         )
-    apply_cpu_shim(device)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        expert_model_parallel_size=expert_model_parallel_size,
-    )
-    manual_seed(seed)
+    shim = apply_cpu_shim(device)
+    try:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=1,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+        )
+        manual_seed(seed)
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+    except BaseException:
+        if shim is not None:
+            shim.undo()
+        raise
+    _GENERATION[0] += 1
+    return MegatronRuntime(groups=groups, shim=shim, generation=_GENERATION[0])
+
+
+def megatron_groups() -> ProcessGroupCollection:
+    """Megatron's process groups of this rank, read once from its parallel state.
+
+    For callers whose Megatron was initialised elsewhere (verl's Megatron engine, Megatron-Bridge):
+    hdp's builders take the groups explicitly, never ``None``.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("megatron_groups: Megatron's parallel state is not initialised (initialize_megatron)")
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def manual_seed(seed: int) -> None:
@@ -484,7 +754,8 @@ def manual_seed(seed: int) -> None:
 
 
 def destroy_megatron() -> None:
-    """Tear down Megatron's parallel state (before ``destroy_process_group``)."""
+    """Tear down Megatron's parallel state (before ``destroy_process_group``); CPU shim holds are
+    released separately (:meth:`MegatronRuntime.close`, :meth:`CpuShim.undo`)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
 

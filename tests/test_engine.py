@@ -44,13 +44,15 @@ def _model_cfg(**kw: object):
                        max_sequence_length=256, **kw)
 
 
-def _engine_cfg(policy: str = "hdp", agg: str = "token-mean", cp_algorithm: str = "ring", **model_kw: object):
+def _engine_cfg(policy: str = "hdp", agg: str = "token-mean", cp_algorithm: str = "ring", ep: int = 1,
+                **model_kw: object):
     from hdp.packing import cost_model
-    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
     from hdp.trainer.model import OptimConfig
 
     return EngineConfig(
         model=_model_cfg(**model_kw),
+        parallel=ParallelConfig(ep=ep),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0),
         # deepseek-v3's cost makes the hdp policy mix CP3, CP2 and CP1 groups on these lengths
         planning=PlanningConfig(max_tokens_per_rank=B, policy=policy, cost_model=cost_model("deepseek-v3", "h100-nvlink"),
@@ -101,9 +103,10 @@ def _idle_plan():
 
 
 def _reference_model(**model_kw: object):
+    from hdp import megatron_compat as mc
     from hdp.trainer.model import build_gpt_model
 
-    model = build_gpt_model(_model_cfg(**model_kw))
+    model = build_gpt_model(_model_cfg(**model_kw), "cpu", groups=mc.megatron_groups())
     with torch.no_grad():
         for name, p in model.named_parameters():
             init_param(name, p)
@@ -171,7 +174,7 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     batches = [_batch(s) for s in range(STEPS)]
-    mc.initialize_megatron(seed=1)  # the reference is a plain (non-DDP) Megatron model
+    mc.initialize_megatron(device="cpu", seed=1)  # the reference is a plain (non-DDP) Megatron model
     ref_losses, ref_params = _reference_run(batches, "token-mean", STEPS)
 
     runs = {
@@ -243,14 +246,14 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
     from hdp.trainer.engine import HdpEngine, global_param_name, nll_loss
 
     batches = [_batch(s) for s in range(2)]
-    mc.initialize_megatron(expert_model_parallel_size=1, seed=1)  # reference: all 4 experts local
+    mc.initialize_megatron(device="cpu", seed=1)  # reference: all 4 experts local
     ref_losses, ref_params = _reference_run(batches, "token-mean", 2, **MOE)
     # each run also saves after step 1, and a fresh engine resumes from there bit for bit
     for policy, fmt, marker in (("hdp", "dist", "metadata.json"), ("static-cp", "per-rank", f"rank_{rank}.pt")):
-        cfg = _engine_cfg(policy=policy, expert_model_parallel_size=2, **MOE)
+        cfg = _engine_cfg(policy=policy, ep=2, **MOE)
         ckpt = os.path.join(ckpt_root, policy)
         engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
-        ep_rank = mc.parallel_state.get_expert_model_parallel_rank()
+        ep_rank = engine.groups.ep.rank()
         losses = []
         for s, b in enumerate(batches):
             losses.append(engine.train_step(b, nll_loss)["loss"])
@@ -272,7 +275,7 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
     # MoE zero-memory recomputation under the engine: the same update (level1 on the first MoE
     # layer, level0 on the others)
     cfg = dataclasses.replace(
-        _engine_cfg(policy="hdp", expert_model_parallel_size=2, **MOE),
+        _engine_cfg(policy="hdp", ep=2, **MOE),
         moe_zero_memory="level1", moe_zero_memory_num_layers=1,
     )
     engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
@@ -297,7 +300,7 @@ def _aggregations(rank: int, world: int) -> None:
     from hdp.trainer.engine import HdpEngine
 
     batch = _batch(1, extras=True)  # step 1: sample 5 has no loss tokens
-    mc.initialize_megatron(seed=1)
+    mc.initialize_megatron(device="cpu", seed=1)
     for agg in LossAggregation:
         ref_losses, ref_params = _reference_run([batch], agg.value, 1, with_advantages=True)
         engine = HdpEngine.build(_engine_cfg(agg=agg.value), dist.group.WORLD, init_fn=init_param)
@@ -342,7 +345,7 @@ def _short_samples(rank: int, world: int) -> None:
     g = torch.Generator().manual_seed(7)
     tokens = [torch.randint(0, VOCAB, (n,), generator=g) for n in SHORT_LENGTHS]
     batch = Batch(tokens=tokens, loss_mask=[torch.ones(n) for n in SHORT_LENGTHS])
-    mc.initialize_megatron(seed=1)
+    mc.initialize_megatron(device="cpu", seed=1)
     ref_losses, ref_params = _reference_run([batch], "token-mean", 1)
     ref = _reference_model()
     with torch.no_grad():
@@ -391,7 +394,7 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     masks = list(good.loss_mask)
     if rank == 1:
         masks[0] = masks[0][:3]
-    with pytest.raises(ValueError, match="loss_mask" if rank == 1 else r"invalid input on domain ranks \[1\]"):
+    with pytest.raises(ValueError, match="loss_mask" if rank == 1 else r"invalid input on ranks \[1\]"):
         engine.train_step(Batch(tokens=good.tokens, loss_mask=masks), nll_loss)
     with pytest.raises(ValueError, match="forward"):
         engine.forward(Batch(tokens=[]))
@@ -447,3 +450,43 @@ def test_engine_config_validation_names_the_field() -> None:
     assert cfg.planning.planner_config(4).num_ranks == 4
     with pytest.raises(Exception):
         cfg.seed = 3  # frozen
+
+
+def test_parallel_config_validation_names_the_field() -> None:
+    from hdp.trainer.config import EngineConfig, ParallelConfig
+    from hdp.trainer.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"ParallelConfig.tp=0"):
+        ParallelConfig(tp=0)
+    with pytest.raises(ValueError, match=r"ParallelConfig.expert_tp=2"):
+        ParallelConfig(expert_tp=2)
+    par = ParallelConfig(tp=2, pp=2)
+    assert par.domain_size(8) == 2 and par.token_multiple == 2 and ParallelConfig(tp=2, sequence_parallel=False).token_multiple == 1
+    with pytest.raises(ValueError, match=r"tp=2 x pp=2 = 4 does not divide the world of 6"):
+        par.check_world(6)
+    with pytest.raises(ValueError, match=r"EngineConfig.parallel.tp=2: model.num_query_groups=1"):
+        EngineConfig(model=ModelConfig(num_attention_heads=4, num_query_groups=1), parallel=ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match=r"model.num_layers=2 is not divisible by pp x virtual_pp = 2 x 2"):
+        EngineConfig(model=ModelConfig(num_layers=2), parallel=ParallelConfig(pp=2, virtual_pp=2))
+    with pytest.raises(ValueError, match=r"EngineConfig.parallel.ep=3: model.num_moe_experts=4"):
+        EngineConfig(model=ModelConfig(num_moe_experts=4), parallel=ParallelConfig(ep=3))
+
+
+def test_round_timer_sums_spans_per_key_with_one_synchronisation() -> None:
+    from hdp.device import RoundTimer
+
+    timer = RoundTimer(torch.device("cpu"))
+    for key in (("f", 0), ("b", 0), ("f", 0)):
+        timer.start(key)
+        sum(range(20_000))
+        timer.stop(key)
+    with pytest.raises(ValueError, match="no open span"):
+        timer.stop(("b", 1))
+    timer.start(("f", 1))
+    with pytest.raises(ValueError, match="already open"):
+        timer.start(("f", 1))
+    with pytest.raises(ValueError, match="still open"):
+        timer.seconds()
+    timer.stop(("f", 1))
+    secs = timer.seconds()
+    assert set(secs) == {("f", 0), ("b", 0), ("f", 1)} and all(v > 0 for v in secs.values())

@@ -28,15 +28,16 @@ def _tokens(lengths: list[int], seed: int = 7) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 
 
-def _setup(ep: int = 1, **model_kw: object) -> tuple[object, object]:
+def _setup(ep: int = 1, **model_kw: object) -> tuple[object, object, object]:
     from hdp import megatron_compat as mc
     from hdp.trainer.model import ModelConfig, build_gpt_model
+    from hdp.trainer.parallel import ParallelConfig
 
-    mc.initialize_megatron(expert_model_parallel_size=ep, seed=1234)
+    rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                      expert_model_parallel_size=ep, **model_kw)
+                      **model_kw)
     torch.manual_seed(0)  # same initial weights on every rank (CPU init draws from the CPU generator)
-    return cfg, build_gpt_model(cfg)
+    return cfg, build_gpt_model(cfg, "cpu", groups=rt.groups, parallel=ParallelConfig(ep=ep)), rt
 
 
 # ---- (a) single process: packing is exact; hdp RoPE + attention match Megatron's own -----------
@@ -47,7 +48,7 @@ def _packing_exact(rank: int, world: int) -> None:
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp.trainer.model import packed_logits
 
-    cfg, model = _setup()
+    cfg, model, rt = _setup()
     cpu = torch.device("cpu")
     samples = _tokens([7, 19, 3])
     lengths = [int(s.numel()) for s in samples]
@@ -77,7 +78,7 @@ def _packing_exact(rank: int, world: int) -> None:
         pos = torch.arange(s.numel())[None]
         mega = ref(input_ids=s[None], position_ids=pos, attention_mask=None)[0]  # [L, V]
         torch.testing.assert_close(packed[7 : 7 + s.numel()], mega, atol=LOGIT_TOL, rtol=0)
-    mc.destroy_megatron()
+    rt.close()
 
 
 def test_packed_thd_forward_matches_per_sample() -> None:
@@ -95,13 +96,56 @@ def test_other_attention_backends_name_their_dependency() -> None:
         core_attention_module("flash")
 
 
-def test_cpu_shim_is_cpu_only_and_idempotent() -> None:
-    from hdp import megatron_compat as mc
+def _shim_scope(rank: int, world: int) -> None:
+    import importlib
 
-    assert mc.apply_cpu_shim("cuda") is False  # never touches Megatron for an accelerator
-    assert mc.apply_cpu_shim("cpu") is True
-    assert mc.apply_cpu_shim("cpu") is True
-    assert mc.cpu_shim_applied()
+    from hdp import megatron_compat as mc
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.tensor_parallel import random as rnd
+    from megatron.core.transformer.moe import moe_utils
+
+    def snapshot() -> dict[str, object]:
+        snap = {m: importlib.import_module(m).torch for m in mc._PROXIED_MODULES}
+        snap.update(tracker_cls=rnd.CudaRNGStatesTracker, clip=clip_grads.clip_grad_by_total_norm_fp32,
+                    dopt_init=distrib_optimizer.DistributedOptimizer.__dict__["__init__"],
+                    move=moe_utils.maybe_move_tensor_to_cpu, gemm=hasattr(moe_utils, "te_general_gemm"),
+                    tensor_type=torch.Tensor.type)
+        return snap
+
+    assert not mc.cpu_shim_applied()
+    before = snapshot()
+    assert mc.apply_cpu_shim("cuda") is None  # never touches Megatron for an accelerator
+    assert snapshot() == before
+    first = mc.apply_cpu_shim("cpu")
+    second = mc.apply_cpu_shim(torch.device("cpu"))
+    patched = snapshot()
+    assert mc.cpu_shim_applied() and first.live and second.live
+    assert all(getattr(patched[m], "_hdp_cpu_proxy", False) for m in mc._PROXIED_MODULES)
+    assert patched["clip"] is not before["clip"] and patched["dopt_init"] is not before["dopt_init"]
+    assert patched["tensor_type"] is before["tensor_type"]  # Tensor.type is never swapped
+    first.undo()
+    first.undo()  # idempotent
+    assert mc.cpu_shim_applied() and snapshot() == patched  # the other hold keeps it
+    with second:
+        pass
+    assert not mc.cpu_shim_applied() and not second.live
+    assert snapshot() == before  # every replaced attribute is back
+
+
+def test_cpu_shim_is_a_scoped_handle_that_restores_every_attribute() -> None:
+    """apply -> patched; the last undo puts back every attribute it replaced; never for an accelerator;
+    torch.Tensor.type is never replaced (in a fresh process, so no other test holds the shim)."""
+    run_distributed(_shim_scope, 1, timeout=120)
+
+
+def test_initialize_megatron_needs_the_device() -> None:
+    from hdp import megatron_compat as mc
+    from hdp.trainer.model import ModelConfig, build_gpt_model
+
+    with pytest.raises(TypeError, match="device"):
+        mc.initialize_megatron(seed=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="device"):
+        build_gpt_model(ModelConfig())  # type: ignore[call-arg]
 
 
 # ---- (b) 2 ranks: a CP group inside the model, and DDP + distributed optimizer step --------------
@@ -142,9 +186,9 @@ def _cp_forward_and_ddp_step(rank: int, world: int) -> None:
     from hdp.trainer.attention_spec import CPContext, packed_seq_params
     from hdp.trainer.model import OptimConfig, build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp
 
-    cfg, model = _setup()
+    cfg, model, rt = _setup()
     torch.manual_seed(0)
-    ref_model = build_gpt_model(cfg)  # same init, stays a plain module
+    ref_model = build_gpt_model(cfg, "cpu", groups=rt.groups)  # same init, stays a plain module
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
     cpu = torch.device("cpu")
@@ -177,8 +221,8 @@ def _cp_forward_and_ddp_step(rank: int, world: int) -> None:
     # eps = 1e-3 (about the size of the gradients here) keeps the update scale-sensitive, and the
     # grad norm (taken before clipping) is compared directly as well.
     opt_cfg = OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0)
-    ddp = wrap_ddp(model, opt_cfg)
-    optimizer = build_optimizer(ddp, opt_cfg)
+    ddp = wrap_ddp(model, opt_cfg, groups=rt.groups)
+    optimizer = build_optimizer(ddp, opt_cfg, groups=rt.groups)
     mine = samples[:3] if rank == 0 else samples[3:]
     _, _, all_mask = _packed_targets(samples)
     n_global = all_mask.sum()
@@ -198,7 +242,7 @@ def _cp_forward_and_ddp_step(rank: int, world: int) -> None:
     assert set(expect) == set(got)
     for k in expect:
         torch.testing.assert_close(got[k], expect[k], atol=PARAM_TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-    mc.destroy_megatron()
+    rt.close()
 
 
 def test_cp_group_in_model_and_ddp_distributed_optimizer_step_match_single_process() -> None:
@@ -213,13 +257,13 @@ def _moe_step(rank: int, world: int) -> None:
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp.trainer.model import OptimConfig, build_optimizer, packed_logits, token_logprobs, wrap_ddp
 
-    cfg, model = _setup(ep=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+    cfg, model, rt = _setup(ep=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
     assert mc.parallel_state.get_expert_model_parallel_world_size() == 2
     n_local = sum(1 for n, _ in model.named_parameters() if "local_experts" in n and "linear_fc1" in n)
     assert n_local == cfg.num_layers * 2  # 4 experts over EP=2: two per rank and layer
     opt_cfg = OptimConfig(lr=1e-3)
-    ddp = wrap_ddp(model, opt_cfg)
-    optimizer = build_optimizer(ddp, opt_cfg)
+    ddp = wrap_ddp(model, opt_cfg, groups=rt.groups)
+    optimizer = build_optimizer(ddp, opt_cfg, groups=rt.groups)
     samples = _tokens(LENGTHS)
     mine = samples[:3] if rank == 0 else samples[3:]
     tokens, targets, mask = _packed_targets(mine)
@@ -243,7 +287,7 @@ def _moe_step(rank: int, world: int) -> None:
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         assert torch.equal(lo, hi), n
-    mc.destroy_megatron()
+    rt.close()
 
 
 def test_moe_alltoall_ep2_step() -> None:

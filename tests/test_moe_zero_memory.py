@@ -132,7 +132,7 @@ def _exactness(rank: int, world: int) -> None:
     from hdp.trainer.bench_moe import build_moe_layer, moe_transformer_config
 
     for ep, topk in ((1, 2), (2, 3), (4, 2)):
-        mc.initialize_megatron(expert_model_parallel_size=ep, seed=1234)
+        rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)
         if ep == 1:
             _unsupported()
         torch.manual_seed(0)
@@ -178,7 +178,7 @@ def _exactness(rank: int, world: int) -> None:
                 assert ev("fc1_recompute") < ev("combine_grad_a2a") < ev("fc2_backward"), trace.events
             # both levels: the input/probs gradients travel home while fc1's weight gradient runs
             assert ev("fc1_dgrad_end") < ev("fc1_wgrad") < ev("dispatch_grad_a2a_wait"), trace.events
-        mc.destroy_megatron()
+        rt.close()
 
 
 def test_zero_memory_layer_matches_megatron_ep1_ep2_ep4() -> None:
@@ -200,10 +200,12 @@ def _gpt_step(rank: int, world: int) -> None:
     from hdp.trainer.model import (
         ModelConfig, OptimConfig, build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp,
     )
+    from hdp.trainer.parallel import ParallelConfig
 
-    mc.initialize_megatron(expert_model_parallel_size=2, seed=1234)
+    rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=2, seed=1234)
     cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, expert_model_parallel_size=2)
+                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    par = ParallelConfig(ep=2)
     g = torch.Generator().manual_seed(7)
     samples = [torch.randint(0, 128, (n,), generator=g) for n in (13, 5, 22, 9, 4)]
     mine = samples[:3] if rank == 0 else samples[3:]  # 40 vs 13 tokens
@@ -213,7 +215,7 @@ def _gpt_step(rank: int, world: int) -> None:
     results = {}
     for mode in ("none", "level0", "level1", "first1"):
         torch.manual_seed(0)
-        model = build_gpt_model(cfg)
+        model = build_gpt_model(cfg, "cpu", groups=rt.groups, parallel=par)
         if mode == "first1":
             layers = apply_zero_memory(model, "level1", first_n_layers=1)
             assert [lay.zero_memory_level for lay in layers] == [ZeroMemoryLevel.LEVEL1, ZeroMemoryLevel.LEVEL0]
@@ -222,8 +224,8 @@ def _gpt_step(rank: int, world: int) -> None:
             assert len(layers) == 2 and all(isinstance(lay, ZeroMemoryMoELayer) for lay in layers)
             assert all(isinstance(m.mlp, ZeroMemoryMoELayer) for m in model.decoder.layers)
         opt_cfg = OptimConfig(lr=1e-3, adam_eps=1e-3)
-        ddp = wrap_ddp(model, opt_cfg)
-        optimizer = build_optimizer(ddp, opt_cfg)
+        ddp = wrap_ddp(model, opt_cfg, groups=rt.groups)
+        optimizer = build_optimizer(ddp, opt_cfg, groups=rt.groups)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         logits = packed_logits(ddp, tokens, psp)
@@ -241,7 +243,7 @@ def _gpt_step(rank: int, world: int) -> None:
         for n in ref_params:
             torch.testing.assert_close(params[n], ref_params[n], atol=PARAM_TOL, rtol=0,
                                        msg=lambda m, n=n: f"{mode} {n}: {m}")
-    mc.destroy_megatron()
+    rt.close()
 
 
 def test_moe_gpt_step_same_parameters_with_and_without_zero_memory() -> None:

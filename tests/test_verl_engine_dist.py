@@ -53,7 +53,7 @@ def _worker(rank: int, world: int) -> None:
     from hdp.integrations.verl.bench import actor_config, build_engines, grads_close, main_grads, reference_step, verl_update_batch
 
     logging.getLogger("verl").setLevel(logging.ERROR)
-    mc.initialize_megatron(seed=1234)
+    mc.initialize_megatron(device="cpu", seed=1234)
     lengths = LENGTHS[world]
     batch = partial(verl_update_batch, lengths, 3, temperature=0.8, max_token_len_per_gpu=BUDGET)
     engine, model = build_engines(budget=BUDGET)
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int) -> None:
 
     # verl's train_batch (update_actor): zero_grad, hdp step, Megatron distributed-optimizer step
     mc.destroy_megatron()
-    mc.initialize_megatron(seed=1234)
+    mc.initialize_megatron(device="cpu", seed=1234)
     engine2, model2 = build_engines(budget=BUDGET, distributed_optimizer=True)
     ref_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads])))
     before = [p.detach().clone() for p in model2.parameters()]

@@ -1,6 +1,6 @@
 """The hdp training engine for any trainer, plus its command line and benchmarks.
 
-    from hdp.trainer import Batch, EngineConfig, HdpEngine, PlanningConfig, nll_loss, spawn
+    from hdp.trainer import Batch, EngineConfig, HdpEngine, ParallelConfig, PlanningConfig, nll_loss, spawn
 
 The public names are imported lazily (PEP 562 ``__getattr__``): importing them pulls in
 Megatron-core (about 5 s), which ``import hdp.trainer`` and the command line
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.parallel import ParallelConfig
     from hdp.trainer.engine import Batch, HdpEngine, nll_loss
     from hdp.trainer.launch import spawn
 
-__all__ = ["HdpEngine", "EngineConfig", "PlanningConfig", "Batch", "nll_loss", "spawn"]
+__all__ = ["HdpEngine", "EngineConfig", "PlanningConfig", "ParallelConfig", "Batch", "nll_loss", "spawn"]
 
 _WHERE = {
     "HdpEngine": "hdp.trainer.engine",
@@ -25,6 +26,7 @@ _WHERE = {
     "nll_loss": "hdp.trainer.engine",
     "EngineConfig": "hdp.trainer.config",
     "PlanningConfig": "hdp.trainer.config",
+    "ParallelConfig": "hdp.trainer.parallel",
     "spawn": "hdp.trainer.launch",
 }
 

@@ -16,7 +16,19 @@ this rank's front+back chunks, so Megatron would give the back chunk positions `
 instead of its true positions.  Correct RoPE needs each local token's position inside its sample,
 which :func:`hdp.cp.metadata.positions` provides and :class:`CPContext` carries.
 
-Legend: T local tokens (THD, packed), Hq/Hkv query/kv heads, D head dim, S samples.
+Padding.  A packed micro-batch may end in ``pad_tokens`` padding tokens (loss weight 0): one
+token for a rank without tokens (Megatron cannot run an empty micro-batch), and up to TP − 1
+more so that sequence parallelism can split the micro-batch evenly over the TP ranks.  Padding
+attends to nothing and nothing attends to it: :class:`HdpCoreAttention` returns zeros for it, and
+``cu_seqlens`` / ``positions`` describe the real tokens only.
+
+Tensor parallelism.  Megatron's QKV projection hands core attention this TP rank's heads
+(Hq/TP query and Hkv/TP KV heads) for every token of the micro-batch (sequence parallelism
+gathers the sequence before it); hdp's attention runs on those local heads, and a CP ring or
+all-gather connects the domain ranks of the same TP rank and pipeline stage.
+
+Legend: T local tokens (THD, packed; Tr real ones, the rest padding), Hq/Hkv query/kv heads of
+this TP rank, D head dim, S samples.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ __all__ = [
     "CPContext",
     "HdpPackedSeqParams",
     "packed_seq_params",
+    "pad_count",
     "HdpCoreAttention",
     "core_attention_module",
     "sample_positions",
@@ -133,6 +146,13 @@ class HdpPackedSeqParams(PackedSeqParams):
     """[T] int64 position of every local token inside its sample (precomputed once per micro-batch)."""
     rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     """RoPE cos/sin of this micro-batch, filled by the first attention layer and reused by the rest."""
+    pad_tokens: int = 0
+    """Padding tokens at the end of the micro-batch (after the real tokens ``cu_seqlens`` covers)."""
+
+    @property
+    def total_tokens(self) -> int:
+        """Real plus padding tokens: the length of the packed micro-batch."""
+        return int(self.cu_seqlens_q[-1]) + self.pad_tokens
 
 
 def _cu(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -151,18 +171,30 @@ def sample_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, dtype=torch.int64, device=cu.device) - starts
 
 
+def pad_count(num_tokens: int, multiple: int = 1) -> int:
+    """Padding tokens after ``num_tokens`` real ones: up to a multiple of ``multiple``, at least one
+    micro-batch of ``multiple`` tokens when there is no real token."""
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple}: must be >= 1")
+    pad = -num_tokens % multiple
+    return multiple if num_tokens + pad == 0 else pad
+
+
 def packed_seq_params(
     lengths: Sequence[int],
     device: torch.device,
     cp: CPContext | None = None,
+    *,
+    token_multiple: int = 1,
 ) -> HdpPackedSeqParams:
     """THD ``PackedSeqParams`` for one micro-batch.
 
     Without ``cp``: ``lengths`` are the local samples, each whole.  With ``cp``: ``lengths`` must be
     ``cp.group_lengths`` and the batch holds this rank's zigzag chunks (front then back per
-    sample); ``cu_seqlens`` then delimits the local chunks of each sample.  When this rank's
-    layout holds no token, the micro-batch may be one pad token: :class:`HdpCoreAttention` then
-    runs the group's communication with 0 local tokens and returns zeros for it.
+    sample); ``cu_seqlens`` then delimits the local chunks of each sample.  The micro-batch ends in
+    :func:`pad_count` padding tokens (``token_multiple``: TP under sequence parallelism): a rank
+    whose layout holds no token runs only padding, and :class:`HdpCoreAttention` still runs the
+    group's communication with 0 local tokens.
     """
     lengths = tuple(int(x) for x in lengths)
     if cp is not None:
@@ -186,6 +218,7 @@ def packed_seq_params(
         max_seqlen_kv=max_len,
         cp=cp,
         positions=positions,
+        pad_tokens=pad_count(int(positions.shape[0]), token_multiple),
     )
 
 
@@ -216,9 +249,8 @@ class HdpCoreAttention(MegatronModule):
     attention_bias=, packed_seq_params=) -> [T, Hq·D]``.  Applies RoPE at the positions carried by
     ``packed_seq_params`` (see :class:`HdpPackedSeqParams`), then causal attention per sample:
     :func:`hdp.cp.cp_attention` when a :class:`CPContext` is set, else the local kernel (k = 1).
-    A single query token under a :class:`CPContext` whose layout holds no token is the engine's
-    pad token for a group rank without tokens: it runs the group's communication with 0 local
-    tokens and returns zeros (see :meth:`_dummy_token`).
+    The trailing ``packed_seq_params.pad_tokens`` padding tokens get zeros; a group rank whose
+    layout holds no token still runs the group's communication with 0 local tokens.
     """
 
     def __init__(
@@ -270,63 +302,51 @@ class HdpCoreAttention(MegatronModule):
                 "(build it with hdp.trainer.attention_spec.packed_seq_params)"
             )
         psp = packed_seq_params
-        q, k, v = query, key, value  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        pad = psp.pad_tokens
+        real = query.shape[0] - pad
+        q, k, v = query[:real], key[:real], value[:real]  # [Tr, Hq, D], [Tr, Hkv, D], [Tr, Hkv, D]
+        out = self._attend(q, k, v, psp)  # [Tr, Hq, D]
+        if pad:
+            out = torch.cat([out, out.new_zeros((pad, *out.shape[1:]))])  # padding: zeros, no grad path
+        return out.reshape(out.shape[0], -1)  # [T, Hq*D]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, psp: HdpPackedSeqParams) -> torch.Tensor:
+        """[Tr, Hq, D] causal attention of the real tokens (RoPE first), inside the group's CP context."""
         cp = psp.cp
-        if cp is not None and q.shape[0] == 1 and cp.layout().num_tokens == 0:
-            return self._dummy_token(q, k, v, cp)
         positions = psp.positions if psp.positions is not None else sample_positions(psp.cu_seqlens_q)
         if positions.shape[0] != q.shape[0]:
-            raise ValueError(f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]}")
-        if self.rope.enabled:
-            cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [T, 1, Dr]
+            raise ValueError(
+                f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]} real tokens "
+                f"(+{psp.pad_tokens} padding)"
+            )
+        if q.shape[0] and self.rope.enabled:
+            cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [Tr, 1, Dr]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         scale = self._scale(q)
         if cp is None:
-            kernel = get_kernel(q.device)
+            if q.shape[0] == 0:  # an idle rank: padding only
+                return q.new_zeros(q.shape)
             cu = psp.cu_seqlens_q
-            out, _ = kernel_attention(q, k, v, cu, cu, True, scale, kernel)  # [T, Hq, D]
-        else:
-            out = cp_attention(
-                q,
-                k,
-                v,
-                cp.group_lengths,
-                cp.k_group,
-                ring=cp.ring,
-                groups=cp.groups,
-                algo=cp.algo,
-                kernel=cp.kernel,
-                scale=scale,
-            )  # [T, Hq, D]
-        return out.reshape(out.shape[0], -1)  # [T, Hq*D]
-
-    def _scale(self, q: torch.Tensor) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-
-    def _dummy_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext) -> torch.Tensor:
-        """[1, Hq·D] zeros for the pad token of a group rank that holds none of the group's tokens.
-
-        Megatron's ``SelfAttention`` cannot run an empty micro-batch, so the engine feeds such a
-        rank one pad token (loss weight 0) with the group's :class:`CPContext`, whose layout has 0
-        local tokens.  The rank still joins the group's ring / all-gather (forward and backward)
-        with its 0 real tokens, so the peers' communication lines up; the pad token attends to
-        nothing and its output is 0.
-        """
-        empty = cp_attention(
-            q[:0],
-            k[:0],
-            v[:0],
+            out, _ = kernel_attention(q, k, v, cu, cu, True, scale, get_kernel(q.device))  # [Tr, Hq, D]
+            return out
+        # a group rank whose layout holds no token still joins the ring / all-gather (forward and
+        # backward) with 0 local tokens, so its peers' communication lines up
+        return cp_attention(
+            q,
+            k,
+            v,
             cp.group_lengths,
             cp.k_group,
             ring=cp.ring,
             groups=cp.groups,
             algo=cp.algo,
             kernel=cp.kernel,
-            scale=self._scale(q),
-        )  # [0, Hq, D]; part of the graph so that its backward (and its communication) runs too
-        out = torch.cat([empty, q.new_zeros((1, *empty.shape[1:]))])  # [1, Hq, D]
-        return out.reshape(1, -1)  # [1, Hq*D]
+            scale=scale,
+        )  # [Tr, Hq, D]
+
+    def _scale(self, q: torch.Tensor) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def core_attention_module(backend: CoreAttentionBackend | str, rope: RopeConfig | None = None) -> Any:

@@ -354,15 +354,16 @@ def _model_times(cfg: MoEBenchConfig, rank: int) -> dict[str, dict[str, list[flo
         ModelConfig, OptimConfig, build_optimizer, layer_spec, packed_logits, token_logprobs, transformer_config,
         wrap_ddp,
     )
+    from hdp.trainer.parallel import ParallelConfig
 
     mcfg = ModelConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         num_moe_experts=cfg.num_experts, moe_router_topk=cfg.topk, moe_ffn_hidden_size=cfg.ffn_hidden_size,
-        expert_model_parallel_size=cfg.ep, max_sequence_length=max(cfg.sample_lengths), activation="swiglu",
+        max_sequence_length=max(cfg.sample_lengths), activation="swiglu",
     )
     # hdp.trainer.model.build_gpt_model, with the head dim of the benchmark shape
-    tcfg = dataclasses.replace(transformer_config(mcfg), kv_channels=cfg.head_dim)
+    tcfg = dataclasses.replace(transformer_config(mcfg, ParallelConfig(ep=cfg.ep), "cpu"), kv_channels=cfg.head_dim)
     torch.manual_seed(0)
     model = mc.GPTModel(config=tcfg, transformer_layer_spec=layer_spec(mcfg), vocab_size=cfg.vocab_size,
                         max_sequence_length=mcfg.max_sequence_length, pre_process=True, post_process=True,
@@ -370,8 +371,8 @@ def _model_times(cfg: MoEBenchConfig, rank: int) -> dict[str, dict[str, list[flo
                         position_embedding_type="none")
     layers = apply_zero_memory(model, "none")
     opt_cfg = OptimConfig(lr=1e-7)  # a real Adam step, too small to move the routing
-    ddp = wrap_ddp(model, opt_cfg)
-    optimizer = build_optimizer(ddp, opt_cfg)
+    ddp = wrap_ddp(model, opt_cfg, groups=mc.megatron_groups())
+    optimizer = build_optimizer(ddp, opt_cfg, groups=mc.megatron_groups())
     g = torch.Generator().manual_seed(200 + rank)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.tokens,), generator=g)
     targets = torch.roll(tokens, -1)
@@ -405,11 +406,11 @@ def _run(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
     from hdp import megatron_compat as mc
 
     del world
-    mc.initialize_megatron(expert_model_parallel_size=cfg.ep, seed=1234)
+    runtime = mc.initialize_megatron(device="cpu", expert_model_parallel_size=cfg.ep, seed=1234)
     with mc.cpu_checkpoint_rng():
         saved, layer_times, layer_cpu = _layer_times(cfg, rank)
         model_times = _model_times(cfg, rank) if cfg.model_step else None
-    mc.destroy_megatron()
+    runtime.close()
     return {"saved_bytes": saved, "layer_times": layer_times, "layer_cpu": layer_cpu, "model_times": model_times}
 
 

@@ -4,7 +4,10 @@ Every rank builds one `HdpEngine` per policy from the same weights (set by param
 every policy starts identically), then runs the same batches through each.  In the benchmark the
 policies alternate step by step (and which goes first alternates too), so slow phases of a shared
 machine hit both alike; the demo runs static CP first and HDP after it.  The first step of each
-policy is a warm-up and is not timed.
+policy is a warm-up and is not timed; after it every engine takes one more untimed step of the
+same batch under a mixed plan (single-rank and CP groups), so the cost model fitted from the
+warm-up records has seen every group size.  With ``tp``/``pp`` every policy runs the same TP × PP
+layout and plans over the domain of ``ranks / (tp · pp)`` ranks.
 
 Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
 step time per policy,
@@ -23,6 +26,7 @@ import os
 import platform
 import statistics
 import tempfile
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +38,8 @@ import torch.distributed as dist
 
 from hdp.packing.cost import CostModel
 
-__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "train_batch_lengths"]
+__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "domain_size",
+           "train_batch_lengths"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,11 @@ class TrainBenchSpec:
     """What one benchmark run trains (picklable: it travels to spawned ranks)."""
 
     ranks: int = 4
-    """Domain size (local ranks when spawned)."""
+    """All ranks of the job, TP × PP × domain (local ranks when spawned)."""
+    tp: int = 1
+    """Tensor-parallel size (sequence parallel on), the same for every policy."""
+    pp: int = 1
+    """Pipeline stages, the same for every policy (each round one micro-batch of the 1F1B schedule)."""
     policies: tuple[str, ...] = ("static-cp", "hdp")
     """Policies compared side by side."""
     steps: int = 4
@@ -82,17 +91,32 @@ class TrainBenchSpec:
             raise ValueError(f"workload={self.workload!r} is unknown; choose one of: {', '.join(TRAIN_WORKLOADS)}")
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks}: need at least 1 rank")
+        for name in ("tp", "pp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: pass a positive integer")
+        if self.ranks % (self.tp * self.pp):
+            raise ValueError(
+                f"ranks={self.ranks}: must be a multiple of tp x pp = {self.tp} x {self.pp} (the world is "
+                "TP x PP x domain)"
+            )
         if self.steps < 2:
             raise ValueError(f"steps={self.steps}: need at least 2 (the first step is a warm-up)")
         if not self.policies:
             raise ValueError("policies: name at least one policy")
 
 
+def domain_size(spec: TrainBenchSpec) -> int:
+    """N: the ranks hdp plans over (ranks / (TP · PP))."""
+    return spec.ranks // (spec.tp * spec.pp)
+
+
 def train_batch_lengths(spec: TrainBenchSpec, step: int) -> list[int]:
-    """Sample lengths of the batch of ``step`` (deterministic in the spec's seed)."""
+    """Sample lengths of the batch of ``step`` (deterministic in the spec's seed), sized for the domain."""
     rng = np.random.default_rng([spec.seed, step])
     budget, n = spec.max_tokens_per_rank, spec.samples
-    full = spec.ranks * budget - 2 * spec.ranks  # longest that fits all ranks (zigzag rounding)
+    ranks = domain_size(spec)
+    full = ranks * budget - 2 * ranks  # longest that fits all domain ranks (zigzag rounding)
     if spec.workload == "short-tail":
         # most samples well under one rank's budget, a thin tail needing all ranks
         lengths = rng.lognormal(np.log(0.25 * budget), 0.6, n)
@@ -124,10 +148,10 @@ def _batch(spec: TrainBenchSpec, step: int):
 
 
 def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
-    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
     from hdp.trainer.model import ModelConfig, OptimConfig
 
-    longest = spec.ranks * spec.max_tokens_per_rank
+    longest = domain_size(spec) * spec.max_tokens_per_rank
     return EngineConfig(
         model=ModelConfig(
             num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -136,6 +160,7 @@ def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
         ),
         optim=OptimConfig(lr=1e-4),
         planning=PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank, policy=policy),
+        parallel=ParallelConfig(tp=spec.tp, pp=spec.pp),
         device=spec.device,
         calibration_path=records,
     )
@@ -155,10 +180,16 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
     batches = [_batch(spec, s) for s in range(spec.steps)]
     history: dict[str, list[dict[str, Any]]] = {p: [] for p in spec.policies}
     plans: dict[str, Any] = {}
-    # warm-up: one untimed step per policy, which also measures this machine for the cost model
+    # warm-up, untimed, which also measures this machine for the cost model: per policy one step of
+    # its own plan, then one of a mixed plan (verl-kk: single-rank groups and CP groups), so the
+    # fit sees every group size even when the default cost model gives every policy the same CP
+    # groups.  Every engine takes the same two updates, so the later losses still agree.
+    mixed = make_plan(batches[0].lengths, PlannerConfig(
+        num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy="verl-kk"))
     for p in spec.policies:
-        m = engines[p].train_step(batches[0], nll_loss)
+        m = _timed_step(engines[p], batches[0])
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+        engines[p].train_step(batches[0], nll_loss, plan=mixed)
     cost = _fitted_cost(spec, records_dir, rank)
     steps = range(1, spec.steps)
     if spec.alternate:
@@ -167,14 +198,31 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         order = [(s, p) for p in spec.policies for s in steps]
     for s, p in order:
         plan = make_plan(batches[s].lengths, PlannerConfig(
-            num_ranks=world, max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
+            num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
         if s == 1:
             plans[p] = plan.to_dict()
-        m = engines[p].train_step(batches[s], nll_loss, plan=plan)
+        m = _timed_step(engines[p], batches[s], plan)
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+    for engine in engines.values():
+        engine.close()
     if dist.is_initialized():
         dist.barrier(group=dist.group.WORLD)
     return {"history": history, "plans": plans} if rank == 0 else {}
+
+
+def _timed_step(engine: Any, batch: Any, plan: Any = None) -> dict[str, Any]:
+    """One ``train_step`` plus ``perf/cpu_time``: the CPU seconds of all ranks of the job on it.
+
+    CPU time is what a loaded shared machine distorts least (a rank waiting for a peer sleeps);
+    the wall-clock step time stays the headline figure.
+    """
+    from hdp.trainer.engine import nll_loss
+
+    c0 = time.process_time()
+    m = engine.train_step(batch, nll_loss, plan=plan)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+    return {**m, "perf/cpu_time": float(cpu)}
 
 
 def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int) -> "CostModel":
@@ -215,7 +263,8 @@ def _environment(spec: TrainBenchSpec) -> dict[str, Any]:
         "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "megatron-core": version("megatron-core"),
         "hdp-engine": version("hdp-engine"), "device": spec.device, "ranks": spec.ranks,
-        "threads_per_rank": 1, "cpu_count": os.cpu_count(),
+        "tp": spec.tp, "pp": spec.pp, "domain": domain_size(spec),
+        "threads_per_rank": 1, "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
     }
 
 
@@ -228,6 +277,9 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
             # throughput of the timed steps together: their tokens over their time, per rank
             "tokens_per_s": sum(m["perf/tokens"] for m in timed) / sum(m["perf/step_time"] for m in timed) / spec.ranks,
             "step_time_s": statistics.median(m["perf/step_time"] for m in timed),
+            # tokens per CPU-second of all ranks (robust to other jobs on a shared machine)
+            "cpu_tokens_per_s": sum(m["perf/tokens"] for m in timed) / sum(m["perf/cpu_time"] for m in timed),
+            "cpu_time_s": statistics.median(m["perf/cpu_time"] for m in timed),
             "step_times_s": [m["perf/step_time"] for m in steps],
             "losses": [m["loss"] for m in steps],
             "rounds": [m["hdp/rounds"] for m in steps],
@@ -239,10 +291,14 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
         f"{p}_vs_{q}": results[p]["tokens_per_s"] / results[q]["tokens_per_s"]
         for p in pols for q in pols if p != q and p == "hdp"
     }
+    speedup_cpu = {
+        f"{p}_vs_{q}": results[p]["cpu_tokens_per_s"] / results[q]["cpu_tokens_per_s"]
+        for p in pols for q in pols if p != q and p == "hdp"
+    }
     ref = np.asarray(results[pols[0]]["losses"])
     loss_diff = max(float(np.max(np.abs(np.asarray(results[p]["losses"]) - ref) / np.maximum(np.abs(ref), 1e-12))) for p in pols)
     result = {
-        "spec": asdict(spec), "results": results, "speedup": speedup,
+        "spec": asdict(spec), "results": results, "speedup": speedup, "speedup_cpu_time": speedup_cpu,
         "loss_match": loss_diff <= 1e-4, "loss_max_rel_diff": loss_diff,
         "environment": _environment(spec), "plans": out["plans"],
     }
@@ -272,7 +328,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
         predicted = []
         for s in range(1, len(steps)):
             lengths = train_batch_lengths(spec, s)
-            cfg = PlannerConfig(num_ranks=spec.ranks, max_tokens_per_rank=spec.max_tokens_per_rank,
+            cfg = PlannerConfig(num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank,
                                 policy=p, cost=fit.cost)
             predicted.append(simulate(plan(lengths, cfg), fit.cost).step_time_s)
         measured = statistics.median(m["perf/step_time"] for m in steps[1:])

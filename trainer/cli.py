@@ -574,7 +574,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     try:
         spec = TrainBenchSpec(
             ranks=args.ranks or 4, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=args.steps or 5, workload=args.workload,
+            steps=args.steps or 5, workload=args.workload, tp=args.tp, pp=args.pp,
         )
     except ValueError as exc:
         raise CliError(f"bench train: {exc}") from exc
@@ -594,7 +594,8 @@ def _bench_train(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(result)
     else:
-        _print_train_table(result, f"bench train: {spec.workload}, {spec.ranks} ranks, {spec.steps} steps per policy")
+        layout = f"{spec.ranks} ranks = TP {spec.tp} x PP {spec.pp} x domain {spec.ranks // (spec.tp * spec.pp)}"
+        _print_train_table(result, f"bench train: {spec.workload}, {layout}, {spec.steps} steps per policy")
     for msg in problems:
         print(f"regression: {msg}", file=sys.stderr)
     return 1 if problems else 0
@@ -624,8 +625,9 @@ def _print_train_table(result: dict[str, Any], title: str) -> None:
         steps.add_row(str(s) + (" (warm-up)" if s == 0 else ""), *cells)
     con.print(steps)
     sp = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
-    con.print(f"speedup (tokens/s): {sp}; losses match: {result['loss_match']} "
-              f"(max rel. diff {result['loss_max_rel_diff']:.1e})")
+    cpu = ", ".join(f"{k} {v:.2f}x" for k, v in result.get("speedup_cpu_time", {}).items())
+    con.print(f"speedup (tokens/s): {sp}; per CPU-second of all ranks: {cpu}; losses match: "
+              f"{result['loss_match']} (max rel. diff {result['loss_max_rel_diff']:.1e})")
     cal = result.get("calibration", {})
     if "predicted_over_measured" in cal:
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())
@@ -856,7 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moe: sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
     b.add_argument("--system-malloc", action="store_true",
                    help="moe: glibc's default malloc instead of reusing freed memory like a GPU allocator")
-    b.add_argument("--ranks", type=int, default=None, help="attention: ranks (default 2)")
+    b.add_argument("--ranks", type=int, default=None,
+                   help="attention: ranks (default 2); train: all ranks, TP x PP x domain (default 4)")
+    b.add_argument("--tp", type=int, default=1, help="train: tensor-parallel size, sequence parallel (default 1)")
+    b.add_argument("--pp", type=int, default=1, help="train: pipeline stages, 1F1B (default 1)")
     b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
     b.add_argument("--algo", default="ring", help="attention: ring or allgather")
     b.add_argument("--policy", default="hdp", help="planner: policy (default hdp)")
@@ -895,6 +900,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse usage errors (already printed) and --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    from hdp.trainer.launch import quiet_third_party_warnings
+
+    quiet_third_party_warnings()  # the known Megatron / torch fallback and deprecation warnings
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(

@@ -23,8 +23,9 @@ from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
 from hdp.packing.cost_file import resolve_cost
 from hdp.trainer.model import ModelConfig, OptimConfig
+from hdp.trainer.parallel import ParallelConfig
 
-__all__ = ["PlanningConfig", "EngineConfig"]
+__all__ = ["PlanningConfig", "EngineConfig", "ParallelConfig"]
 
 
 def _default_cost() -> CostModel:
@@ -88,6 +89,8 @@ class EngineConfig:
     """Adam with Megatron's distributed optimizer."""
     planning: PlanningConfig = field(default_factory=PlanningConfig)
     """Token budget, policy, group shape, CP algorithm."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP (virtual PP) / EP layout kept under hdp; the domain is world / (TP · PP)."""
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     """How per-token losses reduce to the step loss (verl's ``loss_agg_mode`` names)."""
     loss_scale_factor: float | None = None
@@ -112,6 +115,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.optim={self.optim!r}: pass a hdp.trainer.model.OptimConfig")
         if not isinstance(self.planning, PlanningConfig):
             raise ValueError(f"EngineConfig.planning={self.planning!r}: pass a hdp.trainer.config.PlanningConfig")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"EngineConfig.parallel={self.parallel!r}: pass a hdp.trainer.config.ParallelConfig")
+        self.parallel.check_model(self.model)  # heads, KV heads, layers, experts divisible: names the field
         object.__setattr__(
             self,
             "loss_aggregation",

@@ -1,27 +1,46 @@
 """The hdp training engine: a Megatron-core GPT trained under HDP plans, for any trainer.
 
-    engine = HdpEngine.build(EngineConfig(...), dist.group.WORLD)  # in every rank of the domain
+    engine = HdpEngine.build(EngineConfig(...), dist.group.WORLD)  # in every rank of the job
     metrics = engine.train_step(batch, loss_fn)             # plan, run all rounds, one optimizer step
     out = engine.forward(batch)                             # per-token log-probs/entropies, caller order
     engine.save_checkpoint(path); engine.load_checkpoint(path)
+    engine.close()                                          # releases Megatron's state and the CPU shim
 
-A step, on every rank of the domain (DESIGN.md):
+Layout (``EngineConfig.parallel``): world = TP × PP × N.  The **domain** is the N ranks of one
+(TP rank, PP stage) position; hdp plans over N.  Every TP rank and every pipeline stage of a
+domain rank runs the same plan: under PP each round is one micro-batch of Megatron's pipeline
+schedule (1F1B, or interleaved with virtual stages), under TP each domain rank's micro-batch is
+split over its TP group by Megatron (sequence parallel), and hdp's CP rings / all-gathers connect
+the domain ranks of the same TP rank and stage.
 
-1. validate the batch and plan it (pure, identical on every rank); agree on input errors with one
-   fixed-size all-gather, then :func:`hdp.checksum.verify_plan` — so a bad input or a plan mismatch
-   raises on every rank instead of hanging;
-2. per-token loss weights for the whole batch (:mod:`hdp.loss`): Σ over the domain of
+A step runs four phases, each a method of its own (so callers and later wrappers can see them):
+
+1. **validate and plan** (:meth:`HdpEngine._prepare`): validate the batch and plan it (pure,
+   identical on every rank); then one fixed-size all-reduce over the job
+   (:func:`hdp.checksum.agree_step`) agrees on input errors and compares the plan checksum over
+   the domain, the pipeline and the TP ranks at once — so a bad input or a plan mismatch raises on
+   every rank instead of hanging;
+   per-token loss weights for the whole batch (:mod:`hdp.loss`): Σ over the domain of
    Σ_t w_t ℓ_t is the exact single-process loss of the configured aggregation;
-3. every rank runs every round (lock-step, so EP all-to-alls and CP rings line up): its chunks of
-   its group's samples with a :class:`~hdp.trainer.attention_spec.CPContext` for the group (ring,
-   or all-gather on aligned power-of-two blocks when configured); a rank without tokens (idle, or
-   holding none of its group's short samples) runs one pad token with loss 0 (Megatron's
-   attention cannot run 0 tokens), inside its group's CP communication when it has a group;
-4. one all-reduce of (loss, per-sample non-finite flags); a non-finite loss anywhere skips the
-   update on every rank (grads zeroed, parameters unchanged) and raises
+2. **rounds** (:meth:`HdpEngine._run_rounds`): every round is one micro-batch of Megatron's
+   schedule (``forward_backward_no_pipelining`` at PP = 1, 1F1B
+   ``forward_backward_pipelining_without_interleaving`` at PP > 1, the interleaved schedule with
+   virtual stages; ``variable_seq_lengths``: each round has its own packed length).  Every rank
+   runs every round (lock-step, so EP all-to-alls, CP rings and pipeline sends line up): its chunks
+   of its group's samples with a :class:`~hdp.trainer.attention_spec.CPContext` for the group; a
+   rank without tokens runs padding tokens with loss weight 0 (Megatron cannot run 0 tokens),
+   inside its group's CP communication when it has a group.  The last stage computes the loss
+   with hdp's per-token weights.  Losses and non-finite flags stay on the device; rounds are timed
+   with device events (:class:`hdp.device.RoundTimer`);
+3. **reduce** (:meth:`HdpEngine._reduce`): one all-reduce of (loss, loss_fn failed, per-sample
+   non-finite flags) over the job — the one host synchronisation after the rounds (no round
+   synchronises; phase 1's agreement reads one small vector before any device work); a non-finite loss
+   anywhere skips the update on every rank (grads zeroed, parameters unchanged) and raises
    :class:`NonFiniteLossError` naming the step and the samples;
-5. Megatron DDP reduce-scatters the gradients with SUM (``calculate_per_token_loss=True``, no 1/N
-   scaling: the weights already normalise globally) and the distributed optimizer steps.
+4. **optimizer step** (:meth:`HdpEngine._optimizer_step`): Megatron's ``finalize_model_grads``
+   (DDP reduce-scatter with SUM over the domain — ``calculate_per_token_loss=True``, no 1/N
+   scaling: the weights already normalise globally —, sequence-parallel norm gradients over TP)
+   and the distributed optimizer's step.
 
 Token alignment.  Per-token tensors of a :class:`Batch` (loss mask, advantages, old log-probs)
 are indexed like the tokens: element t describes token t.  Token t is *predicted* from the
@@ -31,43 +50,52 @@ all local tensors of a round line up with the local logits; the loss function th
 at local position p, the target token (``local.targets[p]``) and the caller's values for that
 target.  Token 0 of a sample is never predicted (its mask is ignored, its log-prob is 0).
 
-Legend: S samples, L_i sample length, T local tokens of one round, V vocabulary.
+Legend: S samples, L_i sample length, T local tokens of one round (Tr real, the rest padding),
+V vocabulary, Vl = V/TP, R rounds (micro-batches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib.util
 import json
 import logging
-import math
 import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
-from hdp.moe.levels import ZeroMemoryLevel
-from hdp.moe.zero_memory import apply_zero_memory
-from hdp.checksum import collective_device, verify_plan
+from hdp.checksum import agree_step
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
-from hdp.groups import DomainGroups
+from hdp.groups import DomainGroups, LayoutGroups
 from hdp.loss import sample_token_weights
 from hdp.megatron_compat import dist_checkpointing
+from hdp.moe.levels import ZeroMemoryLevel
+from hdp.moe.zero_memory import apply_zero_memory
 from hdp.packing import Plan, check_plan, simulate
 from hdp.packing import plan as make_plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 from hdp.trainer.autocal import DomainAutoCalibrator  # [auto-calibration]
 from hdp.trainer.config import EngineConfig
-from hdp.trainer.model import build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp
+from hdp.trainer.model import (
+    build_model_chunks,
+    build_optimizer,
+    global_param_name,
+    init_parameters,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+    wrap_ddp,
+)
 
 __all__ = [
     "Batch",
@@ -129,7 +157,11 @@ class LocalTensors:
     target_position: torch.Tensor
     """[T] position of each target token inside its sample (1 .. L_i; L_i marks the padded last slot)."""
     logits: torch.Tensor
-    """[T, V] logits (with grad), e.g. for an entropy bonus."""
+    """[T, V] logits (with grad), e.g. for an entropy bonus.  Under tensor parallelism this is the TP
+    rank's vocabulary shard [T, V/TP]; use :func:`hdp.trainer.model.vocab_parallel_entropy` /
+    ``vocab_parallel_logprobs`` with ``tp_group`` for full-vocabulary quantities."""
+    tp_group: dist.ProcessGroup
+    """The tensor-parallel group the logits are sharded over (a size-1 group without TP)."""
 
 
 class LossFn(Protocol):
@@ -173,17 +205,6 @@ class NonFiniteLossError(FloatingPointError):
         )
 
 
-def global_param_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
-    """``name`` with a local expert index ``local_experts.{i}`` turned into the global expert index."""
-    key = "local_experts."
-    at = name.find(key)
-    if at < 0:
-        return name
-    head, rest = name[: at + len(key)], name[at + len(key) :]
-    idx, _, tail = rest.partition(".")
-    return f"{head}{ep_rank * experts_per_rank + int(idx)}.{tail}" if tail else f"{head}{ep_rank * experts_per_rank + int(idx)}"
-
-
 # ---- per-step state --------------------------------------------------------------------------------
 
 
@@ -205,37 +226,145 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[1:], torch.zeros_like(x[:1])])
 
 
+@dataclass(frozen=True, eq=False)
+class _RoundInput:
+    """This rank's micro-batch of one round: packed tokens (real, then padding) and their context."""
+
+    meta: LocalMeta | None
+    """Where the real tokens come from; ``None`` for a padding round beyond the plan (interleaved PP)."""
+    tokens: torch.Tensor
+    """[T] int64 token ids on the device (Tr real ones, then padding)."""
+    psp: HdpPackedSeqParams
+    """THD packed-sequence parameters with the CP context."""
+    loss: "_LossInputs | None" = None
+    """What the last stage's loss needs (``None`` elsewhere, and for rounds without tokens)."""
+
+    @property
+    def real(self) -> int:
+        """Tr: the real tokens."""
+        return 0 if self.meta is None else self.meta.num_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class _LossInputs:
+    """The per-token loss inputs of one round on the device (target aligned, [Tr, ...])."""
+
+    targets: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    extras: Mapping[str, torch.Tensor]
+    sample_index: torch.Tensor
+    target_position: torch.Tensor
+    samples: torch.Tensor
+    """[Sg] caller indices of the group's samples (for the non-finite flags)."""
+
+
+@dataclass(eq=False)
+class _StepState:
+    """What one step's rounds produce on this rank, kept on the device until the step's one sync.
+
+    Passed explicitly to the schedule's callbacks (never module or engine state between steps).
+    """
+
+    prep: _Prepared
+    train: bool
+    loss_fn: "LossFn | None"
+    num_microbatches: int
+    """Rounds of the plan, plus padding rounds where the interleaved schedule needs a multiple of PP."""
+    loss_sum: torch.Tensor
+    """[] float64: Σ of this rank's round losses (last stage)."""
+    bad: torch.Tensor
+    """[S] float64: > 0 where a round holding the sample had a non-finite loss."""
+    timer: _device.RoundTimer
+    fn_error: BaseException | None = None
+    timer_round: int = -1
+    """The round whose forward runs now (read by the first layer's pre-hook)."""
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """forward: round -> [Tr, 2] (log-prob, entropy) on the last stage."""
+    inputs: dict[int, _RoundInput] = field(default_factory=dict)
+
+
+class _SpanMark(torch.autograd.Function):
+    """Identity whose backward starts or stops a span of a :class:`~hdp.device.RoundTimer`.
+
+    Put on a stage's output (its backward starts there) and on its first layer's input (its
+    backward ends there), it times a micro-batch's backward inside Megatron's schedule without a
+    host synchronisation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, timer: _device.RoundTimer, key: Any, action: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.timer, ctx.key, ctx.action = timer, key, action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        getattr(ctx.timer, ctx.action)(ctx.key)
+        return grad, None, None, None
+
+
 # ---- the engine ------------------------------------------------------------------------------------
 
 
 class HdpEngine:
     """A Megatron GPT with DDP and the distributed optimizer, trained under HDP plans.
 
-    Build it with :meth:`build` in every rank of the domain (after ``init_process_group``).
+    Build it with :meth:`build` in every rank of the job (after ``init_process_group``).
+    Attributes: ``groups`` (:class:`hdp.groups.LayoutGroups`, every process group by name),
+    ``rank`` / ``num_ranks`` (this rank's domain rank and N), ``model_chunks`` (the DDP-wrapped
+    model chunks of this rank: one, or ``virtual_pp``), ``round_seconds`` (this rank's measured
+    seconds per round of the last step: forward + backward of the round's micro-batch on this
+    stage).
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        domain_group: dist.ProcessGroup,
-        groups: DomainGroups,
-        model: Any,
+        groups: LayoutGroups,
+        runtime: mc.MegatronRuntime,
+        model_chunks: Sequence[Any],
         optimizer: Any,
         device: torch.device,
     ) -> None:
         self.config = config
-        self.domain_group = domain_group
         self.groups = groups
-        self.model = model
+        self.world_group = groups.world
+        self.domain_group = groups.domain.domain
+        self.runtime = runtime
+        self.model_chunks = list(model_chunks)
         self.optimizer = optimizer
         self.device = device
-        self.rank = groups.domain_rank
-        self.num_ranks = groups.size
+        self.rank = groups.domain.domain_rank
+        self.num_ranks = groups.domain.size
         self.step = 0
-        self._planner = config.planning.planner_config(self.num_ranks)
+        self.round_seconds: list[float] = []
+        self._planner = config.planning.planner_config(self.num_ranks, pipeline_stages=config.parallel.pp)
         # [auto-calibration] refits the cost model from the timed rounds (trainer/autocal.py)
-        self._autocal = DomainAutoCalibrator(config.planning.auto_calibrate, self._planner.cost, domain_group,
+        self._autocal = DomainAutoCalibrator(config.planning.auto_calibrate, self._planner.cost, self.domain_group,
                                              rank=self.rank, size=self.num_ranks)
+        self._token_multiple = config.parallel.token_multiple
+        self._state: _StepState | None = None
+        self._chunk_index = {id(m): i for i, m in enumerate(self.model_chunks)}
+        self._holds_loss = any(m.module.post_process for m in self.model_chunks)
+        self._p2p = (
+            mc.HdpP2PCommunicator(groups.pp, self.model_chunks[0].config, device) if groups.pp_size > 1 else None
+        )
+        for i, chunk in enumerate(self.model_chunks):
+            layers = chunk.module.decoder.layers
+            layers[0].register_forward_pre_hook(functools.partial(self._mark_stage_input, i), with_kwargs=True)
+        self._closed = False
+        # control tensors of the job's collectives: CPU for gloo, else the device
+        self._collective_device = torch.device("cpu") if _gloo(self.world_group) else device
+
+    @property
+    def model(self) -> Any:
+        """The DDP-wrapped model of this rank (one chunk; with virtual stages use ``model_chunks``)."""
+        if len(self.model_chunks) != 1:
+            raise ValueError(
+                f"HdpEngine.model: this rank holds {len(self.model_chunks)} model chunks (virtual_pp); "
+                "use engine.model_chunks"
+            )
+        return self.model_chunks[0]
 
     # -- construction --
 
@@ -243,60 +372,79 @@ class HdpEngine:
     def build(
         cls,
         config: EngineConfig,
-        domain_group: dist.ProcessGroup,
+        world_group: dist.ProcessGroup,
         *,
         init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ) -> "HdpEngine":
-        """Initialise Megatron over the domain, build model, DDP and distributed optimizer.
+        """Initialise Megatron with the job's layout, build the model chunks, DDP and the optimizer.
 
-        ``domain_group``: the process group of the domain, named explicitly; it must span the whole
-        world (``dist.group.WORLD``) while Megatron runs with TP = PP = 1 (its data-parallel group is
-        the world).  ``init_fn(name, param)``, if
-        given, fills each parameter in place before DDP wraps it; ``name`` is the global parameter
-        name (expert indices global, see :func:`global_param_name`), so a rank-independent
-        function gives the same model whatever the expert-parallel layout.
+        ``world_group``: the process group of the whole job (TP × PP × domain ranks), named
+        explicitly — ``dist.group.WORLD`` (Megatron's parallel state spans the world).  The layout
+        (``config.parallel``) is checked against the world and the model first, on every rank and
+        before any collective.  ``init_fn(name, full)``, if given, fills each parameter before DDP
+        wraps it: ``name`` is the parameter's name in a one-process model (global layer and expert
+        indices) and ``full`` its whole, unsharded tensor (this rank keeps its TP shard), so a
+        rank-independent function gives the same model for every TP / PP / EP layout.
         """
         if not dist.is_initialized():
             raise ValueError("HdpEngine.build: torch.distributed is not initialised; call init_process_group first")
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config={config!r}: pass a hdp.trainer.config.EngineConfig")
-        if not isinstance(domain_group, dist.ProcessGroup):
+        if not isinstance(world_group, dist.ProcessGroup):
             raise ValueError(
-                f"domain_group={domain_group!r}: pass the domain's process group (dist.group.WORLD)"
+                f"world_group={world_group!r}: pass the job's process group explicitly (dist.group.WORLD)"
             )
-        group = domain_group
-        if dist.get_world_size(group) != dist.get_world_size():
+        world = dist.get_world_size()
+        if dist.get_world_size(world_group) != world:
             raise ValueError(
-                f"domain_group has {dist.get_world_size(group)} ranks but the world has {dist.get_world_size()}: "
-                "hdp runs Megatron with TP = PP = 1, so the domain must be the whole world (pass dist.group.WORLD)"
+                f"world_group has {dist.get_world_size(world_group)} ranks but the world has {world}: Megatron's "
+                "parallel state spans the whole world, so pass dist.group.WORLD"
             )
-        n = dist.get_world_size(group)
-        ep = config.model.expert_model_parallel_size
-        if n % ep:
-            raise ValueError(
-                f"EngineConfig.model.expert_model_parallel_size={ep}: must divide the domain size {n}"
-            )
+        par = config.parallel
+        par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
-        mc.initialize_megatron(expert_model_parallel_size=ep, seed=config.seed, device=device)
-        torch.manual_seed(config.seed)  # identical initial weights on every rank
-        model = build_gpt_model(config.model, device)
-        if init_fn is not None:
-            ep_rank = mc.parallel_state.get_expert_model_parallel_rank()
-            per_rank = (config.model.num_moe_experts or 0) // ep
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    init_fn(global_param_name(name, ep_rank, per_rank), p)
-        if config.moe_zero_memory is not ZeroMemoryLevel.NONE:
-            # MoE layers become ZeroMemoryMoELayer (same parameters and names) before DDP wraps them
-            apply_zero_memory(model, config.moe_zero_memory, config.moe_zero_memory_num_layers)
-        ddp = wrap_ddp(model, config.optim)
-        ddp.broadcast_params()  # replicas start identical even if the init was rank-dependent
-        optimizer = build_optimizer(ddp, config.optim)
-        groups = DomainGroups.build(group)
-        logger.info("hdp engine: %d ranks, EP=%d, device %s", n, ep, device)
-        return cls(config, group, groups, ddp, optimizer, device)
+        runtime = mc.initialize_megatron(
+            device=device,
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            virtual_pipeline_model_parallel_size=par.virtual_pp if par.vpp > 1 else None,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.expert_tp,
+            seed=config.seed,
+        )
+        try:
+            pgc = runtime.groups
+            torch.manual_seed(config.seed)  # identical initial weights on every rank of a domain
+            chunks = build_model_chunks(config.model, device, groups=pgc, parallel=par)
+            if init_fn is not None:
+                per_rank = (config.model.num_moe_experts or 0) // par.ep
+                for chunk in chunks:
+                    init_parameters(chunk, init_fn, tp_rank=pgc.tp.rank(), tp_size=pgc.tp.size(),
+                                    ep_rank=pgc.ep.rank(), experts_per_rank=per_rank)
+            if config.moe_zero_memory is not ZeroMemoryLevel.NONE:
+                # MoE layers become ZeroMemoryMoELayer (same parameters and names) before DDP wraps them
+                for chunk in chunks:
+                    apply_zero_memory(chunk, config.moe_zero_memory, config.moe_zero_memory_num_layers)
+            ddp = [wrap_ddp(c, config.optim, groups=pgc, chunk=i) for i, c in enumerate(chunks)]
+            for d in ddp:
+                d.broadcast_params()  # replicas start identical even if the init was rank-dependent
+            optimizer = build_optimizer(ddp, config.optim, groups=pgc)
+            groups = LayoutGroups(world=world_group, domain=DomainGroups.build(pgc.dp), tp=pgc.tp, pp=pgc.pp,
+                                  ep=pgc.ep)
+        except BaseException:
+            runtime.close()
+            raise
+        logger.info("hdp engine: world %d = TP %d x PP %d (x%d virtual) x domain %d, EP %d, device %s",
+                    world, par.tp, par.pp, par.vpp, groups.domain.size, par.ep, device)
+        return cls(config, groups, runtime, ddp, optimizer, device)
 
-    # -- validation and planning --
+    def close(self) -> None:
+        """Release Megatron's parallel state of this engine and its CPU-shim hold (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.runtime.close()
+
+    # -- phase 1: validation and planning --
 
     def _validate(self, batch: Batch) -> None:
         """Raise ``ValueError``/``TypeError`` naming the field, the value and the fix (pure)."""
@@ -356,23 +504,8 @@ class HdpEngine:
         for name, tensors in batch.extras.items():
             check(f"extras[{name!r}]", tensors)
 
-    def _agree(self, what: str, error: BaseException | None) -> None:
-        """One fixed-size all-gather of error flags: a bad input on any rank raises on every rank."""
-        dev = collective_device(self.domain_group)
-        flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=dev)
-        flags = [torch.empty_like(flag) for _ in range(self.num_ranks)]
-        dist.all_gather(flags, flag, group=self.domain_group)
-        bad = [r for r, f in enumerate(flags) if int(f.item())]
-        if error is not None:
-            raise type(error)(f"{what} (step {self.step + 1}, domain rank {self.rank}): {error}") from error
-        if bad:
-            raise ValueError(
-                f"{what} (step {self.step + 1}): invalid input on domain ranks {bad} (see their errors); "
-                "nothing was run; every rank must pass the same valid batch"
-            )
-
     def plan(self, batch: Batch) -> Plan:
-        """The plan of ``batch`` on this domain (pure; the same on every rank)."""
+        """The plan of ``batch`` on this domain (pure; the same on every rank of the job)."""
         self._validate(batch)
         return make_plan(batch.lengths, self._planner)
 
@@ -392,6 +525,7 @@ class HdpEngine:
             raise ValueError(f"plan is invalid: {exc}; build it with hdp.packing.plan or Plan.from_columns") from exc
 
     def _prepare(self, batch: Batch, what: str, given: Plan | None = None) -> _Prepared:
+        """Phase 1: validate, plan, agree on errors and on the plan over the whole job."""
         error: BaseException | None = None
         prepared: _Prepared | None = None
         try:
@@ -406,9 +540,18 @@ class HdpEngine:
             prepared = self._shifted(batch, plan, planner_ms)
         except (ValueError, TypeError) as exc:
             error = exc
-        self._agree(what, error)  # fixed size: never hangs, whatever the inputs
+        # one fixed-size collective over the job (never hangs, whatever the inputs): input errors
+        # anywhere, and the plan checksum over the domain, the pipeline and the TP ranks at once
+        bad = agree_step(None if prepared is None else prepared.plan, self.world_group, failed=error is not None,
+                         device=self._collective_device, domain_size=self.num_ranks)
+        if error is not None:
+            raise type(error)(f"{what} (step {self.step + 1}, domain rank {self.rank}): {error}") from error
+        if bad:
+            raise ValueError(
+                f"{what} (step {self.step + 1}): invalid input on ranks {bad} (see their errors); "
+                "nothing was run; every rank must pass the same valid batch"
+            )
         assert prepared is not None
-        verify_plan(prepared.plan, self.domain_group, device=collective_device(self.domain_group))
         return prepared
 
     def _shifted(self, batch: Batch, plan: Plan, planner_ms: float) -> _Prepared:
@@ -429,11 +572,12 @@ class HdpEngine:
         extras = {name: [_shift(x) for x in xs] for name, xs in batch.extras.items()}
         return _Prepared(plan, tokens, targets, mask, weights, extras, planner_ms)
 
-    # -- one round --
+    # -- phase 2: the rounds --
 
     def _context(self, meta: LocalMeta) -> HdpPackedSeqParams:
+        m = self._token_multiple
         if meta.k == 1:
-            return packed_seq_params(meta.group_lengths, self.device)
+            return packed_seq_params(meta.group_lengths, self.device, token_multiple=m)
         algo = CPAlgorithm.RING
         aligned = meta.k & (meta.k - 1) == 0 and meta.group_start % meta.k == 0
         if self.config.planning.cp_algorithm is CPAlgorithm.ALLGATHER and aligned:
@@ -441,43 +585,240 @@ class HdpEngine:
         cp = CPContext(
             group_lengths=meta.group_lengths,
             k_group=meta.k,
-            ring=self.groups.ring(meta.group_start, meta.k),
-            groups=self.groups,
+            ring=self.groups.domain.ring(meta.group_start, meta.k),
+            groups=self.groups.domain,
             algo=algo,
         )
-        return packed_seq_params(meta.group_lengths, self.device, cp=cp)
+        return packed_seq_params(meta.group_lengths, self.device, cp=cp, token_multiple=m)
 
-    def _round_logits(self, prep: _Prepared, meta: LocalMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, V] of this rank's round and the packed tokens (``None`` for a pad-token round).
+    def _round_input(self, state: _StepState, r: int) -> _RoundInput:
+        """This rank's micro-batch of round ``r`` (built once per step, shared by the model chunks).
 
-        A rank without tokens runs one pad token (Megatron's attention cannot run 0 tokens; its
-        loss weight is 0): alone when idle, else with its group's CP context, whose layout holds
-        0 tokens here (samples shorter than 2k on k ranks), so that the group's ring or
-        all-gather still lines up (:class:`~hdp.trainer.attention_spec.HdpCoreAttention`).
+        A rank without tokens runs only padding (loss weight 0): alone when idle, else with its
+        group's CP context, whose layout holds 0 tokens here (samples shorter than 2k on k ranks),
+        so that the group's ring or all-gather still lines up.
         """
-        if meta.num_tokens == 0:
-            pad = torch.full((1,), self.config.pad_token_id, dtype=torch.int64, device=self.device)
-            psp = packed_seq_params([1], self.device) if meta.idle else self._context(meta)
-            return packed_logits(self.model, pad, psp), None
-        tokens = pack(meta, prep.tokens).to(self.device)  # [T]
-        return packed_logits(self.model, tokens, self._context(meta)), tokens
+        hit = state.inputs.get(r)
+        if hit is not None:
+            return hit
+        plan = state.prep.plan
+        meta = local_meta(plan, self.rank, r) if r < plan.num_rounds else None
+        if meta is None:
+            psp = packed_seq_params((), self.device, token_multiple=self._token_multiple)
+            real = torch.empty(0, dtype=torch.int64)
+        else:
+            psp = self._context(meta)
+            real = pack(meta, state.prep.tokens) if meta.num_tokens else torch.empty(0, dtype=torch.int64)
+        pad = torch.full((psp.pad_tokens,), self.config.pad_token_id, dtype=torch.int64)
+        tokens = torch.cat([real, pad]).to(self.device)  # [T]
+        loss = None
+        if self._holds_loss and meta is not None and meta.num_tokens:
+            loss = self._loss_inputs(state.prep, meta)
+        inp = _RoundInput(meta=meta, tokens=tokens, psp=psp, loss=loss)
+        state.inputs[r] = inp
+        return inp
 
-    def _local(self, prep: _Prepared, meta: LocalMeta, logits: torch.Tensor) -> LocalTensors:
+    def _loss_inputs(self, prep: _Prepared, meta: LocalMeta) -> _LossInputs:
         dev = self.device
-        return LocalTensors(
-            round_index=meta.round_index,
-            samples=meta.samples,
+        return _LossInputs(
             targets=pack(meta, prep.targets).to(dev),
             mask=pack(meta, prep.mask).to(dev),
+            weights=pack(meta, prep.weights).to(dev),
             extras={name: pack(meta, xs).to(dev) for name, xs in prep.extras.items()},
             sample_index=meta.sample_index.to(dev),
             target_position=(meta.position_ids + 1).to(dev),
-            logits=logits,
+            samples=torch.tensor(meta.samples, dtype=torch.int64, device=dev),
         )
 
-    def _sync_time(self) -> float:
-        _device.synchronize(self.device)
-        return time.perf_counter()
+    def _mark_stage_input(self, chunk: int, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Forward pre-hook of a chunk's first layer: its input's backward closes the round's backward span."""
+        state = self._state
+        hidden = kwargs.get("hidden_states")
+        if state is None or not state.train or hidden is None or not hidden.requires_grad:
+            return None
+        r = state.timer_round
+        kwargs["hidden_states"] = _SpanMark.apply(hidden, state.timer, ("b", r, chunk), "stop")
+        return args, kwargs
+
+    def _forward_step(self, state: _StepState, data_iterator: Iterator[int], model: Any) -> tuple[torch.Tensor, Callable]:
+        """Megatron's ``forward_step_func``: run this chunk on round ``next(data_iterator)``."""
+        r = next(data_iterator)
+        chunk = self._chunk_index[id(model)]
+        inp = self._round_input(state, r)
+        key = ("f", r, chunk)
+        state.timer.start(key)
+        state.timer_round = r
+        out = model(input_ids=inp.tokens[None, :], position_ids=None, attention_mask=None,
+                    packed_seq_params=inp.psp)  # [1, T, Vl] (last stage) or [T/TP?, 1, H]
+        if state.train:
+            out = _SpanMark.apply(out, state.timer, ("b", r, chunk), "start")
+        last = model.module.post_process
+        if not last:
+            state.timer.stop(key)
+        return out, functools.partial(self._round_loss, state, r, key, inp)
+
+    def _round_loss(self, state: _StepState, r: int, key: Any, inp: _RoundInput,
+                    output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Megatron's loss function on the last stage: Σ_t w_t ℓ_t of round ``r`` (device-side bookkeeping)."""
+        logits = output[0]  # [T, Vl]
+        meta = inp.meta
+        real = inp.real
+        li = inp.loss
+        tp = self.groups.tp
+        count = torch.zeros((), dtype=torch.int, device=logits.device)
+        if not state.train:
+            if real:
+                assert li is not None
+                lr = logits[:real]
+                lp = vocab_parallel_logprobs(lr, li.targets, tp)  # [Tr]
+                ent = vocab_parallel_entropy(lr, tp)  # [Tr]
+                state.outputs[r] = torch.stack([lp.float(), ent.float()], dim=-1)  # [Tr, 2]
+            state.timer.stop(key)
+            return logits.sum() * 0.0, count, {}
+        loss = None
+        if real and state.fn_error is None:
+            assert meta is not None and li is not None
+            local = LocalTensors(
+                round_index=meta.round_index, samples=meta.samples, targets=li.targets, mask=li.mask,
+                extras=li.extras, sample_index=li.sample_index, target_position=li.target_position,
+                logits=logits[:real], tp_group=tp,
+            )
+            try:
+                loss = state.loss_fn(local, vocab_parallel_logprobs(local.logits, local.targets, tp), li.weights)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError(
+                        f"loss_fn returned {type(loss).__name__}"
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor"
+                    )
+            except Exception as exc:  # a caller bug on one rank must not hang the others
+                state.fn_error, loss = exc, None
+        if loss is None:
+            loss = logits.sum() * 0.0  # padding round: backward still runs (EP all-to-alls, CP rings line up)
+        loss = loss.reshape(())
+        value = loss.detach().to(torch.float64)
+        state.loss_sum += value
+        if li is not None:
+            flag = (~torch.isfinite(value)).to(torch.float64)
+            state.bad.index_add_(0, li.samples, flag.expand(li.samples.shape[0]))
+        state.timer.stop(key)
+        return loss, count, {}
+
+    def _num_microbatches(self, plan: Plan) -> int:
+        """Rounds, padded to a multiple of PP for the interleaved schedule (padding rounds are idle)."""
+        r = plan.num_rounds
+        pp = self.groups.pp_size
+        if len(self.model_chunks) > 1:
+            r = -(-r // pp) * pp
+        return r
+
+    def _run_rounds(self, prep: _Prepared, loss_fn: "LossFn | None", *, train: bool) -> _StepState:
+        """Phase 2: every round through Megatron's schedule (one micro-batch per round)."""
+        plan = prep.plan
+        dev = self.device
+        state = _StepState(
+            prep=prep,
+            train=train,
+            loss_fn=loss_fn,
+            num_microbatches=self._num_microbatches(plan),
+            loss_sum=torch.zeros((), dtype=torch.float64, device=dev),
+            bad=torch.zeros(plan.num_samples, dtype=torch.float64, device=dev),
+            timer=_device.RoundTimer(dev),
+        )
+        m = state.num_microbatches
+        chunks = self.model_chunks
+        # every round's inputs go to the device before the first round (no host-device copy, so no
+        # synchronisation, between rounds)
+        longest = max(self._round_input(state, r).tokens.shape[0] for r in range(m))
+        iters = [iter(range(m)) for _ in chunks]
+        kwargs: dict[str, Any] = dict(
+            forward_step_func=functools.partial(self._forward_step, state),
+            num_microbatches=m,
+            seq_length=longest,
+            micro_batch_size=1,
+            forward_only=not train,
+        )
+        self._state = state
+        known = self._p2p is not None and len(chunks) == 1
+        if known:
+            # every stage knows each round's length from the plan: no shape messages (1F1B order)
+            split = self._token_multiple  # sequence parallelism: a stage sends its [T/TP, 1, H] shard
+            hidden = chunks[0].config.hidden_size
+            self._p2p.expect_shapes(
+                [(self._round_input(state, r).tokens.shape[0] // split, 1, hidden) for r in range(m)])
+        try:
+            if self.groups.pp_size == 1:
+                mc.forward_backward_no_pipelining(data_iterator=iters[0], model=chunks[0], **kwargs)
+            elif len(chunks) == 1:
+                mc.forward_backward_pipelining_without_interleaving(
+                    data_iterator=iters[0], model=chunks[0], p2p_communicator=self._p2p,
+                    pg_collection=self.runtime.groups, **kwargs)
+            else:
+                mc.forward_backward_pipelining_with_interleaving(
+                    data_iterator=iters, model=chunks, p2p_communicator=self._p2p,
+                    pg_collection=self.runtime.groups, **kwargs)
+        finally:
+            self._state = None
+            if known:
+                left = self._p2p.unused_shapes()
+                self._p2p.expect_shapes(None)
+        if known and left and self.groups.pp_rank not in (0, self.groups.pp_size - 1):
+            raise RuntimeError(f"pipeline schedule received {m - left} of {m} micro-batches")
+        return state
+
+    # -- phase 3: reduce --
+
+    def _reduce(self, state: _StepState) -> torch.Tensor:
+        """One all-reduce over the job of [loss, loss_fn failed, per-sample non-finite flags]; the
+        step's one host synchronisation.  Returns the reduced vector on the host (float64)."""
+        counts = self.groups.is_last_stage and self.groups.tp_rank == 0  # each domain rank's loss once
+        head = torch.stack([
+            state.loss_sum if counts else torch.zeros_like(state.loss_sum),
+            torch.tensor(1.0 if state.fn_error is not None else 0.0, dtype=torch.float64, device=state.bad.device),
+        ])
+        red = torch.cat([head, state.bad]).to(self._collective_device)
+        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.world_group)
+        host = red.cpu()  # the one synchronisation of the step
+        self.round_seconds = self._round_times(state)
+        return host
+
+    def _round_times(self, state: _StepState) -> list[float]:
+        """Seconds per plan round on this rank (forward + backward over this rank's chunks); the
+        events are complete after the step's synchronisation."""
+        spans = state.timer.seconds(sync=False)
+        out = [0.0] * state.prep.plan.num_rounds
+        for (kind, r, _chunk), secs in spans.items():
+            del kind
+            if r < len(out):
+                out[r] += secs
+        return out
+
+    def _check_reduced(self, state: _StepState, red: torch.Tensor) -> None:
+        """Raise on every rank (after skipping the update) when a loss_fn failed or a loss is not finite."""
+        if state.fn_error is not None or red[1] > 0:
+            self._skip_update()
+            if state.fn_error is not None:
+                raise RuntimeError(
+                    f"step {self.step}: loss_fn failed on domain rank {self.rank}: {state.fn_error}"
+                ) from state.fn_error
+            raise RuntimeError(
+                f"step {self.step}: loss_fn failed on another rank (see its error); the update was skipped"
+            )
+        nonfinite = red[2:] > 0
+        if nonfinite.any() or not torch.isfinite(red[0]):
+            self._skip_update()
+            samples = torch.nonzero(nonfinite).flatten().tolist()
+            raise NonFiniteLossError(self.step, samples, self._ranks_of(state.prep.plan, samples))
+
+    # -- phase 4: optimizer step --
+
+    def _optimizer_step(self) -> Any:
+        """Finalize the gradients (DDP reduce-scatter over the domain with SUM, sequence-parallel
+        norm gradients over TP) and step the distributed optimizer; returns the grad norm."""
+        mc.finalize_model_grads(self.model_chunks, num_tokens=None, pg_collection=self.runtime.groups)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
+        return grad_norm
 
     # -- public steps --
 
@@ -488,94 +829,47 @@ class HdpEngine:
         Raises ``ValueError`` on every rank for bad input (nothing run), and
         :class:`NonFiniteLossError` on every rank when the loss is NaN/inf (no update).
         """
-        t_start = self._sync_time()
+        t_start = time.perf_counter()
         prep = self._prepare(batch, "train_step", plan)
         self.step += 1  # counts steps that passed validation (NaN-skipped ones included)
-        plan = prep.plan
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        local_loss = 0.0
-        bad = torch.zeros(plan.num_samples, dtype=torch.float64)  # [S] non-finite flags
-        fn_error: BaseException | None = None
-        round_s: list[float] = []
-        for r in range(plan.num_rounds):
-            t0 = self._sync_time()
-            meta = local_meta(plan, self.rank, r)
-            logits, tokens = self._round_logits(prep, meta)  # [T, V]
-            loss = None
-            if tokens is not None and fn_error is None:
-                local = self._local(prep, meta, logits)
-                weights = pack(meta, prep.weights).to(self.device)  # [T]
-                try:
-                    loss = loss_fn(local, token_logprobs(logits, local.targets), weights)
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise TypeError(
-                            f"loss_fn returned {type(loss).__name__}"
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor"
-                        )
-                except Exception as exc:  # a caller bug on one rank must not hang the others
-                    fn_error, loss = exc, None
-            if loss is None:
-                loss = logits.sum() * 0.0  # idle round: backward still runs (EP all-to-alls line up)
-            loss = loss.reshape(())
-            loss.backward()
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                bad[list(meta.samples)] = 1.0
-            local_loss += value
-            round_s.append(self._sync_time() - t0)
-
-        # one all-reduce: [loss, loss_fn failed?, non-finite flag per sample]
-        red = torch.cat([torch.tensor([local_loss, 1.0 if fn_error else 0.0], dtype=torch.float64), bad])
-        red = red.to(collective_device(self.domain_group))
-        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.domain_group)
-        red = red.cpu()
-        if fn_error is not None or red[1] > 0:
-            self._skip_update()
-            if fn_error is not None:
-                raise RuntimeError(f"step {self.step}: loss_fn failed on domain rank {self.rank}: {fn_error}") from fn_error
-            raise RuntimeError(
-                f"step {self.step}: loss_fn failed on another domain rank (see its error); the update was skipped"
-            )
-        nonfinite = red[2:] > 0
-        if nonfinite.any() or not math.isfinite(float(red[0])):
-            self._skip_update()
-            samples = torch.nonzero(nonfinite).flatten().tolist()
-            ranks = self._ranks_of(plan, samples)
-            raise NonFiniteLossError(self.step, samples, ranks)
-
-        self.model.finish_grad_sync()  # SUM over the domain (per-token loss: no 1/N scaling)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
+        self._skip_update()  # zero the grad buffers and the optimizer's grads
+        state = self._run_rounds(prep, loss_fn, train=True)
+        red = self._reduce(state)
+        self._check_reduced(state, red)
+        grad_norm = self._optimizer_step()
         if self.config.calibration_path:
-            self._write_records(plan, round_s)
+            self._write_records(prep.plan, self.round_seconds)
         # [auto-calibration] one all-gather of the round times; every n steps a refit, adopted alike on every rank
-        cal = self._autocal.observe(plan, round_s)
+        cal = self._autocal.observe(prep.plan, self.round_seconds)
         if cal.cost is not None:
             self._planner = dataclasses.replace(self._planner, cost=cal.cost)
-        step_s = self._sync_time() - t_start
-        return {**self._metrics(plan, prep.planner_ms, float(red[0]), grad_norm, step_s), **cal.metrics}
+        step_s = time.perf_counter() - t_start
+        return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal.metrics}
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:
-        """Per-token log-probs and entropies of ``batch`` (no grad), in the caller's sample order."""
+        """Per-token log-probs and entropies of ``batch`` (no grad), in the caller's sample order.
+
+        Computed on the last pipeline stage and sent to every stage, so every rank of the job
+        returns the same outputs.
+        """
         prep = self._prepare(batch, "forward", plan)
         plan = prep.plan
-        outs: list[torch.Tensor] = []
-        for r in range(plan.num_rounds):
-            meta = local_meta(plan, self.rank, r)
-            logits, tokens = self._round_logits(prep, meta)  # [T, V]
-            if tokens is None:
-                outs.append(torch.zeros((0, 2), dtype=torch.float32, device=self.device))
-                continue
-            targets = pack(meta, prep.targets).to(self.device)
-            logp_all = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
-            lp = logp_all.gather(-1, targets[:, None])[:, 0]  # [T]
-            ent = -(logp_all.exp() * logp_all).sum(-1)  # [T]
-            outs.append(torch.stack([lp, ent], dim=-1))  # [T, 2]
-        full = gather_outputs(plan, self.rank, outs, self.domain_group, dst="all")  # S x [L_i, 2] (input aligned)
-        assert full is not None
+        state = self._run_rounds(prep, None, train=False)
+        lengths = plan.lengths.tolist()
+        total = int(sum(lengths))
+        flat = torch.empty((total, 2), dtype=torch.float32, device=self._collective_device)
+        if self.groups.is_last_stage:
+            outs = []
+            for r in range(plan.num_rounds):
+                got = state.outputs.get(r)
+                outs.append(got if got is not None else torch.zeros((0, 2), dtype=torch.float32, device=self.device))
+            full = gather_outputs(plan, self.rank, outs, self.domain_group, dst="all")  # S x [L_i, 2] (input aligned)
+            assert full is not None
+            flat.copy_(torch.cat(full).to(flat.device))
+        if self.groups.pp_size > 1:
+            dist.broadcast(flat, src=self.groups.last_stage_global_rank, group=self.groups.pp)
+        full = torch.split(flat.to(self.device), lengths)
         # input position p predicts token p+1: shift right to index by the predicted token
         lps = [torch.cat([x.new_zeros(1), x[:-1, 0]]) for x in full]
         ents = [torch.cat([x.new_zeros(1), x[:-1, 1]]) for x in full]
@@ -584,7 +878,8 @@ class HdpEngine:
     # -- failure handling, metrics, records --
 
     def _skip_update(self) -> None:
-        self.model.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def _ranks_of(self, plan: Plan, samples: Sequence[int]) -> list[int]:
@@ -594,41 +889,56 @@ class HdpEngine:
             ranks.update(range(start, start + k))
         return sorted(ranks)
 
-    def _metrics(self, plan: Plan, planner_ms: float, loss: float, grad_norm: Any, step_s: float) -> dict[str, Any]:
+    def _metrics(self, prep: _Prepared, loss: float, grad_norm: Any, step_s: float, microbatches: int) -> dict[str, Any]:
+        plan = prep.plan
         stats = plan.stats
         tokens = int(plan.lengths.sum())
         return {
             "loss": loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "perf/step_time": step_s,
-            "perf/throughput": tokens / max(step_s, 1e-12) / self.num_ranks,
+            "perf/throughput": tokens / max(step_s, 1e-12) / self.groups.world_size,
             "perf/tokens": tokens,
+            "perf/round_time_max": max(self.round_seconds, default=0.0),
             "hdp/rounds": plan.num_rounds,
+            "hdp/microbatches": microbatches,
             "hdp/efficiency_planned": float(stats.efficiency) if stats else float("nan"),
             "hdp/idle_ratio_max": float(stats.max_idle_ratio) if stats else float("nan"),
             "hdp/cp_degree_hist": {int(k): int(v) for k, v in sorted(stats.cp_degree_hist.items())} if stats else {},
-            "hdp/planner_ms": planner_ms,
+            "hdp/planner_ms": prep.planner_ms,
             "hdp/step": self.step,
         }
 
     def _write_records(self, plan: Plan, round_s: Sequence[float]) -> None:
-        """Append calibration records (``hdp.packing.calibrate`` schema) from domain rank 0."""
-        mine = torch.tensor(list(round_s), dtype=torch.float64, device=collective_device(self.domain_group))  # [R]
-        table = [torch.empty_like(mine) for _ in range(self.num_ranks)]  # N x [R]
-        dist.all_gather(table, mine, group=self.domain_group)
-        if self.rank != 0:
+        """Append calibration records (``hdp.packing.calibrate`` schema) from global rank 0.
+
+        One all-gather over the job of every rank's per-round seconds and its (domain rank, stage);
+        a group's seconds are the slowest of its domain ranks over all TP ranks and stages (the
+        bottleneck stage of the pipeline), ``stage_seconds`` the same per stage.
+        """
+        pp = self.groups.pp_size
+        row = list(round_s) + [float(self.rank), float(self.groups.pp_rank)]
+        mine = torch.tensor(row, dtype=torch.float64, device=self._collective_device)  # [R+2]
+        table = [torch.empty_like(mine) for _ in range(self.groups.world_size)]  # W x [R+2]
+        dist.all_gather(table, mine, group=self.world_group)
+        if self.groups.world_rank != 0:
             return
-        times = torch.stack(table).cpu().numpy()  # [N, R]
+        rows = torch.stack(table).cpu().numpy()  # [W, R+2]
+        times, dom, stage = rows[:, :-2], rows[:, -2].astype(int), rows[:, -1].astype(int)
         lines = []
         for rnd in plan.rounds:
             groups = []
             for g in rnd.groups:
-                secs = float(times[g.start : g.start + g.size, rnd.index].max())
-                rec = {"kind": "group", "lengths": list(g.lengths), "group_size": g.size, "seconds": secs}
-                lines.append({**rec, "step": self.step, "round": rnd.index, "policy": plan.policy})
+                sel = (dom >= g.start) & (dom < g.start + g.size)
+                per_stage = [float(times[sel & (stage == s), rnd.index].max()) for s in range(pp)]
+                rec = {"kind": "group", "lengths": list(g.lengths), "group_size": g.size, "seconds": max(per_stage)}
+                lines.append({**rec, "step": self.step, "round": rnd.index, "policy": plan.policy,
+                              "pp": pp, "tp": self.groups.tp_size, "stage_seconds": per_stage})
                 groups.append({"lengths": list(g.lengths), "group_size": g.size})
-            lines.append({"kind": "round", "seconds": float(times[:, rnd.index].max()), "groups": groups,
-                          "step": self.step, "round": rnd.index, "policy": plan.policy})
+            per_stage = [float(times[stage == s, rnd.index].max()) for s in range(pp)]
+            lines.append({"kind": "round", "seconds": max(per_stage), "groups": groups, "step": self.step,
+                          "round": rnd.index, "policy": plan.policy, "pp": pp, "tp": self.groups.tp_size,
+                          "stage_seconds": per_stage})
         path = Path(self.config.calibration_path)  # type: ignore[arg-type]
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as fh:
@@ -638,16 +948,23 @@ class HdpEngine:
     # -- state --
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model parameters (local experts only under EP) and the step counter."""
-        return {"model": self.model.module.state_dict(), "step": self.step}
+        """This rank's model parameters (its chunks; local experts only under EP) and the step counter."""
+        if len(self.model_chunks) == 1:
+            return {"model": self.model_chunks[0].module.state_dict(), "step": self.step}
+        return {**{f"model{i}": c.module.state_dict() for i, c in enumerate(self.model_chunks)}, "step": self.step}
+
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        if len(self.model_chunks) == 1:
+            return self.model_chunks[0].module.sharded_state_dict()
+        return {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(self.model_chunks)}
 
     def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
         _ensure_optimizer_state(self.optimizer)
-        model_sd = self.model.module.sharded_state_dict()
+        model_sd = self._model_sharded_state_dict()
         # megatron-core 0.16.1: the default 'fully_sharded_model_space' relies on flattened_range,
         # which dist_checkpointing rejects, and 'fully_reshardable' gathers through a hard-coded
         # ``.cuda()``; 'dp_reshardable' saves each rank's optimizer shard without communication
-        # (load with the same domain size).
+        # (load with the same layout).
         meta = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {
             "model": model_sd,
@@ -655,24 +972,36 @@ class HdpEngine:
             "hdp_step": self.step,
         }
 
+    def _load_model_state(self, model_state: Mapping[str, Any]) -> None:
+        if len(self.model_chunks) == 1:
+            self.model_chunks[0].module.load_state_dict(model_state)
+        else:
+            for i, c in enumerate(self.model_chunks):
+                c.module.load_state_dict(model_state[f"model{i}"])
+
+    def _layout(self) -> dict[str, int]:
+        par = self.config.parallel
+        return {"world_size": self.groups.world_size, "domain_size": self.num_ranks, "tp": par.tp, "pp": par.pp,
+                "virtual_pp": par.vpp, "ep": par.ep}
+
     def save_checkpoint(self, path: str | os.PathLike[str], *, format: CheckpointFormat | str = "auto") -> None:
-        """Save model, optimizer and step counter into the directory ``path`` (collective).
+        """Save model, optimizer and step counter into the directory ``path`` (collective over the job).
 
         ``dist``: Megatron distributed checkpointing (model + distributed-optimizer sharded state
-        dicts, torch_dist backend, optimizer as ``dp_reshardable``: load with the same domain
-        size).  megatron-core 0.16.1's writer needs ``psutil`` and starts worker processes, so the
-        rank must not run in a daemonic process.  ``per-rank``: every rank writes ``rank_{r}.pt``
-        with its model state, the optimizer's common state and its own optimizer shard (no
-        communication; load with the same domain and EP size).  ``auto``: ``dist`` when every rank
-        of the domain can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when
-        ``dist`` is asked for and some rank cannot write it.
+        dicts, torch_dist backend, optimizer as ``dp_reshardable``: load with the same layout).
+        megatron-core 0.16.1's writer needs ``psutil`` and starts worker processes, so the rank must
+        not run in a daemonic process.  ``per-rank``: every rank writes ``rank_{global rank}.pt`` with
+        its model chunks, the optimizer's common state and its own optimizer shard (no
+        communication; load with the same layout).  ``auto``: ``dist`` when every rank of the job
+        can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when ``dist`` is asked
+        for and some rank cannot write it.
         """
         fmt = _checkpoint_format(format)
         if fmt is not CheckpointFormat.PER_RANK:
             problem = _dist_checkpoint_problem()
             flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64,
-                                device=collective_device(self.domain_group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.domain_group)  # one decision for all
+                                device=self._collective_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)  # one decision for all
             if int(flag.item()) == 0:
                 fmt = CheckpointFormat.DIST
             elif fmt is CheckpointFormat.AUTO:
@@ -680,36 +1009,35 @@ class HdpEngine:
                 fmt = CheckpointFormat.PER_RANK
             else:
                 raise ValueError(
-                    f"save_checkpoint(format='dist'): {problem or 'another domain rank cannot write it (see its error)'}; "
+                    f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
                     "use format='per-rank' or 'auto'"
                 )
         path = Path(path)
-        if self.rank == 0:
+        if self.groups.world_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-        dist.barrier(group=self.domain_group)
+        dist.barrier(group=self.world_group)
         if fmt is CheckpointFormat.DIST:
             dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         else:
             torch.save(
                 {
                     "format": CheckpointFormat.PER_RANK.value,
-                    "domain_size": self.num_ranks,
-                    "expert_model_parallel_size": self.config.model.expert_model_parallel_size,
-                    "model": self.model.module.state_dict(),
+                    "layout": self._layout(),
+                    "model": self.state_dict(),
                     "optimizer": self.optimizer.state_dict(),
                     "optimizer_shards": [_shard_state(o) for o in _optimizers(self.optimizer)],
                     "hdp_step": self.step,
                 },
-                path / f"rank_{self.rank}.pt",
+                path / f"rank_{self.groups.world_rank}.pt",
             )
-        dist.barrier(group=self.domain_group)
+        dist.barrier(group=self.world_group)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit."""
         path = Path(path)
         if (path / "metadata.json").exists():
             state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
-            self.model.module.load_state_dict(state["model"])
+            self._load_model_state(state["model"])
             # no_grad: for fp32 models the optimizer's main parameters are views of the model's
             # leaf parameters, which Megatron's loader copies into in place
             with torch.no_grad():
@@ -717,25 +1045,29 @@ class HdpEngine:
             _restore_adam_steps(self.optimizer, state["optimizer"])
             self.step = int(state["hdp_step"])
             return
-        mine = path / f"rank_{self.rank}.pt"
+        mine = path / f"rank_{self.groups.world_rank}.pt"
         if not mine.exists():
             raise ValueError(
                 f"load_checkpoint: {str(path)!r} holds neither a Megatron distributed checkpoint (metadata.json) "
                 f"nor {mine.name}; pass a directory written by HdpEngine.save_checkpoint"
             )
         state = torch.load(mine, map_location=self.device, weights_only=False)
-        ep = self.config.model.expert_model_parallel_size
-        if state["domain_size"] != self.num_ranks or state["expert_model_parallel_size"] != ep:
+        layout = self._layout()
+        if state.get("layout") != layout:
             raise ValueError(
-                f"load_checkpoint: {str(path)!r} was saved on {state['domain_size']} ranks with EP="
-                f"{state['expert_model_parallel_size']}; this engine has {self.num_ranks} ranks and EP={ep}. "
-                "A per-rank checkpoint loads only on the same layout (use format='dist' to reshard)"
+                f"load_checkpoint: {str(path)!r} was saved with layout {state.get('layout')}; this engine has "
+                f"{layout}. A per-rank checkpoint loads only on the same layout (use format='dist')"
             )
-        self.model.module.load_state_dict(state["model"])
+        model = state["model"]
+        self._load_model_state(model["model"] if len(self.model_chunks) == 1 else model)
         self.optimizer.load_state_dict(state["optimizer"])
         for opt, shard in zip(_optimizers(self.optimizer), state["optimizer_shards"]):
             _load_shard_state(opt, shard)
         self.step = int(state["hdp_step"])
+
+
+def _gloo(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group))
 
 
 class CheckpointFormat(str, enum.Enum):

@@ -5,7 +5,13 @@ process group through a TCPStore the parent owns (free port, no race), calls
 ``fn(rank, world_size, *args)`` in each and returns the ranks' return values; a failure in any
 rank raises :class:`WorkerError` with every failing rank's traceback, and the other ranks are
 stopped.  Workers are *not* daemonic, so they may start helper processes of their own (Megatron's
-checkpoint writer does).
+checkpoint writer does).  Return values travel as plain pickles (by value, not through shared
+memory), so they may hold torch tensors.
+
+:func:`quiet_third_party_warnings` silences the known, harmless warnings of Megatron-core and
+torch (TransformerEngine / Apex fallbacks, deprecations) in the process that calls it; ``spawn``
+applies it in its workers (``quiet=True``) and the ``hdp`` command in itself.  The library never
+calls it: a trainer that imports hdp sees every warning unless it opts in.
 
 ``init_from_env()`` joins the process group that ``torchrun`` describes with ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (returns False when those are absent).
@@ -16,11 +22,13 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import time
 import traceback
 from dataclasses import dataclass
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -28,11 +36,38 @@ import torch.distributed as dist
 
 from hdp import device as _device
 
-__all__ = ["spawn", "init_from_env", "WorkerError", "RankOutcome"]
+__all__ = ["spawn", "init_from_env", "WorkerError", "RankOutcome", "THIRD_PARTY_WARNINGS", "quiet_third_party_warnings"]
 
 
 class WorkerError(RuntimeError):
     """One or more spawned ranks failed; the message holds their tracebacks."""
+
+
+THIRD_PARTY_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    # megatron-core 0.16.1 on a machine without TransformerEngine / Apex (every CPU run): its
+    # fallbacks to torch implementations, printed once per importing module and process
+    (UserWarning, r"Transformer Engine and Apex are not installed", r"megatron\."),
+    (UserWarning, r"Apex is not installed", r"megatron\."),
+    (DeprecationWarning, r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'", r"megatron\."),
+    (UserWarning, r"full scope is deprecated", r"megatron\."),
+    # GPU advice printed on every sequence-parallel linear, also on CPU (the README repeats it for
+    # GPU runs: set CUDA_DEVICE_MAX_CONNECTIONS=1 with sequence parallelism)
+    (UserWarning, r"When using sequence parallelism it is recommended to set the environment variable "
+                  r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
+    # Megatron's optimizer probes .grad of its non-leaf main parameters (harmless)
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\."),
+    # torch 2.13 deprecations hit inside Megatron's DDP and distributed checkpointing
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r"torch\."),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\."),
+    (FutureWarning, r"`load_state_dict` is deprecated", r"megatron\.|torch\."),
+)
+"""(category, message regex, module regex) of the known third-party warnings hdp's launchers silence."""
+
+
+def quiet_third_party_warnings() -> None:
+    """Ignore :data:`THIRD_PARTY_WARNINGS` in this process (warning filters; nothing else changes)."""
+    for category, message, module in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def _worker(
@@ -41,12 +76,15 @@ def _worker(
     port: int,
     backend: str,
     threads: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    payload: bytes,
     results: Any,
     timeout: float,
+    quiet: bool,
 ) -> None:
     try:
+        if quiet:
+            quiet_third_party_warnings()
+        fn, args = pickle.loads(payload)  # after the filters: unpickling imports fn's modules
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -56,7 +94,16 @@ def _worker(
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        try:
+            # by value: torch's queue pickler would pass tensors through shared memory that this
+            # process releases when it exits, before the parent reads them
+            blob = pickle.dumps(out)
+        except Exception as exc:
+            raise TypeError(
+                f"spawn: the return value of rank {rank} ({type(out).__name__}) cannot be pickled: {exc}; "
+                "return picklable values (tensors, numbers, dicts, lists)"
+            ) from exc
+        results.put((rank, True, blob))
     except BaseException:  # report everything (assertions included) to the parent
         results.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
@@ -116,25 +163,36 @@ def spawn(
     threads: int = 1,
     backend: str = "gloo",
     collect: bool = False,
+    quiet: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results by rank.
 
-    ``fn``, ``args`` and the results must be picklable (``fn`` a module-level function).  Each
-    worker runs with ``torch.set_num_threads(threads)``.  Raises :class:`WorkerError` when a rank
-    fails — naming first the ranks that died without a report (killed, ``os._exit``) and then the
-    ranks that failed after them — and ``TimeoutError`` after ``timeout`` seconds.
+    ``fn``, ``args`` and the results must be picklable (``fn`` a module-level function); results
+    are sent back by value, so torch tensors (and dicts / lists of them) are fine.  Each worker runs
+    with ``torch.set_num_threads(threads)`` and, with ``quiet``, :func:`quiet_third_party_warnings`
+    applied before ``fn``'s module is imported.  Raises :class:`WorkerError` when a rank fails
+    (including a return value that cannot be pickled) — naming first the ranks that died without a
+    report (killed, ``os._exit``) and then the ranks that failed after them — and ``TimeoutError``
+    after ``timeout`` seconds.
 
     ``collect=True`` (fault-injection harnesses): wait for every rank to return, fail or die (until
     ``timeout``), raise nothing for failed ranks, and return one :class:`RankOutcome` per rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"spawn: {getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled ({exc}); pass a "
+            "module-level function and picklable arguments"
+        ) from exc
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store.port, backend, threads, fn, args, results, timeout))
+        ctx.Process(target=_worker, args=(r, world_size, store.port, backend, threads, payload, results, timeout, quiet))
         for r in range(world_size)
     ]
     for p in procs:
@@ -146,8 +204,8 @@ def spawn(
     try:
         while len(done) + len(failed) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=0.2)
-                (done if ok else failed)[rank] = payload
+                rank, ok, body = results.get(timeout=0.2)
+                (done if ok else failed)[rank] = body
                 continue
             except queue.Empty:
                 pass
@@ -180,10 +238,10 @@ def spawn(
             p.join(timeout=30)
         while True:
             try:
-                rank, ok, payload = results.get_nowait()
+                rank, ok, body = results.get_nowait()
             except queue.Empty:
                 break
-            (done if ok else failed)[rank] = payload
+            (done if ok else failed)[rank] = body
         del store
     # a rank that exited without a report died (killed, os._exit, a crash in C): name it first,
     # the ranks that then failed because their peer vanished second
@@ -197,7 +255,7 @@ def spawn(
             failed[r] = f"exited with code {p.exitcode} without a report"
     if collect:
         return [
-            RankOutcome(rank=r, ok=r in done, value=done.get(r), error=failed.get(r), exitcode=procs[r].exitcode)
+            RankOutcome(rank=r, ok=r in done, value=pickle.loads(done[r]) if r in done else None, error=failed.get(r), exitcode=procs[r].exitcode)
             for r in range(world_size)
         ]
     dead = sorted(r for r, msg in failed.items() if msg.endswith("without a report") and r not in stopped)
@@ -210,7 +268,7 @@ def spawn(
             then = f"; ranks {others} failed after it" if others else ""
             raise WorkerError(f"{name}: {how} died without a report{then}; failed on ranks {sorted(failed)}:\n{msgs}")
         raise WorkerError(f"{name} failed on ranks {sorted(failed)}:\n{msgs}")
-    return [done[r] for r in range(world_size)]
+    return [pickle.loads(done[r]) for r in range(world_size)]
 
 
 def init_from_env(device: str | torch.device = "cpu") -> bool:

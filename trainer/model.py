@@ -2,25 +2,33 @@
 
 The model is Megatron's ``GPTModel`` (dense, or MoE with the alltoall token dispatcher) from the
 local (non-TE) layer spec, with core attention swapped for :mod:`hdp.trainer.attention_spec`'s
-backend and Megatron's RoPE off (hdp applies RoPE inside attention, at per-sample positions of the
-local zigzag tokens).  Megatron is initialised with TP = PP = CP = 1 over the domain
-(:func:`hdp.megatron_compat.initialize_megatron`); hdp supplies CP inside attention.
+backend, hdp's norm (:class:`HdpNorm`, sequence-parallel aware) and Megatron's RoPE off (hdp
+applies RoPE inside attention, at per-sample positions of the local zigzag tokens).  Megatron is
+initialised with the job's TP × PP (× EP) layout and CP = 1 over the domain
+(:func:`hdp.megatron_compat.initialize_megatron`); hdp supplies CP inside attention.  Every
+builder takes Megatron's process groups explicitly (``groups``, a ``ProcessGroupCollection``).
 
 Per-token loss: ``TransformerConfig.calculate_per_token_loss=True`` makes Megatron's DDP *sum*
 gradients over the domain (no 1/N scaling), so each rank's loss is the sum of its tokens' losses
 divided by the *global* token count and the reduced gradient is the global token-mean gradient,
 however many tokens each rank holds.
 
-Legend: T packed tokens of a micro-batch, V vocabulary.
+Under tensor parallelism the output layer's logits are this TP rank's vocabulary shard
+[T, V/TP]; :func:`vocab_parallel_logprobs` and :func:`vocab_parallel_entropy` reduce over the TP
+group (explicitly named) so every TP rank gets the full-vocabulary log-probabilities.
+
+Legend: T packed tokens of a micro-batch, V vocabulary, Vl = V/TP local vocabulary shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hdp import megatron_compat as mc
 from hdp.trainer.attention_spec import (
@@ -29,17 +37,25 @@ from hdp.trainer.attention_spec import (
     RopeConfig,
     core_attention_module,
 )
+from hdp.trainer.parallel import ParallelConfig
 
 __all__ = [
     "ModelConfig",
     "OptimConfig",
+    "HdpNorm",
     "transformer_config",
     "layer_spec",
     "build_gpt_model",
+    "build_model_chunks",
     "wrap_ddp",
     "build_optimizer",
     "packed_logits",
     "token_logprobs",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_entropy",
+    "global_param_name",
+    "global_param_names",
+    "init_parameters",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -73,8 +89,6 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_ffn_hidden_size: int | None = None
     """Expert MLP width; ``None``: ffn_hidden_size."""
-    expert_model_parallel_size: int = 1
-    """Expert-parallel ranks (must divide the domain and num_moe_experts)."""
     attention_backend: CoreAttentionBackend = CoreAttentionBackend.HDP
     """Core attention module."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -102,19 +116,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.activation={self.activation!r}: choose 'gelu' or 'swiglu'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.params_dtype={self.params_dtype!r}: choose one of {list(_DTYPES)}")
-        if self.num_moe_experts is not None:
-            if self.num_moe_experts % self.expert_model_parallel_size:
-                raise ValueError(
-                    f"ModelConfig.expert_model_parallel_size={self.expert_model_parallel_size}: must divide "
-                    f"num_moe_experts={self.num_moe_experts}"
-                )
-            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-                raise ValueError(
-                    f"ModelConfig.moe_router_topk={self.moe_router_topk}: must be in [1, {self.num_moe_experts}]"
-                )
-        elif self.expert_model_parallel_size != 1:
+        if self.num_moe_experts is not None and not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(
-                f"ModelConfig.expert_model_parallel_size={self.expert_model_parallel_size}: needs num_moe_experts"
+                f"ModelConfig.moe_router_topk={self.moe_router_topk}: must be in [1, {self.num_moe_experts}]"
             )
 
     @property
@@ -149,8 +153,33 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.clip_grad={self.clip_grad}: must be >= 0 (0 disables)")
 
 
-def transformer_config(cfg: ModelConfig, device: torch.device | str = "cpu") -> mc.TransformerConfig:
-    """Megatron ``TransformerConfig`` for ``cfg`` (TP = PP = CP = 1, no dropout, per-token loss)."""
+class HdpNorm:
+    """Megatron's torch norm (``LayerNorm`` / ``RMSNorm``) that also runs under sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` because torch's norms do not mark
+    their weights; this builds the same torch module and marks each weight with
+    ``sequence_parallel`` so that Megatron's ``finalize_model_grads`` all-reduces its gradient over
+    the TP group (each TP rank saw only its sequence shard).  Same numerics as ``WrappedTorchNorm``.
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:  # type: ignore[misc]
+        del kwargs
+        if config.normalization == "LayerNorm":
+            norm: torch.nn.Module = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization={config.normalization!r}: HdpNorm supports LayerNorm and RMSNorm")
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def transformer_config(
+    cfg: ModelConfig, parallel: ParallelConfig, device: torch.device | str
+) -> mc.TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``parallel`` (CP = 1, no dropout, per-token
+    loss, variable sequence lengths between pipeline stages)."""
     dtype = _DTYPES[cfg.params_dtype]
     kwargs: dict[str, object] = dict(
         num_layers=cfg.num_layers,
@@ -170,10 +199,20 @@ def transformer_config(cfg: ModelConfig, device: torch.device | str = "cpu") -> 
         pipeline_dtype=dtype,
         use_cpu_initialization=torch.device(device).type == "cpu",
         calculate_per_token_loss=True,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=parallel.tp,
+        sequence_parallel=parallel.uses_sequence_parallel,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pp if parallel.vpp > 1 else None,
+        # every hdp round is one micro-batch with its own packed length: pipeline stages exchange
+        # the shape before each send
+        variable_seq_lengths=parallel.pp > 1,
+        # non-batched sends: with two stages Megatron routes one direction over another group so the
+        # forward and backward messages between the same two ranks cannot pair up wrongly
+        batch_p2p_comm=False,
+        moe_token_dispatcher_type="alltoall",
         context_parallel_size=1,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -185,7 +224,6 @@ def transformer_config(cfg: ModelConfig, device: torch.device | str = "cpu") -> 
             num_moe_experts=cfg.num_moe_experts,
             moe_router_topk=cfg.moe_router_topk,
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
-            moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
@@ -196,7 +234,8 @@ def transformer_config(cfg: ModelConfig, device: torch.device | str = "cpu") -> 
 
 
 def layer_spec(cfg: ModelConfig) -> mc.ModuleSpec:
-    """Megatron's local GPT layer spec with the core attention of ``cfg.attention_backend``."""
+    """Megatron's local GPT layer spec with the core attention of ``cfg.attention_backend`` and
+    :class:`HdpNorm` for the layer norms."""
     base = mc.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts,
         moe_grouped_gemm=False,
@@ -206,35 +245,89 @@ def layer_spec(cfg: ModelConfig) -> mc.ModuleSpec:
     attn = base.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
     new_attn = dataclasses.replace(attn, submodules=attn_sub)
-    return dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=new_attn))
+    sub = dataclasses.replace(
+        base.submodules, self_attention=new_attn, input_layernorm=HdpNorm, pre_mlp_layernorm=HdpNorm
+    )
+    return dataclasses.replace(base, submodules=sub)
 
 
-def build_gpt_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> mc.GPTModel:
-    """Build the GPT model on ``device``; Megatron must be initialised (``initialize_megatron``)."""
+def _check_megatron(cfg: ModelConfig, parallel: ParallelConfig, groups: Any) -> None:
     if not mc.parallel_state.model_parallel_is_initialized():
         raise ValueError("build_gpt_model: Megatron is not initialised; call hdp.megatron_compat.initialize_megatron")
-    ep = mc.parallel_state.get_expert_model_parallel_world_size()
-    if ep != cfg.expert_model_parallel_size:
+    if not isinstance(groups, mc.ProcessGroupCollection):
         raise ValueError(
-            f"ModelConfig.expert_model_parallel_size={cfg.expert_model_parallel_size} but Megatron was "
-            f"initialised with expert parallel size {ep}"
+            f"groups={groups!r}: pass Megatron's process groups explicitly "
+            "(hdp.megatron_compat.initialize_megatron(...).groups)"
         )
-    mc.apply_cpu_shim(device)
+    have = {"tp": groups.tp.size(), "pp": groups.pp.size(), "ep": groups.ep.size()}
+    want = {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep}
+    for key in have:
+        if have[key] != want[key]:
+            raise ValueError(
+                f"ParallelConfig.{key}={want[key]} but Megatron was initialised with {key} size {have[key]}; "
+                "initialise Megatron with the same layout (initialize_megatron)"
+            )
+    parallel.check_model(cfg, where="ParallelConfig")
+
+
+def build_gpt_model(
+    cfg: ModelConfig,
+    device: torch.device | str,
+    *,
+    groups: Any,
+    parallel: ParallelConfig = ParallelConfig(),
+    vp_stage: int | None = None,
+) -> mc.GPTModel:
+    """Build this rank's GPT model chunk on ``device`` (its pipeline stage, its TP shard).
+
+    Megatron must be initialised with the same layout (``initialize_megatron``); ``groups`` are
+    its process groups (``MegatronRuntime.groups``), passed to Megatron explicitly.  ``device`` is
+    required; on CPU the CPU shim must be held (``initialize_megatron(device='cpu')`` takes it).
+    ``vp_stage``: the virtual stage of this chunk (interleaved schedule), ``None`` without.
+    """
+    _check_megatron(cfg, parallel, groups)
+    if torch.device(device).type == "cpu" and not mc.cpu_shim_applied():
+        raise ValueError(
+            "build_gpt_model(device='cpu'): the Megatron CPU shim is not held; initialise Megatron with "
+            "hdp.megatron_compat.initialize_megatron(device='cpu', ...) first"
+        )
+    config = transformer_config(cfg, parallel, device)
+    pp_rank, pp_size = groups.pp.rank(), groups.pp.size()
+    vpp = parallel.vpp
+    stage = 0 if vp_stage is None else vp_stage
+    if not 0 <= stage < vpp:
+        raise ValueError(f"vp_stage={vp_stage}: must be in [0, {vpp}) (virtual_pp={parallel.virtual_pp})")
+    first = pp_rank == 0 and stage == 0
+    last = pp_rank == pp_size - 1 and stage == vpp - 1
+    spec = layer_spec(cfg)
+    num = mc.get_num_layers_to_build(config, vp_stage=vp_stage if vpp > 1 else None, pp_rank=pp_rank)
+    block = mc.TransformerBlockSubmodules(layer_specs=[spec] * num, layer_norm=HdpNorm)
     model = mc.GPTModel(
-        config=transformer_config(cfg, device),
-        transformer_layer_spec=layer_spec(cfg),
+        config=config,
+        transformer_layer_spec=block,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=first,
+        post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type="none",
+        pg_collection=groups,
+        vp_stage=vp_stage if vpp > 1 else None,
     )
     return model.to(device)
 
 
-def wrap_ddp(model: mc.GPTModel, opt: OptimConfig) -> mc.DistributedDataParallel:
+def build_model_chunks(
+    cfg: ModelConfig, device: torch.device | str, *, groups: Any, parallel: ParallelConfig
+) -> list[mc.GPTModel]:
+    """This rank's model chunks: one, or ``virtual_pp`` of them for the interleaved schedule."""
+    if parallel.vpp == 1:
+        return [build_gpt_model(cfg, device, groups=groups, parallel=parallel)]
+    return [build_gpt_model(cfg, device, groups=groups, parallel=parallel, vp_stage=v) for v in range(parallel.vpp)]
+
+
+def wrap_ddp(model: mc.GPTModel, opt: OptimConfig, *, groups: Any, chunk: int = 0) -> mc.DistributedDataParallel:
     """Megatron DDP over the domain (grads in fp32, reduce-scatter for the distributed optimizer)."""
     ddp_cfg = mc.DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -244,11 +337,16 @@ def wrap_ddp(model: mc.GPTModel, opt: OptimConfig) -> mc.DistributedDataParallel
         bucket_size=opt.bucket_size,
         average_in_collective=False,
     )
-    return mc.DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    return mc.DistributedDataParallel(
+        config=model.config, ddp_config=ddp_cfg, module=model, disable_bucketing=chunk > 0, pg_collection=groups
+    )
 
 
-def build_optimizer(model: mc.DistributedDataParallel, opt: OptimConfig) -> object:
-    """Megatron's distributed Adam over ``model``'s grad buffers."""
+def build_optimizer(models: Sequence[mc.DistributedDataParallel] | mc.DistributedDataParallel,
+                    opt: OptimConfig, *, groups: Any) -> Any:
+    """Megatron's distributed Adam over the grad buffers of ``models`` (the DDP chunks)."""
+    chunks = list(models) if isinstance(models, (list, tuple)) else [models]
+    config = chunks[0].config
     ocfg = mc.OptimizerConfig(
         optimizer="adam",
         lr=opt.lr,
@@ -258,10 +356,12 @@ def build_optimizer(model: mc.DistributedDataParallel, opt: OptimConfig) -> obje
         adam_eps=opt.adam_eps,
         clip_grad=opt.clip_grad,
         use_distributed_optimizer=True,
-        bf16=model.config.bf16,
-        params_dtype=model.config.params_dtype,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
     )
-    return mc.get_megatron_optimizer(ocfg, [model])
+    # use_gloo_process_groups=False: Megatron takes no side gloo groups with explicit groups (its
+    # gloo groups only serve checkpoint formats hdp does not use)
+    return mc.get_megatron_optimizer(ocfg, chunks, use_gloo_process_groups=False, pg_collection=groups)
 
 
 def packed_logits(
@@ -269,7 +369,7 @@ def packed_logits(
     tokens: torch.Tensor,
     psp: HdpPackedSeqParams,
 ) -> torch.Tensor:
-    """Logits [T, V] of a packed micro-batch ``tokens`` [T] described by ``psp``."""
+    """Logits [T, V] (or [T, Vl] under TP) of a packed micro-batch ``tokens`` [T] described by ``psp``."""
     if tokens.dim() != 1:
         raise ValueError(f"tokens: expected a 1-D packed tensor [T], got shape {tuple(tokens.shape)}")
     out = model(
@@ -282,7 +382,149 @@ def packed_logits(
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[T] log-probability of ``targets`` [T] under ``logits`` [T, V] (float32)."""
+    """[T] log-probability of ``targets`` [T] under full-vocabulary ``logits`` [T, V] (float32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
     return logp.gather(-1, targets.long()[:, None])[:, 0]
 
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    """log p(target) from vocabulary-sharded logits, reduced over an explicit TP group.
+
+    Forward (Megatron's vocab-parallel cross-entropy, with the group named): m = max_v z (all-reduce
+    MAX), s = Σ_v exp(z − m) and z_t = the target's logit (0 on the ranks not holding it) in one
+    all-reduce SUM, log p = z_t − m − log s.  Backward: d log p / d z = onehot − softmax,
+    local to each shard (the loss is replicated over the TP ranks, so no reduction).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        z = logits.float()  # [T, Vl]
+        vl = z.shape[-1]
+        start = group.rank() * vl
+        m = z.max(dim=-1).values  # [T]
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(z - m[:, None])  # [T, Vl]
+        local = targets.long() - start  # [T]
+        mine = (local >= 0) & (local < vl)
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        zt = torch.where(mine, z.gather(-1, idx[:, None])[:, 0], torch.zeros_like(m))  # [T]
+        both = torch.stack([e.sum(dim=-1), zt])  # [2, T]: Σ_v exp(z − m) and the target's logit
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        s, zt = both[0], both[1]
+        logp = zt - m - torch.log(s)  # [T]
+        ctx.save_for_backward(e, s, idx, mine)
+        ctx.in_dtype = logits.dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        e, s, idx, mine = ctx.saved_tensors
+        d = -(e / s[:, None]) * grad[:, None]  # [T, Vl]: −softmax · g
+        d.scatter_add_(-1, idx[:, None], (grad * mine.to(grad.dtype))[:, None])  # + onehot · g
+        return d.to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T] log p(``targets``) from this TP rank's vocabulary shard ``logits`` [T, Vl] (float32, with grad).
+
+    ``group`` is the TP group (explicit); every TP rank gets the same values.
+    """
+    if group is None:
+        raise ValueError("vocab_parallel_logprobs: group=None; pass the tensor-parallel group explicitly")
+    if group.size() == 1:
+        return token_logprobs(logits, targets)
+    return _VocabParallelLogProb.apply(logits, targets, group)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[T] entropy of the full-vocabulary distribution from this TP rank's shard ``logits`` [T, Vl] (no grad).
+
+    H = log s + m − Σ_v p_v z_v with m, s as in :func:`vocab_parallel_logprobs` and the last sum
+    reduced over ``group`` (the TP group, explicit).
+    """
+    z = logits.float()  # [T, Vl]
+    if group is None:
+        raise ValueError("vocab_parallel_entropy: group=None; pass the tensor-parallel group explicitly")
+    if group.size() == 1:
+        logp = torch.log_softmax(z, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    m = z.max(dim=-1).values  # [T]
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(z - m[:, None])  # [T, Vl]
+    s = e.sum(-1)
+    dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+    ez = (e * z).sum(-1)  # [T]
+    dist.all_reduce(ez, op=dist.ReduceOp.SUM, group=group)
+    return torch.log(s) + m - ez / s
+
+
+# ---- layout-independent parameters ------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+
+
+def global_param_name(name: str, ep_rank: int, experts_per_rank: int, layer_numbers: Sequence[int] | None = None) -> str:
+    """``name`` with its local expert index made global (``ep_rank · experts_per_rank + i``) and, given
+    ``layer_numbers`` (1-based global layer number of each local layer), its layer index made global."""
+    if layer_numbers is not None:
+        m = _LAYER.match(name)
+        if m is not None:
+            name = f"{m.group(1)}{layer_numbers[int(m.group(2))] - 1}{m.group(3)}"
+    key = "local_experts."
+    at = name.find(key)
+    if at < 0:
+        return name
+    head, rest = name[: at + len(key)], name[at + len(key) :]
+    idx, _, tail = rest.partition(".")
+    glob = ep_rank * experts_per_rank + int(idx)
+    return f"{head}{glob}.{tail}" if tail else f"{head}{glob}"
+
+
+def global_param_names(model: torch.nn.Module, *, ep_rank: int, experts_per_rank: int) -> dict[str, str]:
+    """Local parameter name -> the name the same parameter has in a one-process model (TP = PP = EP = 1)."""
+    decoder = getattr(model, "decoder", None)
+    layers = [int(layer.layer_number) for layer in decoder.layers] if decoder is not None else None
+    return {n: global_param_name(n, ep_rank, experts_per_rank, layers) for n, _ in model.named_parameters()}
+
+
+def _tp_shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's shard of the full tensor ``full`` of ``param`` (Megatron's CPU-init split)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    pieces = torch.split(full, full.shape[dim] // (tp_size * stride), dim=dim)
+    return torch.cat(pieces[tp_rank :: tp_size], dim=dim)
+
+
+def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[int(param.partition_dim)] *= tp_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def init_parameters(
+    model: torch.nn.Module,
+    init_fn: Callable[[str, torch.Tensor], None],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int,
+    experts_per_rank: int,
+) -> None:
+    """Fill every parameter of ``model`` (one chunk) from ``init_fn(global_name, full_tensor)``.
+
+    ``init_fn`` sees the parameter as a one-process model has it: its global name
+    (:func:`global_param_names`) and its full, unsharded shape; this rank keeps its TP shard.  So
+    a rank-independent ``init_fn`` gives the same model for every TP / PP / EP layout.  Expert
+    parameters (expert-TP 1) are never TP-sharded.
+    """
+    names = global_param_names(model, ep_rank=ep_rank, experts_per_rank=experts_per_rank)
+    for name, p in model.named_parameters():
+        expert = not getattr(p, "allreduce", True)
+        size = 1 if expert else tp_size
+        full = torch.empty(_full_shape(p, size), dtype=p.dtype, device=p.device)
+        init_fn(names[name], full)
+        p.copy_(_tp_shard(full, p, tp_rank, size))

@@ -221,7 +221,7 @@ def _build_ddp(cfg: Any, distributed_optimizer: bool) -> tuple[Any, Any]:
     from hdp.trainer.model import OptimConfig, build_gpt_model, build_optimizer
 
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, "cpu", groups=mc.megatron_groups())
     # verl's Megatron-Bridge config with CP = 1: per-micro-batch loss, DDP averages over DP
     model.config.calculate_per_token_loss = False
     ddp_cfg = mc.DistributedDataParallelConfig(
@@ -233,7 +233,7 @@ def _build_ddp(cfg: Any, distributed_optimizer: bool) -> tuple[Any, Any]:
     )
     ddp = mc.DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
     model.config.finalize_model_grads_func = finalize_model_grads  # as verl's register_megatron_training_hooks
-    optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3)) if distributed_optimizer else None
+    optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3), groups=mc.megatron_groups()) if distributed_optimizer else None
     return ddp, optimizer
 
 
@@ -284,10 +284,11 @@ def reference_step(data: Any, loss_agg_mode: str) -> tuple[list[torch.Tensor], l
 
     from hdp.integrations.verl.engine import sample_lengths
     from hdp.trainer.attention_spec import packed_seq_params
+    from hdp import megatron_compat as mc
     from hdp.trainer.model import build_gpt_model, packed_logits
 
     torch.manual_seed(0)
-    model = build_gpt_model(tiny_model_config())
+    model = build_gpt_model(tiny_model_config(), "cpu", groups=mc.megatron_groups())
     samples = list(data["input_ids"].unbind())  # S x [L_i]
     lengths = sample_lengths(data)
     temp = float(tu.get_non_tensor_data(data, key="temperature", default=1.0))
@@ -333,7 +334,7 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int) -> 
     from hdp import megatron_compat as mc
 
     logging.getLogger("verl").setLevel(logging.ERROR)
-    mc.initialize_megatron(seed=1234)
+    mc.initialize_megatron(device="cpu", seed=1234)
     lengths = short_tail_lengths(world, budget, seed)
     data = verl_update_batch(lengths, seed, max_token_len_per_gpu=budget)
     loss_fn = partial(ppo_loss, actor_config("token-mean"))
