@@ -40,8 +40,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# record gathered from every rank: [digest, num_samples, num_rounds, num_ranks]
-_RECORD = 4
+# record gathered from every rank: [plan digest, num_samples, num_rounds, num_ranks, data digest]
+_RECORD = 5
 
 
 def collective_device(group: dist.ProcessGroup, hint: torch.Tensor | None = None) -> torch.device:
@@ -85,7 +85,7 @@ def verify_plan(
     n = dist.get_world_size(group)
     expect = n if domain_size is None else int(domain_size)
     mine = torch.tensor(
-        [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks], dtype=torch.int64, device=dev
+        [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks, 0], dtype=torch.int64, device=dev
     )  # [W]
     both = torch.cat([mine, -mine])  # [2W]: max of the fields, and minus their min
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -105,10 +105,11 @@ def agree_step(
     group: dist.ProcessGroup,
     *,
     failed: bool,
+    data_digest: int = 0,
     device: torch.device | None = None,
     domain_size: int | None = None,
 ) -> list[int]:
-    """One collective before a step: did any rank fail its input checks, and do all hold ``plan``?
+    """One collective before a step: did any rank fail its input checks, do all hold ``plan`` and the same data?
 
     Every rank of ``group`` calls it, with ``failed=True`` (and ``plan=None``) when its own checks
     failed.  One ``all_reduce`` (MAX) of ``[failed, record, −record]`` (``record`` as in
@@ -123,7 +124,8 @@ def agree_step(
         raise ValueError("agree_step: pass the plan (or failed=True)")
     dev = device if device is not None else collective_device(group)
     n = dist.get_world_size(group)
-    rec = [0] * _RECORD if plan is None else [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks]
+    rec = [0] * _RECORD if plan is None else [
+        plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks, int(data_digest)]
     mine = torch.tensor(rec, dtype=torch.int64, device=dev)  # [W]
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=dev)
     both = torch.cat([flag, mine, -mine])  # [1 + 2W]
@@ -157,6 +159,13 @@ def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int) -> Non
     best = max(counts.values())
     ref = next(key for key in keys if counts[key] == best)
     bad = [r for r, key in enumerate(keys) if key != ref]
+    if all(keys[r][:4] == ref[:4] for r in bad):  # same plan, different data
+        raise ValueError(
+            f"batch data mismatch across the {n} ranks of the group: ranks {bad} hold different token ids, "
+            f"loss masks or extras than {best} rank(s) under the same lengths and plan (data digest "
+            f"{ref[4] & ((1 << 64) - 1):016x}; {'; '.join(f'rank {r}: {keys[r][4] & ((1 << 64) - 1):016x}' for r in bad)}); "
+            "every rank must pass the same batch"
+        )
     detail = "; ".join(
         f"rank {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
         f"{keys[r][2]} rounds, num_ranks={keys[r][3]}"

@@ -14,6 +14,7 @@ Every collective or P2P op in hdp takes its group explicitly; nothing here is a 
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -84,12 +85,13 @@ class DomainGroups:
         return len(self.global_ranks)
 
     @classmethod
-    def build(cls, domain_group: dist.ProcessGroup) -> "DomainGroups":
+    def build(cls, domain_group: dist.ProcessGroup, *, timeout_s: float | None = None) -> "DomainGroups":
         """Build the block sub-groups of ``domain_group``; every domain rank must call this once.
 
         Sub-groups are created with ``use_local_synchronization=True`` so only the members of a
         block take part in its creation (other domains of the job need not call in step).
         Building twice for the same domain is an error of torch.distributed (same group name).
+        ``timeout_s`` bounds every op on the block groups (default: torch's).
         """
         if domain_group is None:
             raise ValueError("domain_group=None: pass the domain's process group explicitly")
@@ -101,7 +103,8 @@ class DomainGroups:
             if (start, size) == (0, n) or not start <= me < start + size:
                 continue
             members = list(global_ranks[start : start + size])
-            pg = dist.new_group(ranks=members, use_local_synchronization=True)
+            extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+            pg = dist.new_group(ranks=members, use_local_synchronization=True, **extra)
             blocks[(start, size)] = pg
         # one collective on the domain group, so its communicator exists before any rank starts a
         # P2P ring on a subset of it (NCCL requires the first op on a group to involve all ranks)

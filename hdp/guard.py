@@ -39,7 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["MESSAGE_BYTES", "DomainStepError", "DomainUnreachableError", "StepGuard", "describe"]
+__all__ = ["MESSAGE_BYTES", "DomainStepError", "DomainInputError", "DomainUnreachableError", "StepGuard", "describe",
+           "is_input_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ class DomainStepError(RuntimeError):
         """Domain rank -> the (cut) message of its original error."""
 
 
+class DomainInputError(DomainStepError, ValueError):
+    """Every rank that failed the phase failed on bad input (``ValueError``/``TypeError``): raised on
+    every rank, and still a ``ValueError`` for callers that catch input errors."""
+
+
+def is_input_error(exc: BaseException | None) -> bool:
+    """True for the errors hdp raises on bad input (``ValueError``, ``TypeError``)."""
+    return isinstance(exc, (ValueError, TypeError))
+
+
 class DomainUnreachableError(RuntimeError):
     """The domain's agreement collective failed: a rank died, hangs, or the transport broke."""
 
@@ -78,16 +89,17 @@ def describe(exc: BaseException) -> str:
 
 
 def _encode(error: BaseException | None) -> bytes:
+    """Flag byte (0 fine, 1 failed, 2 failed on bad input) and the cut UTF-8 message."""
     if error is None:
         return b"\x00" + bytes(MESSAGE_BYTES)
     raw = describe(error).encode("utf-8", errors="replace")[:MESSAGE_BYTES]
-    return b"\x01" + raw + bytes(MESSAGE_BYTES - len(raw))
+    return (b"\x02" if is_input_error(error) else b"\x01") + raw + bytes(MESSAGE_BYTES - len(raw))
 
 
-def _decode(row: bytes) -> str | None:
+def _decode(row: bytes) -> tuple[int, str] | None:
     if row[0] == 0:
         return None
-    return row[1:].rstrip(b"\x00").decode("utf-8", errors="replace")
+    return row[0], row[1:].rstrip(b"\x00").decode("utf-8", errors="replace")
 
 
 @dataclass(eq=False)
@@ -96,7 +108,9 @@ class StepGuard:
 
     ``group`` is the domain's process group (named explicitly), ``rank`` this rank's index in it,
     ``device`` where the small agreement tensor lives (CPU for gloo), ``timeout_s`` the group's
-    collective timeout (only quoted in messages: the process group enforces it).
+    collective timeout (only quoted in messages: the process group enforces it), ``label`` how
+    messages name a rank of ``group`` (``"domain rank"``; the engine, whose group is the whole
+    TP × PP × domain job, says ``"rank"``).
     """
 
     group: dist.ProcessGroup
@@ -104,6 +118,7 @@ class StepGuard:
     size: int
     device: torch.device
     timeout_s: float | None = None
+    label: str = "domain rank"
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -149,26 +164,32 @@ class StepGuard:
             limit = f"collective timeout {self.timeout_s:g} s" if self.timeout_s is not None else "the group's collective timeout"
             local = f"; this rank's own error: {describe(error)}" if error is not None else ""
             raise DomainUnreachableError(
-                f"step {step}, phase {name!r}: domain rank {self.rank} could not agree with the other "
+                f"step {step}, phase {name!r}: {self.label} {self.rank} could not agree with the other "
                 f"{self.size - 1} ranks after {waited:.1f} s ({limit}): a rank died, "
                 f"hangs, or the transport failed ({describe(exc)}){local}. The domain's process groups are "
                 "no longer usable: restart the job from the last checkpoint",
                 step=step, phase=name,
             ) from (error if error is not None else exc)
-        messages = {r: m for r, m in ((r, _decode(bytes(t.cpu().numpy()))) for r, t in enumerate(table)) if m is not None}
-        if not messages:
+        rows = {r: d for r, d in ((r, _decode(bytes(t.cpu().numpy()))) for r, t in enumerate(table)) if d is not None}
+        if not rows:
             return
+        messages = {r: m for r, (_, m) in rows.items()}
+        inputs = all(flag == 2 for flag, _ in rows.values())  # every failure was bad input
         failed = tuple(sorted(messages))
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error  # the other ranks were told; this one stops as it was asked to
         if error is not None:
-            head = f"step {step}, phase {name!r} failed on domain rank {self.rank}: {describe(error)}"
+            head = f"step {step}, phase {name!r} failed on {self.label} {self.rank}: {describe(error)}"
             others = [r for r in failed if r != self.rank]
             tail = f" (also failed on: {'; '.join(f'rank {r}: {messages[r]}' for r in others)})" if others else ""
             msg = f"{head}{tail}; every rank of the domain raises this step"
+        elif inputs:
+            msg = (f"step {step}, phase {name!r}: invalid input on ranks {list(failed)} [{detail}]; "
+                   "this rank stops too (nothing was run): every rank must pass the same valid input")
         else:
-            msg = (f"step {step}, phase {name!r} failed on domain ranks {list(failed)} [{detail}]; "
+            msg = (f"step {step}, phase {name!r} failed on {self.label}s {list(failed)} [{detail}]; "
                    "this rank stops too, so the domain stays in step")
         logger.debug("guard: %s", msg)
-        raise DomainStepError(msg, step=step, phase=name, ranks=failed, messages=messages) from error
+        cls = DomainInputError if inputs else DomainStepError
+        raise cls(msg, step=step, phase=name, ranks=failed, messages=messages) from error

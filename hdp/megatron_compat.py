@@ -690,6 +690,7 @@ def initialize_megatron(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
     seed: int = 1234,
+    collective_timeout_s: float | None = None,
 ) -> MegatronRuntime:
     """Initialise Megatron's parallel state over the world: TP × PP × DP, CP = 1.
 
@@ -697,7 +698,8 @@ def initialize_megatron(
     (the DP×CP ranks of one TP rank and PP stage), plus expert parallelism carved from the
     TP × DP ranks of each stage.  ``torch.distributed`` must be initialised.  ``device`` is
     required: the CPU shim is taken for ``cpu`` only.  Seeds Megatron's RNG tracker.  Returns the
-    :class:`MegatronRuntime` (explicit groups, shim hold).
+    :class:`MegatronRuntime` (explicit groups, shim hold).  ``collective_timeout_s`` bounds every
+    op on the groups Megatron creates (its ``distributed_timeout_minutes``; default 30 min).
     """
     if not torch.distributed.is_initialized():
         raise ValueError("initialize_megatron: torch.distributed is not initialised; call init_process_group first")
@@ -725,6 +727,7 @@ def initialize_megatron(
             context_parallel_size=1,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=expert_tensor_parallel_size,
+            **({} if collective_timeout_s is None else {"distributed_timeout_minutes": collective_timeout_s / 60.0}),
         )
         manual_seed(seed)
         groups = ProcessGroupCollection.use_mpu_process_groups()

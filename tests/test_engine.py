@@ -214,7 +214,11 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
                     assert key in m, key
                 if name == "hdp":
                     engine.save_checkpoint(ckpt_dir)  # auto: Megatron distributed checkpointing
-                    assert os.path.exists(os.path.join(ckpt_dir, "metadata.json")), os.listdir(ckpt_dir)
+                    from hdp.trainer.checkpoint import read_manifest
+
+                    man = read_manifest(ckpt_dir)
+                    assert man.format == "dist" and "metadata.json" in man.files, man
+                    assert man.meta["domain_size"] == 4 and man.step == 1 and len(man.meta["model_config"]) == 16
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=name)
         _assert_params(_params(engine), ref_params[-1], tol=5 * PARAM_TOL, what=f"{name} step {STEPS}")
         if name == "hdp":
@@ -259,7 +263,10 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
             losses.append(engine.train_step(b, nll_loss)["loss"])
             if s == 0:
                 engine.save_checkpoint(ckpt, format=fmt)
-                assert os.path.exists(os.path.join(ckpt, marker)), (fmt, os.listdir(ckpt))
+                from hdp.trainer.checkpoint import read_manifest
+
+                man = read_manifest(ckpt)
+                assert man.format == fmt and marker in man.files, (fmt, man)
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=policy)
         got = {global_param_name(n, ep_rank, 2): p for n, p in _params(engine).items()}
         assert any("local_experts.3" in n for n in got) == (ep_rank == 1)

@@ -553,7 +553,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.what == "exact":
         return _bench_exact(args)
+    if args.what == "faults":
+        return _bench_faults(args)
     return _bench_planner(args)
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    from hdp.trainer.bench_faults import SCENARIOS, run_faults
+
+    only = tuple(s.strip() for s in (args.only or "").split(",") if s.strip()) or None
+    for name in only or ():
+        if name not in SCENARIOS:
+            raise CliError(f"--only: scenario={name!r} is unknown; choose from: {', '.join(SCENARIOS)}")
+    if not (args.timeout == args.timeout and 1.0 <= args.timeout <= 3600.0):  # NaN-safe
+        raise CliError(f"--timeout={args.timeout}: pass seconds in [1, 3600] (the engines' collective timeout)")
+    result = run_faults(timeout_s=args.timeout, only=only)
+    if args.json:
+        _emit_json(result)
+    else:
+        from rich.table import Table
+
+        con = _console()
+        table = Table(title=f"injected faults (collective timeout {args.timeout:g} s)")
+        for col in ("fault", "ranks raised", "died", "s to exit", "state unchanged", "ok"):
+            table.add_column(col)
+        for r in result["faults"]:
+            table.add_row(r["fault"], str(r["ranks_raised"]), str(r["ranks_died"]), f"{r['seconds_to_exit']:.2f}",
+                          str(r["state_unchanged"]), "yes" if r["ok"] else "NO")
+        con.print(table)
+        for name, ok in result["checks"].items():
+            con.print(f"{name}: {'yes' if ok else 'NO'}")
+    return 0 if result["ok"] else 1
 
 
 def _bench_exact(args: argparse.Namespace) -> int:
@@ -845,8 +875,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE layer shape for --moe-zero-memory (qwen3-235b-a22b, deepseek-v3)")
     s.set_defaults(func=_cmd_simulate)
 
-    b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine")
-    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train"))
+    b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine, "
+                                         "training throughput, fault injection")
+    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train", "faults"))
+    b.add_argument("--only", default=None, metavar="A,B",
+                   help="faults: scenarios to run (in-process, other-world, sigkill-mid-step, sigstop-mid-step, "
+                        "sigkill-during-save; default all)")
+    b.add_argument("--timeout", type=float, default=10.0, help="faults: the engines' collective timeout in s (default 10)")
     b.add_argument("--policies", default="static-cp,hdp", help="train: policies compared side by side")
     b.add_argument("--workload", default="short-tail", help="train: short-tail or long-response")
     b.add_argument("--baseline", metavar="FILE", help="train: stored result to compare with")

@@ -107,6 +107,12 @@ class EngineConfig:
     """MoE zero-memory recomputation level (`hdp.moe`): none, level0 or level1."""
     moe_zero_memory_num_layers: int | None = None
     """level1 only on the first n MoE layers of the stage (the others level0); None: all layers."""
+    collective_timeout_s: float = 300.0
+    """Seconds any collective or P2P op of the job may wait before it fails (Megatron's parallel-state
+    groups, the CP block groups, and the engine's agreement group).  A rank that dies or hangs then
+    makes every other rank raise within about this time, naming the step and the phase, instead of
+    waiting for torch's default (30 min).  300 s suits CPU tests; on GPU/NPU set it above the
+    slowest legitimate wait of a step (the longest round plus a checkpoint write), e.g. 600-1800 s."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -135,6 +141,12 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.moe_zero_memory_num_layers={self.moe_zero_memory_num_layers}: only with "
                 "moe_zero_memory='level1' (the first n layers level1, the rest level0)"
+            )
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1.0 <= float(t) <= 86400.0:
+            raise ValueError(
+                f"EngineConfig.collective_timeout_s={t!r}: pass seconds in [1, 86400] (300 on CPU; above the "
+                "longest round plus a checkpoint write on GPU/NPU)"
             )
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             raise ValueError(f"EngineConfig.loss_scale_factor={self.loss_scale_factor}: must be > 0 or None")

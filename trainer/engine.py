@@ -56,9 +56,12 @@ V vocabulary, Vl = V/TP, R rounds (micro-batches).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import enum
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -75,6 +78,8 @@ import torch.distributed as dist
 from hdp import device as _device
 from hdp import megatron_compat as mc
 from hdp.checksum import agree_step
+from hdp.digest import batch_digest
+from hdp.guard import DomainStepError, DomainUnreachableError, StepGuard, describe, is_input_error
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
 from hdp.groups import DomainGroups, LayoutGroups
@@ -85,6 +90,7 @@ from hdp.moe.zero_memory import apply_zero_memory
 from hdp.packing import Plan, check_plan, simulate
 from hdp.packing import plan as make_plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
+from hdp.trainer import checkpoint as ckpt
 from hdp.trainer.autocal import DomainAutoCalibrator  # [auto-calibration]
 from hdp.trainer.config import EngineConfig
 from hdp.trainer.model import (
@@ -355,6 +361,10 @@ class HdpEngine:
         self._closed = False
         # control tensors of the job's collectives: CPU for gloo, else the device
         self._collective_device = torch.device("cpu") if _gloo(self.world_group) else device
+        # every error inside a step raises on every rank of the job (hdp/guard.py)
+        self._guard = StepGuard(group=self.world_group, rank=groups.world_rank, size=groups.world_size,
+                                device=self._collective_device, timeout_s=config.collective_timeout_s, label="rank")
+        self._broken: str | None = None
 
     @property
     def model(self) -> Any:
@@ -403,6 +413,9 @@ class HdpEngine:
         par = config.parallel
         par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
+        timeout_s = float(config.collective_timeout_s)
+        # the engine's own agreement group over the whole job, with the bounded timeout
+        job = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
         runtime = mc.initialize_megatron(
             device=device,
             tensor_model_parallel_size=par.tp,
@@ -411,6 +424,7 @@ class HdpEngine:
             expert_model_parallel_size=par.ep,
             expert_tensor_parallel_size=par.expert_tp,
             seed=config.seed,
+            collective_timeout_s=timeout_s,
         )
         try:
             pgc = runtime.groups
@@ -429,8 +443,8 @@ class HdpEngine:
             for d in ddp:
                 d.broadcast_params()  # replicas start identical even if the init was rank-dependent
             optimizer = build_optimizer(ddp, config.optim, groups=pgc)
-            groups = LayoutGroups(world=world_group, domain=DomainGroups.build(pgc.dp), tp=pgc.tp, pp=pgc.pp,
-                                  ep=pgc.ep)
+            groups = LayoutGroups(world=job, domain=DomainGroups.build(pgc.dp, timeout_s=timeout_s), tp=pgc.tp,
+                                  pp=pgc.pp, ep=pgc.ep)
         except BaseException:
             runtime.close()
             raise
@@ -525,9 +539,20 @@ class HdpEngine:
             raise ValueError(f"plan is invalid: {exc}; build it with hdp.packing.plan or Plan.from_columns") from exc
 
     def _prepare(self, batch: Batch, what: str, given: Plan | None = None) -> _Prepared:
-        """Phase 1: validate, plan, agree on errors and on the plan over the whole job."""
+        """Phase 1: validate, plan and digest the batch; agree on errors, the plan and the data over the job.
+
+        Any exception here (not only bad input) is caught; one fixed-size all-reduce
+        (:func:`hdp.checksum.agree_step`) then tells every rank whether some rank failed and
+        compares the plan checksum and the batch digest over the domain, the pipeline and the TP
+        ranks.  When a rank failed, a second fixed-size collective (the step guard) shares the
+        messages, so every rank raises naming the failed ranks and their errors — the failed rank
+        its own error type for bad input (``ValueError``/``TypeError``), else
+        :class:`~hdp.guard.DomainStepError` everywhere.  Nothing has run yet.
+        """
+        self._usable(what)
         error: BaseException | None = None
         prepared: _Prepared | None = None
+        digest = 0
         try:
             self._validate(batch)
             t0 = time.perf_counter()
@@ -538,21 +563,61 @@ class HdpEngine:
                 plan = given if given.stats is not None else given.with_stats(simulate(given, self._planner.cost, 0.0))
             planner_ms = (time.perf_counter() - t0) * 1e3 if given is None or given.stats is None else given.stats.planner_ms
             prepared = self._shifted(batch, plan, planner_ms)
-        except (ValueError, TypeError) as exc:
-            error = exc
-        # one fixed-size collective over the job (never hangs, whatever the inputs): input errors
-        # anywhere, and the plan checksum over the domain, the pipeline and the TP ranks at once
+            digest = batch_digest(batch.tokens, batch.loss_mask, batch.extras)
+        except Exception as exc:  # every type: one rank's failure must reach every rank
+            error, prepared = exc, None
+        step = self.step + 1
+        # one fixed-size collective over the job (never hangs, whatever the inputs): errors anywhere,
+        # the plan checksum and the batch digest over the domain, the pipeline and the TP ranks at once
         bad = agree_step(None if prepared is None else prepared.plan, self.world_group, failed=error is not None,
-                         device=self._collective_device, domain_size=self.num_ranks)
-        if error is not None:
-            raise type(error)(f"{what} (step {self.step + 1}, domain rank {self.rank}): {error}") from error
+                         data_digest=digest, device=self._collective_device, domain_size=self.num_ranks)
         if bad:
-            raise ValueError(
-                f"{what} (step {self.step + 1}): invalid input on ranks {bad} (see their errors); "
-                "nothing was run; every rank must pass the same valid batch"
-            )
+            try:
+                self._guard.agree(f"{what}: validate", step, error)
+            except DomainStepError as agreed:
+                if error is not None and is_input_error(error):
+                    others = [r for r in agreed.ranks if r != self.groups.world_rank]
+                    also = f" (invalid input on ranks {others} too)" if others else ""
+                    raise type(error)(f"{what} (step {step}, domain rank {self.rank}): {error}{also}") from error
+                raise
+            raise RuntimeError(f"{what} (step {step}): ranks {bad} reported a failure the agreement did not carry")
         assert prepared is not None
         return prepared
+
+    def _usable(self, what: str) -> None:
+        """Raise (no collective) when an earlier call broke off in the middle of its collectives."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"HdpEngine.{what}: this engine is unusable since {self._broken}; its process groups may be out "
+                "of step. Restart the job (or rebuild the engine in a fresh process group) and load the last checkpoint"
+            )
+
+    @contextlib.contextmanager
+    def _collectives(self, phase: str) -> Iterator[None]:
+        """Run a phase whose collectives cannot be abandoned on one rank alone (rounds, optimizer, save).
+
+        An exception here (a peer died or hangs and the group's timeout expired, or this rank
+        failed in the middle of the phase's collectives) leaves the job's groups out of step: the
+        engine marks itself unusable and raises :class:`~hdp.guard.DomainUnreachableError` naming
+        the step, the phase and the timeout.  Errors the step guard already agreed on pass through.
+        """
+        try:
+            yield
+        except (DomainStepError, NonFiniteLossError):
+            raise
+        except BaseException as exc:
+            where = f"step {self.step}, phase {phase!r}"
+            self._broken = f"{where} ({describe(exc)})"
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, DomainUnreachableError)):
+                raise
+            raise DomainUnreachableError(
+                f"{where}: rank {self.groups.world_rank} (domain rank {self.rank}) stopped in the middle of the "
+                f"phase's collectives: {describe(exc)}. Either a peer died or hangs (each rank gives up after "
+                f"EngineConfig.collective_timeout_s={self.config.collective_timeout_s:g} s) or this rank failed "
+                "there, and then the other ranks fail within that timeout. The engine is no longer usable: "
+                "restart the job and load the last checkpoint",
+                step=self.step, phase=phase,
+            ) from exc
 
     def _shifted(self, batch: Batch, plan: Plan, planner_ms: float) -> _Prepared:
         tokens = [t.to(torch.int64) for t in batch.tokens]
@@ -690,6 +755,11 @@ class HdpEngine:
                         f"loss_fn returned {type(loss).__name__}"
                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor"
                     )
+                if not loss.requires_grad:
+                    raise TypeError(
+                        "loss_fn returned a tensor that does not require grad (detached, or computed under "
+                        "torch.no_grad / from .item()); build the loss from the logprobs it is given"
+                    )
             except Exception as exc:  # a caller bug on one rank must not hang the others
                 state.fn_error, loss = exc, None
         if loss is None:
@@ -795,14 +865,10 @@ class HdpEngine:
     def _check_reduced(self, state: _StepState, red: torch.Tensor) -> None:
         """Raise on every rank (after skipping the update) when a loss_fn failed or a loss is not finite."""
         if state.fn_error is not None or red[1] > 0:
-            self._skip_update()
-            if state.fn_error is not None:
-                raise RuntimeError(
-                    f"step {self.step}: loss_fn failed on domain rank {self.rank}: {state.fn_error}"
-                ) from state.fn_error
-            raise RuntimeError(
-                f"step {self.step}: loss_fn failed on another rank (see its error); the update was skipped"
-            )
+            self._skip_update()  # nothing applied: grads zeroed, no optimizer step
+            # every rank knows (red[1]): one fixed-size collective shares who failed and why
+            self._guard.agree("loss_fn", self.step, state.fn_error)
+            raise RuntimeError(f"step {self.step}: loss_fn failed on some rank; the update was skipped")
         nonfinite = red[2:] > 0
         if nonfinite.any() or not torch.isfinite(red[0]):
             self._skip_update()
@@ -811,14 +877,12 @@ class HdpEngine:
 
     # -- phase 4: optimizer step --
 
-    def _optimizer_step(self) -> Any:
+    def _optimizer_step(self) -> tuple[bool, Any]:
         """Finalize the gradients (DDP reduce-scatter over the domain with SUM, sequence-parallel
-        norm gradients over TP) and step the distributed optimizer; returns the grad norm."""
+        norm gradients over TP) and step the distributed optimizer; returns (applied, grad norm), alike on every rank."""
         mc.finalize_model_grads(self.model_chunks, num_tokens=None, pg_collection=self.runtime.groups)
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
-        return grad_norm
+        return ok, grad_norm
 
     # -- public steps --
 
@@ -826,21 +890,31 @@ class HdpEngine:
         """Plan ``batch`` (or use ``plan``), run every round with backward, and take one optimizer step.
 
         Returns metrics with stable names (``loss``, ``grad_norm``, ``perf/...``, ``hdp/...``).
-        Raises ``ValueError`` on every rank for bad input (nothing run), and
-        :class:`NonFiniteLossError` on every rank when the loss is NaN/inf (no update).
+        Raises on every rank of the job, with nothing applied: ``ValueError``/``TypeError`` for bad
+        input (nothing run; the failed rank's own error, the others naming it),
+        :class:`~hdp.guard.DomainStepError` for any other error of validation or of ``loss_fn``
+        (raising, returning a non-scalar or a tensor without grad) on any rank, and
+        :class:`NonFiniteLossError` when a loss is NaN/inf.  A rank that dies or hangs mid-step makes
+        the others raise :class:`~hdp.guard.DomainUnreachableError` within
+        ``EngineConfig.collective_timeout_s``.
         """
         t_start = time.perf_counter()
         prep = self._prepare(batch, "train_step", plan)
         self.step += 1  # counts steps that passed validation (NaN-skipped ones included)
-        self._skip_update()  # zero the grad buffers and the optimizer's grads
-        state = self._run_rounds(prep, loss_fn, train=True)
-        red = self._reduce(state)
+        with self._collectives("rounds"):
+            self._skip_update()  # zero the grad buffers and the optimizer's grads
+            state = self._run_rounds(prep, loss_fn, train=True)
+            red = self._reduce(state)
         self._check_reduced(state, red)
-        grad_norm = self._optimizer_step()
-        if self.config.calibration_path:
-            self._write_records(prep.plan, self.round_seconds)
-        # [auto-calibration] one all-gather of the round times; every n steps a refit, adopted alike on every rank
-        cal = self._autocal.observe(prep.plan, self.round_seconds)
+        with self._collectives("optimizer"):
+            ok, grad_norm = self._optimizer_step()
+        if not ok:
+            raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
+        with self._collectives("calibrate"):
+            if self.config.calibration_path:
+                self._write_records(prep.plan, self.round_seconds)
+            # [auto-calibration] one all-gather of the round times; every n steps a refit, adopted alike on every rank
+            cal = self._autocal.observe(prep.plan, self.round_seconds)
         if cal.cost is not None:
             self._planner = dataclasses.replace(self._planner, cost=cal.cost)
         step_s = time.perf_counter() - t_start
@@ -854,6 +928,10 @@ class HdpEngine:
         returns the same outputs.
         """
         prep = self._prepare(batch, "forward", plan)
+        with self._collectives("forward"):
+            return self._forward_rounds(prep)
+
+    def _forward_rounds(self, prep: _Prepared) -> ForwardOutput:
         plan = prep.plan
         state = self._run_rounds(prep, None, train=False)
         lengths = plan.lengths.tolist()
@@ -984,86 +1062,156 @@ class HdpEngine:
         return {"world_size": self.groups.world_size, "domain_size": self.num_ranks, "tp": par.tp, "pp": par.pp,
                 "virtual_pp": par.vpp, "ep": par.ep}
 
-    def save_checkpoint(self, path: str | os.PathLike[str], *, format: CheckpointFormat | str = "auto") -> None:
-        """Save model, optimizer and step counter into the directory ``path`` (collective over the job).
+    def _model_digest(self) -> str:
+        """sha256 (16 hex digits) of the model configuration: a checkpoint loads only into the same model."""
+        cfg = json.dumps(dataclasses.asdict(self.config.model), sort_keys=True, default=str)
+        return hashlib.sha256(cfg.encode()).hexdigest()[:16]
 
-        ``dist``: Megatron distributed checkpointing (model + distributed-optimizer sharded state
-        dicts, torch_dist backend, optimizer as ``dp_reshardable``: load with the same layout).
-        megatron-core 0.16.1's writer needs ``psutil`` and starts worker processes, so the rank must
-        not run in a daemonic process.  ``per-rank``: every rank writes ``rank_{global rank}.pt`` with
-        its model chunks, the optimizer's common state and its own optimizer shard (no
-        communication; load with the same layout).  ``auto``: ``dist`` when every rank of the job
-        can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when ``dist`` is asked
-        for and some rank cannot write it.
-        """
-        fmt = _checkpoint_format(format)
-        if fmt is not CheckpointFormat.PER_RANK:
-            problem = _dist_checkpoint_problem()
-            flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64,
-                                device=self._collective_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)  # one decision for all
-            if int(flag.item()) == 0:
-                fmt = CheckpointFormat.DIST
-            elif fmt is CheckpointFormat.AUTO:
-                logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
-                fmt = CheckpointFormat.PER_RANK
-            else:
-                raise ValueError(
-                    f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
-                    "use format='per-rank' or 'auto'"
-                )
-        path = Path(path)
-        if self.groups.world_rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-        dist.barrier(group=self.world_group)
-        if fmt is CheckpointFormat.DIST:
-            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
-        else:
-            torch.save(
-                {
-                    "format": CheckpointFormat.PER_RANK.value,
-                    "layout": self._layout(),
-                    "model": self.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "optimizer_shards": [_shard_state(o) for o in _optimizers(self.optimizer)],
-                    "hdp_step": self.step,
-                },
-                path / f"rank_{self.groups.world_rank}.pt",
-            )
-        dist.barrier(group=self.world_group)
+    def _checkpoint_meta(self, fmt: CheckpointFormat) -> dict[str, Any]:
+        return {"model_config": self._model_digest(), "hdp_format": fmt.value, **self._layout()}
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit."""
-        path = Path(path)
-        if (path / "metadata.json").exists():
-            state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
-            self._load_model_state(state["model"])
-            # no_grad: for fp32 models the optimizer's main parameters are views of the model's
-            # leaf parameters, which Megatron's loader copies into in place
-            with torch.no_grad():
-                self.optimizer.load_state_dict(state["optimizer"])
-            _restore_adam_steps(self.optimizer, state["optimizer"])
-            self.step = int(state["hdp_step"])
+    def _check_layout(self, manifest: ckpt.Manifest) -> None:
+        """A per-rank checkpoint loads only on the layout that wrote it (``dist`` reshards)."""
+        if manifest.format != CheckpointFormat.PER_RANK.value:
             return
-        mine = path / f"rank_{self.groups.world_rank}.pt"
-        if not mine.exists():
-            raise ValueError(
-                f"load_checkpoint: {str(path)!r} holds neither a Megatron distributed checkpoint (metadata.json) "
-                f"nor {mine.name}; pass a directory written by HdpEngine.save_checkpoint"
+        saved = {k: manifest.meta.get(k) for k in self._layout()}
+        if saved != self._layout():
+            raise ckpt.CheckpointError(
+                f"checkpoint (step {manifest.step}, format 'per-rank') was saved with layout {saved}; this engine has "
+                f"{self._layout()}. A per-rank checkpoint loads only on the same layout (save with format='dist')"
             )
-        state = torch.load(mine, map_location=self.device, weights_only=False)
-        layout = self._layout()
-        if state.get("layout") != layout:
-            raise ValueError(
-                f"load_checkpoint: {str(path)!r} was saved with layout {state.get('layout')}; this engine has "
-                f"{layout}. A per-rank checkpoint loads only on the same layout (use format='dist')"
-            )
+
+    def _payload(self) -> dict[str, Any]:
+        """This rank's whole training state (what a per-rank checkpoint holds; tensors are live references)."""
+        return {
+            "format": CheckpointFormat.PER_RANK.value,
+            "layout": self._layout(),
+            "model": self.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_shards": [_shard_state(o) for o in _optimizers(self.optimizer)],
+            "hdp_step": self.step,
+        }
+
+    def _apply_payload(self, state: Mapping[str, Any]) -> None:
+        """Put :meth:`_payload`'s state (on this engine's device) into the model and the optimizer."""
         model = state["model"]
         self._load_model_state(model["model"] if len(self.model_chunks) == 1 else model)
         self.optimizer.load_state_dict(state["optimizer"])
         for opt, shard in zip(_optimizers(self.optimizer), state["optimizer_shards"]):
             _load_shard_state(opt, shard)
         self.step = int(state["hdp_step"])
+
+    def save_checkpoint(self, path: str | os.PathLike[str], *, format: CheckpointFormat | str = "auto") -> None:
+        """Save model, optimizer and step counter into the directory ``path`` (collective over the job).
+
+        Atomic and verified (:mod:`hdp.trainer.checkpoint`): every rank writes into the free data
+        slot of ``path``, flushes and hashes its files, and one manifest (format version, world and
+        domain size, layout, model-config digest, step, sha256 of every file) is renamed into place
+        once every rank has written — a process killed during the save leaves the previous
+        checkpoint loadable.  Any error on any rank raises on every rank and leaves the previous
+        checkpoint as it was.
+
+        ``dist``: Megatron distributed checkpointing (model + distributed-optimizer sharded state
+        dicts, torch_dist backend, optimizer as ``dp_reshardable``); its forked writer processes
+        die with their rank.  megatron-core 0.16.1's writer needs ``psutil`` and starts worker
+        processes, so the rank must not run in a daemonic process.  ``per-rank``: every rank writes
+        ``rank_{global rank}.pt`` with its model chunks, the optimizer's common state and its own
+        optimizer shard (load with the same layout).  ``auto``: ``dist`` when every rank of the job
+        can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when ``dist`` is asked
+        for and some rank cannot write it.
+        """
+        self._usable("save_checkpoint")
+        fmt = _checkpoint_format(format)
+        with self._collectives("save"):
+            if fmt is not CheckpointFormat.PER_RANK:
+                problem = _dist_checkpoint_problem()
+                flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64,
+                                    device=self._collective_device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)  # one decision for all
+                if int(flag.item()) == 0:
+                    fmt = CheckpointFormat.DIST
+                elif fmt is CheckpointFormat.AUTO:
+                    logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
+                    fmt = CheckpointFormat.PER_RANK
+                else:
+                    raise ValueError(
+                        f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
+                        "use format='per-rank' or 'auto'"
+                    )
+
+            def write(slot: Path) -> None:
+                if fmt is CheckpointFormat.DIST:
+                    dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(slot))
+                else:
+                    torch.save(self._payload(), slot / f"rank_{self.groups.world_rank}.pt")
+
+            ckpt.save_slots(path, guard=self._guard, group=self.world_group, rank=self.groups.world_rank,
+                            size=self.groups.world_size, step=self.step, format=fmt.value,
+                            meta=self._checkpoint_meta(fmt), write=write)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit.
+
+        Verified before anything is touched, on every rank: the manifest (format version, the
+        model-config digest, the layout for ``per-rank``) and the sha256 of every file; any problem
+        on any rank raises :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``,
+        through the step guard) on every rank.  Then every rank loads; if loading fails on any rank
+        — whatever the exception type, Megatron's ``CheckpointException`` included — every rank puts
+        back the state it had before the call (model, optimizer, step) and raises.  A ``dist``
+        checkpoint also loads on another domain size.
+        """
+        self._usable("load_checkpoint")
+        step = self.step
+        with self._collectives("load"):
+            manifest = ckpt.verify_checkpoint(
+                path, guard=self._guard, rank=self.groups.world_rank, size=self.groups.world_size, step=step,
+                expect={"model_config": self._model_digest()}, check=self._check_layout)
+            slot = Path(path) / manifest.slot
+            before = _to_host(self._payload())  # the state to restore if any rank fails to load
+            try:
+                with self._guard.phase("load: apply", step):
+                    if manifest.format == CheckpointFormat.DIST.value:
+                        self._load_dist(slot)
+                    else:
+                        state = torch.load(slot / f"rank_{self.groups.world_rank}.pt", map_location=self.device,
+                                           weights_only=False)
+                        self._apply_payload(state)
+            except BaseException:
+                with torch.no_grad():
+                    self._apply_payload(_to_device(before, self.device))
+                raise
+
+    def _load_dist(self, slot: Path) -> None:
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(slot))
+        self._load_model_state(state["model"])
+        # no_grad: for fp32 models the optimizer's main parameters are views of the model's
+        # leaf parameters, which Megatron's loader copies into in place
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(self.optimizer, state["optimizer"])
+        self.step = int(state["hdp_step"])
+
+
+def _to_host(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _to_host(v)) for k, v in obj.items()) if isinstance(obj, dict) else {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def _gloo(group: dist.ProcessGroup) -> bool:

@@ -1,0 +1,467 @@
+"""``hdp bench faults``: inject faults into running engines on local gloo ranks; report how every rank ended.
+
+Issue 14's check, runnable by anyone (``hdp bench faults --json``; the tests in
+``tests/test_faults.py`` call the same scenarios).  Every fault is injected on one rank of a tiny
+GPT trained by :class:`hdp.trainer.engine.HdpEngine` through its public API; for each the report
+lists::
+
+    {"fault", "ranks", "ranks_raised", "ranks_died", "seconds_to_exit", "state_unchanged",
+     "errors": {rank: first line}, "ok"}
+
+``ranks_raised``: ranks whose call raised; ``ranks_died``: ranks the fault killed;
+``seconds_to_exit``: the slowest surviving rank, from the injection (the call, or the kill) to its
+exception; ``state_unchanged``: on every surviving rank, a sha256 of the parameters, the optimizer
+state and the step counter equals the one taken before the failed call; ``ok``: every surviving
+rank raised, the state is unchanged and every rank exited within the collective timeout (plus a
+few seconds of slack).  ``checks`` holds what must *work*: a previous checkpoint loads after a
+save killed half-way (bit for bit), a ``dist`` checkpoint of 4 ranks loads on 2, and no
+checkpoint-writer process outlives a killed rank.
+
+Scenarios (each one spawn of local processes): ``in-process`` (4 ranks: loss_fn raising /
+detached / NaN on one rank, a RuntimeError in validation on one rank, different token ids under
+the same lengths on one rank, truncated and corrupted checkpoint files in both formats, a
+checkpoint of another model — verified by the manifest, and with a forged manifest so that
+Megatron itself fails half-way and the engine must roll back); ``other-world`` (2 ranks load the
+4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
+(3 ranks, both formats, then a fresh job loads the previous checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SCENARIOS", "run_faults"]
+
+SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save")
+SLACK_S = 15.0
+"""Seconds allowed beyond the collective timeout for a rank to notice and raise (process start-up excluded)."""
+_B = 32
+_LENGTHS = [40, 30, 20, 12, 25, 9, 16, 7]
+
+
+# ---- the model and the data (rank- and layout-independent) ----------------------------------------
+
+
+def _config(timeout_s: float, hidden: int = 32):
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.model import ModelConfig
+
+    return EngineConfig(
+        model=ModelConfig(vocab_size=64, hidden_size=hidden, num_layers=2, num_attention_heads=4,
+                          max_sequence_length=512),
+        planning=PlanningConfig(max_tokens_per_rank=_B, auto_calibrate=False),
+        collective_timeout_s=timeout_s,
+    )
+
+
+def _init(name: str, p: torch.Tensor) -> None:
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    val = torch.randn(p.shape, generator=g, dtype=torch.float32)
+    p.copy_(1.0 + 0.1 * val if p.dim() == 1 else 0.05 * val)
+
+
+def _batch(step: int):
+    from hdp.trainer.engine import Batch
+
+    g = torch.Generator().manual_seed(100 + step)
+    return Batch(tokens=[torch.randint(0, 64, (n,), generator=g) for n in _LENGTHS])
+
+
+def _state_digest(engine) -> str:
+    """sha256 of every parameter, every optimizer-state tensor and the step counter of this rank."""
+    h = hashlib.sha256(str(engine.step).encode())
+    for chunk in engine.model_chunks:
+        for name, p in chunk.module.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for entry in opt.optimizer.state.values():
+            for key in sorted(entry):
+                v = entry[key]
+                if isinstance(v, torch.Tensor):
+                    h.update(key.encode())
+                    h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model_chunks[0].module.named_parameters()}
+
+
+def _first_line(exc: BaseException | None) -> str | None:
+    if exc is None:
+        return None
+    text = f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0][:300]
+
+
+def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn`` on this rank: did it raise, how fast, and is the engine's state unchanged?"""
+    before = _state_digest(engine)
+    t0 = time.time()
+    err: BaseException | None = None
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the report names every type
+        err = exc
+    return {"raised": err is not None, "error": _first_line(err), "seconds": time.time() - t0,
+            "unchanged": _state_digest(engine) == before}
+
+
+# ---- in-process faults (4 ranks) ---------------------------------------------------------------------
+
+
+def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    from hdp import megatron_compat as mc
+    from hdp.trainer.checkpoint import read_manifest
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    WORLD = dist.group.WORLD
+    root = Path(workdir)
+    out: dict[str, Any] = {}
+    engine = HdpEngine.build(_config(timeout_s), WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)  # the optimizer holds state from here on
+
+    def bad_loss(kind: str):
+        def fn(local, logprobs, weights):
+            loss = -(weights * logprobs).sum()
+            if rank != 1:
+                return loss
+            if kind == "raises":
+                raise RuntimeError("injected: loss_fn bug on rank 1")
+            if kind == "detached":
+                return loss.detach()
+            return loss * float("nan")
+        return fn
+
+    for kind in ("raises", "detached", "nan"):
+        out[f"loss-fn-{kind}"] = _attempt(engine, lambda k=kind: engine.train_step(_batch(1), bad_loss(k)))
+
+    def validation_error():
+        if rank == 1:
+            def broken(batch):
+                raise RuntimeError("injected: validation crashed on rank 1")
+            engine._validate = broken  # the injection: one rank's validation code fails
+        try:
+            engine.train_step(_batch(1), nll_loss)
+        finally:
+            engine.__dict__.pop("_validate", None)
+
+    out["validation-runtime-error"] = _attempt(engine, validation_error)
+
+    def other_tokens():
+        b = _batch(1)
+        if rank == 1:
+            b.tokens[0] = (b.tokens[0] + 1) % 64  # same lengths, other token ids
+        engine.train_step(b, nll_loss)
+
+    out["different-token-ids"] = _attempt(engine, other_tokens)
+    engine.train_step(_batch(1), nll_loss)  # the engine is still in step after every fault above
+
+    # checkpoints: save both formats at this step, train on, then load damaged copies
+    for fmt in ("per-rank", "dist"):
+        engine.save_checkpoint(root / fmt, format=fmt)
+    if rank == 0:
+        torch.save(_params(engine), root / "saved_params.pt")
+    engine.train_step(_batch(2), nll_loss)  # the engine's state now differs from the checkpoints
+
+    def damaged(fmt: str, how: str) -> Callable[[], None]:
+        def fn():
+            man = read_manifest(root / fmt)
+            name = sorted(man.files, key=lambda n: (-man.files[n]["bytes"], n))[0]  # the biggest file
+            target = root / fmt / man.slot / name
+            original = target.read_bytes() if rank == 0 else b""
+            dist.barrier(group=WORLD)
+            if rank == 0:
+                if how == "truncated":
+                    target.write_bytes(original[: len(original) // 2])
+                else:
+                    raw = bytearray(original)
+                    mid = len(raw) // 2
+                    raw[mid:mid + 64] = bytes(b ^ 0xFF for b in raw[mid:mid + 64])
+                    target.write_bytes(bytes(raw))
+            dist.barrier(group=WORLD)
+            try:
+                engine.load_checkpoint(root / fmt)
+            finally:
+                dist.barrier(group=WORLD)
+                if rank == 0:
+                    target.write_bytes(original)
+                dist.barrier(group=WORLD)
+        return fn
+
+    for fmt in ("per-rank", "dist"):
+        for how in ("truncated", "corrupted"):
+            out[f"{fmt}-{how}"] = _attempt(engine, damaged(fmt, how))
+    engine.train_step(_batch(3), nll_loss)
+    mc.destroy_megatron()
+
+    # another model: a wider engine refuses both checkpoints (manifest), and with a forged manifest
+    # Megatron's loader itself fails half-way: the engine must put its state back
+    wide = HdpEngine.build(_config(timeout_s, hidden=48), WORLD, init_fn=_init)
+    wide.train_step(_batch(0), nll_loss)
+    for fmt in ("per-rank", "dist"):
+        out[f"other-model-{fmt}"] = _attempt(wide, lambda f=fmt: wide.load_checkpoint(root / f))
+
+    def forged():
+        path = root / "dist" / "manifest.json"
+        original = path.read_text()
+        dist.barrier(group=WORLD)
+        if rank == 0:
+            doc = json.loads(original)
+            doc["meta"]["model_config"] = wide._model_digest()
+            path.write_text(json.dumps(doc))
+        dist.barrier(group=WORLD)
+        try:
+            wide.load_checkpoint(root / "dist")
+        finally:
+            dist.barrier(group=WORLD)
+            if rank == 0:
+                path.write_text(original)
+            dist.barrier(group=WORLD)
+
+    out["other-model-forged-manifest"] = _attempt(wide, forged)
+    wide.train_step(_batch(1), nll_loss)  # still usable and in step
+    mc.destroy_megatron()
+    return out
+
+
+def _other_world(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    """2 ranks: the 4-rank per-rank checkpoint is refused; the 4-rank dist checkpoint loads (reshards)."""
+    from hdp import megatron_compat as mc
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    root = Path(workdir)
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    out: dict[str, Any] = {"other-world-per-rank": _attempt(engine, lambda: engine.load_checkpoint(root / "per-rank"))}
+    engine.load_checkpoint(root / "dist")
+    saved = torch.load(root / "saved_params.pt")
+    got = _params(engine)
+    out["dist-4-to-2-ranks"] = {"equal": all(torch.equal(got[k], saved[k]) for k in saved), "step": engine.step}
+    engine.train_step(_batch(3), nll_loss)
+    mc.destroy_megatron()
+    return out
+
+
+# ---- kills (3 ranks) --------------------------------------------------------------------------------------
+
+
+def _mark(workdir: str, name: str, value: Any) -> None:
+    Path(workdir, name).write_text(json.dumps(value))
+
+
+def _killer_loss(workdir: str, sig: int):
+    """A loss_fn that, on rank 2, records the time and its pid, then sends itself ``sig``."""
+    def fn(local, logprobs, weights):
+        if dist.get_rank() == 2:
+            _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid()})
+            os.kill(os.getpid(), sig)
+            time.sleep(60)  # SIGSTOP: never reached until continued
+        return -(weights * logprobs).sum()
+    return fn
+
+
+def _mid_step(rank: int, world: int, workdir: str, timeout_s: float, sig: int) -> dict[str, Any]:
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    res = _attempt(engine, lambda: engine.train_step(_batch(1), _killer_loss(workdir, sig)))
+    res["t_exit"] = time.time()
+    if sig == signal.SIGSTOP and rank == 0:  # the hung rank never exits by itself
+        pid = json.loads(Path(workdir, "injected").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+    res["next_call"] = _first_line(_error_of(lambda: engine.train_step(_batch(2), nll_loss)))
+    return res
+
+
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def _save_then_die(rank: int, world: int, workdir: str, timeout_s: float, fmt: str) -> dict[str, Any]:
+    """Save a checkpoint at step 1; at step 2 rank 1 is killed in the middle of writing the next one."""
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    root = Path(workdir)
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    engine.save_checkpoint(root / fmt, format=fmt)
+    if rank == 0:
+        torch.save(_params(engine), root / f"{fmt}_step1.pt")
+    engine.train_step(_batch(1), nll_loss)
+    if rank == 1:
+        _arm_kill_during_write(workdir, fmt)
+    res = _attempt(engine, lambda: engine.save_checkpoint(root / fmt, format=fmt))
+    res["t_exit"] = time.time()
+    return res
+
+
+def _arm_kill_during_write(workdir: str, fmt: str) -> None:
+    """Make this rank die half-way through its checkpoint write (per-rank: half a file on disk;
+    dist: while Megatron's forked writer processes run, recording their pids)."""
+    if fmt == "per-rank":
+        real = torch.save
+
+        def half_then_die(obj, f, *a, **k):
+            import io
+
+            buf = io.BytesIO()
+            real(obj, buf, *a, **k)
+            data = buf.getvalue()
+            with open(f, "wb") as fh:
+                fh.write(data[: len(data) // 2])
+                fh.flush()
+                os.fsync(fh.fileno())
+            _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(), "children": []})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = half_then_die
+        return
+    import psutil
+
+    from hdp.megatron_compat import dist_checkpointing
+
+    real_save = dist_checkpointing.save
+    me = psutil.Process()
+
+    def watch() -> None:  # kill this rank as soon as a writer process exists
+        while True:
+            kids = [c.pid for c in me.children(recursive=True)]
+            if kids:
+                _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(), "children": kids})
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.005)
+
+    def save_and_die(*a, **k):
+        threading.Thread(target=watch, daemon=True).start()
+        real_save(*a, **k)
+        # no writer process was forked (a synchronous writer): die after writing, before the commit
+        _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(), "children": []})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    dist_checkpointing.save = save_and_die
+
+
+def _load_previous(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    """A fresh job loads what the killed saves left: the step-1 checkpoints, bit for bit."""
+    from hdp import megatron_compat as mc
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    root = Path(workdir)
+    out = {}
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD)
+    for fmt in ("per-rank", "dist"):
+        engine.load_checkpoint(root / fmt)
+        saved = torch.load(root / f"{fmt}_step1.pt")
+        got = _params(engine)
+        out[fmt] = {"equal": all(torch.equal(got[k], saved[k]) for k in saved), "step": engine.step}
+    engine.train_step(_batch(1), nll_loss)
+    mc.destroy_megatron()
+    return out
+
+
+# ---- the report -------------------------------------------------------------------------------------------
+
+
+def _row(fault: str, world: int, per_rank: dict[int, dict[str, Any]], died: list[int], timeout_s: float,
+         t_inject: float | None = None) -> dict[str, Any]:
+    survivors = [r for r in range(world) if r not in died]
+    got = {r: per_rank.get(r) for r in survivors}
+    raised = sorted(r for r, v in got.items() if v and v["raised"])
+    if t_inject is None:
+        secs = max((v["seconds"] for v in got.values() if v), default=float("nan"))
+    else:
+        secs = max((v["t_exit"] - t_inject for v in got.values() if v), default=float("nan"))
+    unchanged = all(v is not None and v["unchanged"] for v in got.values())
+    row = {
+        "fault": fault, "ranks": world, "ranks_raised": raised, "ranks_died": died,
+        "seconds_to_exit": round(float(secs), 3), "state_unchanged": unchanged,
+        "errors": {str(r): (v or {}).get("error") for r, v in got.items()},
+    }
+    row["ok"] = bool(raised == survivors and unchanged and secs <= timeout_s + SLACK_S)
+    return row
+
+
+def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, workdir: str | None = None) -> dict[str, Any]:
+    """Run the fault scenarios (all, or ``only``) and return the report (see the module docstring)."""
+    from hdp.trainer.launch import spawn
+
+    chosen = tuple(only) if only else SCENARIOS
+    unknown = [s for s in chosen if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"faults: scenario(s) {unknown} unknown; choose from {', '.join(SCENARIOS)}")
+    if "other-world" in chosen and "in-process" not in chosen:
+        chosen = ("in-process", *chosen)  # other-world loads the checkpoints in-process writes
+    work = Path(workdir or tempfile.mkdtemp(prefix="hdp-faults-"))
+    rows: list[dict[str, Any]] = []
+    checks: dict[str, Any] = {}
+    limit = 300.0 + 4 * timeout_s
+    if "in-process" in chosen:
+        d = work / "in-process"
+        d.mkdir(parents=True, exist_ok=True)
+        res = spawn(_in_process, 4, str(d), timeout_s, timeout=limit)
+        for fault in res[0]:
+            rows.append(_row(fault, 4, {r: res[r][fault] for r in range(4)}, [], timeout_s))
+        if "other-world" in chosen:
+            res2 = spawn(_other_world, 2, str(d), timeout_s, timeout=limit)
+            rows.append(_row("other-world-per-rank", 2, {r: res2[r]["other-world-per-rank"] for r in range(2)}, [], timeout_s))
+            checks["dist-4-to-2-ranks"] = all(res2[r]["dist-4-to-2-ranks"]["equal"] for r in range(2))
+    for name, sig in (("sigkill-mid-step", signal.SIGKILL), ("sigstop-mid-step", signal.SIGSTOP)):
+        if name not in chosen:
+            continue
+        d = work / name
+        d.mkdir(parents=True, exist_ok=True)
+        outcomes = spawn(_mid_step, 3, str(d), timeout_s, int(sig), timeout=limit, collect=True)
+        inj = json.loads((d / "injected").read_text())
+        per = {o.rank: o.value for o in outcomes if o.ok}
+        rows.append(_row(name, 3, per, [2], timeout_s, t_inject=inj["t"]))
+        # the survivors' engines refuse the next call at once (no collective, no hang)
+        rows[-1]["next_call_refused"] = all("unusable" in ((per.get(r) or {}).get("next_call") or "") for r in (0, 1))
+    if "sigkill-during-save" in chosen:
+        import psutil
+
+        d = work / "save"
+        d.mkdir(parents=True, exist_ok=True)
+        orphans: list[int] = []
+        for fmt in ("per-rank", "dist"):
+            marker = d / "injected"
+            marker.unlink(missing_ok=True)
+            outcomes = spawn(_save_then_die, 3, str(d), timeout_s, fmt, timeout=limit, collect=True)
+            inj = json.loads(marker.read_text())
+            per = {o.rank: o.value for o in outcomes if o.ok}
+            rows.append(_row(f"sigkill-during-save-{fmt}", 3, per, [1], timeout_s, t_inject=inj["t"]))
+            deadline = time.time() + 10.0
+            alive = list(inj["children"])
+            while alive and time.time() < deadline:
+                alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+                time.sleep(0.2)
+            orphans += alive
+        loaded = spawn(_load_previous, 3, str(d), timeout_s, timeout=limit)
+        checks["previous-checkpoint-loads-after-killed-save"] = all(
+            v[f]["equal"] and v[f]["step"] == 1 for v in loaded for f in ("per-rank", "dist"))
+        checks["no-orphan-writers"] = not orphans
+    return {
+        "collective_timeout_s": timeout_s,
+        "faults": rows,
+        "checks": checks,
+        "ok": all(r["ok"] for r in rows) and all(checks.values()),
+    }
