@@ -8,12 +8,15 @@ re-planning) evens it out, and the step time scores it.  Variants:
 * ``grow-tau`` / ``grow-1.25tau`` / ``grow-1.5tau``: samples taller than tau(R) (the height of a
   perfectly balanced round of R, times 1 / 1.25 / 1.5) widened (`sizes.grow_sizes`);
   ``grow-single``: those taller than max(tau, the tallest single-rank sample);
+  ``grow-single-rmin``: the same with tau fixed at the fewest rounds' (more rounds do not widen
+  more samples, which would need still more rounds);
 * ``uniform-u``: every sample on u ranks (the smallest size that fits every sample and the powers
   of two above it) -- the static-CP family, so hdp's own plans include static CP's shapes;
 * ``pow2-*``: under ``group_shape=any`` also k_min and grow-tau on power-of-two sizes only (the
   shapes ``group_shape=pow2`` plans with).
 
-Every variant gets one candidate first, in the order above (the likeliest winners first, static
+Every variant gets one candidate first: the widening variant (``grow-*`` or ``k_min``) whose sizes
+need the fewest rounds first, then the others in the order of `_variants` (the likeliest winners first, static
 CP's shape second: the first two are built whatever the budget, so hdp's own plans always include
 a static-CP plan; on big batches the budget may allow no more), at the round count its sizes need (a fixed point: sizes for R
 rounds need R' >= R rounds, sizes re-chosen for R', ...); then the variants whose plans are best
