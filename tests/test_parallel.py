@@ -64,7 +64,7 @@ def _engine_cfg(parallel: dict, model_kw: dict | None = None, **kw: object):
     return EngineConfig(
         model=_model_cfg(**(model_kw or {})),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0),
-        planning=PlanningConfig(max_tokens_per_rank=B, cost=cost_model("deepseek-v3", "h100-nvlink")),
+        planning=PlanningConfig(max_tokens_per_rank=B, cost_model=cost_model("deepseek-v3", "h100-nvlink")),
         parallel=ParallelConfig(**parallel),
         **kw,
     )

@@ -8,12 +8,15 @@ re-planning) evens it out, and the step time scores it.  Variants:
 * ``grow-tau`` / ``grow-1.25tau`` / ``grow-1.5tau``: samples taller than tau(R) (the height of a
   perfectly balanced round of R, times 1 / 1.25 / 1.5) widened (`sizes.grow_sizes`);
   ``grow-single``: those taller than max(tau, the tallest single-rank sample);
+  ``grow-single-rmin``: the same with tau fixed at the fewest rounds' (more rounds do not widen
+  more samples, which would need still more rounds);
 * ``uniform-u``: every sample on u ranks (the smallest size that fits every sample and the powers
   of two above it) -- the static-CP family, so hdp's own plans include static CP's shapes;
 * ``pow2-*``: under ``group_shape=any`` also k_min and grow-tau on power-of-two sizes only (the
   shapes ``group_shape=pow2`` plans with).
 
-Every variant gets one candidate first, in the order above (the likeliest winners first, static
+Every variant gets one candidate first: the widening variant (``grow-*`` or ``k_min``) whose sizes
+need the fewest rounds first, then the others in the order of `_variants` (the likeliest winners first, static
 CP's shape second: the first two are built whatever the budget, so hdp's own plans always include
 a static-CP plan; on big batches the budget may allow no more), at the round count its sizes need (a fixed point: sizes for R
 rounds need R' >= R rounds, sizes re-chosen for R', ...); then the variants whose plans are best
@@ -37,7 +40,7 @@ from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
 from hdp.packing.policies.common import Assignment, allowed_sizes, left_starts
 from hdp.packing.policies.hdp.bins import Infeasible, build, partition, size_classes
 from hdp.packing.policies.hdp.columns import Columns
-from hdp.packing.policies.hdp.level import _level, level
+from hdp.packing.policies.hdp.level import _level, _with_tallest, level
 from hdp.packing.policies.hdp.sizes import grow_sizes
 from hdp.packing.simulate import min_rounds
 
@@ -85,6 +88,7 @@ def _variants(problem) -> list[tuple[str, Variant]]:
         return at
 
     single = h0[k_min == 1]
+    tau0 = total / (N * min_rounds(lengths, N, problem.budget))
     h1max = float(single.max()) if single.size else 0.0
     sizes = problem.sizes
     need = int(k_min.max())
@@ -101,13 +105,14 @@ def _variants(problem) -> list[tuple[str, Variant]]:
     static = next((i for i, (name, _) in enumerate(uniform) if not int(name.split("-")[1]) & (int(name.split("-")[1]) - 1)), 0)
     uniform = uniform[static : static + 1] + uniform[:static] + uniform[static + 1 :]
     out: list[tuple[str, Variant]] = [  # the likeliest winners first (the first is always built)
-        ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
+        ("grow-single-rmin", grown(k_min, h0, sizes, lambda tau: max(tau0, h1max))),
         *uniform[:1],
+        ("grow-single", grown(k_min, h0, sizes, lambda tau: max(tau, h1max))),
+        ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),
         ("k_min", lambda rounds: (k_min, h0)),
         ("grow-tau", grown(k_min, h0, sizes, lambda tau: tau)),
         ("grow-1.25tau", grown(k_min, h0, sizes, lambda tau: 1.25 * tau)),
         *uniform[1:2],
-        ("grow-1.5tau", grown(k_min, h0, sizes, lambda tau: 1.5 * tau)),
         *uniform[2:],
     ]
     if not problem.pow2:  # the power-of-two shapes too (what group_shape=pow2 would plan with)
@@ -225,6 +230,7 @@ def _best_candidate(problem) -> Columns:
                             if step2 < step:
                                 cols, step = cols2, step2
                         var_best[vi] = min(var_best[vi], step)
+                        _log.debug("hdp construct: %s R=%d step %.6g (%d builds)", name, r_c, step, builds)
                         if best is None or step < best[0] * (1 - 1e-9):
                             best, worse, best_rounds = (step, cols, f"{name} R={r_c}"), -1, r_c
                     except Infeasible:
@@ -261,8 +267,15 @@ def _best_candidate(problem) -> Columns:
     fewest = fixed_point(names.index("k_min"))
 
     def order():
+        # first the widening variant whose sizes need the fewest rounds (the earliest among equals):
+        # more rounds than needed mostly mean idle ranks and ring overhead
+        grow = [vi for vi, name in enumerate(names) if name == "k_min" or name.startswith("grow")]
+        first = min(grow, key=lambda vi: (fixed_point(vi), vi))
+        yield first
         deferred = []
         for vi, name in enumerate(names):
+            if vi == first:
+                continue
             if not name.startswith("uniform") and fixed_point(vi) > _MORE_ROUNDS * fewest:
                 deferred.append(vi)
             else:
@@ -328,6 +341,7 @@ def spread(problem, rounds: int) -> Columns | None:
     singles = np.flatnonzero(k_min == 1)
     if singles.size:
         slots = N - used_a  # [R] single ranks per round
+        floor = _with_tallest(floor, slots, float(h[singles].max()))
         target = np.maximum(_level(float(h[singles].sum()), slots, floor), floor)
         slot_round = np.repeat(np.arange(n_rounds), slots)
         slot_rank = np.concatenate([used_a[r] + np.arange(slots[r]) for r in range(n_rounds)])

@@ -103,9 +103,10 @@ def _rebalance_singles(
     multi_max = np.zeros(n_rounds)
     wide = widths > 1
     np.maximum.at(multi_max, col_round[wide], heights[wide])
-    if not np.any(multi_max > 0):
-        return col_of  # no tall groups: the balanced bins are already level
     s_r = np.bincount(col_round[ones], minlength=n_rounds)
+    multi_max = _with_tallest(multi_max, s_r, float(height[singles].max()))
+    if not np.any(multi_max > 0) or n_rounds == 1:
+        return col_of  # no tall column: the balanced bins are already level
     level = _level(float(height[singles].sum()), s_r, multi_max)
     target = np.maximum(level, multi_max)[col_round[ones]]  # [c]
     try:  # least loaded with an offset of -target = most room below the target
@@ -375,6 +376,19 @@ def _window_max(hg: np.ndarray, w: int) -> np.ndarray:
     if span < w:  # two overlapping windows of ``span`` cover w
         out = np.maximum(out[:, : hg.shape[1] - w + 1], out[:, w - span :])
     return out[:, : hg.shape[1] - w + 1]
+
+
+def _with_tallest(floor: np.ndarray, slots: np.ndarray, tallest: float) -> np.ndarray:
+    """Round floors with the tallest single-rank sample's: whichever round holds it is at least that
+    tall, so unless a round with free ranks already is, the one with the most free ranks (then the
+    highest floor, then the first) gets ``tallest`` as its floor and levels its ranks up to it."""
+    has = slots > 0
+    if not has.any() or float(floor[has].max()) >= tallest:
+        return floor
+    r = int(np.lexsort((np.arange(floor.size), -floor, -slots))[0])
+    out = np.asarray(floor, dtype=np.float64).copy()
+    out[r] = tallest
+    return out
 
 
 def _level(work: float, slots: np.ndarray, floor: np.ndarray) -> float:
