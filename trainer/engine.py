@@ -1083,6 +1083,7 @@ class HdpEngine:
 
     def _payload(self) -> dict[str, Any]:
         """This rank's whole training state (what a per-rank checkpoint holds; tensors are live references)."""
+        _ensure_optimizer_state(self.optimizer)  # a fresh optimizer: Adam's zero state, as its first step makes
         return {
             "format": CheckpointFormat.PER_RANK.value,
             "layout": self._layout(),
@@ -1167,9 +1168,10 @@ class HdpEngine:
                 path, guard=self._guard, rank=self.groups.world_rank, size=self.groups.world_size, step=step,
                 expect={"model_config": self._model_digest()}, check=self._check_layout)
             slot = Path(path) / manifest.slot
-            before = _to_host(self._payload())  # the state to restore if any rank fails to load
+            before: dict[str, Any] | None = None
             try:
                 with self._guard.phase("load: apply", step):
+                    before = _to_host(self._payload())  # the state to restore if any rank fails to load
                     if manifest.format == CheckpointFormat.DIST.value:
                         self._load_dist(slot)
                     else:
@@ -1177,8 +1179,9 @@ class HdpEngine:
                                            weights_only=False)
                         self._apply_payload(state)
             except BaseException:
-                with torch.no_grad():
-                    self._apply_payload(_to_device(before, self.device))
+                if before is not None:
+                    with torch.no_grad():
+                        self._apply_payload(_to_device(before, self.device))
                 raise
 
     def _load_dist(self, slot: Path) -> None:
@@ -1196,8 +1199,8 @@ def _to_host(obj: Any) -> Any:
     """A deep copy of ``obj`` with every tensor copied to host memory."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return type(obj)((k, _to_host(v)) for k, v in obj.items()) if isinstance(obj, dict) else {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_host(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(v) for v in obj)
     return obj
