@@ -739,6 +739,35 @@ def initialize_megatron(
     return MegatronRuntime(groups=groups, shim=shim, generation=_GENERATION[0])
 
 
+def checkpoint_writers_die_with_parent() -> None:
+    """Make the helper process of Megatron's checkpoint writer die with this rank (Linux).
+
+    megatron-core 0.16.1's ``FileSystemWriterAsync`` collects write results through a queue of a
+    ``multiprocessing`` Manager it *spawns* on first use and keeps for the life of the process; a
+    rank killed during a save leaves that server behind as an orphan.  This starts the manager
+    first, with :func:`hdp.procs.die_with_parent` as its initializer, and hands its queue to
+    Megatron (its module-level ``_results_queue``).  The forked write workers are covered by
+    ``hdp.trainer.checkpoint.writers_die_with_parent``.  Idempotent.
+    """
+    import multiprocessing as mp
+    import os
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from hdp.procs import die_with_parent
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _WRITER_MANAGER.append(manager)  # keep it alive with the process
+
+
+_WRITER_MANAGER: list[Any] = []
+
+
 def megatron_groups() -> ProcessGroupCollection:
     """Megatron's process groups of this rank, read once from its parallel state.
 

@@ -344,19 +344,21 @@ def _arm_kill_during_write(workdir: str, fmt: str) -> None:
     real_save = dist_checkpointing.save
     me = psutil.Process()
 
-    def watch() -> None:  # kill this rank as soon as a writer process exists
+    def watch(known: set[int]) -> None:  # kill this rank as soon as a writer process starts
         while True:
             kids = [c.pid for c in me.children(recursive=True)]
-            if kids:
+            if set(kids) - known:
                 _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(), "children": kids})
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.005)
 
     def save_and_die(*a, **k):
-        threading.Thread(target=watch, daemon=True).start()
+        known = {c.pid for c in me.children(recursive=True)}  # e.g. the writer's result-queue server
+        threading.Thread(target=watch, args=(known,), daemon=True).start()
         real_save(*a, **k)
         # no writer process was forked (a synchronous writer): die after writing, before the commit
-        _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(), "children": []})
+        _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid(),
+                                    "children": [c.pid for c in me.children(recursive=True)]})
         os.kill(os.getpid(), signal.SIGKILL)
 
     dist_checkpointing.save = save_and_die

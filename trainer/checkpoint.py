@@ -28,14 +28,11 @@ process forked while it is active receive SIGKILL when its parent dies (Linux ``
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
 import os
 import shutil
-import signal
-import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +41,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch.distributed as dist
 
 from hdp.guard import StepGuard
+from hdp.procs import die_with_parent
 
 __all__ = [
     "MANIFEST",
@@ -168,21 +166,18 @@ _WRITERS = _Writers()
 
 
 def _child_dies_with_parent() -> None:  # runs in the forked child
-    if _WRITERS.active <= 0 or not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+    if _WRITERS.active > 0:
+        die_with_parent()
 
 
 @contextlib.contextmanager
 def writers_die_with_parent() -> Iterator[None]:
-    """While active, every process this process forks is SIGKILLed when this process dies (Linux)."""
+    """While active, every process this process forks is SIGKILLed when this process dies (Linux).
+
+    Spawned helpers (a fresh interpreter) are not covered by the fork hook: start them with
+    :func:`hdp.procs.die_with_parent` as their initializer (see
+    ``hdp.megatron_compat.checkpoint_writers_die_with_parent`` for Megatron's writer queue).
+    """
     with _WRITERS.lock:
         if not _WRITERS.registered:
             os.register_at_fork(after_in_child=_child_dies_with_parent)

@@ -1142,6 +1142,7 @@ class HdpEngine:
 
             def write(slot: Path) -> None:
                 if fmt is CheckpointFormat.DIST:
+                    mc.checkpoint_writers_die_with_parent()  # its spawned helper dies with this rank
                     dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(slot))
                 else:
                     torch.save(self._payload(), slot / f"rank_{self.groups.world_rank}.pt")

@@ -1,0 +1,83 @@
+"""Fault injection (issue 14): every fault raises on every surviving rank within the collective
+timeout, with parameters and optimizer state bit-identical to before the failed call.
+
+The scenarios live in ``hdp.trainer.bench_faults`` (``hdp bench faults --json``); these tests run
+them and assert on the report.  Each spawn has its own timeout, so a hang fails the test instead
+of CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 8.0
+
+
+def _assert_report(report: dict, expect_faults: set[str]) -> None:
+    rows = {r["fault"]: r for r in report["faults"]}
+    assert set(rows) == expect_faults, sorted(rows)
+    for name, r in rows.items():
+        survivors = [k for k in range(r["ranks"]) if k not in r["ranks_died"]]
+        assert r["ranks_raised"] == survivors, (name, r)
+        assert r["state_unchanged"], (name, r)
+        assert r["seconds_to_exit"] <= TIMEOUT_S + 15.0, (name, r)
+        assert r["ok"], (name, r)
+    for name, ok in report["checks"].items():
+        assert ok, (name, report["checks"])
+
+
+@pytest.mark.slow
+def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
+    from hdp.trainer.bench_faults import run_faults
+
+    report = run_faults(timeout_s=TIMEOUT_S, only=("in-process", "other-world"), workdir=str(tmp_path))
+    _assert_report(report, {
+        "loss-fn-raises", "loss-fn-detached", "loss-fn-nan", "validation-runtime-error", "different-token-ids",
+        "per-rank-truncated", "per-rank-corrupted", "dist-truncated", "dist-corrupted",
+        "other-model-per-rank", "other-model-dist", "other-model-forged-manifest", "other-world-per-rank",
+    })
+    rows = {r["fault"]: r for r in report["faults"]}
+    # the errors name the failed rank and the original error on every rank
+    for name, needle in (("loss-fn-raises", "injected: loss_fn bug on rank 1"),
+                         ("validation-runtime-error", "injected: validation crashed on rank 1"),
+                         ("loss-fn-detached", "does not require grad"),
+                         ("different-token-ids", "batch data mismatch"),
+                         ("dist-corrupted", "is corrupted"), ("per-rank-truncated", "truncated"),
+                         ("other-model-dist", "another model"), ("other-world-per-rank", "same layout")):
+        assert all(needle in (e or "") for e in rows[name]["errors"].values()), (name, rows[name]["errors"])
+    assert report["checks"] == {"dist-4-to-2-ranks": True}
+
+
+@pytest.mark.slow
+def test_killed_and_hung_ranks_through_the_cli(tmp_path) -> None:
+    """``hdp bench faults --json`` (the door users use): SIGKILL and SIGSTOP of one rank mid-step."""
+    hdp = Path(sys.executable).with_name("hdp")
+    out = subprocess.run(
+        [str(hdp), "bench", "faults", "--json", "--only", "sigkill-mid-step,sigstop-mid-step",
+         "--timeout", str(TIMEOUT_S)],
+        capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    _assert_report(report, {"sigkill-mid-step", "sigstop-mid-step"})
+    rows = {r["fault"]: r for r in report["faults"]}
+    for name in rows:
+        assert rows[name]["next_call_refused"], rows[name]  # the broken engine refuses at once
+        assert all("step 2, phase 'rounds'" in e for e in rows[name]["errors"].values()), rows[name]["errors"]
+    # a hung rank is noticed no sooner than the timeout, and not much later
+    assert TIMEOUT_S - 1 <= rows["sigstop-mid-step"]["seconds_to_exit"] <= TIMEOUT_S + 15.0
+
+
+@pytest.mark.slow
+def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(tmp_path) -> None:
+    from hdp.trainer.bench_faults import run_faults
+
+    report = run_faults(timeout_s=TIMEOUT_S, only=("sigkill-during-save",), workdir=str(tmp_path))
+    _assert_report(report, {"sigkill-during-save-per-rank", "sigkill-during-save-dist"})
+    assert report["checks"] == {"previous-checkpoint-loads-after-killed-save": True, "no-orphan-writers": True}
