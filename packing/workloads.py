@@ -178,6 +178,11 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         text = p.read_text()
     except OSError as exc:
         raise ValueError(f"lengths file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"lengths file {str(p)!r}: byte {exc.start} is not UTF-8 text (a binary file?); "
+            "write one integer length per line"
+        ) from None
     values: list[int] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()

@@ -49,7 +49,7 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
                          ("loss-fn-detached", "does not require grad"),
                          ("different-token-ids", "batch data mismatch"),
                          ("dist-corrupted", "is corrupted"), ("per-rank-truncated", "truncated"),
-                         ("other-model-dist", "another model"), ("other-world-per-rank", "same layout")):
+                         ("other-model-dist", "another model"), ("other-world-per-rank", "saved with layout")):
         assert all(needle in (e or "") for e in rows[name]["errors"].values()), (name, rows[name]["errors"])
     assert report["checks"] == {"dist-4-to-2-ranks": True}
 

@@ -104,6 +104,12 @@ class TrainBenchSpec:
             raise ValueError(f"steps={self.steps}: need at least 2 (the first step is a warm-up)")
         if not self.policies:
             raise ValueError("policies: name at least one policy")
+        from hdp.packing import Policy
+
+        known = [p.value for p in Policy]
+        for name in self.policies:
+            if name not in known:
+                raise ValueError(f"policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
 
 
 def domain_size(spec: TrainBenchSpec) -> int:

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import logging
 import statistics
 import sys
@@ -297,6 +298,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if name not in known:
             raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
     _check_domain_args(args)
+    if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
+        raise CliError(f"--plot-dir={args.plot_dir!r} is an existing file; name a directory for the Gantt charts")
     cost = _cost(args)
     lengths = _load_lengths(args)
     cases: list[dict[str, Any]] = []
@@ -535,11 +538,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
         if not found:
             raise SystemExit("hdp bench verl: no 'hdp.benchmarks' entry point 'verl'; reinstall hdp-engine (pip install -e .)")
-        result = found[0].load()(ranks=args.ranks or 4, steps=args.steps or 5)
+        result = found[0].load()(ranks=_given(args.ranks, 4, "--ranks"), steps=_given(args.steps, 5, "--steps"))
         if args.json:
             _emit_json(result)
         else:
-            _print_dict(_flatten(result), f"verl engine benchmark, {args.ranks or 4} ranks")
+            _print_dict(_flatten(result), f"verl engine benchmark, {_given(args.ranks, 4, '--ranks')} ranks")
         return 0
     if args.what == "moe":
         from hdp.trainer.bench_moe import bench_moe
@@ -601,19 +604,20 @@ def _bench_exact(args: argparse.Namespace) -> int:
 def _bench_train(args: argparse.Namespace) -> int:
     from hdp.trainer.bench_train import TrainBenchSpec, bench_train, compare_with_baseline
 
+    # every check before any rank is spawned: bad input never costs a run, nor loses one
     try:
         spec = TrainBenchSpec(
-            ranks=args.ranks or 4, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=args.steps or 5, workload=args.workload, tp=args.tp, pp=args.pp,
+            ranks=_given(args.ranks, 4, "--ranks"),
+            policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
+            steps=_given(args.steps, 5, "--steps"), workload=args.workload, tp=args.tp, pp=args.pp,
         )
     except ValueError as exc:
         raise CliError(f"bench train: {exc}") from exc
-    baseline = None
-    if args.baseline:
-        try:
-            baseline = json.loads(Path(args.baseline).read_text())
-        except (OSError, ValueError) as exc:
-            raise CliError(f"--baseline={args.baseline!r}: cannot read a JSON result ({exc})") from exc
+    if not (math.isfinite(args.tolerance) and 0.0 <= args.tolerance < 1.0):
+        raise CliError(f"--tolerance={args.tolerance}: pass a fraction in [0, 1) (0.05 = 5% slower is a regression)")
+    baseline = _load_baseline(args.baseline, spec.policies) if args.baseline else None
+    if args.output and Path(args.output).is_dir():
+        raise CliError(f"--output={args.output!r} is a directory; name a file for the JSON result")
     result = bench_train(spec)
     if not result:  # a non-zero rank under torchrun
         return 0
@@ -629,6 +633,42 @@ def _bench_train(args: argparse.Namespace) -> int:
     for msg in problems:
         print(f"regression: {msg}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _given(value: int | None, default: int, flag: str) -> int:
+    """``value`` if the flag was given (0 included: validated by the caller), else ``default``."""
+    return default if value is None else value
+
+
+def _load_baseline(path: str, policies: tuple[str, ...]) -> dict[str, Any]:
+    """A stored ``bench train --json`` result, checked before the run: a JSON object whose
+    ``results`` maps policy names to objects with a positive, finite number ``tokens_per_s``
+    (``speedup``, if present, maps names to positive numbers), sharing a policy with this run."""
+    where = f"--baseline={path!r}"
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"{where}: cannot read a JSON result ({exc}); pass a file written by bench train --json/--output")
+    if not isinstance(doc, dict):
+        raise CliError(f"{where}: holds a JSON {type(doc).__name__}, not the object bench train --json writes")
+    results = doc.get("results")
+    if not isinstance(results, dict) or not results:
+        raise CliError(f"{where}: field 'results' is {results!r}; it must map policy names to their results "
+                       "(a file written by bench train --json/--output)")
+    for name, r in results.items():
+        tps = r.get("tokens_per_s") if isinstance(r, dict) else None
+        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) or tps <= 0:
+            raise CliError(f"{where}: field 'results.{name}.tokens_per_s' is {tps!r}; it must be a positive number")
+    speedup = doc.get("speedup", {})
+    if not isinstance(speedup, dict):
+        raise CliError(f"{where}: field 'speedup' is {speedup!r}; it must map names to numbers")
+    for name, v in speedup.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CliError(f"{where}: field 'speedup.{name}' is {v!r}; it must be a positive number")
+    if not set(results) & set(policies):
+        raise CliError(f"{where}: its policies {sorted(results)} share none with --policies {list(policies)}; "
+                       "nothing could be compared")
+    return doc
 
 
 def _print_train_table(result: dict[str, Any], title: str) -> None:
@@ -699,12 +739,12 @@ def _bench_attention(args: argparse.Namespace) -> int:
         mod = importlib.import_module("hdp.trainer.bench_attention")
     except ImportError as exc:
         raise CliError(f"bench attention: hdp.trainer.bench_attention is not available ({exc})") from exc
-    result = mod.bench_attention(ranks=args.ranks or 2, tokens=args.tokens, algo=args.algo)
+    result = mod.bench_attention(ranks=_given(args.ranks, 2, "--ranks"), tokens=args.tokens, algo=args.algo)
     result = dict(result)
     if args.json:
         _emit_json(result)
         return 0
-    _print_dict(result, f"attention benchmark: {args.algo}, {args.ranks or 2} ranks, {args.tokens} tokens")
+    _print_dict(result, f"attention benchmark: {args.algo}, {_given(args.ranks, 2, '--ranks')} ranks, {args.tokens} tokens")
     return 0
 
 
