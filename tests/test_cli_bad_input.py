@@ -1,0 +1,76 @@
+"""Bad command-line input gets one clear error line naming the field, the value and the fix — never
+a traceback, never a run that is then lost, never a success that checked nothing (issue 14, item 5)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hdp.trainer.cli import main
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the test if a benchmark would start: every check must come before any rank is spawned."""
+    import hdp.trainer.bench_faults as bench_faults
+    import hdp.trainer.bench_train as bench_train
+
+    def boom(*a, **k):
+        raise AssertionError("a run started before the input was checked")
+
+    monkeypatch.setattr(bench_train, "bench_train", boom)
+    monkeypatch.setattr(bench_faults, "run_faults", boom)
+
+
+def _files(tmp_path):
+    out = {}
+    for name, text in {"empty-object": "{}", "list": "[1]", "no-results": '{"results": []}',
+                       "text-tps": '{"results": {"hdp": {"tokens_per_s": "fast"}}}',
+                       "nan-tps": '{"results": {"hdp": {"tokens_per_s": NaN}}}',
+                       "other-policy": '{"results": {"verl-kk": {"tokens_per_s": 3.0}}}',
+                       "bad-speedup": '{"results": {"hdp": {"tokens_per_s": 3.0}}, "speedup": {"hdp": null}}',
+                       "not-json": "tokens 3"}.items():
+        p = tmp_path / f"{name}.json"
+        p.write_text(text)
+        out[name] = str(p)
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
+    out["a-file"] = str(tmp_path / "a-file")
+    out["binary"] = str(tmp_path / "binary.txt")
+    out["dir"] = str(tmp_path)
+    return out
+
+
+CASES = [
+    (["bench", "train", "--baseline", "{empty-object}"], "field 'results' is None"),
+    (["bench", "train", "--baseline", "{list}"], "holds a JSON list"),
+    (["bench", "train", "--baseline", "{no-results}"], "field 'results' is []"),
+    (["bench", "train", "--baseline", "{text-tps}"], "'results.hdp.tokens_per_s' is 'fast'"),
+    (["bench", "train", "--baseline", "{nan-tps}"], "'results.hdp.tokens_per_s' is nan"),
+    (["bench", "train", "--baseline", "{other-policy}"], "share none with --policies"),
+    (["bench", "train", "--baseline", "{bad-speedup}"], "'speedup.hdp' is None"),
+    (["bench", "train", "--baseline", "{not-json}"], "cannot read a JSON result"),
+    (["bench", "train", "--tolerance", "nan"], "--tolerance=nan"),
+    (["bench", "train", "--tolerance", "-0.1"], "--tolerance=-0.1"),
+    (["bench", "train", "--policies", "hdp,bogus"], "policy='bogus' is unknown"),
+    (["bench", "train", "--ranks", "0"], "ranks=0"),
+    (["bench", "train", "--steps", "0"], "steps=0"),
+    (["bench", "train", "--output", "{dir}"], "is a directory"),
+    (["bench", "faults", "--only", "sigkill,bogus"], "scenario='sigkill' is unknown"),
+    (["bench", "faults", "--timeout", "nan"], "--timeout=nan"),
+    (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--no-peers", "--plot-dir", "{a-file}"],
+     "is an existing file"),
+    (["plan", "--lengths", "{binary}", "-N", "8", "-B", "8192"], "binary.txt"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(CASES)])
+def test_bad_input_is_one_clear_line_before_any_run(argv, needle, tmp_path, capsys, no_run):
+    files = _files(tmp_path)
+    rc = main([a.format(**files) for a in argv])
+    captured = capsys.readouterr()
+    assert rc != 0, captured
+    assert "Traceback" not in captured.err and "Traceback" not in captured.out
+    assert needle in captured.err, captured.err
+    assert captured.out == "" or json.loads(captured.out) is not None  # nothing half-printed on stdout
