@@ -42,6 +42,15 @@ A step runs four phases, each a method of its own (so callers and later wrappers
    scaling: the weights already normalise globally —, sequence-parallel norm gradients over TP)
    and the distributed optimizer's step.
 
+Errors (README "Failure behaviour").  Whatever fails on one rank fails on every rank of the job,
+before the next collective and with nothing applied: phase 1 catches every exception and agrees
+on it with its fixed-size collective (and the batch digest, :mod:`hdp.digest`); a ``loss_fn``
+failure is recorded where it happens, the rounds go on with a zero loss so the collectives line
+up, and the step guard (:mod:`hdp.guard`) raises it everywhere after phase 3; checkpoints go
+through :mod:`hdp.trainer.checkpoint` (verified before load, rolled back on failure).  A phase that
+breaks off inside its collectives (a peer died or hangs: ``EngineConfig.collective_timeout_s``)
+raises :class:`~hdp.guard.DomainUnreachableError` and leaves the engine refusing further calls.
+
 Token alignment.  Per-token tensors of a :class:`Batch` (loss mask, advantages, old log-probs)
 are indexed like the tokens: element t describes token t.  Token t is *predicted* from the
 tokens before it, so log p(token t) comes from the logits at position t-1.  hdp shifts every
