@@ -37,9 +37,10 @@ LENGTHS = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30)]  # (prompt, respo
 BUDGET = 64
 LOGP_TOL_FP32 = 2e-5
 LOGP_TOL_BF16 = 0.1
+ENTROPY_COEFF = 0.01  # the update differentiates through the entropy too (vocab-parallel under TP)
 
 
-def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
+def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1) -> object:
     from hydra import compose, initialize_config_dir
 
     import verl.trainer.config as vtc
@@ -51,6 +52,7 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        f"actor_rollout_ref.actor.entropy_coeff={ENTROPY_COEFF}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
@@ -67,6 +69,11 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
         "actor_rollout_ref.actor.hdp.hardware_profile=cpu-gloo",
         f"actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
     ]
+    for role in ("actor", "ref"):  # verl's own Megatron layout keys; the ref's are read separately
+        overrides += [
+            f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.{role}.megatron.pipeline_model_parallel_size={pp}",
+        ]
     if moe:
         overrides += [
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
@@ -80,7 +87,8 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
 
 
 def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
-    """fp32 HF: per-sample input-aligned log-probs [L_i] and (loss, grad norm) of verl's ppo_loss, dp_size 1."""
+    """fp32 HF: per-sample input-aligned log-probs and entropies [L_i] and (loss, grad norm) of verl's
+    ppo_loss (with the entropy bonus), dp_size 1."""
     from functools import partial
 
     import torch
@@ -91,21 +99,24 @@ def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
     from verl_support import batches as B
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    logps = []
+    logps, ents = [], []
     for p, r in samples:
         ids = torch.tensor(p + r)[None]  # [1, L]
         logits = model(input_ids=ids).logits[0].float()  # [L, V]
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
+        full = torch.log_softmax(logits, dim=-1)  # [L, V]
+        lp = full[:-1].gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
         logps.append(torch.cat([lp, lp.new_zeros(1)]))  # input-aligned: p predicts p+1
-    data = B.update_batch(padded, extra, mini_batch_size=len(samples))
+        ents.append(-(full.exp() * full).sum(-1))  # [L]
+    data = B.update_batch(padded, extra, mini_batch_size=len(samples), calculate_entropy=True)
     mask = data["loss_mask"]
     n_tok = int(mask.values().sum() if mask.is_nested else mask.sum())
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=n_tok)
-    out = {"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged)}
+    out = {"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged),
+           "entropy": torch.nested.as_nested_tensor(ents, layout=torch.jagged)}
     loss, _ = partial(ppo_loss, config=actor_cfg)(model_output=out, data=data)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return [x.detach() for x in logps], float(loss), float(norm)
+    return [x.detach() for x in logps], [x.detach() for x in ents], float(loss), float(norm)
 
 
 def _safetensors(path: str) -> dict:
@@ -119,7 +130,8 @@ def _safetensors(path: str) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
+def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str) -> None:
+    """verl's worker on ``world`` = TP x PP x domain ranks; ``full``: also update x2, checkpoint, continue."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
     import logging
 
@@ -144,7 +156,7 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     if rank == 0:
         build_tiny(model_path, moe=moe)
     dist.barrier(group=dist.group.WORLD)
-    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp)
+    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp)
 
     ref = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="ref")
     ref.init_model()
@@ -153,14 +165,21 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     for w in (ref.ref, act.actor):
         assert type(w.engine) is HdpMegatronEngine, type(w.engine)
     engine = act.actor.engine
-    assert engine.domain.size == world and engine.get_data_parallel_size() == 1
+    layout = engine.domain.layout
+    assert (layout.tp_size, layout.pp_size, engine.domain.size) == (tp, pp, world // (tp * pp))
+    assert engine.get_data_parallel_size() == 1
+    # verl's collect rank (TP rank 0 of the last stage, domain rank 0) holds the outputs; every rank learns which
+    flags = [None] * world
+    dist.all_gather_object(flags, bool(engine.is_mp_src_rank_with_outputs()), group=dist.group.WORLD)
+    assert sum(flags) == 1, flags
+    src = flags.index(True)
     if moe:  # hdp's MoE zero-memory layers replaced Megatron's MoELayer in every layer
         from hdp.moe import ZeroMemoryMoELayer
 
         zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
         assert len(zm) == 2 and all(m.zero_memory_level.value == "level1" for m in zm), zm
 
-    # HF export right after loading == the HF checkpoint (names and values; EP experts gathered)
+    # HF export right after loading == the HF checkpoint (names and values; TP/PP/EP shards gathered)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     disk = _safetensors(model_path)
     assert set(exported) == set(disk), sorted(set(exported) ^ set(disk))
@@ -176,43 +195,48 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     ref_out = ref.compute_ref_log_prob(B.ref_batch(padded))
     old_out = act.compute_log_prob(B.old_logp_batch(padded))
     objs = [None, None]
-    if rank == 0:
+    if rank == src:
         assert "entropy" in old_out.keys() and "entropy" not in ref_out.keys()
         objs = [no_padding_2_padding(tu.get(x, "log_probs"), probe).float() for x in (ref_out, old_out)]
     else:
         assert ref_out is None and old_out is None
-    dist.broadcast_object_list(objs, src=0, group=dist.group.WORLD)
+    dist.broadcast_object_list(objs, src=src, group=dist.group.WORLD)
     ref_lp, old_lp = objs
     adv = torch.randn(padded["responses"].shape, generator=torch.Generator().manual_seed(3)) * padded["response_mask"]
     extra = {"old_log_probs": old_lp, "advantages": adv, "ref_log_prob": ref_lp}
 
     actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    if rank == 0:
-        hf_logp, hf_loss, hf_norm = _hf_reference(model_path, samples, padded, extra, actor_cfg)
+    if rank == src:
+        hf_logp, hf_ent, hf_loss, hf_norm = _hf_reference(model_path, samples, padded, extra, actor_cfg)
         got = list(tu.get(old_out, "log_probs").unbind())
+        got_ent = list(tu.get(old_out, "entropy").unbind())
         got_ref = list(tu.get(ref_out, "log_probs").unbind())
         ref_tol = LOGP_TOL_BF16 if moe else LOGP_TOL_FP32
-        for i, (a, b, c) in enumerate(zip(got, got_ref, hf_logp)):
+        for i, (a, e, b, c, h) in enumerate(zip(got, got_ent, got_ref, hf_logp, hf_ent)):
             torch.testing.assert_close(a[:-1].float(), c[:-1], atol=LOGP_TOL_FP32, rtol=0, msg=lambda m, i=i: f"actor sample {i}: {m}")
+            torch.testing.assert_close(e[:-1].float(), h[:-1], atol=LOGP_TOL_FP32, rtol=0, msg=lambda m, i=i: f"entropy sample {i}: {m}")
             torch.testing.assert_close(b[:-1].float(), c[:-1], atol=ref_tol, rtol=0, msg=lambda m, i=i: f"ref sample {i}: {m}")
 
     def update():
-        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(LENGTHS)))
-        if rank != 0:
+        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(LENGTHS), calculate_entropy=True))
+        if rank != src:
             assert out is None
             return None
         m = verl_reduce_metrics(tu.get(out, "metrics"))  # what verl's trainer does with update_actor's metrics
-        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl")}
+        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl", "actor/entropy_loss")}
 
     m1 = update()
-    if rank == 0:
+    if rank == src:
         assert abs(m1["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m1["loss"], hf_loss)
         assert abs(m1["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m1["grad_norm"], hf_norm)
+    if not full:
+        return
     ckpt = os.path.join(tmp, "ckpt")
     act.save_checkpoint(ckpt, global_step=1)
     saved_weights = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     saved_moments = _adam_moments(engine)
     m2 = update()
+    after_m2 = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     act.load_checkpoint(ckpt, del_local_after_load=False)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     for n, t in saved_weights.items():  # HF export after load == export at save time, exactly
@@ -220,7 +244,11 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     for a, b in zip(saved_moments, _adam_moments(engine)):  # Adam moments restored exactly
         assert torch.equal(a, b)
     m2b = update()  # the same step again from the restored state
-    if rank == 0:
+    after_m2b = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
+    # the continued update is bit for bit the uninterrupted one (Adam's per-parameter step restored too)
+    diff = {n: float((after_m2[n].float() - t.float()).abs().max()) for n, t in after_m2b.items() if not torch.equal(after_m2[n], t)}
+    assert not diff, f"weights after the reloaded step differ from the uninterrupted step: {diff}"
+    if rank == src:
         assert m2 == m2b, (m2, m2b)  # loss, pg_loss, grad norm, rounds: identical
         assert m2["loss"] != m1["loss"]
         disk = _safetensors(os.path.join(ckpt, "model", "huggingface"))  # the checkpoint's HF weights
@@ -241,7 +269,18 @@ def _adam_moments(engine) -> list:
     return out
 
 
+# (moe, TP, PP, full): 2 ranks = domain 2; the TP / PP cases are TP 2 x domain 2 and PP 2 x domain 2 on 4
+# ranks, log-probs, entropies and one update against HF (checkpoint continuation runs in the 2-rank cases)
+CASES = {
+    "qwen3": (False, 1, 1, True),
+    "qwen3moe-ep2-level1-offload": (True, 1, 1, True),
+    "qwen3-tp2-sp": (False, 2, 1, False),
+    "qwen3-pp2": (False, 1, 2, False),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3moe-ep2-level1-offload"])
-def test_actor_rollout_ref_worker_drives_hdp(moe: bool, tmp_path) -> None:
-    run_distributed(_worker, 2, moe, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
+    moe, tp, pp, full = CASES[case]
+    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), timeout=300)
