@@ -168,6 +168,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     layout = engine.domain.layout
     assert (layout.tp_size, layout.pp_size, engine.domain.size) == (tp, pp, world // (tp * pp))
     assert engine.get_data_parallel_size() == 1
+    assert engine._token_multiple == tp  # sequence parallel under TP: packed lengths padded to a multiple of TP
     # verl's collect rank (TP rank 0 of the last stage, domain rank 0) holds the outputs; every rank learns which
     flags = [None] * world
     dist.all_gather_object(flags, bool(engine.is_mp_src_rank_with_outputs()), group=dist.group.WORLD)
