@@ -84,8 +84,6 @@ def check_actor_config(actor: Any) -> None:
     hdp_budget = getattr(hdp, "max_tokens_per_rank", None) if hdp is not None else None
     budget_key = "log_prob_max_token_len_per_gpu" if key == REF_KEY else "ppo_max_token_len_per_gpu"
     budgets = {f"{key}.{budget_key}": getattr(actor, "ppo_max_token_len_per_gpu", None)}
-    if key == ACTOR_KEY:
-        budgets[f"{key}.ppo_infer_max_token_len_per_gpu"] = getattr(actor, "ppo_infer_max_token_len_per_gpu", None)
     check_token_budgets(hdp_budget=hdp_budget, budgets=budgets)
     check_ulysses(getattr(actor, "ulysses_sequence_parallel_size", 1), f"{key}.ulysses_sequence_parallel_size")
     if engine is not None:
