@@ -1,8 +1,19 @@
 """``HdpMegatronEngine``: verl's Megatron engine with hdp plans instead of micro-batches.
 
-Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation (with CP = 1:
-Megatron sees pure DP over the domain), model building through Megatron-Bridge, optimizer and LR
-scheduler, checkpointing, HF weight export to the rollout, offloading, train/eval contexts.
+Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation with the TP / PP /
+EP layout of verl's own Megatron config (``actor_rollout_ref.actor.megatron.*``) and CP = 1, model
+building through Megatron-Bridge, optimizer and LR scheduler, checkpointing, HF weight export to the
+rollout, offloading, train/eval contexts.
+
+Layout: world = TP x PP x N.  The **domain** is Megatron's DP group (the N ranks of one TP rank and PP
+stage); hdp plans over it, and every TP rank and PP stage of a domain rank runs the same plan (the
+plan checksum is compared over the whole job once per step, :func:`hdp.checksum.agree_step`).  Under
+PP each round is one micro-batch of Megatron's 1F1B schedule with its own length (every stage knows
+each round's shape from the plan: :class:`hdp.megatron_compat.HdpP2PCommunicator` sends none); under
+TP with sequence parallelism packed lengths are padded to a multiple of TP (padding tokens weigh 0)
+and log-probs / entropies come from the vocabulary shards (:func:`.logprobs.tp_logprobs_entropy`).
+Outputs and metrics come back, as in verl's own Megatron engine, on the last stage's TP rank 0 —
+here its domain rank 0, verl's one collect rank.
 
 Replaced:
 
@@ -29,12 +40,14 @@ Replaced:
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
 round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 
-Status: on CPU (gloo, 2 ranks) the engine is built and driven by verl's own
-``ActorRolloutRefWorker`` (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs,
-updates, checkpoint save/load, HF weight export, offload; dense Qwen3 and Qwen3-MoE with EP 2) and
-matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4 ranks
-through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any GPU/NPU
-run, Megatron-Bridge model building (``vanilla_mbridge=False``).
+Status: on CPU (gloo) the engine is built and driven by verl's own ``ActorRolloutRefWorker``
+(vanilla mbridge model building from an HF checkpoint, ref/actor log-probs and entropies, updates,
+checkpoint save/load with bit-for-bit continuation, HF weight export, offload; dense Qwen3 and
+Qwen3-MoE with EP 2 on 2 ranks, TP 2 (sequence parallel) x domain 2 and PP 2 x domain 2 on 4 ranks)
+and matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4
+ranks through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any
+GPU/NPU run, Megatron-Bridge model building (``vanilla_mbridge=False``), the interleaved (virtual)
+pipeline schedule (rejected: ``virtual_pipeline_model_parallel_size`` must be null), TP x PP together.
 """
 
 from __future__ import annotations
