@@ -1,21 +1,25 @@
-"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (2 gloo ranks, CPU).
+"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (CPU, gloo: domain 2 on 2 ranks,
+TP 2 x domain 2 and PP 2 x domain 2 on 4 ranks, with TP / PP taken from verl's ``megatron.*`` keys).
 
 The door users use: verl's Hydra config (``ppo_trainer`` + ``model_engine=hdp``), verl's
 ``ActorRolloutRefWorker.init_model`` (``TrainingWorker`` -> ``EngineRegistry.new`` -> the lazily
 registered ``hdp`` backend -> ``HdpMegatronEngine``; model built by verl's ``vanilla_mbridge`` path
 with the PyPI ``mbridge`` package from a tiny Qwen3 / Qwen3-MoE saved with ``save_pretrained``),
-then ``compute_ref_log_prob``, ``compute_log_prob``, ``update_actor`` x2, ``save_checkpoint`` ->
-``load_checkpoint`` -> the same step again, and HF weight export (``get_per_tensor_param``).
+then ``compute_ref_log_prob``, ``compute_log_prob`` (log-probs and entropies), ``update_actor`` x2 (PPO
+loss with KL and entropy bonus), ``save_checkpoint`` -> ``load_checkpoint`` -> the same step again, and HF
+weight export (``get_per_tensor_param``).
 
 Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one
 process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
 
-* float32 engine (``megatron.dtype=float32``): log-probs ``2e-5`` absolute (values O(1..10); the
+* float32 engine (``megatron.dtype=float32``): log-probs and entropies ``2e-5`` absolute (values O(1..10); the
   paths differ in summation order: packed zigzag chunks, ring attention, fused QKV), loss ``1e-5``
   relative, grad norm ``1e-4`` relative;
 * bfloat16 reference model (the MoE case's ref, verl's default dtype): log-probs ``0.1`` absolute
   (bf16 weights and activations, 8 mantissa bits, 2 layers);
-* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data).
+* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data):
+  the metrics of the repeated step and the weights after it equal the uninterrupted step's bit for bit
+  (Adam's per-parameter step is restored by the engine's ``load_checkpoint``).
 
 CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``tests/verl_support``.
 """
@@ -271,12 +275,12 @@ def _adam_moments(engine) -> list:
 
 
 # (moe, TP, PP, full): 2 ranks = domain 2; the TP / PP cases are TP 2 x domain 2 and PP 2 x domain 2 on 4
-# ranks, log-probs, entropies and one update against HF (checkpoint continuation runs in the 2-rank cases)
+# ranks.  full=False stops after the first update (log-probs, entropies, loss and grad norm against HF)
 CASES = {
     "qwen3": (False, 1, 1, True),
     "qwen3moe-ep2-level1-offload": (True, 1, 1, True),
-    "qwen3-tp2-sp": (False, 2, 1, False),
-    "qwen3-pp2": (False, 1, 2, False),
+    "qwen3-tp2-sp": (False, 2, 1, True),
+    "qwen3-pp2": (False, 1, 2, True),
 }
 
 
