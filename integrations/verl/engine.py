@@ -44,11 +44,11 @@ Status: on CPU (gloo) the engine is built and driven by verl's own ``ActorRollou
 (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs and entropies, updates,
 checkpoint save/load with bit-for-bit continuation, HF weight export, offload; dense Qwen3 and
 Qwen3-MoE with EP 2 on 2 ranks, TP 2 (sequence parallel) x domain 2 and PP 2 x domain 2 on 4 ranks;
-TP 2 x PP 2 x domain 2 on 8 ranks by hand)
+TP 2 x PP 2 x domain 2 on 8 ranks and Qwen3-MoE EP 2 x PP 2 x domain 2 on 4 ranks by hand)
 and matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4
 ranks through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any
 GPU/NPU run, Megatron-Bridge model building (``vanilla_mbridge=False``), the interleaved (virtual)
-pipeline schedule (rejected: ``virtual_pipeline_model_parallel_size`` must be null), EP with TP/PP.
+pipeline schedule (rejected: ``virtual_pipeline_model_parallel_size`` must be null), EP with TP.
 """
 
 from __future__ import annotations
