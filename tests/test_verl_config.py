@@ -432,3 +432,16 @@ def test_engine_construction_checks_name_the_verl_keys(monkeypatch):
     assert not called  # every check ran before verl's constructor (Megatron, collectives)
     build(model, max_token_len_per_gpu=64, infer_max_token_len_per_gpu=64)
     assert called == [1]
+
+
+def test_zero_memory_under_tp_needs_expert_tp_1():
+    """verl leaves expert TP null (Megatron: = TP); hdp's MoE zero-memory recomputes whole experts."""
+    common = BASE + ["model_engine=hdp", "actor_rollout_ref.actor.hdp.zero_memory=level1",
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    cfg = _compose("ppo_trainer", common)
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.actor\.megatron\.expert_tensor_parallel_size=None "
+                                        r"\(expert TP 2.*set actor_rollout_ref\.actor\.megatron\.expert_tensor_parallel_size=1"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ok = _compose("ppo_trainer", common + ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+    assert omega_conf_to_dataclass(ok.actor_rollout_ref.actor).engine.expert_tensor_parallel_size == 1
+    assert _ref_config(ok).engine.expert_tensor_parallel_size == 1  # the ref follows the actor

@@ -143,6 +143,14 @@ class HdpEngineConfig(compat.McoreEngineConfig):
             check_parallel_size(getattr(self, name), f"{key}.{name}")
         if self.expert_tensor_parallel_size is not None:
             check_parallel_size(self.expert_tensor_parallel_size, f"{key}.expert_tensor_parallel_size")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size  # Megatron's default: TP
+        if self.hdp.zero_memory is not ZeroMemoryLevel.NONE and etp != 1:
+            raise ValueError(
+                f"{key}.expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} (expert TP {etp}; null means "
+                f"TP = {self.tensor_model_parallel_size}): {_KEY}.hdp.zero_memory={self.hdp.zero_memory.value} "
+                f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
+                "(experts then spread over EP instead) or hdp.zero_memory=none"
+            )
         if self.virtual_pipeline_model_parallel_size not in (None, 1):
             raise ValueError(
                 f"{key}.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size!r}: "
