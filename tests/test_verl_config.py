@@ -378,8 +378,10 @@ def test_tp_pp_ep_are_taken_from_verls_megatron_config():
         e = c.engine
         assert (e.tensor_model_parallel_size, e.pipeline_model_parallel_size, e.expert_model_parallel_size) == (2, 4, 2)
         assert e.sequence_parallel  # verl's default under TP; the engine pads packed lengths to a multiple of TP
-    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: set null"):
-        HdpEngineConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    assert HdpEngineConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)  # interleaved
+    with pytest.raises(ValueError, match=r"megatron\.virtual_pipeline_model_parallel_size=2: virtual stages need "
+                                         r".*pipeline_model_parallel_size >= 2"):
+        HdpEngineConfig(virtual_pipeline_model_parallel_size=2)
 
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size",

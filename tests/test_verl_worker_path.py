@@ -44,7 +44,8 @@ LOGP_TOL_BF16 = 0.1
 ENTROPY_COEFF = 0.01  # the update differentiates through the entropy too (vocab-parallel under TP)
 
 
-def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1) -> object:
+def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1, vpp: int = 1,
+             budget: int = BUDGET) -> object:
     from hydra import compose, initialize_config_dir
 
     import verl.trainer.config as vtc
@@ -61,9 +62,9 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int 
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={BUDGET}",
-        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={BUDGET}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
         "actor_rollout_ref.actor.megatron.dtype=float32",
         f"actor_rollout_ref.ref.megatron.dtype={'bfloat16' if moe else 'float32'}",
@@ -78,6 +79,8 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int 
             f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size={tp}",
             f"actor_rollout_ref.{role}.megatron.pipeline_model_parallel_size={pp}",
         ]
+        if vpp > 1:
+            overrides.append(f"actor_rollout_ref.{role}.megatron.virtual_pipeline_model_parallel_size={vpp}")
     if moe:
         overrides += [
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
@@ -134,8 +137,9 @@ def _safetensors(path: str) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str) -> None:
-    """verl's worker on ``world`` = TP x PP x domain ranks; ``full``: also update x2, checkpoint, continue."""
+def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str, vpp: int = 1) -> None:
+    """verl's worker on ``world`` = TP x PP x domain ranks (``vpp`` virtual stages each); ``full``: also
+    update x2, checkpoint, continue."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
     import logging
 
@@ -157,10 +161,13 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     model_path = os.path.join(tmp, "model")
+    layers = max(2, pp * vpp)
+    # interleaved: budget 48 gives 3 rounds, padded to 4 micro-batches (one idle) for PP 2
+    budget = 48 if vpp > 1 else BUDGET
     if rank == 0:
-        build_tiny(model_path, moe=moe)
+        build_tiny(model_path, moe=moe, layers=layers)
     dist.barrier(group=dist.group.WORLD)
-    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp)
+    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp, vpp=vpp, budget=budget)
 
     ref = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="ref")
     ref.init_model()
@@ -172,6 +179,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     layout = engine.domain.layout
     assert (layout.tp_size, layout.pp_size, engine.domain.size) == (tp, pp, world // (tp * pp))
     assert engine.get_data_parallel_size() == 1
+    assert len(engine.module) == vpp
     assert engine._token_multiple == tp  # sequence parallel under TP: packed lengths padded to a multiple of TP
     # verl's collect rank (TP rank 0 of the last stage, domain rank 0) holds the outputs; every rank learns which
     flags = [None] * world
@@ -182,7 +190,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
         from hdp.moe import ZeroMemoryMoELayer
 
         zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
-        assert len(zm) == 2 // pp and all(m.zero_memory_level.value == "level1" for m in zm), zm  # this stage's layers
+        assert len(zm) == layers // (pp * vpp) and all(m.zero_memory_level.value == "level1" for m in zm), zm  # this stage's layers
 
     # HF export right after loading == the HF checkpoint (names and values; TP/PP/EP shards gathered)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
@@ -194,8 +202,11 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     samples = B.random_samples(LENGTHS, VOCAB, seed=1)
     padded = B.padded_batch(samples, pad_id=0)
     probe = B.ref_batch(padded)
-    tu.assign_non_tensor(probe, max_token_len_per_gpu=BUDGET)
-    assert max(engine._make_plan(probe).group_size) > 1, "the batch must put a sample on a CP group"
+    tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
+    probe_plan = engine._make_plan(probe)
+    assert max(probe_plan.group_size) > 1, "the batch must put a sample on a CP group"
+    if vpp > 1:
+        assert probe_plan.num_rounds % pp != 0, "the interleaved case must run a padding micro-batch"
 
     ref_out = ref.compute_ref_log_prob(B.ref_batch(padded))
     old_out = act.compute_log_prob(B.old_logp_batch(padded))
@@ -281,6 +292,7 @@ CASES = {
     "qwen3moe-ep2-level1-offload": (True, 1, 1, True),
     "qwen3-tp2-sp": (False, 2, 1, True),
     "qwen3-pp2": (False, 1, 2, True),
+    "qwen3-pp2-vpp2": (False, 1, 2, True),  # 4 layers, 2 virtual stages per rank: the interleaved schedule
 }
 
 
@@ -288,4 +300,5 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
     moe, tp, pp, full = CASES[case]
-    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), timeout=300)
+    vpp = 2 if "vpp2" in case else 1
+    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), vpp, timeout=300)

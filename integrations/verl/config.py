@@ -151,11 +151,14 @@ class HdpEngineConfig(compat.McoreEngineConfig):
                 f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
-        if self.virtual_pipeline_model_parallel_size not in (None, 1):
-            raise ValueError(
-                f"{key}.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size!r}: "
-                "set null (the hdp engine runs Megatron's non-interleaved 1F1B schedule under PP)"
-            )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")
+            if vpp > 1 and self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{key}.virtual_pipeline_model_parallel_size={vpp}: virtual stages need "
+                    f"{key}.pipeline_model_parallel_size >= 2 (it is {self.pipeline_model_parallel_size}); set it to null"
+                )
         with compat.without_megatron_strategy_assert(self):
             super().__post_init__()
 

@@ -9,7 +9,9 @@ Layout: world = TP x PP x N.  The **domain** is Megatron's DP group (the N ranks
 stage); hdp plans over it, and every TP rank and PP stage of a domain rank runs the same plan (the
 plan checksum is compared over the whole job once per step, :func:`hdp.checksum.agree_step`).  Under
 PP each round is one micro-batch of Megatron's 1F1B schedule with its own length (every stage knows
-each round's shape from the plan: :class:`hdp.megatron_compat.HdpP2PCommunicator` sends none); under
+each round's shape from the plan: :class:`hdp.megatron_compat.HdpP2PCommunicator` sends none), or of
+the interleaved schedule with virtual stages (rounds padded with idle micro-batches to a multiple of
+PP, shapes exchanged); under
 TP with sequence parallelism packed lengths are padded to a multiple of TP (padding tokens weigh 0)
 and log-probs / entropies come from the vocabulary shards (:func:`.logprobs.tp_logprobs_entropy`).
 Outputs and metrics come back, as in verl's own Megatron engine, on the last stage's TP rank 0 —
@@ -43,12 +45,12 @@ round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 Status: on CPU (gloo) the engine is built and driven by verl's own ``ActorRolloutRefWorker``
 (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs and entropies, updates,
 checkpoint save/load with bit-for-bit continuation, HF weight export, offload; dense Qwen3 and
-Qwen3-MoE with EP 2 on 2 ranks, TP 2 (sequence parallel) x domain 2 and PP 2 x domain 2 on 4 ranks;
+Qwen3-MoE with EP 2 on 2 ranks, TP 2 (sequence parallel) x domain 2, PP 2 x domain 2 and PP 2 x 2
+virtual stages x domain 2 on 4 ranks;
 TP 2 x PP 2 x domain 2 on 8 ranks and Qwen3-MoE EP 2 x PP 2 x domain 2 on 4 ranks by hand)
 and matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4
 ranks through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any
-GPU/NPU run, Megatron-Bridge model building (``vanilla_mbridge=False``), the interleaved (virtual)
-pipeline schedule (rejected: ``virtual_pipeline_model_parallel_size`` must be null), EP with TP.
+GPU/NPU run, Megatron-Bridge model building (``vanilla_mbridge=False``), EP with TP.
 """
 
 from __future__ import annotations
@@ -490,20 +492,18 @@ class HdpMegatronEngine(_MegatronLM):
         return _Round(inputs=inp, tokens=tokens, psp=psp)
 
     def _run_schedule(self, rounds: Sequence["_Round"], state: "_StepState") -> None:
-        """Every round through Megatron's schedule, one micro-batch each (1F1B under PP, variable lengths)."""
+        """Every round through Megatron's schedule, one micro-batch each, with its own length: no pipelining
+        at PP = 1, 1F1B under PP, the interleaved schedule with virtual stages (rounds padded with idle
+        micro-batches to a multiple of PP)."""
         layout = self.domain.layout
         step = partial(self._hdp_forward_step, state=state)
         if layout.pp_size == 1:
+            state.num_microbatches = len(rounds)
             compat.forward_backward_func()(
                 forward_step_func=step, data_iterator=iter(rounds), model=self.module,
                 num_microbatches=len(rounds), seq_length=1, micro_batch_size=1, forward_only=state.forward_only,
             )
             return
-        if len(self.module) != 1:
-            raise ValueError(
-                "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size: the hdp engine runs "
-                "the non-interleaved 1F1B schedule; set it to null"
-            )
         chunk = self.module[0]
         cfg = compat.unwrap_model(chunk).config
         if not getattr(cfg, "variable_seq_lengths", False):
@@ -511,9 +511,21 @@ class HdpMegatronEngine(_MegatronLM):
                 "the model's TransformerConfig.variable_seq_lengths is False: hdp rounds have their own lengths; "
                 "set actor_rollout_ref.actor.megatron.override_transformer_config.variable_seq_lengths=True"
             )
-        p2p = mc.HdpP2PCommunicator(layout.pp, cfg, next(chunk.parameters()).device)
-        # every stage knows each round's length from the plan: no shape messages (1F1B order); under
+        dev = next(chunk.parameters()).device
+        p2p = mc.HdpP2PCommunicator(layout.pp, cfg, dev)
+        if len(self.module) > 1:  # interleaved: idle padding rounds up to a multiple of PP; shapes exchanged
+            total = -(-len(rounds) // layout.pp_size) * layout.pp_size
+            rounds = list(rounds) + [self._padding_round(dev) for _ in range(total - len(rounds))]
+            state.num_microbatches = total
+            mc.forward_backward_pipelining_with_interleaving(
+                forward_step_func=step, data_iterator=[iter(rounds) for _ in self.module], model=self.module,
+                num_microbatches=total, seq_length=max(r.tokens.shape[0] for r in rounds), micro_batch_size=1,
+                forward_only=state.forward_only, p2p_communicator=p2p, pg_collection=self.domain.megatron,
+            )
+            return
+        # 1F1B: every stage knows each round's length from the plan, so no shape messages; under
         # sequence parallelism a stage sends its [T/TP, 1, H] shard
+        state.num_microbatches = len(rounds)
         split = self._token_multiple
         p2p.expect_shapes([(r.tokens.shape[0] // split, 1, cfg.hidden_size) for r in rounds])
         mc.forward_backward_pipelining_without_interleaving(
@@ -525,15 +537,23 @@ class HdpMegatronEngine(_MegatronLM):
         if left and layout.pp_rank not in (0, layout.pp_size - 1):
             raise RuntimeError(f"pipeline schedule received {len(rounds) - left} of {len(rounds)} micro-batches")
 
+    def _padding_round(self, dev: torch.device) -> "_Round":
+        """An idle micro-batch beyond the plan (interleaved schedule): padding tokens only, weight 0."""
+        psp = packed_seq_params((), dev, token_multiple=self._token_multiple)
+        pad_id = int(self.model_config.tokenizer.pad_token_id or 0)
+        return _Round(inputs=None, tokens=torch.full((psp.pad_tokens,), pad_id, dtype=torch.int64, device=dev), psp=psp)
+
     def _hdp_forward_step(self, data_iterator: Iterator["_Round"], model: Any, *, state: "_StepState") -> Any:
         """Megatron forward step of one round on this stage; on the last stage the logits of this rank's
         chunks give log-probs (and entropies), then the group's verl loss."""
         rnd = next(data_iterator)
         inp = rnd.inputs
-        meta = inp.meta
         out = model(input_ids=rnd.tokens[None, :], position_ids=None, attention_mask=None, packed_seq_params=rnd.psp)
         if not compat.unwrap_model(model).post_process:  # not the last stage: [T/TP?, 1, H] to the next one
             return out, partial(_never_called_loss)
+        if inp is None:  # a padding round (interleaved schedule): nothing to compute, every rank alike
+            return out, partial(_padding_loss)
+        meta = inp.meta
         logits = out[0][: meta.num_tokens]  # [Tr, V/TP]
         dev = logits.device
         logp, ent = tp_logprobs_entropy(
@@ -546,11 +566,12 @@ class HdpMegatronEngine(_MegatronLM):
         )  # [Tr], [Tr] or None
         if ent is None:
             ent = torch.zeros_like(logp)  # never read: entropy was not requested
-        state.local_outputs.append(torch.stack([logp, ent], dim=-1).detach())  # [Tr, 2]; [0, 2] idle
+        state.local_outputs[meta.round_index] = torch.stack([logp, ent], dim=-1).detach()  # [Tr, 2]; [0, 2] idle
         return out, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
 
     def _hdp_loss(self, output: Any, *, inp: RoundInputs, logp: torch.Tensor, ent: torch.Tensor, state: "_StepState") -> Any:
-        """verl's loss on the group's whole samples; Megatron divides by R, so it is scaled by R."""
+        """verl's loss on the group's whole samples; Megatron divides by its micro-batch count, so it is
+        scaled by that (R, or R padded to a multiple of PP under the interleaved schedule)."""
         meta = inp.meta
         zero = output.sum() * 0.0  # a rank without tokens: backward still runs (EP all-to-alls, TP, CP line up)
         if state.loss_function is None:
@@ -570,7 +591,7 @@ class HdpMegatronEngine(_MegatronLM):
                 {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
             )
             state.leader_losses.append(float(loss.detach()))
-        return loss * state.plan.num_rounds + zero, {}
+        return loss * state.num_microbatches + zero, {}
 
     def _packed_seq_params(self, meta: LocalMeta, dev: torch.device) -> HdpPackedSeqParams:
         """THD parameters of one round: this rank's chunks with its group's CP context (a rank with no
@@ -597,7 +618,9 @@ class HdpMegatronEngine(_MegatronLM):
         layout = dom.layout
         if not (layout.is_last_stage and layout.tp_rank == 0):
             return {}
-        full = gather_outputs(state.plan, dom.rank, state.local_outputs, dom.group, dst=0)  # S x [L_i, 2] on rank 0
+        none = torch.zeros((0, 2))
+        local = [state.local_outputs.get(r, none) for r in range(state.plan.num_rounds)]  # R x [T_r, 2]
+        full = gather_outputs(state.plan, dom.rank, local, dom.group, dst=0)  # S x [L_i, 2] on rank 0
         gathered: list[Any] = [None] * dom.size
         dist.all_gather_object(gathered, (state.leader_metrics, state.leader_losses), group=dom.group)
         if dom.rank != 0:
@@ -630,11 +653,17 @@ def _never_called_loss(output: Any) -> Any:
     raise RuntimeError("Megatron called the loss function on a stage that is not the last one")
 
 
+def _padding_loss(output: Any) -> Any:
+    """Loss of a padding round: 0, with a graph so its backward runs like every other micro-batch's."""
+    return output.sum() * 0.0, {}
+
+
 @dataclass(frozen=True, eq=False)
 class _Round:
     """One round's micro-batch of this rank: its inputs, the padded tokens on the device, THD params."""
 
-    inputs: RoundInputs
+    inputs: RoundInputs | None
+    """``None`` for a padding round beyond the plan (interleaved schedule)."""
     tokens: torch.Tensor
     """[T] int64 on the device: the real tokens, then padding."""
     psp: HdpPackedSeqParams
@@ -651,7 +680,8 @@ class _StepState:
     calculate_entropy: bool = False
 
     def __post_init__(self) -> None:
-        self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2] (last stage)
+        self.num_microbatches = self.plan.num_rounds  # what the schedule runs (padded under interleaving)
+        self.local_outputs: dict[int, torch.Tensor] = {}  # round -> [T_r, 2] (last stage)
         self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
         self.leader_losses: list[float] = []  # verl loss of each group this rank led
 
