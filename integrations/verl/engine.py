@@ -494,7 +494,7 @@ class HdpMegatronEngine(_MegatronLM):
     def _run_schedule(self, rounds: Sequence["_Round"], state: "_StepState") -> None:
         """Every round through Megatron's schedule, one micro-batch each, with its own length: no pipelining
         at PP = 1, 1F1B under PP, the interleaved schedule with virtual stages (rounds padded with idle
-        micro-batches to a multiple of PP)."""
+        micro-batches to a multiple of ``microbatch_group_size_per_vp_stage``, PP by default)."""
         layout = self.domain.layout
         step = partial(self._hdp_forward_step, state=state)
         if layout.pp_size == 1:
@@ -513,8 +513,10 @@ class HdpMegatronEngine(_MegatronLM):
             )
         dev = next(chunk.parameters()).device
         p2p = mc.HdpP2PCommunicator(layout.pp, cfg, dev)
-        if len(self.module) > 1:  # interleaved: idle padding rounds up to a multiple of PP; shapes exchanged
-            total = -(-len(rounds) // layout.pp_size) * layout.pp_size
+        if len(self.module) > 1:  # interleaved: idle padding rounds; shapes exchanged
+            # Megatron wants whole groups of microbatch_group_size_per_vp_stage (default PP, at least PP)
+            group = max(int(getattr(cfg, "microbatch_group_size_per_vp_stage", None) or layout.pp_size), layout.pp_size)
+            total = -(-len(rounds) // group) * group
             rounds = list(rounds) + [self._padding_round(dev) for _ in range(total - len(rounds))]
             state.num_microbatches = total
             mc.forward_backward_pipelining_with_interleaving(
