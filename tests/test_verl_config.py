@@ -305,3 +305,145 @@ def test_cli_finds_the_verl_bench_through_the_entry_point():
     assert out.stdout.strip() == "False"
     src = Path(__file__).resolve().parents[1] / "trainer"
     assert not any("hdp.integrations" in p.read_text() for p in src.glob("*.py")), "trainer/ must not import hdp.integrations"
+
+
+# ---- verl configuration errors name the verl key (issue 14 item 6); all before any collective ----
+
+
+def test_hdp_options_without_model_engine_hdp_name_the_override():
+    """strategy=hdp on verl's ppo_trainer has no actor.hdp node; Hydra's "Key 'hdp' is not in struct" now
+    says to add model_engine=hdp (through Hydra's real override path: compose)."""
+    from hydra.errors import ConfigCompositionException
+
+    bad = "actor_rollout_ref.actor.hdp.max_tokens_per_rank=8192"
+    with pytest.raises(ConfigCompositionException, match=r"model_engine=hdp") as err:
+        _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp", bad])
+    assert bad in str(err.value)
+    # the override the message names makes the same line work
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", bad])
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine.hdp.max_tokens_per_rank == 8192
+    # other bad overrides keep Hydra's own message
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'actor_rollout_ref.actor.nope'"):
+        _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp", "actor_rollout_ref.actor.nope=1"])
+
+
+@pytest.mark.parametrize("engine", ["strategy=hdp", "model_engine=hdp"])
+@pytest.mark.parametrize("value", [0, -5])
+def test_nonpositive_ppo_max_token_len_names_the_key(engine, value):
+    switch = "actor_rollout_ref.actor.strategy=hdp" if engine == "strategy=hdp" else "model_engine=hdp"
+    cfg = _compose("ppo_trainer", BASE + [switch, f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={value}"])
+    want = rf"actor_rollout_ref\.actor\.ppo_max_token_len_per_gpu={value}:.*positive integer.*hdp\.max_tokens_per_rank"
+    with pytest.raises((ValueError, Exception), match=want):
+        _validate(cfg)  # verl's validate_config: the actor config is built and checked there
+    if engine == "model_engine=hdp":  # hdp's own budget makes verl's irrelevant
+        ok = _compose("ppo_trainer", BASE + [switch, f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={value}",
+                                             "actor_rollout_ref.actor.hdp.max_tokens_per_rank=4096"])
+        _validate(ok)
+
+
+def test_bad_ref_megatron_value_names_the_ref_key():
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", "actor_rollout_ref.ref.megatron.context_parallel_size=2"])
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # the actor is fine
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.ref\.megatron\.context_parallel_size=2") as err:
+        _ref_config(cfg)
+    assert "actor_rollout_ref.actor.megatron" not in str(err.value)
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", "actor_rollout_ref.ref.megatron.expert_model_parallel_size=0"])
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.ref\.megatron\.expert_model_parallel_size=0: pass a positive"):
+        _ref_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("tensor_model_parallel_size", 0),
+        ("pipeline_model_parallel_size", -1),
+        ("expert_model_parallel_size", 0),
+        ("expert_tensor_parallel_size", 0),
+    ],
+)
+def test_nonpositive_parallel_sizes_name_the_actor_key(key, value):
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", f"actor_rollout_ref.actor.megatron.{key}={value}"])
+    with pytest.raises(Exception, match=rf"actor_rollout_ref\.actor\.megatron\.{key}={value}: pass a positive integer"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_tp_pp_ep_are_taken_from_verls_megatron_config():
+    layout = [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+    ]
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp"] + layout)
+    for c in (omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), _ref_config(cfg)):  # the ref follows the actor
+        e = c.engine
+        assert (e.tensor_model_parallel_size, e.pipeline_model_parallel_size, e.expert_model_parallel_size) == (2, 4, 2)
+        assert e.sequence_parallel  # verl's default under TP; the engine pads packed lengths to a multiple of TP
+    assert HdpEngineConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)  # interleaved
+    with pytest.raises(ValueError, match=r"megatron\.virtual_pipeline_model_parallel_size=2: virtual stages need "
+                                         r".*pipeline_model_parallel_size >= 2"):
+        HdpEngineConfig(virtual_pipeline_model_parallel_size=2)
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                                 "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"])
+def test_ulysses_under_hdp_names_the_key(key):
+    cfg = _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp", f"{key}=2"])
+    with pytest.raises(Exception, match=r"ulysses_sequence_parallel_size=2: .*set it to 1"):
+        _validate(cfg)
+    # on the engine path too (the converter), naming the engine's key
+    from verl.workers.config import FSDPEngineConfig
+
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.fsdp_config\.ulysses_sequence_parallel_size=2"):
+        to_hdp_engine_config(FSDPEngineConfig(ulysses_sequence_parallel_size=2, strategy="fsdp"))
+
+
+@pytest.mark.parametrize("engine", ["strategy=hdp", "model_engine=hdp"])
+def test_use_remove_padding_false_names_the_key(engine):
+    switch = "actor_rollout_ref.actor.strategy=hdp" if engine == "strategy=hdp" else "model_engine=hdp"
+    cfg = _compose("ppo_trainer", BASE + [switch, "actor_rollout_ref.model.use_remove_padding=false"])
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.model\.use_remove_padding=False: .*set it to True"):
+        _validate(cfg)
+
+
+def test_engine_construction_checks_name_the_verl_keys(monkeypatch):
+    """What the worker fills in after config time is checked when the engine is constructed (before
+    Megatron's initialisation, i.e. before any collective)."""
+    from types import SimpleNamespace
+
+    from hdp.integrations.verl import engine as E
+
+    called = []
+    monkeypatch.setattr(E._MegatronLM, "__init__", lambda self, *a, **k: called.append(1))
+    model = SimpleNamespace(mtp=SimpleNamespace(enable=False), hf_config=SimpleNamespace(vision_config=None),
+                            use_remove_padding=True)
+
+    def build(model_cfg, **engine_kw):
+        eng = HdpEngineConfig()
+        for k, v in engine_kw.items():
+            object.__setattr__(eng, k, v)
+        E.HdpMegatronEngine(model_config=model_cfg, engine_config=eng, optimizer_config=None, checkpoint_config=None)
+
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_remove_padding=False"):
+        build(SimpleNamespace(**{**vars(model), "use_remove_padding": False}))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.ppo_max_token_len_per_gpu=0"):
+        build(model, max_token_len_per_gpu=0, infer_max_token_len_per_gpu=64)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.log_prob_max_token_len_per_gpu=-1"):
+        build(model, max_token_len_per_gpu=64, infer_max_token_len_per_gpu=-1)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.log_prob_max_token_len_per_gpu=0"):
+        build(model, forward_only=True, infer_max_token_len_per_gpu=0)
+    assert not called  # every check ran before verl's constructor (Megatron, collectives)
+    build(model, max_token_len_per_gpu=64, infer_max_token_len_per_gpu=64)
+    assert called == [1]
+
+
+def test_zero_memory_under_tp_needs_expert_tp_1():
+    """verl leaves expert TP null (Megatron: = TP); hdp's MoE zero-memory recomputes whole experts."""
+    common = BASE + ["model_engine=hdp", "actor_rollout_ref.actor.hdp.zero_memory=level1",
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    cfg = _compose("ppo_trainer", common)
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.actor\.megatron\.expert_tensor_parallel_size=None "
+                                        r"\(expert TP 2.*set actor_rollout_ref\.actor\.megatron\.expert_tensor_parallel_size=1"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ok = _compose("ppo_trainer", common + ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+    assert omega_conf_to_dataclass(ok.actor_rollout_ref.actor).engine.expert_tensor_parallel_size == 1
+    assert _ref_config(ok).engine.expert_tensor_parallel_size == 1  # the ref follows the actor

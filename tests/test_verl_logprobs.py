@@ -90,3 +90,38 @@ def test_bad_chunk_names_the_value():
     logits, targets, temp = _inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk=0"):
         token_logprobs_entropy(logits, targets, temp, chunk=0)
+
+
+def _tp_worker(rank: int, world: int) -> None:
+    """TP 2: each rank holds half of the vocabulary; values and d logits equal the one-process path."""
+    import torch.distributed as dist
+
+    from hdp.integrations.verl.logprobs import tp_logprobs_entropy
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(T, 64, generator=g) * 3  # [T, V] float32, V = 64
+    targets = torch.randint(0, 64, (T,), generator=g)
+    temp = torch.rand(T, generator=g) + 0.5
+    w_lp, w_h = torch.randn(T, generator=g), torch.randn(T, generator=g)  # upstream gradients
+
+    full = logits.clone().requires_grad_(True)
+    lp_ref, h_ref = token_logprobs_entropy(full, targets, temp, chunk=16, entropy=True)
+    ((lp_ref * w_lp).sum() + (h_ref * w_h).sum()).backward()
+
+    shard = logits[:, rank * 32 : (rank + 1) * 32].clone().requires_grad_(True)  # [T, V/2]
+    lp, h = tp_logprobs_entropy(shard, targets, temp, dist.group.WORLD, entropy=True)
+    ((lp * w_lp).sum() + (h * w_h).sum()).backward()
+    torch.testing.assert_close(lp, lp_ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(shard.grad, full.grad[:, rank * 32 : (rank + 1) * 32], atol=2e-5, rtol=0)
+    lp_only, none = tp_logprobs_entropy(shard.detach(), targets, temp, dist.group.WORLD, entropy=False)
+    assert none is None
+    torch.testing.assert_close(lp_only, lp_ref.detach(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.dist
+def test_tensor_parallel_logprobs_and_entropy_match_the_full_vocabulary():
+    """The verl engine's TP path: vocab-parallel log-probs (hdp.trainer.model) and entropy (with its backward)."""
+    from dist_helper import run_distributed
+
+    run_distributed(_tp_worker, 2, timeout=120)

@@ -1,21 +1,25 @@
-"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (2 gloo ranks, CPU).
+"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (CPU, gloo: domain 2 on 2 ranks,
+TP 2 x domain 2 and PP 2 x domain 2 on 4 ranks, with TP / PP taken from verl's ``megatron.*`` keys).
 
 The door users use: verl's Hydra config (``ppo_trainer`` + ``model_engine=hdp``), verl's
 ``ActorRolloutRefWorker.init_model`` (``TrainingWorker`` -> ``EngineRegistry.new`` -> the lazily
 registered ``hdp`` backend -> ``HdpMegatronEngine``; model built by verl's ``vanilla_mbridge`` path
 with the PyPI ``mbridge`` package from a tiny Qwen3 / Qwen3-MoE saved with ``save_pretrained``),
-then ``compute_ref_log_prob``, ``compute_log_prob``, ``update_actor`` x2, ``save_checkpoint`` ->
-``load_checkpoint`` -> the same step again, and HF weight export (``get_per_tensor_param``).
+then ``compute_ref_log_prob``, ``compute_log_prob`` (log-probs and entropies), ``update_actor`` x2 (PPO
+loss with KL and entropy bonus), ``save_checkpoint`` -> ``load_checkpoint`` -> the same step again, and HF
+weight export (``get_per_tensor_param``).
 
 Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one
 process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
 
-* float32 engine (``megatron.dtype=float32``): log-probs ``2e-5`` absolute (values O(1..10); the
+* float32 engine (``megatron.dtype=float32``): log-probs and entropies ``2e-5`` absolute (values O(1..10); the
   paths differ in summation order: packed zigzag chunks, ring attention, fused QKV), loss ``1e-5``
   relative, grad norm ``1e-4`` relative;
 * bfloat16 reference model (the MoE case's ref, verl's default dtype): log-probs ``0.1`` absolute
   (bf16 weights and activations, 8 mantissa bits, 2 layers);
-* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data).
+* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data):
+  the metrics of the repeated step and the weights after it equal the uninterrupted step's bit for bit
+  (Adam's per-parameter step is restored by the engine's ``load_checkpoint``).
 
 CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``tests/verl_support``.
 """
@@ -37,9 +41,11 @@ LENGTHS = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30)]  # (prompt, respo
 BUDGET = 64
 LOGP_TOL_FP32 = 2e-5
 LOGP_TOL_BF16 = 0.1
+ENTROPY_COEFF = 0.01  # the update differentiates through the entropy too (vocab-parallel under TP)
 
 
-def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
+def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1, vpp: int = 1,
+             budget: int = BUDGET) -> object:
     from hydra import compose, initialize_config_dir
 
     import verl.trainer.config as vtc
@@ -51,13 +57,14 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        f"actor_rollout_ref.actor.entropy_coeff={ENTROPY_COEFF}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={BUDGET}",
-        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={BUDGET}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
         "actor_rollout_ref.actor.megatron.dtype=float32",
         f"actor_rollout_ref.ref.megatron.dtype={'bfloat16' if moe else 'float32'}",
@@ -67,6 +74,13 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
         "actor_rollout_ref.actor.hdp.hardware_profile=cpu-gloo",
         f"actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
     ]
+    for role in ("actor", "ref"):  # verl's own Megatron layout keys; the ref's are read separately
+        overrides += [
+            f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size={tp}",
+            f"actor_rollout_ref.{role}.megatron.pipeline_model_parallel_size={pp}",
+        ]
+        if vpp > 1:
+            overrides.append(f"actor_rollout_ref.{role}.megatron.virtual_pipeline_model_parallel_size={vpp}")
     if moe:
         overrides += [
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
@@ -80,7 +94,8 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str) -> object:
 
 
 def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
-    """fp32 HF: per-sample input-aligned log-probs [L_i] and (loss, grad norm) of verl's ppo_loss, dp_size 1."""
+    """fp32 HF: per-sample input-aligned log-probs and entropies [L_i] and (loss, grad norm) of verl's
+    ppo_loss (with the entropy bonus), dp_size 1."""
     from functools import partial
 
     import torch
@@ -91,21 +106,24 @@ def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
     from verl_support import batches as B
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    logps = []
+    logps, ents = [], []
     for p, r in samples:
         ids = torch.tensor(p + r)[None]  # [1, L]
         logits = model(input_ids=ids).logits[0].float()  # [L, V]
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
+        full = torch.log_softmax(logits, dim=-1)  # [L, V]
+        lp = full[:-1].gather(-1, ids[0, 1:, None])[:, 0]  # [L-1]
         logps.append(torch.cat([lp, lp.new_zeros(1)]))  # input-aligned: p predicts p+1
-    data = B.update_batch(padded, extra, mini_batch_size=len(samples))
+        ents.append(-(full.exp() * full).sum(-1))  # [L]
+    data = B.update_batch(padded, extra, mini_batch_size=len(samples), calculate_entropy=True)
     mask = data["loss_mask"]
     n_tok = int(mask.values().sum() if mask.is_nested else mask.sum())
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=n_tok)
-    out = {"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged)}
+    out = {"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged),
+           "entropy": torch.nested.as_nested_tensor(ents, layout=torch.jagged)}
     loss, _ = partial(ppo_loss, config=actor_cfg)(model_output=out, data=data)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return [x.detach() for x in logps], float(loss), float(norm)
+    return [x.detach() for x in logps], [x.detach() for x in ents], float(loss), float(norm)
 
 
 def _safetensors(path: str) -> dict:
@@ -119,7 +137,9 @@ def _safetensors(path: str) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
+def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str, vpp: int = 1) -> None:
+    """verl's worker on ``world`` = TP x PP x domain ranks (``vpp`` virtual stages each); ``full``: also
+    update x2, checkpoint, continue."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
     import logging
 
@@ -141,10 +161,13 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     model_path = os.path.join(tmp, "model")
+    layers = max(2, pp * vpp)
+    # interleaved: budget 48 gives 3 rounds, padded to 4 micro-batches (one idle) for PP 2
+    budget = 48 if vpp > 1 else BUDGET
     if rank == 0:
-        build_tiny(model_path, moe=moe)
+        build_tiny(model_path, moe=moe, layers=layers)
     dist.barrier(group=dist.group.WORLD)
-    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp)
+    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp, vpp=vpp, budget=budget)
 
     ref = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="ref")
     ref.init_model()
@@ -153,14 +176,23 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     for w in (ref.ref, act.actor):
         assert type(w.engine) is HdpMegatronEngine, type(w.engine)
     engine = act.actor.engine
-    assert engine.domain.size == world and engine.get_data_parallel_size() == 1
+    layout = engine.domain.layout
+    assert (layout.tp_size, layout.pp_size, engine.domain.size) == (tp, pp, world // (tp * pp))
+    assert engine.get_data_parallel_size() == 1
+    assert len(engine.module) == vpp
+    assert engine._token_multiple == tp  # sequence parallel under TP: packed lengths padded to a multiple of TP
+    # verl's collect rank (TP rank 0 of the last stage, domain rank 0) holds the outputs; every rank learns which
+    flags = [None] * world
+    dist.all_gather_object(flags, bool(engine.is_mp_src_rank_with_outputs()), group=dist.group.WORLD)
+    assert sum(flags) == 1, flags
+    src = flags.index(True)
     if moe:  # hdp's MoE zero-memory layers replaced Megatron's MoELayer in every layer
         from hdp.moe import ZeroMemoryMoELayer
 
         zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
-        assert len(zm) == 2 and all(m.zero_memory_level.value == "level1" for m in zm), zm
+        assert len(zm) == layers // (pp * vpp) and all(m.zero_memory_level.value == "level1" for m in zm), zm  # this stage's layers
 
-    # HF export right after loading == the HF checkpoint (names and values; EP experts gathered)
+    # HF export right after loading == the HF checkpoint (names and values; TP/PP/EP shards gathered)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     disk = _safetensors(model_path)
     assert set(exported) == set(disk), sorted(set(exported) ^ set(disk))
@@ -170,49 +202,57 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     samples = B.random_samples(LENGTHS, VOCAB, seed=1)
     padded = B.padded_batch(samples, pad_id=0)
     probe = B.ref_batch(padded)
-    tu.assign_non_tensor(probe, max_token_len_per_gpu=BUDGET)
-    assert max(engine._make_plan(probe).group_size) > 1, "the batch must put a sample on a CP group"
+    tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
+    probe_plan = engine._make_plan(probe)
+    assert max(probe_plan.group_size) > 1, "the batch must put a sample on a CP group"
+    if vpp > 1:
+        assert probe_plan.num_rounds % pp != 0, "the interleaved case must run a padding micro-batch"
 
     ref_out = ref.compute_ref_log_prob(B.ref_batch(padded))
     old_out = act.compute_log_prob(B.old_logp_batch(padded))
     objs = [None, None]
-    if rank == 0:
+    if rank == src:
         assert "entropy" in old_out.keys() and "entropy" not in ref_out.keys()
         objs = [no_padding_2_padding(tu.get(x, "log_probs"), probe).float() for x in (ref_out, old_out)]
     else:
         assert ref_out is None and old_out is None
-    dist.broadcast_object_list(objs, src=0, group=dist.group.WORLD)
+    dist.broadcast_object_list(objs, src=src, group=dist.group.WORLD)
     ref_lp, old_lp = objs
     adv = torch.randn(padded["responses"].shape, generator=torch.Generator().manual_seed(3)) * padded["response_mask"]
     extra = {"old_log_probs": old_lp, "advantages": adv, "ref_log_prob": ref_lp}
 
     actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    if rank == 0:
-        hf_logp, hf_loss, hf_norm = _hf_reference(model_path, samples, padded, extra, actor_cfg)
+    if rank == src:
+        hf_logp, hf_ent, hf_loss, hf_norm = _hf_reference(model_path, samples, padded, extra, actor_cfg)
         got = list(tu.get(old_out, "log_probs").unbind())
+        got_ent = list(tu.get(old_out, "entropy").unbind())
         got_ref = list(tu.get(ref_out, "log_probs").unbind())
         ref_tol = LOGP_TOL_BF16 if moe else LOGP_TOL_FP32
-        for i, (a, b, c) in enumerate(zip(got, got_ref, hf_logp)):
+        for i, (a, e, b, c, h) in enumerate(zip(got, got_ent, got_ref, hf_logp, hf_ent)):
             torch.testing.assert_close(a[:-1].float(), c[:-1], atol=LOGP_TOL_FP32, rtol=0, msg=lambda m, i=i: f"actor sample {i}: {m}")
+            torch.testing.assert_close(e[:-1].float(), h[:-1], atol=LOGP_TOL_FP32, rtol=0, msg=lambda m, i=i: f"entropy sample {i}: {m}")
             torch.testing.assert_close(b[:-1].float(), c[:-1], atol=ref_tol, rtol=0, msg=lambda m, i=i: f"ref sample {i}: {m}")
 
     def update():
-        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(LENGTHS)))
-        if rank != 0:
+        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(LENGTHS), calculate_entropy=True))
+        if rank != src:
             assert out is None
             return None
         m = verl_reduce_metrics(tu.get(out, "metrics"))  # what verl's trainer does with update_actor's metrics
-        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl")}
+        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl", "actor/entropy_loss")}
 
     m1 = update()
-    if rank == 0:
+    if rank == src:
         assert abs(m1["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m1["loss"], hf_loss)
         assert abs(m1["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m1["grad_norm"], hf_norm)
+    if not full:
+        return
     ckpt = os.path.join(tmp, "ckpt")
     act.save_checkpoint(ckpt, global_step=1)
     saved_weights = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     saved_moments = _adam_moments(engine)
     m2 = update()
+    after_m2 = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     act.load_checkpoint(ckpt, del_local_after_load=False)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     for n, t in saved_weights.items():  # HF export after load == export at save time, exactly
@@ -220,7 +260,11 @@ def _worker(rank: int, world: int, moe: bool, tmp: str) -> None:
     for a, b in zip(saved_moments, _adam_moments(engine)):  # Adam moments restored exactly
         assert torch.equal(a, b)
     m2b = update()  # the same step again from the restored state
-    if rank == 0:
+    after_m2b = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
+    # the continued update is bit for bit the uninterrupted one (Adam's per-parameter step restored too)
+    diff = {n: float((after_m2[n].float() - t.float()).abs().max()) for n, t in after_m2b.items() if not torch.equal(after_m2[n], t)}
+    assert not diff, f"weights after the reloaded step differ from the uninterrupted step: {diff}"
+    if rank == src:
         assert m2 == m2b, (m2, m2b)  # loss, pg_loss, grad norm, rounds: identical
         assert m2["loss"] != m1["loss"]
         disk = _safetensors(os.path.join(ckpt, "model", "huggingface"))  # the checkpoint's HF weights
@@ -241,7 +285,20 @@ def _adam_moments(engine) -> list:
     return out
 
 
+# (moe, TP, PP, full): 2 ranks = domain 2; the TP / PP cases are TP 2 x domain 2 and PP 2 x domain 2 on 4
+# ranks.  full=False stops after the first update (log-probs, entropies, loss and grad norm against HF)
+CASES = {
+    "qwen3": (False, 1, 1, True),
+    "qwen3moe-ep2-level1-offload": (True, 1, 1, True),
+    "qwen3-tp2-sp": (False, 2, 1, True),
+    "qwen3-pp2": (False, 1, 2, True),
+    "qwen3-pp2-vpp2": (False, 1, 2, True),  # 4 layers, 2 virtual stages per rank: the interleaved schedule
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3moe-ep2-level1-offload"])
-def test_actor_rollout_ref_worker_drives_hdp(moe: bool, tmp_path) -> None:
-    run_distributed(_worker, 2, moe, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
+    moe, tp, pp, full = CASES[case]
+    vpp = 2 if "vpp2" in case else 1
+    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), vpp, timeout=300)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Optional
 
 from hdp.cp import CPAlgorithm
 from hdp.integrations.verl import compat
+from hdp.integrations.verl.checks import check_actor_config, check_parallel_size, check_remove_padding, check_ulysses, role_key
 from hdp.moe.zero_memory import ZeroMemoryLevel
 from hdp.packing import CostModel, PlannerConfig, cost_model
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
@@ -99,8 +100,9 @@ class HdpOptions(PlannerOptions):
                 f"{_KEY}.hdp.cost_model_file"
             ) from exc
 
-    def planner_config(self, num_ranks: int, default_budget: int | None) -> PlannerConfig:
-        """The planner config for a domain of ``num_ranks``; ``default_budget`` is verl's per-GPU token budget."""
+    def planner_config(self, num_ranks: int, default_budget: int | None, *, pipeline_stages: int = 1) -> PlannerConfig:
+        """The planner config for a domain of ``num_ranks`` under ``pipeline_stages`` (PP);
+        ``default_budget`` is verl's per-GPU token budget."""
         budget = self.max_tokens_per_rank if self.max_tokens_per_rank is not None else default_budget
         if budget is None:
             raise ValueError(
@@ -108,7 +110,8 @@ class HdpOptions(PlannerOptions):
                 "set actor_rollout_ref.actor.hdp.max_tokens_per_rank"
             )
         return PlannerConfig(
-            num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=self.cost(), **self.planner_options()
+            num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=self.cost(), pipeline_stages=pipeline_stages,
+            **self.planner_options(),
         )
 
 
@@ -122,26 +125,40 @@ class HdpEngineConfig(compat.McoreEngineConfig):
     def __post_init__(self) -> None:
         if self.strategy != HDP_STRATEGY:
             raise ValueError(
-                f"{_KEY}.megatron.strategy={self.strategy!r}: HdpEngineConfig is the hdp engine's config; "
+                f"{role_key(self)}.megatron.strategy={self.strategy!r}: HdpEngineConfig is the hdp engine's config; "
                 f"set it to {HDP_STRATEGY!r} or use verl's McoreEngineConfig"
             )
         if isinstance(self.hdp, dict):  # OmegaConf merge paths hand plain dicts
             object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
-        # hdp runs Megatron as pure DP over the domain and supplies CP inside attention (DESIGN.md)
+        key = f"{role_key(self)}.megatron"
+        # hdp supplies CP inside attention over the domain (the DP ranks of one TP rank and PP stage)
         fixes = {
             "context_parallel_size": (1, "hdp splits long samples itself; bound memory with hdp.max_tokens_per_rank"),
             "dynamic_context_parallel": (False, "hdp replaces Megatron's dynamic CP"),
-            "pipeline_model_parallel_size": (1, "pipeline parallelism under hdp rounds is not implemented yet"),
-            "tensor_model_parallel_size": (1, "tensor parallelism under hdp is not implemented yet"),
         }
         for name, (want, why) in fixes.items():
             if getattr(self, name) != want:
-                raise ValueError(f"{_KEY}.megatron.{name}={getattr(self, name)!r}: set {want!r} ({why})")
-        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+                raise ValueError(f"{key}.{name}={getattr(self, name)!r}: set {want!r} ({why})")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            check_parallel_size(getattr(self, name), f"{key}.{name}")
+        if self.expert_tensor_parallel_size is not None:
+            check_parallel_size(self.expert_tensor_parallel_size, f"{key}.expert_tensor_parallel_size")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size  # Megatron's default: TP
+        if self.hdp.zero_memory is not ZeroMemoryLevel.NONE and etp != 1:
             raise ValueError(
-                f"{_KEY}.megatron.virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size!r}: "
-                "set null (hdp runs PP = 1)"
+                f"{key}.expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} (expert TP {etp}; null means "
+                f"TP = {self.tensor_model_parallel_size}): {_KEY}.hdp.zero_memory={self.hdp.zero_memory.value} "
+                f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
+                "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")
+            if vpp > 1 and self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{key}.virtual_pipeline_model_parallel_size={vpp}: virtual stages need "
+                    f"{key}.pipeline_model_parallel_size >= 2 (it is {self.pipeline_model_parallel_size}); set it to null"
+                )
         with compat.without_megatron_strategy_assert(self):
             super().__post_init__()
 
@@ -165,6 +182,13 @@ class HdpActorConfig(compat.McoreActorConfig):
         engine = to_hdp_engine_config(self.megatron, self.hdp)
         object.__setattr__(self, "megatron", engine)
         self.engine = engine
+        check_actor_config(self)
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: Any = None) -> None:
+        """verl's ``validate_config`` hook: verl's actor checks, then hdp's on the model config."""
+        super().validate(n_gpus, train_batch_size, model_config)
+        if model_config is not None:
+            check_remove_padding(model_config.get("use_remove_padding", True))
 
 
 # ---- converters --------------------------------------------------------------------------------
@@ -193,6 +217,8 @@ def to_hdp_engine_config(engine: Any, hdp: HdpOptions | None = None) -> HdpEngin
             f"engine config is {type(engine).__name__}; the hdp engine takes a verl EngineConfig "
             "(McoreEngineConfig, FSDPEngineConfig, ...) or HdpEngineConfig"
         )
+    check_ulysses(getattr(engine, "ulysses_sequence_parallel_size", 1),
+                  f"{role_key(engine)}.fsdp_config.ulysses_sequence_parallel_size")
     base = compat.McoreEngineConfig if isinstance(engine, compat.McoreEngineConfig) else compat.EngineConfig
     values = _common(engine, base, exclude=("_target_", "strategy"))
     return HdpEngineConfig(**values, strategy=HDP_STRATEGY, hdp=hdp if hdp is not None else HdpOptions())

@@ -1,8 +1,21 @@
 """``HdpMegatronEngine``: verl's Megatron engine with hdp plans instead of micro-batches.
 
-Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation (with CP = 1:
-Megatron sees pure DP over the domain), model building through Megatron-Bridge, optimizer and LR
-scheduler, checkpointing, HF weight export to the rollout, offloading, train/eval contexts.
+Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation with the TP / PP /
+EP layout of verl's own Megatron config (``actor_rollout_ref.actor.megatron.*``) and CP = 1, model
+building through Megatron-Bridge, optimizer and LR scheduler, checkpointing, HF weight export to the
+rollout, offloading, train/eval contexts.
+
+Layout: world = TP x PP x N.  The **domain** is Megatron's DP group (the N ranks of one TP rank and PP
+stage); hdp plans over it, and every TP rank and PP stage of a domain rank runs the same plan (the
+plan checksum is compared over the whole job once per step, :func:`hdp.checksum.agree_step`).  Under
+PP each round is one micro-batch of Megatron's 1F1B schedule with its own length (every stage knows
+each round's shape from the plan: :class:`hdp.megatron_compat.HdpP2PCommunicator` sends none), or of
+the interleaved schedule with virtual stages (rounds padded with idle micro-batches to a multiple of
+PP, shapes exchanged); under
+TP with sequence parallelism packed lengths are padded to a multiple of TP (padding tokens weigh 0)
+and log-probs / entropies come from the vocabulary shards (:func:`.logprobs.tp_logprobs_entropy`).
+Outputs and metrics come back, as in verl's own Megatron engine, on the last stage's TP rank 0 —
+here its domain rank 0, verl's one collect rank.
 
 Replaced:
 
@@ -29,12 +42,15 @@ Replaced:
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, T this rank's tokens in one
 round, V vocabulary, N domain size (Megatron's DP world), R rounds.
 
-Status: on CPU (gloo, 2 ranks) the engine is built and driven by verl's own
-``ActorRolloutRefWorker`` (vanilla mbridge model building from an HF checkpoint, ref/actor log-probs,
-updates, checkpoint save/load, HF weight export, offload; dense Qwen3 and Qwen3-MoE with EP 2) and
-matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4 ranks
-through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any GPU/NPU
-run, Megatron-Bridge model building (``vanilla_mbridge=False``).
+Status: on CPU (gloo) the engine is built and driven by verl's own ``ActorRolloutRefWorker``
+(vanilla mbridge model building from an HF checkpoint, ref/actor log-probs and entropies, updates,
+checkpoint save/load with bit-for-bit continuation, HF weight export, offload; dense Qwen3 and
+Qwen3-MoE with EP 2 on 2 ranks, TP 2 (sequence parallel) x domain 2, PP 2 x domain 2 and PP 2 x 2
+virtual stages x domain 2 on 4 ranks;
+TP 2 x PP 2 x domain 2 on 8 ranks and Qwen3-MoE EP 2 x PP 2 x domain 2 on 4 ranks by hand)
+and matches an fp32 HF reference (tests/test_verl_worker_path.py); the round loop alone on 2 and 4
+ranks through :meth:`HdpMegatronEngine.from_modules` (tests/test_verl_engine_dist.py).  Not run: any
+GPU/NPU run, Megatron-Bridge model building (``vanilla_mbridge=False``), EP with TP.
 """
 
 from __future__ import annotations
@@ -48,12 +64,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hdp.checksum import collective_device, verify_plan
+from hdp import megatron_compat as mc
+from hdp.checksum import agree_step, collective_device
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack, unpack_into
-from hdp.groups import DomainGroups
+from hdp.groups import DomainGroups, LayoutGroups
 from hdp.integrations.verl import compat
-from hdp.integrations.verl.logprobs import token_logprobs_entropy
+from hdp.integrations.verl.checks import ACTOR_KEY, REF_KEY, check_remove_padding, check_token_budgets, role_key
+from hdp.integrations.verl.logprobs import tp_logprobs_entropy
 from hdp.integrations.verl.config import (
     HdpEngineConfig,
     to_hdp_engine_config,
@@ -212,30 +230,63 @@ def reject_unsupported(model_config: Any, engine_config: Any) -> None:
         raise ValueError(_UNSUPPORTED["multimodal"])
 
 
+def check_engine_settings(model_config: Any, engine_config: HdpEngineConfig) -> None:
+    """Raise ``ValueError`` naming the verl key for settings the worker filled in that hdp cannot take:
+    ``model.use_remove_padding=False`` and non-positive token budgets (verl's per-GPU budgets are hdp's
+    when ``actor.hdp.max_tokens_per_rank`` is null).  Pure: runs before any collective."""
+    check_remove_padding(getattr(model_config, "use_remove_padding", True))
+    if role_key(engine_config) == REF_KEY:
+        budgets = {f"{REF_KEY}.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu}
+    else:
+        budgets = {
+            f"{ACTOR_KEY}.ppo_max_token_len_per_gpu": engine_config.max_token_len_per_gpu,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu,
+        }
+    check_token_budgets(hdp_budget=engine_config.hdp.max_tokens_per_rank, budgets=budgets)
+
+
 # ---- the domain ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
 class _Domain:
-    """hdp's domain (Megatron's DP group with CP = 1) and the one-rank group verl sees as "DP"."""
+    """hdp's layout (world = TP x PP x domain; the domain is Megatron's DP group with CP = 1), Megatron's
+    process groups, and the one-rank group verl sees as "DP"."""
 
-    group: dist.ProcessGroup
-    groups: DomainGroups
+    layout: LayoutGroups
+    megatron: Any
+    """Megatron's ``ProcessGroupCollection`` of this rank (passed to the pipeline schedule)."""
     verl_dp_group: dist.ProcessGroup
 
     @property
+    def group(self) -> dist.ProcessGroup:
+        """The domain (this rank's DP group: same TP rank and PP stage)."""
+        return self.layout.domain.domain
+
+    @property
+    def groups(self) -> DomainGroups:
+        return self.layout.domain
+
+    @property
     def rank(self) -> int:
-        return self.groups.domain_rank
+        return self.layout.domain.domain_rank
 
     @property
     def size(self) -> int:
-        return self.groups.size
+        return self.layout.domain.size
 
     @classmethod
-    def build(cls, dp_group: dist.ProcessGroup) -> "_Domain":
-        # every rank calls new_subgroups (collective); each gets the group holding only itself
+    def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any) -> "_Domain":
+        """Collective over the world: every rank calls it (``new_subgroups`` builds the one-rank groups)."""
         mine, _ = dist.new_subgroups(group_size=1)
-        return cls(group=dp_group, groups=DomainGroups.build(dp_group), verl_dp_group=mine)
+        layout = LayoutGroups(
+            world=dist.group.WORLD,  # verl's worker group: Megatron's parallel state spans it
+            domain=DomainGroups.build(dp_group),
+            tp=megatron_groups.tp,
+            pp=megatron_groups.pp,
+            ep=megatron_groups.ep,
+        )
+        return cls(layout=layout, megatron=megatron_groups, verl_dp_group=mine)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -247,6 +298,7 @@ class HdpMegatronEngine(_MegatronLM):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
         reject_unsupported(model_config, engine_config)  # before any collective: every rank raises alike
+        check_engine_settings(model_config, engine_config)
         self.hdp_config: HdpEngineConfig = engine_config
         self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
         super().__init__(
@@ -284,15 +336,15 @@ class HdpMegatronEngine(_MegatronLM):
         self.model_config = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=int(pad_token_id)), hf_config=None)
         self.module = module
         self.optimizer = optimizer
-        self._domain = _Domain.build(domain_group)
+        self._domain = _Domain.build(domain_group, mc.megatron_groups())
         return self
 
     # -- Megatron groups and verl's DP view --
 
     def _init_device_mesh(self) -> None:
-        super()._init_device_mesh()  # Megatron with CP = 1 (HdpEngineConfig enforces it)
+        super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
         dp_group = compat.mpu().get_data_parallel_group()
-        self._domain = _Domain.build(dp_group)
+        self._domain = _Domain.build(dp_group, mc.megatron_groups())
 
     @property
     def domain(self) -> _Domain:
@@ -321,15 +373,37 @@ class HdpMegatronEngine(_MegatronLM):
     # -- checkpoints --
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any) -> None:
-        """verl's Megatron checkpoint load, under ``torch.no_grad()``.
+        """verl's Megatron checkpoint load, under ``torch.no_grad()``, then Adam's per-parameter step restored.
 
-        With ``dtype=float32`` Megatron's distributed optimizer keeps its main params as views of
-        the model params (leaves that require grad), and its ``load_state_dict`` copies into them
-        in place (megatron-core 0.16.1 ``distrib_optimizer.py:940``), which autograd rejects.
-        Loading needs no autograd in any dtype.
+        * ``no_grad``: with ``dtype=float32`` Megatron's distributed optimizer keeps its main params as
+          views of the model params (leaves that require grad), and its ``load_state_dict`` copies into
+          them in place (megatron-core 0.16.1 ``distrib_optimizer.py:940``), which autograd rejects.
+        * Adam's ``step``: with torch's Adam (no Apex/TE: the CPU case) megatron-core 0.16.1 restores
+          exp_avg/exp_avg_sq but leaves every state entry's ``step`` at a placeholder, so the update after
+          a reload differs from the uninterrupted one.  The optimizer state dict verl's checkpoint manager
+          loads is captured on its way into ``optimizer.load_state_dict`` and handed to the library
+          engine's fix (:func:`hdp.trainer.engine._restore_adam_steps`).
         """
-        with torch.no_grad():
-            super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+        from hdp.trainer.engine import _restore_adam_steps
+
+        opt = getattr(self, "optimizer", None)
+        loaded: list[Any] = []
+        if opt is not None:
+            orig = opt.load_state_dict
+
+            def capture(state_dict: Any, *args: Any, **kw: Any) -> Any:
+                loaded.append(state_dict)
+                return orig(state_dict, *args, **kw)
+
+            opt.load_state_dict = capture  # this instance, for this call only
+        try:
+            with torch.no_grad():
+                super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+        finally:
+            if opt is not None:
+                del opt.load_state_dict
+        if opt is not None and loaded:
+            _restore_adam_steps(opt, loaded[-1])
 
     # -- model --
 
@@ -346,13 +420,17 @@ class HdpMegatronEngine(_MegatronLM):
 
     # -- one step --
 
+    @property
+    def _token_multiple(self) -> int:
+        """Packed lengths are padded to a multiple of this: TP under sequence parallelism, else 1."""
+        cfg = compat.unwrap_model(self.module[0]).config
+        tp = self.domain.layout.tp_size
+        return tp if tp > 1 and bool(getattr(cfg, "sequence_parallel", False)) else 1
+
     def forward_backward_batch(self, data: Any, loss_function: Callable | None, forward_only: bool = False) -> Any:
         tu = compat.tensordict_utils()
         dom = self.domain
-        t0 = time.perf_counter()
-        plan = self._make_plan(data)
-        planner_ms = (time.perf_counter() - t0) * 1e3
-        verify_plan(plan, dom.group, device=collective_device(dom.group))
+        plan, planner_ms = self._agreed_plan(data)
 
         # verl's loss normalisers over the whole (replicated) mini-batch; dp_size = N cancels DDP's 1/N
         loss_mask = data["loss_mask"]
@@ -362,62 +440,145 @@ class HdpMegatronEngine(_MegatronLM):
         samples = list(data["input_ids"].unbind())  # S x [L_i]
         temperature = data["temperature"] if "temperature" in data.keys() else 1.0
         pad_id = int(self.model_config.tokenizer.pad_token_id or 0)
+        dev = next(self.module[0].parameters()).device
         rounds = [
-            round_inputs(local_meta(plan, dom.rank, r), samples, temperature, pad_id) for r in range(plan.num_rounds)
+            self._round(round_inputs(local_meta(plan, dom.rank, r), samples, temperature, pad_id), pad_id, dev)
+            for r in range(plan.num_rounds)
         ]
-        calculate_entropy = bool(compat.tensordict_utils().get_non_tensor_data(data, key="calculate_entropy", default=False))
+        calculate_entropy = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
         state = _StepState(
             plan=plan, data=data, loss_function=loss_function, forward_only=forward_only, calculate_entropy=calculate_entropy
         )
-
-        fb = compat.forward_backward_func()
-        fb(
-            forward_step_func=partial(self._hdp_forward_step, state=state),
-            data_iterator=iter(rounds),
-            model=self.module,
-            num_microbatches=plan.num_rounds,
-            seq_length=1,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        self._run_schedule(rounds, state)
         return self._collect(state, planner_ms)
+
+    def _agreed_plan(self, data: Any) -> tuple[Plan, float]:
+        """Plan the mini-batch (pure), then one fixed-size all-reduce over the job agrees on planning
+        errors and compares the plan checksum over the domain, the pipeline and the TP ranks at once."""
+        dom = self.domain
+        error: BaseException | None = None
+        plan: Plan | None = None
+        t0 = time.perf_counter()
+        try:
+            plan = self._make_plan(data)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        planner_ms = (time.perf_counter() - t0) * 1e3
+        world = dom.layout.world
+        bad = agree_step(plan, world, failed=error is not None, device=collective_device(world), domain_size=dom.size)
+        if error is not None:
+            raise type(error)(f"hdp engine (domain rank {dom.rank}): {error}") from error
+        if bad:
+            raise ValueError(f"hdp engine: planning failed on ranks {bad} (see their errors); nothing was run")
+        assert plan is not None
+        return plan, planner_ms
 
     def _make_plan(self, data: Any) -> Plan:
         """The hdp plan of this mini-batch over the domain (pure; every rank computes the same one)."""
         tu = compat.tensordict_utils()
         default_budget = tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
-        planner = self.hdp_config.hdp.planner_config(self.domain.size, default_budget)
+        planner = self.hdp_config.hdp.planner_config(
+            self.domain.size, default_budget, pipeline_stages=self.domain.layout.pp_size
+        )
         return make_plan(sample_lengths(data), planner)
 
-    def _hdp_forward_step(self, data_iterator: Iterator[RoundInputs], model: Any, *, state: "_StepState") -> Any:
-        """Megatron forward step of one round: logits of this rank's chunks, then the group's verl loss."""
-        inp = next(data_iterator)
+    def _round(self, inp: RoundInputs, pad_id: int, dev: torch.device) -> "_Round":
+        """One round's micro-batch on the device: the real tokens, then padding (a multiple of TP under
+        sequence parallelism; one micro-batch of padding when the rank holds no token)."""
         meta = inp.meta
-        dev = next(model.parameters()).device
         psp = self._packed_seq_params(meta, dev)
-        logits = model(
-            input_ids=inp.tokens.to(dev)[None, :], position_ids=None, attention_mask=None, packed_seq_params=psp
-        )[0]  # [T, V]
-        logp, ent = token_logprobs_entropy(  # vocab chunks: no extra [T, V] tensors (see .logprobs)
+        real = inp.tokens[: meta.num_tokens]
+        tokens = torch.cat([real, real.new_full((psp.pad_tokens,), pad_id)]).to(dev)  # [T]
+        return _Round(inputs=inp, tokens=tokens, psp=psp)
+
+    def _run_schedule(self, rounds: Sequence["_Round"], state: "_StepState") -> None:
+        """Every round through Megatron's schedule, one micro-batch each, with its own length: no pipelining
+        at PP = 1, 1F1B under PP, the interleaved schedule with virtual stages (rounds padded with idle
+        micro-batches to a multiple of ``microbatch_group_size_per_vp_stage``, PP by default)."""
+        layout = self.domain.layout
+        step = partial(self._hdp_forward_step, state=state)
+        if layout.pp_size == 1:
+            state.num_microbatches = len(rounds)
+            compat.forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(rounds), model=self.module,
+                num_microbatches=len(rounds), seq_length=1, micro_batch_size=1, forward_only=state.forward_only,
+            )
+            return
+        chunk = self.module[0]
+        cfg = compat.unwrap_model(chunk).config
+        if not getattr(cfg, "variable_seq_lengths", False):
+            raise ValueError(
+                "the model's TransformerConfig.variable_seq_lengths is False: hdp rounds have their own lengths; "
+                "set actor_rollout_ref.actor.megatron.override_transformer_config.variable_seq_lengths=True"
+            )
+        dev = next(chunk.parameters()).device
+        p2p = mc.HdpP2PCommunicator(layout.pp, cfg, dev)
+        if len(self.module) > 1:  # interleaved: idle padding rounds; shapes exchanged
+            # Megatron wants whole groups of microbatch_group_size_per_vp_stage (default PP, at least PP)
+            group = max(int(getattr(cfg, "microbatch_group_size_per_vp_stage", None) or layout.pp_size), layout.pp_size)
+            total = -(-len(rounds) // group) * group
+            rounds = list(rounds) + [self._padding_round(dev) for _ in range(total - len(rounds))]
+            state.num_microbatches = total
+            mc.forward_backward_pipelining_with_interleaving(
+                forward_step_func=step, data_iterator=[iter(rounds) for _ in self.module], model=self.module,
+                num_microbatches=total, seq_length=max(r.tokens.shape[0] for r in rounds), micro_batch_size=1,
+                forward_only=state.forward_only, p2p_communicator=p2p, pg_collection=self.domain.megatron,
+            )
+            return
+        # 1F1B: every stage knows each round's length from the plan, so no shape messages; under
+        # sequence parallelism a stage sends its [T/TP, 1, H] shard
+        state.num_microbatches = len(rounds)
+        split = self._token_multiple
+        p2p.expect_shapes([(r.tokens.shape[0] // split, 1, cfg.hidden_size) for r in rounds])
+        mc.forward_backward_pipelining_without_interleaving(
+            forward_step_func=step, data_iterator=iter(rounds), model=chunk, num_microbatches=len(rounds),
+            seq_length=max(r.tokens.shape[0] for r in rounds), micro_batch_size=1, forward_only=state.forward_only,
+            p2p_communicator=p2p, pg_collection=self.domain.megatron,
+        )
+        left = p2p.unused_shapes()
+        if left and layout.pp_rank not in (0, layout.pp_size - 1):
+            raise RuntimeError(f"pipeline schedule received {len(rounds) - left} of {len(rounds)} micro-batches")
+
+    def _padding_round(self, dev: torch.device) -> "_Round":
+        """An idle micro-batch beyond the plan (interleaved schedule): padding tokens only, weight 0."""
+        psp = packed_seq_params((), dev, token_multiple=self._token_multiple)
+        pad_id = int(self.model_config.tokenizer.pad_token_id or 0)
+        return _Round(inputs=None, tokens=torch.full((psp.pad_tokens,), pad_id, dtype=torch.int64, device=dev), psp=psp)
+
+    def _hdp_forward_step(self, data_iterator: Iterator["_Round"], model: Any, *, state: "_StepState") -> Any:
+        """Megatron forward step of one round on this stage; on the last stage the logits of this rank's
+        chunks give log-probs (and entropies), then the group's verl loss."""
+        rnd = next(data_iterator)
+        inp = rnd.inputs
+        out = model(input_ids=rnd.tokens[None, :], position_ids=None, attention_mask=None, packed_seq_params=rnd.psp)
+        if not compat.unwrap_model(model).post_process:  # not the last stage: [T/TP?, 1, H] to the next one
+            return out, partial(_never_called_loss)
+        if inp is None:  # a padding round (interleaved schedule): nothing to compute, every rank alike
+            return out, partial(_padding_loss)
+        meta = inp.meta
+        logits = out[0][: meta.num_tokens]  # [Tr, V/TP]
+        dev = logits.device
+        logp, ent = tp_logprobs_entropy(
             logits,
-            inp.targets.to(dev),
-            inp.temperature.to(dev),
+            inp.targets[: meta.num_tokens].to(dev),
+            inp.temperature[: meta.num_tokens].to(dev),
+            self.domain.layout.tp,
             chunk=int(self.engine_config.entropy_from_logits_chunk_size),
             entropy=state.calculate_entropy,
-        )  # [T], [T] or None
+        )  # [Tr], [Tr] or None
         if ent is None:
             ent = torch.zeros_like(logp)  # never read: entropy was not requested
-        state.local_outputs.append(torch.stack([logp, ent], dim=-1).detach()[: meta.num_tokens])  # [T, 2]; [0, 2] idle
-        return logits, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
+        state.local_outputs[meta.round_index] = torch.stack([logp, ent], dim=-1).detach()  # [Tr, 2]; [0, 2] idle
+        return out, partial(self._hdp_loss, inp=inp, logp=logp, ent=ent, state=state)
 
     def _hdp_loss(self, output: Any, *, inp: RoundInputs, logp: torch.Tensor, ent: torch.Tensor, state: "_StepState") -> Any:
-        """verl's loss on the group's whole samples; Megatron divides by R, so it is scaled by R."""
-        del output
+        """verl's loss on the group's whole samples; Megatron divides by its micro-batch count, so it is
+        scaled by that (R, or R padded to a multiple of PP under the interleaved schedule)."""
         meta = inp.meta
-        zero = logp.sum() * 0.0  # idle rank: backward still runs (EP all-to-alls line up)
+        zero = output.sum() * 0.0  # a rank without tokens: backward still runs (EP all-to-alls, TP, CP line up)
         if state.loss_function is None:
             return zero, {}
-        local = torch.stack([logp, ent], dim=-1)[: meta.num_tokens]  # [T, 2]; [0, 2] when idle
+        local = torch.stack([logp, ent], dim=-1)  # [Tr, 2]; [0, 2] when idle
         full = _group_full_samples(state.plan, meta, local, self.domain.group)  # collective: idle ranks too
         if meta.num_tokens == 0:
             return zero, {}
@@ -432,13 +593,14 @@ class HdpMegatronEngine(_MegatronLM):
                 {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
             )
             state.leader_losses.append(float(loss.detach()))
-        return loss * state.plan.num_rounds, {}
+        return loss * state.num_microbatches + zero, {}
 
     def _packed_seq_params(self, meta: LocalMeta, dev: torch.device) -> HdpPackedSeqParams:
-        if meta.num_tokens == 0:
-            return packed_seq_params([1], dev)
+        """THD parameters of one round: this rank's chunks with its group's CP context (a rank with no
+        token of a group still joins the group's ring / all-gather), padded to the token multiple."""
+        m = self._token_multiple
         if meta.k == 1:
-            return packed_seq_params(meta.group_lengths, dev)
+            return packed_seq_params(meta.group_lengths, dev, token_multiple=m)
         aligned = meta.k & (meta.k - 1) == 0 and meta.group_start % meta.k == 0
         algo = CPAlgorithm.ALLGATHER if self.hdp_config.hdp.cp_algorithm is CPAlgorithm.ALLGATHER and aligned else CPAlgorithm.RING
         cp = CPContext(
@@ -448,12 +610,19 @@ class HdpMegatronEngine(_MegatronLM):
             groups=self.domain.groups,
             algo=algo,
         )
-        return packed_seq_params(meta.group_lengths, dev, cp=cp)
+        return packed_seq_params(meta.group_lengths, dev, cp=cp, token_multiple=m)
 
     def _collect(self, state: "_StepState", planner_ms: float) -> dict[str, Any]:
-        """verl's output dict: model_output in sample order and metrics on domain rank 0."""
+        """verl's output dict on verl's collect rank (TP rank 0 of the last stage, domain rank 0):
+        model_output in sample order and metrics; ``{}`` elsewhere (as verl's Megatron engine off the
+        last stage).  The gathers run over the domain of TP rank 0 on the last stage only."""
         dom = self.domain
-        full = gather_outputs(state.plan, dom.rank, state.local_outputs, dom.group, dst=0)  # S x [L_i, 2] on rank 0
+        layout = dom.layout
+        if not (layout.is_last_stage and layout.tp_rank == 0):
+            return {}
+        none = torch.zeros((0, 2))
+        local = [state.local_outputs.get(r, none) for r in range(state.plan.num_rounds)]  # R x [T_r, 2]
+        full = gather_outputs(state.plan, dom.rank, local, dom.group, dst=0)  # S x [L_i, 2] on rank 0
         gathered: list[Any] = [None] * dom.size
         dist.all_gather_object(gathered, (state.leader_metrics, state.leader_losses), group=dom.group)
         if dom.rank != 0:
@@ -482,6 +651,26 @@ class HdpMegatronEngine(_MegatronLM):
         return {"model_output": out, "loss": loss, "metrics": metrics}
 
 
+def _never_called_loss(output: Any) -> Any:
+    raise RuntimeError("Megatron called the loss function on a stage that is not the last one")
+
+
+def _padding_loss(output: Any) -> Any:
+    """Loss of a padding round: 0, with a graph so its backward runs like every other micro-batch's."""
+    return output.sum() * 0.0, {}
+
+
+@dataclass(frozen=True, eq=False)
+class _Round:
+    """One round's micro-batch of this rank: its inputs, the padded tokens on the device, THD params."""
+
+    inputs: RoundInputs | None
+    """``None`` for a padding round beyond the plan (interleaved schedule)."""
+    tokens: torch.Tensor
+    """[T] int64 on the device: the real tokens, then padding."""
+    psp: HdpPackedSeqParams
+
+
 @dataclass(eq=False)
 class _StepState:
     """Per-step state passed to the forward/loss callbacks (never module state)."""
@@ -493,7 +682,8 @@ class _StepState:
     calculate_entropy: bool = False
 
     def __post_init__(self) -> None:
-        self.local_outputs: list[torch.Tensor] = []  # R x [T_r, 2]
+        self.num_microbatches = self.plan.num_rounds  # what the schedule runs (padded under interleaving)
+        self.local_outputs: dict[int, torch.Tensor] = {}  # round -> [T_r, 2] (last stage)
         self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
         self.leader_losses: list[float] = []  # verl loss of each group this rank led
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["token_logprobs_entropy"]
+__all__ = ["token_logprobs_entropy", "tp_logprobs_entropy"]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -114,4 +115,59 @@ def token_logprobs_entropy(
         raise ValueError(f"chunk={chunk!r}: pass a positive number of vocabulary columns (e.g. 2048)")
     inv_t = 1.0 / temperature.to(device=logits.device, dtype=_acc(logits.dtype))  # [T]
     logp, ent = _ChunkedLogprobEntropy.apply(logits, targets.to(logits.device), inv_t, chunk, bool(entropy))
+    return logp, ent
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy [T] of softmax over the full vocabulary from this TP rank's shard z [T, Vl], differentiable.
+
+    Forward: m = max_v z (MAX over TP), s = Σ e^(z-m), w = Σ e^(z-m)·z (SUM over TP), H = log s + m − w/s.
+    Backward (no communication: each TP rank writes its own columns): dH/dz_v = −p_v (log p_v + H).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        m = z.max(dim=-1).values  # [T]
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(z - m[:, None])  # [T, Vl]
+        sw = torch.stack([e.sum(-1), (e * z).sum(-1)])  # [2, T]
+        dist.all_reduce(sw, op=dist.ReduceOp.SUM, group=group)
+        lse = m + torch.log(sw[0])  # [T]
+        ent = lse - sw[1] / sw[0]  # [T]
+        ctx.save_for_backward(z, lse, ent)
+        return ent
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        z, lse, ent = ctx.saved_tensors
+        logp = z - lse[:, None]  # [T, Vl]
+        return -g[:, None] * logp.exp() * (logp + ent[:, None]), None
+
+
+def tp_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    tp_group: dist.ProcessGroup,
+    *,
+    chunk: int = 2048,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs_entropy` for logits sharded over the vocabulary by tensor parallelism.
+
+    ``logits`` [T, V/TP] is this TP rank's shard (Megatron's output layer), ``targets`` [T] global ids,
+    ``tp_group`` the TP group (explicit).  TP = 1: the chunked path above.  TP > 1: log-probs through
+    :func:`hdp.trainer.model.vocab_parallel_logprobs` on the temperature-scaled float32 shard (one [T, V/TP]
+    tensor) and the entropy through a vocab-parallel autograd function; every TP rank gets the same values.
+    """
+    if tp_group is None:
+        raise ValueError("tp_logprobs_entropy: tp_group=None; pass the tensor-parallel group explicitly")
+    if dist.get_world_size(tp_group) == 1:
+        return token_logprobs_entropy(logits, targets, temperature, chunk=chunk, entropy=entropy)
+    from hdp.trainer.model import vocab_parallel_logprobs
+
+    inv_t = 1.0 / temperature.to(device=logits.device, dtype=torch.float32)  # [T]
+    z = logits.float() * inv_t[:, None]  # [T, V/TP]
+    logp = vocab_parallel_logprobs(z, targets.to(logits.device), tp_group)  # [T]
+    ent = _VocabParallelEntropy.apply(z, tp_group) if entropy else None  # [T]
     return logp, ent

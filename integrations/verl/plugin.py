@@ -17,7 +17,11 @@ reward processes never need.  So this module only
   (:class:`hdp.integrations.verl.engine.HdpMegatronEngine`, or its MindSpeed variant on NPUs);
   only then are hdp's engine, the hdp runtime and Megatron imported;
 * when ``verl.workers.config.actor`` is imported, makes ``actor.strategy=hdp`` on verl's Megatron
-  actor config fail with an error that names the override to use (:func:`guard_megatron_actor`).
+  actor config fail with an error that names the override to use (:func:`guard_megatron_actor`),
+  and runs hdp's config checks on verl's other actor configs with ``strategy=hdp``
+  (:func:`guard_hdp_strategy_actor`: token budgets, Ulysses, ``model.use_remove_padding``);
+* makes Hydra's "Key 'hdp' is not in struct" for an ``actor_rollout_ref.actor.hdp.*`` override on a
+  config without hdp's options name the missing ``model_engine=hdp`` (:func:`guard_hydra_overrides`).
 
 ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) skips all of it; :func:`register` can also be
 called by hand (it registers at once when verl's engine registry is already imported).
@@ -43,6 +47,9 @@ __all__ = [
     "register_engines",
     "register_search_path",
     "guard_megatron_actor",
+    "guard_hdp_strategy_actor",
+    "guard_hydra_overrides",
+    "HDP_OPTIONS_HINT",
     "engine_class",
 ]
 
@@ -171,6 +178,86 @@ def guard_megatron_actor(actor_module: ModuleType) -> bool:
     return True
 
 
+def guard_hdp_strategy_actor(actor_module: ModuleType) -> bool:
+    """Run hdp's config checks on verl's own actor configs with ``strategy="hdp"``; True if this call patched.
+
+    ``actor_rollout_ref.actor.strategy=hdp`` on verl's FSDP-shaped ``ppo_trainer`` builds verl's
+    ``FSDPActorConfig`` (hdp's config classes never run), so without this a non-positive
+    ``ppo_max_token_len_per_gpu``, ``ulysses_sequence_parallel_size > 1`` or ``use_remove_padding=False``
+    pass ``validate_config`` and fail later (or are ignored).  Wraps ``FSDPActorConfig.__post_init__``
+    (:func:`hdp.integrations.verl.checks.check_actor_config`) and ``.validate`` (the model's
+    ``use_remove_padding``, which verl's ``validate_config`` passes in) for ``strategy == "hdp"`` only.
+    """
+    from hdp.integrations.verl import checks
+
+    cls = getattr(actor_module, "FSDPActorConfig", None)
+    if cls is None or getattr(cls.__post_init__, "_hdp_guard", False):
+        return False
+    orig_post, orig_validate = cls.__post_init__, cls.validate
+
+    def __post_init__(self: Any) -> None:
+        orig_post(self)
+        if self.strategy == BACKEND:
+            checks.check_actor_config(self)
+
+    def validate(self: Any, n_gpus: int, train_batch_size: int, model_config: Any = None) -> Any:
+        if self.strategy == BACKEND and model_config is not None:
+            checks.check_remove_padding(model_config.get("use_remove_padding", True))
+        return orig_validate(self, n_gpus, train_batch_size, model_config)
+
+    for new, orig in ((__post_init__, orig_post), (validate, orig_validate)):
+        new._hdp_guard = True  # type: ignore[attr-defined]
+        new.__doc__ = orig.__doc__
+    cls.__post_init__, cls.validate = __post_init__, validate
+    return True
+
+
+HDP_OPTIONS_HINT = (
+    "{key}: this config has no hdp options. actor_rollout_ref.actor.strategy=hdp on verl's ppo_trainer "
+    "keeps verl's FSDP-shaped actor config, which has no 'hdp' key (the engine then uses hdp's defaults). "
+    "Add the override model_engine=hdp, which adds actor_rollout_ref.actor.hdp.* (and every "
+    "actor_rollout_ref.actor.megatron.* option), or use --config-name hdp_ppo_trainer"
+)
+"""The error for an ``actor_rollout_ref.(actor|ref).hdp.*`` override on a config without hdp's options."""
+
+
+def guard_hydra_overrides() -> bool:
+    """Make a failed ``actor_rollout_ref.actor.hdp.*`` override say to add ``model_engine=hdp``; True if patched.
+
+    Hydra applies command-line overrides in ``ConfigLoaderImpl._apply_overrides_to_config`` (private,
+    hydra-core 1.3) and reports a key missing from the config as "Could not override ... Key 'hdp' is not
+    in struct", which does not say what is missing.  This wraps that static method: when an override
+    under ``actor_rollout_ref.actor.hdp`` / ``actor_rollout_ref.ref.hdp`` fails on a config whose actor has
+    no ``hdp`` node, it raises Hydra's own ``ConfigCompositionException`` with :data:`HDP_OPTIONS_HINT`
+    (the original chained).  Anything else is untouched.  Can go when verl's stock actor configs accept
+    ``hdp`` or Hydra's message names the config group that would add the key.
+    """
+    import re
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    orig = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"].__func__
+    if getattr(orig, "_hdp_guard", False):
+        return False
+    pattern = re.compile(r"^actor_rollout_ref\.(actor|ref)\.hdp(\.|$)")
+
+    def _apply_overrides_to_config(overrides: Any, cfg: Any) -> None:
+        try:
+            orig(overrides, cfg)
+        except ConfigCompositionException as exc:
+            bad = [o.input_line for o in overrides if pattern.match(str(o.key_or_group or ""))]
+            has_hdp = OmegaConf.select(cfg, "actor_rollout_ref.actor.hdp", throw_on_missing=False) is not None
+            if bad and not has_hdp:
+                raise ConfigCompositionException(HDP_OPTIONS_HINT.format(key=bad[0])) from exc
+            raise
+
+    _apply_overrides_to_config._hdp_guard = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(_apply_overrides_to_config)
+    return True
+
+
 _HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn"}
 
 
@@ -238,6 +325,7 @@ def _register_or_warn(module: ModuleType | None) -> bool:
 def _guard_or_warn(module: ModuleType) -> bool:
     try:
         guard_megatron_actor(module)
+        guard_hdp_strategy_actor(module)
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
@@ -251,6 +339,10 @@ def register() -> bool:
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not add hdp's Hydra configs (%s: %s)", type(exc).__name__, exc)
         return False
+    try:
+        guard_hydra_overrides()
+    except Exception as exc:  # plugin boundary: Hydra's private loader changed; its own message stays
+        logger.warning("hdp verl plugin: could not guard Hydra's overrides (%s: %s)", type(exc).__name__, exc)
     ok = True
     for name, hook in _HOOKS.items():
         loaded = sys.modules.get(name)

@@ -45,6 +45,30 @@ def te_name(name: str, dense_norm_fused: bool) -> str:
     return _EXPERT.sub(lambda m: f".mlp.experts.{m.group(2)}.weight{m.group(1)}", name)
 
 
+def _sp_norms(block: Any) -> Any:
+    """The block spec with Megatron's torch norms replaced by hdp's ``HdpNorm`` (same torch module, runs
+    under sequence parallelism, which ``WrappedTorchNorm`` refuses; TE's norms do this on GPUs)."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from hdp.trainer.model import HdpNorm
+
+    def swap(sub: Any, *names: str) -> Any:
+        new = {n: HdpNorm for n in names if getattr(sub, n, None) is WrappedTorchNorm}
+        return dataclasses.replace(sub, **new) if new else sub
+
+    layers = []
+    for layer in block.layer_specs:
+        sub = swap(layer.submodules, "input_layernorm", "pre_mlp_layernorm")
+        attn = sub.self_attention
+        sub = dataclasses.replace(sub, self_attention=dataclasses.replace(
+            attn, submodules=swap(attn.submodules, "q_layernorm", "k_layernorm")))
+        layers.append(dataclasses.replace(layer, submodules=sub))
+    out = dataclasses.replace(block, layer_specs=layers)
+    return swap(out, "layer_norm")
+
+
 class _LocalSpec:
     """Mixin: local layer spec, CPU-safe flags, local -> TE parameter names."""
 
@@ -58,7 +82,8 @@ class _LocalSpec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         self.has_vp_stage = True
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)  # type: ignore[attr-defined]
+        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)  # type: ignore[attr-defined]
+        return _sp_norms(spec)
 
     def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
         base = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)  # type: ignore[misc]

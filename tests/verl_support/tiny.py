@@ -21,9 +21,9 @@ _WORDS = (
     + [str(d) for d in range(10)]
     + list("+-*/=?.,:")
     + "what is the answer user assistant system you are a helpful please compute sum of and".split()
-    + [f"w{i}" for i in range(64)]
+    + [f"w{i}" for i in range(87)]
 )
-VOCAB = len(_SPECIAL) + len(_WORDS) + 1  # + <unk>
+VOCAB = len(_SPECIAL) + len(_WORDS) + 1  # + <unk>; 128: Megatron splits it over TP 2 without padding columns
 _CHAT = (  # Qwen's ChatML layout
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -1,0 +1,90 @@
+"""Checks of verl settings the hdp engine cannot honour, each naming the verl key, the value and the fix.
+
+Pure functions on plain attribute values: no verl import, so the plugin can call them from its
+post-import hooks on verl's own config classes (``actor.strategy=hdp`` on verl's FSDP-shaped
+``ppo_trainer`` never builds hdp's config classes) as well as hdp's config classes and the engine.
+Every check runs before any collective (at config time, or when the engine is constructed), so
+every rank raises the same ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ACTOR_KEY",
+    "REF_KEY",
+    "role_key",
+    "check_parallel_size",
+    "check_token_budgets",
+    "check_remove_padding",
+    "check_ulysses",
+    "check_actor_config",
+]
+
+ACTOR_KEY = "actor_rollout_ref.actor"
+REF_KEY = "actor_rollout_ref.ref"
+
+
+def role_key(engine_config: Any) -> str:
+    """``actor_rollout_ref.ref`` for the reference model's engine config (verl's ref configs set
+    ``forward_only: True``), else ``actor_rollout_ref.actor``."""
+    return REF_KEY if bool(getattr(engine_config, "forward_only", False)) else ACTOR_KEY
+
+
+def check_parallel_size(value: Any, key: str) -> None:
+    """A Megatron parallel size must be an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: pass a positive integer (1: no such parallelism)")
+
+
+def _check_budget(value: Any, key: str, what: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{key}={value!r}: the hdp engine takes it as {what} (tokens one rank holds per round); "
+            f"pass a positive integer, or set {ACTOR_KEY}.hdp.max_tokens_per_rank"
+        )
+
+
+def check_token_budgets(*, hdp_budget: Any, budgets: dict[str, Any]) -> None:
+    """verl's per-GPU token budgets (``key -> value``) are hdp's token budget when
+    ``actor.hdp.max_tokens_per_rank`` is null: each must then be a positive integer (or unset)."""
+    if hdp_budget is not None:
+        return
+    for key, value in budgets.items():
+        _check_budget(value, key, "its token budget")
+
+
+def check_remove_padding(value: Any, key: str = "actor_rollout_ref.model.use_remove_padding") -> None:
+    """hdp runs verl's no-padding (THD) batches only."""
+    if value is not None and not bool(value):
+        raise ValueError(
+            f"{key}={value!r}: the hdp engine packs samples without padding (THD) and would ignore it; "
+            "set it to True"
+        )
+
+
+def check_ulysses(value: Any, key: str) -> None:
+    """Ulysses sequence parallelism is FSDP's; hdp gives long samples context parallelism itself."""
+    if value is not None and value != 1:
+        raise ValueError(
+            f"{key}={value!r}: Ulysses sequence parallelism is not used by the hdp engine (hdp gives each "
+            "long sample a context-parallel group sized to its length); set it to 1"
+        )
+
+
+def check_actor_config(actor: Any) -> None:
+    """The hdp checks of a verl actor/ref config (verl's ``ActorConfig`` or hdp's ``HdpActorConfig``)
+    at config time: token budgets and Ulysses."""
+    engine = getattr(actor, "megatron", None) or getattr(actor, "fsdp_config", None) or getattr(actor, "engine", None)
+    key = role_key(engine)
+    hdp = getattr(actor, "hdp", None)
+    hdp_budget = getattr(hdp, "max_tokens_per_rank", None) if hdp is not None else None
+    budget_key = "log_prob_max_token_len_per_gpu" if key == REF_KEY else "ppo_max_token_len_per_gpu"
+    budgets = {f"{key}.{budget_key}": getattr(actor, "ppo_max_token_len_per_gpu", None)}
+    check_token_budgets(hdp_budget=hdp_budget, budgets=budgets)
+    check_ulysses(getattr(actor, "ulysses_sequence_parallel_size", 1), f"{key}.ulysses_sequence_parallel_size")
+    if engine is not None:
+        check_ulysses(getattr(engine, "ulysses_sequence_parallel_size", 1), f"{key}.fsdp_config.ulysses_sequence_parallel_size")
