@@ -37,6 +37,7 @@ import sys
 from types import ModuleType
 from typing import Any, Sequence
 
+from hdp.device import DEVICE_KINDS
 from hdp.integrations.verl import config_dir
 
 __all__ = [
@@ -57,8 +58,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "hdp"
 """EngineRegistry backend name (= ``actor_rollout_ref.actor.strategy``)."""
-DEVICES = ("cuda", "npu", "cpu")
-"""EngineRegistry device keys hdp registers (verl's ``get_device_name()``)."""
+DEVICES = DEVICE_KINDS
+"""EngineRegistry device keys hdp registers (verl's ``get_device_name()``: hdp's device kinds)."""
 _REGISTRY_MODULE = "verl.workers.engine.base"
 _ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
 MEGATRON_CONFIG_HINT = (
