@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 RANKS, B, STEPS, EVERY, LAST = 4, 256, 14, 4, 6
 NOISE_LIMIT = 0.25  # robust spread (1.48 MAD / median) of step times above which timings cannot judge 15%
+LINK_S = 0.002
+"""Seconds every ring step waits on top of gloo (both directions at once): the "hardware" of this test
+has a slow CP link, so the CP-free model is clearly wrong on every machine, not only a loaded one
+(on an idle 2-core machine gloo's own ring steps cost ~10% of a step, within the timing noise)."""
 
 
 def _lengths(step: int) -> list[int]:
@@ -48,6 +52,17 @@ def _worker(rank: int, world: int, out: dict) -> None:
     from hdp.trainer.engine import HdpEngine, nll_loss
     from hdp.trainer.model import ModelConfig, OptimConfig
 
+    import time
+
+    import hdp.cp.ring as ring
+
+    real_exchange = ring._exchange
+
+    def slow_link(*args, **kwargs):  # the emulated interconnect: a fixed latency per ring step
+        time.sleep(LINK_S)
+        return real_exchange(*args, **kwargs)
+
+    ring._exchange = slow_link
     cp_free = dataclasses.replace(cost_model("cpu-tiny", "cpu-gloo"), step_overhead=0.0, step_latency=0.0,
                                   comm_per_token=0.0, merge_per_token=0.0, cp_per_token=0.0)
     vocab = 256
