@@ -70,7 +70,7 @@ def lower_bound(
 
 
 _TIGHT_GRID = 64  # rounds' heights the tight bound tries (geometric), fewer on huge batches
-_TIGHT_ROWS = 1 << 20  # samples x group sizes the tight bound tabulates at most
+_TIGHT_ROWS = 1 << 18  # samples x group sizes the tight bound tabulates at most
 
 
 def lower_bound_tight(
