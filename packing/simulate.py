@@ -22,7 +22,7 @@ import numpy as np
 from hdp.packing.cost import CostModel, min_group_size, padded_length
 from hdp.packing.plan import Plan, PlanStats
 
-__all__ = ["simulate", "lower_bound", "min_rounds", "rank_loads", "round_times", "step_time"]
+__all__ = ["simulate", "lower_bound", "lower_bound_tight", "min_rounds", "rank_loads", "round_times", "step_time"]
 
 
 def min_rounds(lengths: np.ndarray, num_ranks: int, budget: int) -> int:
@@ -69,6 +69,156 @@ def lower_bound(
     return W + min(r * beta + p * max(h, W / r) for r in cands if r >= 1)
 
 
+_TIGHT_GRID = 64  # rounds' heights the tight bound tries (geometric), fewer on huge batches
+_TIGHT_ROWS = 1 << 18  # samples x group sizes the tight bound tabulates at most
+
+
+def lower_bound_tight(
+    lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
+) -> float:
+    """T*_tight (units): a lower bound that also counts what tall samples force on every plan.
+
+    `lower_bound` prices every sample at its cheapest group and lets the rounds absorb it
+    perfectly.  Two costs no plan avoids are missing there: a sample whose round is at most t tall
+    must run on a group where it is at most t tall -- for a long sample a wide group, which pays the
+    per-token CP terms on every rank -- and the round holding the longest sample is as tall as that
+    sample's group, but holds at most N * B tokens, which may not be enough work to fill its other
+    ranks.  The bound (``n`` samples, rounds r with tops t_r, t = max_r t_r, S = sum_r t_r, so
+    T = S + R * beta + (PP - 1) * t):
+
+    1. *Per-sample rank-time.*  A group of k ranks holding samples X costs each rank at least
+       ``sum_X [work(L) + [k >= 2] (cp + merge (k - 1)) L] / k + [k >= 2] (k - 1) * step_overhead``
+       (`CostModel.group_cost` with the padding, the un-hidden transfer dropped: every dropped term
+       is >= 0 and ``Lp >= L``).  Samples with ``L > B`` in a group satisfy ``sum_X d_s <= k - 1`` for
+       ``d_s = ceil(L_s / B) - 1`` (the group holds at most kB tokens and ``L_s > d_s B``), so
+       ``k (k - 1) >= sum_X d_s (d_s + 1)``: the group's fixed ring cost covers
+       ``e_o(L) = step_overhead * d (d + 1)`` for each of them.  With
+       ``e(L, k) = work(L) + [k >= 2] (cp + merge (k - 1)) L + e_o(L)`` the rank-time of every plan
+       is at least ``sum_s e(L_s, k_s)``, k_s the size of s's group.
+    2. *Heights.*  Adding a sample to a group never lowers its per-rank cost (the hidden-transfer
+       credit it adds, (k - 1) Lp**2 / k**2, is less than its own attention work Lp**2 / k), so a
+       group is at least as tall as any of its samples alone: ``h(L_s, k_s) <= t_{r(s)} <= t`` with
+       h = `CostModel.sample_cost`.  Hence ``k_s >= k*(L_s, t) = min{k >= k_min : h(L_s, k) <= t}``
+       and, e being non-decreasing in k, ``e(L_s, k_s) >= rho_s(t) = e(L_s, k*(L_s, t))``;
+       rho_s is non-increasing in t.
+    3. *The round of the longest sample* s* (any sample would do), r* with top t' <= t, holds
+       samples of at most N * B tokens (every rank holds at most B).  Its ranks' time N t' covers its
+       samples' rank-time and whatever they leave idle: with any lower bounds rho_s of the samples'
+       rank-time, ``N t' >= sum_{r*} rho_s``, and the rank-time of all other rounds is at least the
+       rest, so ``N S >= sum_{s != s*} rho_s + max(e(L*, k), N h(L*, k) - K)`` where k is s*'s group
+       size (``t' >= h(L*, k)``) and K >= sum_{s in r*, s != s*} rho_s is the fractional knapsack of
+       the other samples (value rho_s, weight L_s, capacity N B - L*).  Over all k with
+       ``h(L*, k) <= t``, the least such term, m(t), bounds it.
+    4. S >= t, and R >= max(min rounds, S / t).
+
+    For t in an interval [t_i, t_{i+1}) every rho_s(t) >= rho_s(t_{i+1}), and those values are used
+    throughout the interval (in the sum and in K alike), so the interval's bound is
+    ``S_i = max(t_i, (sum_{s != s*} rho_s(t_{i+1}) + m_i) / N)``,
+    ``T >= S_i + (PP - 1) t_i + beta * max(r_min, ceil(S_i / t_{i+1}))``; the last interval
+    [t_G, inf) takes each sample's rho at its fewest ranks.  The plan's own t lies in one of the
+    intervals (t >= the longest sample's least height t_0), so the least interval bound is a lower
+    bound of T.  The intervals are geometric between t_0 and the height above which no sample needs
+    a wider group; samples tall enough to vary are tabulated over every group size (at most
+    `_TIGHT_ROWS` entries; the rest keep rho at their fewest ranks, which is lower: still valid).
+    """
+    length = np.asarray(lengths, dtype=np.int64)
+    n, N, B = int(length.size), int(num_ranks), int(budget)
+    if n == 0:
+        return 0.0
+    p, beta = pipeline_stages - 1, cost.round_cost
+    r_min = min_rounds(length, N, B)
+    L = length.astype(np.float64)
+    k_min = np.minimum(min_group_size(length, B, N), N)
+    d = np.maximum(0, -(-length // B) - 1).astype(np.float64)
+    fixed = cost.work(L) + cost.step_overhead * d * (d + 1.0)  # [n] e(L, k) without the CP terms
+
+    def e(i: np.ndarray | int, k: np.ndarray) -> np.ndarray:
+        """e(L_i, k): per-sample rank-time floor on a group of k (item 1 of the docstring)."""
+        k = np.asarray(k, dtype=np.float64)
+        return fixed[i] + np.where(k > 1, (cost.cp_per_token + cost.merge_per_token * (k - 1.0)) * L[i], 0.0)
+
+    star = int(np.argmax(length))  # the longest sample (the first among equals)
+    ks = np.arange(int(k_min[star]), N + 1)
+    h_star = cost.sample_cost(np.full(ks.size, length[star]), ks)  # [K*] its height on every size
+    e_star = e(star, ks)
+    t0 = float(h_star.min())  # every plan's tallest round is at least this tall
+    rho0 = e(np.arange(n), k_min)  # [n] rho at the fewest ranks (every t at or above the sample's height)
+    h_kmin = cost.sample_cost(length, k_min)
+    var = np.flatnonzero(h_kmin > t0)  # samples whose rho grows below their height at k_min
+    var = var[var != star]
+    if var.size:
+        width = (N + 1 - k_min[var]).astype(np.int64)
+        order = np.lexsort((var, -h_kmin[var]))
+        var = np.sort(var[order[np.cumsum(width[order]) <= _TIGHT_ROWS]])
+    t_top = float(max(h_kmin[var].max(initial=t0), t0))
+    grid_n = max(4, min(_TIGHT_GRID, (1 << 21) // n))
+    grid = np.unique(np.concatenate([
+        np.geomspace(t0, t_top, grid_n) if t_top > t0 else [t0], [t0, t_top],
+        h_star[(h_star > t0) & (h_star < t_top)] if ks.size <= 256 else [],
+    ]))
+    his = np.r_[grid[1:], np.inf]  # [G] interval [grid[g], his[g])
+    # rho of the varying samples at every interval's upper end: e at the first k >= k_min whose
+    # prefix-minimum height is <= t (rows of -H are non-decreasing: one flat sorted search)
+    rho_var = np.broadcast_to(rho0[var][:, None], (var.size, his.size)).copy()  # [V, G]
+    feasible = np.ones(his.size, dtype=bool)
+    if var.size:
+        kk = np.arange(1, N + 1)
+        Lv = np.broadcast_to(length[var][:, None], (var.size, N))
+        H = cost.sample_cost(Lv, np.broadcast_to(kk, Lv.shape))  # [V, N]
+        H = np.minimum.accumulate(np.where(kk[None, :] >= k_min[var][:, None], H, np.inf), axis=1)
+        big = 4.0 * max(float(np.nanmax(np.where(np.isfinite(H), H, 0.0))), t_top) + 1.0
+        span = 2.0 * big
+        flat = (np.arange(var.size)[:, None] * span + np.where(np.isfinite(H), big - H, 0.0)).ravel()  # sorted
+        t_end = np.where(np.isfinite(his), his, t_top)
+        q = np.arange(var.size)[:, None] * span + (big - t_end)[None, :]  # [V, G]
+        j = np.searchsorted(flat, q.ravel(), side="left").reshape(q.shape) - np.arange(var.size)[:, None] * N
+        feasible = np.all(j < N, axis=0)
+        k_at = np.minimum(j, N - 1) + 1
+        rho_var = e(var[:, None], k_at)
+    # the fractional knapsack of the others (value rho, weight L, capacity N B - L*): the static
+    # samples sorted once, truncated where they alone fill the capacity (the varying ones only push
+    # static ones out), the varying ones merged in per interval
+    cap = float(N) * B - float(L[star])
+    static = np.ones(n, dtype=bool)
+    static[star] = False
+    static[var] = False
+    st = np.flatnonzero(static)
+    st = st[np.lexsort((st, -rho0[st] / L[st]))]
+    w_st = np.cumsum(L[st])
+    st = st[: int(np.searchsorted(w_st, cap, side="left")) + 1]
+    ds, ws, vs = rho0[st] / L[st], L[st], rho0[st]
+    ws_before = np.r_[0.0, np.cumsum(ws)[:-1]]
+    rest_sum = float(rho0[static].sum())
+
+    def knapsack(v_val: np.ndarray) -> float:
+        if var.size == 0:
+            take = np.clip((cap - ws_before) / ws, 0.0, 1.0)
+            return float((take * vs).sum())
+        dv = v_val / L[var]
+        o = np.lexsort((var, -dv))
+        dv, wv, vv = dv[o], L[var][o], v_val[o]
+        pos = np.searchsorted(-ds, -dv, side="left")  # static items before each varying one
+        cwv = np.r_[0.0, np.cumsum(wv)]
+        v_before = np.r_[0.0, np.cumsum(ws)][pos] + cwv[:-1]  # [V]
+        s_before = ws_before + cwv[np.searchsorted(pos, np.arange(ds.size), side="right")]  # [S]
+        take_s = np.clip((cap - s_before) / ws, 0.0, 1.0)
+        take_v = np.clip((cap - v_before) / wv, 0.0, 1.0)
+        return float((take_s * vs).sum() + (take_v * vv).sum())
+
+    best = np.inf
+    for g, (lo, hi) in enumerate(zip(grid.tolist(), his.tolist())):
+        if not feasible[g]:
+            continue  # some sample is taller than hi on every group: no plan's t lies here
+        ok = h_star < hi
+        if not ok.any():
+            continue
+        K = knapsack(rho_var[:, g])
+        m = float(np.min(np.maximum(e_star[ok], N * h_star[ok] - K)))
+        S = max(lo, (rest_sum + float(rho_var[:, g].sum()) + m) / N)
+        rounds = r_min if not np.isfinite(hi) else max(r_min, int(np.ceil(S / hi - 1e-12)))
+        best = min(best, S + p * lo + beta * rounds)
+    return float(best)
+
 def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(round, first rank, size, per-rank cost) of every group of the plan (exact group costs)."""
     N = plan.num_ranks
@@ -110,7 +260,7 @@ def rank_loads(plan: Plan, cost: CostModel) -> np.ndarray:
 
 def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stages: int = 1) -> PlanStats:
     """Evaluate ``plan`` under ``cost`` (with ``pipeline_stages`` PP stages): T, T*, efficiency,
-    idle ratios, histogram, tokens."""
+    T*_tight and its efficiency, idle ratios, histogram, tokens."""
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
         raise ValueError(f"pipeline_stages={pipeline_stages!r}: pass the number of pipeline stages (>= 1)")
     loads = rank_loads(plan, cost)
@@ -119,6 +269,7 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
     fill = (pipeline_stages - 1) * float(round_max.max()) if round_max.size else 0.0
     total = step_time(round_max, cost, pipeline_stages)
     bound = lower_bound(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
+    tight = lower_bound_tight(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
     busy = loads.sum(axis=0) if plan.num_rounds else np.zeros(plan.num_ranks)
     idle = 1.0 - busy / compute_time if compute_time > 0 else np.zeros(plan.num_ranks)
     sizes, counts = np.unique(plan.group_size, return_counts=True)
@@ -140,4 +291,6 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
         planner_ms=planner_ms,
         pipeline_stages=pipeline_stages,
         pipeline_fill=fill,
+        lower_bound_tight=tight,
+        efficiency_tight=tight / total if total > 0 else 1.0,
     )

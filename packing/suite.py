@@ -40,7 +40,8 @@ SAMPLES_PER_RANK = 16
 
 RESULT_FIELDS = (
     "case", "policy", "ranks", "rounds", "step_time", "lower_bound", "efficiency",
-    "max_idle_ratio", "cp_degree_hist", "planner_ms", "longest_needs_ranks",
+    "lower_bound_tight", "efficiency_tight", "max_idle_ratio", "cp_degree_hist", "planner_ms",
+    "longest_needs_ranks",
 )
 """Keys of every successful `run_case` entry (times in seconds)."""
 
@@ -150,8 +151,8 @@ def plan_entry(plan: Any) -> dict[str, Any]:
     return {
         "policy": plan.policy,
         "ranks": plan.num_ranks,
-        **{k: s[k] for k in ("rounds", "step_time", "lower_bound", "efficiency", "max_idle_ratio",
-                             "cp_degree_hist", "planner_ms")},
+        **{k: s[k] for k in ("rounds", "step_time", "lower_bound", "efficiency", "lower_bound_tight",
+                             "efficiency_tight", "max_idle_ratio", "cp_degree_hist", "planner_ms")},
     }
 
 
