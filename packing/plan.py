@@ -107,12 +107,13 @@ class PlanStats:
     """PP stages the step time was computed with (1: no pipeline)."""
     pipeline_fill: float = 0.0
     """(PP - 1) x the longest round: the pipeline's fill and drain, part of step_time (units)."""
-    lower_bound_tight: float = 0.0
+    lower_bound_tight: float | None = None
     """T*_tight (`hdp.packing.simulate.lower_bound_tight`): also counts the rank-time tall samples
     must spend on wide groups and what the round of the longest sample cannot fill; a second
-    statistic next to ``lower_bound``, which ``efficiency`` keeps using (units)."""
-    efficiency_tight: float = 0.0
-    """T*_tight / T."""
+    statistic next to ``lower_bound``, which ``efficiency`` keeps using (units); ``None`` unless
+    asked for (``simulate(..., tight=True)``)."""
+    efficiency_tight: float | None = None
+    """T*_tight / T (``None`` unless asked for)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (arrays reduced to scalars)."""
@@ -132,7 +133,8 @@ class PlanStats:
             "planner_ms": self.planner_ms,
             "pipeline_stages": self.pipeline_stages,
             "pipeline_fill": self.pipeline_fill * self.step_time_s / self.step_time if self.step_time else 0.0,
-            "lower_bound_tight": self.lower_bound_tight * self.step_time_s / self.step_time if self.step_time else 0.0,
+            "lower_bound_tight": None if self.lower_bound_tight is None else (
+                self.lower_bound_tight * self.step_time_s / self.step_time if self.step_time else 0.0),
             "lower_bound_tight_units": self.lower_bound_tight,
             "efficiency_tight": self.efficiency_tight,
         }

@@ -258,9 +258,12 @@ def rank_loads(plan: Plan, cost: CostModel) -> np.ndarray:
     return np.cumsum(loads, axis=1)[:, :N]
 
 
-def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stages: int = 1) -> PlanStats:
+def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stages: int = 1, *,
+             tight: bool = False) -> PlanStats:
     """Evaluate ``plan`` under ``cost`` (with ``pipeline_stages`` PP stages): T, T*, efficiency,
-    T*_tight and its efficiency, idle ratios, histogram, tokens."""
+    idle ratios, histogram, tokens; with ``tight`` also T*_tight and its efficiency (a diagnostic
+    that costs 4-60 ms on large batches, so :func:`hdp.packing.plan` leaves it out: the suite and
+    the command line ask for it)."""
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
         raise ValueError(f"pipeline_stages={pipeline_stages!r}: pass the number of pipeline stages (>= 1)")
     loads = rank_loads(plan, cost)
@@ -269,7 +272,8 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
     fill = (pipeline_stages - 1) * float(round_max.max()) if round_max.size else 0.0
     total = step_time(round_max, cost, pipeline_stages)
     bound = lower_bound(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
-    tight = lower_bound_tight(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
+    tight_lb = (lower_bound_tight(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
+                if tight else None)
     busy = loads.sum(axis=0) if plan.num_rounds else np.zeros(plan.num_ranks)
     idle = 1.0 - busy / compute_time if compute_time > 0 else np.zeros(plan.num_ranks)
     sizes, counts = np.unique(plan.group_size, return_counts=True)
@@ -291,6 +295,6 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
         planner_ms=planner_ms,
         pipeline_stages=pipeline_stages,
         pipeline_fill=fill,
-        lower_bound_tight=tight,
-        efficiency_tight=tight / total if total > 0 else 1.0,
+        lower_bound_tight=tight_lb,
+        efficiency_tight=None if tight_lb is None else (tight_lb / total if total > 0 else 1.0),
     )

@@ -19,6 +19,7 @@ from hdp.packing.config import PlannerConfig, Policy
 from hdp.packing.cost import min_group_size
 from hdp.packing.planner import plan
 from hdp.packing.profiles import cost_model
+from hdp.packing.simulate import simulate
 from hdp.packing.workloads import get_workload
 
 __all__ = ["Case", "SUITE", "run_case", "plan_entry", "policy_options", "RESULT_FIELDS", "SAMPLES_PER_RANK", "HDP_POW2"]
@@ -144,9 +145,13 @@ def longest_needs_ranks(lengths: np.ndarray, case: Case) -> int:
     return int(min_group_size(longest, case.max_tokens_per_rank, case.num_ranks)[0])
 
 
-def plan_entry(plan: Any) -> dict[str, Any]:
-    """The figures of one planned batch, as ``hdp simulate --json`` and the suite report them."""
+def plan_entry(plan: Any, cost: Any = None) -> dict[str, Any]:
+    """The figures of one planned batch, as ``hdp simulate --json`` and the suite report them
+    (with ``cost``, the tight lower bound is added when the stats lack it)."""
     assert plan.stats is not None
+    if plan.stats.lower_bound_tight is None and cost is not None:
+        st = plan.stats
+        plan = plan.with_stats(simulate(plan, cost, st.planner_ms, st.pipeline_stages, tight=True))
     s = plan.stats.to_dict()
     return {
         "policy": plan.policy,
@@ -174,5 +179,6 @@ def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str
             logger.warning("case %s policy %s skipped: %s", case.name, name, reason)
             out.append({"case": case.name, "policy": str(name), "longest_needs_ranks": needs, "error": reason})
             continue
-        out.append({"case": case.name, **plan_entry(p), "policy": str(name), "longest_needs_ranks": needs})
+        out.append({"case": case.name, **plan_entry(p, case.config(name).cost), "policy": str(name),
+                    "longest_needs_ranks": needs})
     return out

@@ -166,10 +166,10 @@ def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: A
     )
 
 
-def _entry(plan: Any) -> dict[str, Any]:
+def _entry(plan: Any, cost: Any) -> dict[str, Any]:
     from hdp.packing.suite import plan_entry
 
-    return plan_entry(plan)
+    return plan_entry(plan, cost)
 
 
 def _hist_text(hist: dict[str, int], top: int = 6) -> str:
@@ -185,11 +185,13 @@ def _hist_text(hist: dict[str, int], top: int = 6) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hdp.packing import plan as make_plan
+    from hdp.packing.simulate import simulate
 
     _check_domain_args(args)
     cost = _cost(args)
     lengths = _load_lengths(args)
     p = make_plan(lengths, _config(args, args.policy, cost))
+    p = p.with_stats(simulate(p, cost, p.stats.planner_ms, p.stats.pipeline_stages, tight=True))
     if args.plot:
         from hdp.trainer.gantt import plot_gantt
 
@@ -267,7 +269,7 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
 
     if isinstance(result, Plan):
         p = result if result.stats is not None else result.with_stats(simulate(result, config.cost))
-        entry = _entry(p)
+        entry = _entry(p, config.cost)
         # its memory model is per sample: a rank may hold more than B tokens in one of our rounds
         entry["budget_ok"] = bool(p.stats.max_tokens_per_rank <= config.max_tokens_per_rank)
     elif isinstance(result, dict):
@@ -336,7 +338,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 logger.warning("%s skipped: %s", name + suffix, reason)
                 continue
             plans[name + suffix] = p
-            entry = _entry(p)
+            entry = _entry(p, cost)
             entry["policy"] = name + suffix
             entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
             cases.append(entry)
@@ -347,7 +349,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 flat = make_plan(lengths, _config(argparse.Namespace(**{**vars(run_args), "pp": 1}), name, cost))
                 flat = flat.with_stats(simulate(flat, cost, flat.stats.planner_ms, run_args.pp))
                 plans["hdp-no-pp" + suffix] = flat
-                entry = _entry(flat)
+                entry = _entry(flat, cost)
                 entry["policy"] = "hdp-no-pp" + suffix
                 entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
                 cases.append(entry)
