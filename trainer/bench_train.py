@@ -203,9 +203,8 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
     else:
         order = [(s, p) for p in spec.policies for s in steps]
     for s, p in order:
-        plan = make_plan(batches[s].lengths, PlannerConfig(  # planned for the pipeline, as the engine does
-            num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost,
-            pipeline_stages=spec.pp))
+        plan = make_plan(batches[s].lengths, PlannerConfig(
+            num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
         if s == 1:
             plans[p] = plan.to_dict()
         m = _timed_step(engines[p], batches[s], plan)
@@ -336,8 +335,8 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
         for s in range(1, len(steps)):
             lengths = train_batch_lengths(spec, s)
             cfg = PlannerConfig(num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank,
-                                policy=p, cost=fit.cost, pipeline_stages=spec.pp)
-            predicted.append(simulate(plan(lengths, cfg), fit.cost, pipeline_stages=spec.pp).step_time_s)
+                                policy=p, cost=fit.cost)
+            predicted.append(simulate(plan(lengths, cfg), fit.cost).step_time_s)
         measured = statistics.median(m["perf/step_time"] for m in steps[1:])
         ratios[p] = statistics.median(predicted) / measured
     out = fit.to_dict() if hasattr(fit, "to_dict") else {"r2": fit.r2}
