@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from hdp.packing.cost import PARAMETERS, CostModel, padded_length
+from hdp.packing.cost import PARAMETERS, CostModel, padded_float
 from hdp.packing.validate import MAX_LENGTH
 
 __all__ = [
@@ -276,7 +276,7 @@ def _design(groups: Sequence[Mapping[str, Any]]) -> _Design:
     rows = []
     for r in groups:
         lengths, k = _group_fields(r, "record")
-        lp = padded_length(lengths, k).astype(np.float64)
+        lp = padded_float(lengths, k)
         s1, s2 = float(lp.sum()), float((lp * lp).sum())
         rows.append((float(r["seconds"]), float(k), s1 / k, s2 / k, s2 / (k * k)))
     t, k, x1, x2, x3 = (np.array(c) for c in zip(*rows))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.cost import CostModel, min_group_size, padded_length
+from hdp.packing.cost import CostModel, min_group_size, padded_float
 from hdp.packing.plan import Plan, PlanStats
 
 __all__ = ["simulate", "lower_bound", "lower_bound_tight", "min_rounds", "rank_loads", "round_times", "step_time"]
@@ -226,7 +226,7 @@ def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.nda
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, np.zeros(0)
     k = plan.group_size
-    padded = padded_length(plan.lengths, k).astype(np.float64)
+    padded = padded_float(plan.lengths, k)
     key = plan.round_of * (N + 1) + plan.group_start
     uniq, inv = np.unique(key, return_inverse=True)
     n_groups = uniq.size

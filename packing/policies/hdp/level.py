@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.cost import max_rank_tokens, padded_float
 from hdp.packing.policies.common import Assignment, pow2_ceil
 from hdp.packing.policies.hdp import bins
 from hdp.packing.policies.hdp.bins import Infeasible, partition
@@ -192,7 +192,7 @@ def _fill_wide_gaps(
     problem.meter.charge("construct", units)
     lengths, cost, B = problem.lengths, problem.cost, problem.budget
     n_cols = widths.size
-    padded = padded_length(lengths, k).astype(np.float64)
+    padded = padded_float(lengths, k)
     sw = np.bincount(col_of, weights=cost.work(padded), minlength=n_cols)[cand]  # [c] group sums
     sl = np.bincount(col_of, weights=padded, minlength=n_cols)[cand]
     sq = np.bincount(col_of, weights=padded * padded, minlength=n_cols)[cand]
@@ -204,7 +204,7 @@ def _fill_wide_gaps(
     col_of, k = col_of.copy(), k.copy()
     movers = movers[np.lexsort((movers, -lengths[movers]))]
     lm = lengths[movers][:, None]  # [M, 1]
-    lp_all = padded_length(lm, w[None, :]).astype(np.float64)  # [M, c] each mover split over each group
+    lp_all = padded_float(lm, w[None, :])  # [M, c] each mover split over each group
     work_all = cost.work(lp_all)
     tok_all = max_rank_tokens(np.broadcast_to(lm, lp_all.shape).ravel(),
                               np.broadcast_to(w[None, :], lp_all.shape).ravel()).reshape(lp_all.shape)
@@ -536,7 +536,7 @@ def _merge_groups(cols: Columns, problem) -> Columns:
                     continue
                 idx = np.asarray(members[t] + members[s])
                 wm = int(w[t] + w[s])
-                lpm = padded_length(lr[idx], wm).astype(np.float64)
+                lpm = padded_float(lr[idx], wm)
                 hm = float(cost.group_cost(cost.work(lpm).sum(), lpm.sum(), (lpm * lpm).sum(), wm))
                 if max_rank_tokens(lr[idx], wm).sum() <= B and hm < h_best * (1 - 1e-9):
                     s_best, h_best = s, hm
@@ -569,7 +569,7 @@ def _merge_groups(cols: Columns, problem) -> Columns:
 def _group_heights(lengths: np.ndarray, group: np.ndarray, width: np.ndarray, cost) -> np.ndarray:
     """[G] exact per-rank cost of every group: sample i is in group ``group[i]`` of ``width[g]`` ranks."""
     n_g = width.size
-    padded = padded_length(lengths, width[group]).astype(np.float64)
+    padded = padded_float(lengths, width[group])
     return cost.group_cost(
         np.bincount(group, weights=cost.work(padded), minlength=n_g),
         np.bincount(group, weights=padded, minlength=n_g),

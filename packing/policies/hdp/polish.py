@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.cost import max_rank_tokens, padded_float
 from hdp.packing.policies.hdp.columns import Columns
 
 __all__ = ["polish"]
@@ -106,7 +106,7 @@ class _State:
                     self._add_row(w)
             return self.tab[self.row_of[widths], :, samples]
         L, w = np.broadcast_arrays(self.lengths[samples], widths)
-        lp = padded_length(L, w).astype(np.float64)
+        lp = padded_float(L, w)
         tok = max_rank_tokens(L.ravel(), w.ravel()).reshape(L.shape).astype(np.float64)
         return np.stack([self.cost.work(lp), lp, lp * lp, tok], axis=-1)
 
@@ -115,7 +115,7 @@ class _State:
         d = int((self.row_of >= 0).sum())
         if d == self.tab.shape[0]:  # full: double the rows (amortised O(1) per new width)
             self.tab = np.concatenate([self.tab, np.zeros_like(self.tab)])
-        lp = padded_length(self.lengths, w).astype(np.float64)
+        lp = padded_float(self.lengths, w)
         self.tab[d] = (self.cost.work(lp), lp, lp * lp, max_rank_tokens(self.lengths, w))
         self.row_of[w] = d
 
@@ -247,7 +247,7 @@ def _targets(s: _State, k: int) -> np.ndarray:
     live = np.flatnonzero(s.alive[: s.opened])
     gap = (s.roof[s.rnd[live]] - s.h[live]) * s.width[live]
     key = s.rnd[live] * 2 + (s.width[live] > 1)  # [C] (round, kind) classes
-    order = np.lexsort((live, -gap, key))
+    order = np.lexsort((-gap, key))  # stable, and ``live`` ascends: ties stay in column order
     kk = key[order]
     first = np.r_[True, kk[1:] != kk[:-1]]
     rank = np.arange(order.size) - np.maximum.accumulate(np.where(first, np.arange(order.size), 0))

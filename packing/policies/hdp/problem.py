@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hdp.packing.config import GroupShape, PlannerConfig, SearchBudget
-from hdp.packing.cost import CostModel, max_rank_tokens, min_group_size, padded_length
+from hdp.packing.cost import CostModel, max_rank_tokens, min_group_size, padded_float
 from hdp.packing.policies.common import allowed_sizes
 from hdp.packing.policies.hdp.columns import Columns
 
@@ -140,7 +140,7 @@ class Problem:
         C = cols.n_columns
         sel = np.flatnonzero(cols.col_of >= 0)
         col = cols.col_of[sel]
-        padded = padded_length(self.lengths[sel], cols.width[col]).astype(np.float64)
+        padded = padded_float(self.lengths[sel], cols.width[col])
         cost = self.cost
         h = cost.group_cost(
             np.bincount(col, weights=cost.work(padded), minlength=C),

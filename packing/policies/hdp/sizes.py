@@ -7,6 +7,8 @@ them for about (N - k) * (h(k) - reach); a wider group costs k * h(k) - k0 * h(k
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["grow_sizes", "candidate_sizes"]
@@ -29,17 +31,61 @@ def grow_sizes(
     cand = candidate_sizes(sizes, int(k[tall].max()))
     # past twice the size at which perfect scaling would reach ``reach``, more ranks only add overhead
     cand = cand[cand <= max(2, 2 * int(np.ceil((k[tall] * height[tall]).max() / max(reach, 1e-300))) + 2)]
-    cand = cand[None, :]  # [1, K]
-    h = cost.sample_cost(lengths[tall][:, None], cand)  # [S, K]
-    score = cand * h + (N - cand) * np.maximum(0.0, h - reach)
-    score = np.where(cand >= k[tall][:, None], score, np.inf)  # only sizes >= the current one
-    j = np.argmin(score, axis=1)
-    k[tall], height[tall] = cand[0, j], h[np.arange(tall.size), j]
+    best_k, best_h = _best_sizes(lengths[tall], k[tall], cand, reach, cost, N)
+    k[tall], height[tall] = best_k, best_h
+
+
+_FIRST = 12  # candidate sizes every tall sample scores; only those that may still gain score the rest
+
+
+def _best_sizes(
+    lengths: np.ndarray, k0: np.ndarray, cand: np.ndarray, reach: float, cost, N: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample the candidate size >= k0 of least ``k h(k) + (N - k) max(0, h(k) - reach)`` (the
+    first among equals) and its height: the dense argmin over ``cand``, computed in two parts.
+
+    Every sample scores the first `_FIRST` sizes; a later size k can only win where its lower bound
+    ``k h(k) >= work(L) + [k >= 2] ((k - 1) k step_overhead + ((k - 1) merge + cp) L)`` (padding
+    only adds tokens, every other term of `CostModel.group_cost` is >= 0) is below the best score
+    so far -- that bound grows with k, so only those samples score the remaining sizes.
+    """
+    S = lengths.size
+    head, tail = cand[:_FIRST], cand[_FIRST:]
+
+    def scores(rows: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        h = cost.sample_cost(lengths[rows][:, None], ks[None, :])  # [S', K']
+        sc = ks[None, :] * h + (N - ks[None, :]) * np.maximum(0.0, h - reach)
+        return np.where(ks[None, :] >= k0[rows][:, None], sc, np.inf), h  # only sizes >= the current one
+
+    rows = np.arange(S)
+    sc, h = scores(rows, head)
+    j = np.argmin(sc, axis=1)
+    best = sc[rows, j]
+    out_k, out_h = head[j], h[rows, j]
+    if tail.size:
+        L = lengths.astype(np.float64)
+        k1 = float(tail[0])
+        floor = cost.work(L) + (k1 >= 2) * ((k1 - 1) * k1 * cost.step_overhead
+                                             + ((k1 - 1) * cost.merge_per_token + cost.cp_per_token) * L)
+        more = np.flatnonzero(~(floor > best * (1 + 1e-12)))  # a tail size may still win (or tie: none)
+        if more.size:
+            sc2, h2 = scores(more, tail)
+            j2 = np.argmin(sc2, axis=1)
+            win = sc2[np.arange(more.size), j2] < best[more]  # strictly better: the first among equals stays
+            w = more[win]
+            out_k[w], out_h[w] = tail[j2[win]], h2[np.flatnonzero(win), j2[win]]
+    return out_k, out_h
 
 
 def candidate_sizes(sizes: np.ndarray, k_max: int) -> np.ndarray:
     """Group sizes worth widening to: every allowed size up to 32, then about 10% apart, up to
     8x the widest current group (wider groups only add ring overhead)."""
+    return _candidate_sizes(np.ascontiguousarray(sizes, dtype=np.int64).tobytes(), int(k_max)).copy()
+
+
+@functools.lru_cache(maxsize=256)
+def _candidate_sizes(sizes_bytes: bytes, k_max: int) -> np.ndarray:
+    sizes = np.frombuffer(sizes_bytes, dtype=np.int64)
     sizes = sizes[sizes <= max(32, 8 * k_max)]
     small, large = sizes[sizes <= 32], sizes[sizes > 32]
     if large.size:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.cost import max_rank_tokens, padded_length
+from hdp.packing.cost import max_rank_tokens, padded_float
 from hdp.packing.policies.common import left_starts
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.construct import spread
@@ -139,7 +139,7 @@ def _top_up(
     next samples against every group at once, places the first that fits and drops those before it.
     """
     g = chosen.size
-    lp = padded_length(lengths[chosen], widths).astype(np.float64)
+    lp = padded_float(lengths[chosen], widths)
     sw, sl, sq = cost.work(lp), lp.copy(), lp * lp
     tok = max_rank_tokens(lengths[chosen], widths).astype(np.float64)
     D = float(cost.group_cost(sw, sl, sq, widths).max())
@@ -154,7 +154,7 @@ def _top_up(
         chunk = rest[p : p + _CHUNK]  # [S] the next samples
         L = np.broadcast_to(lengths[chunk][:, None], (chunk.size, g))
         W = np.broadcast_to(widths[None, :], L.shape)
-        lpi = padded_length(L, W).astype(np.float64)  # [S, G]
+        lpi = padded_float(L, W)  # [S, G]
         h_new = cost.group_cost(sw + cost.work(lpi), sl + lpi, sq + lpi * lpi, W)
         t_new = tok + max_rank_tokens(L.ravel(), W.ravel()).reshape(L.shape)
         ok = (h_new <= D) & (t_new <= B) & (W >= k_min[chunk][:, None])
