@@ -22,7 +22,7 @@ import numpy as np
 from hdp.packing.cost import CostModel, min_group_size, padded_float
 from hdp.packing.plan import Plan, PlanStats
 
-__all__ = ["simulate", "lower_bound", "lower_bound_tight", "min_rounds", "rank_loads", "round_times", "step_time"]
+__all__ = ["simulate", "lower_bound", "lower_bound_tight", "rank_time_floor", "min_rounds", "rank_loads", "round_times", "step_time"]
 
 
 def min_rounds(lengths: np.ndarray, num_ranks: int, budget: int) -> int:
@@ -39,21 +39,56 @@ def step_time(tops: np.ndarray, cost: CostModel, pipeline_stages: int = 1) -> fl
     return float(tops.sum()) + tops.size * cost.round_cost + (pipeline_stages - 1) * float(tops.max())
 
 
+def rank_time_floor(lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel) -> np.ndarray:
+    """[n] a floor of each sample's share of any plan's rank-time, whatever group it shares.
+
+    A group of k ranks holding samples X costs k * `CostModel.group_cost` rank-time:
+    ``sum_X work(Lp) + [k >= 2] sum_X ((k - 1) merge + cp) Lp`` (additive over its samples) plus
+    ``k (k - 1) (step_overhead + max(0, un-hidden transfer))``, which its samples share.  The shared
+    part is at least ``step_overhead * sum_X d (d + 1)`` with ``d = ceil(L / B) - 1``: the group holds
+    at most kB tokens and ``L > d B``, so ``sum_X d <= k - 1``.  So every sample adds at least
+    ``e(L, k) = work(Lp) + [k >= 2] ((k - 1) merge + cp) Lp + step_overhead d (d + 1)`` on its group
+    size k, and the floor is the least e over the sizes it fits (k >= its fewest ranks, up to N):
+    scanned exactly at the fewest four, and beyond them bounded with ``Lp >= L`` (e then grows with k).
+    The un-hidden transfer is left out: samples sharing a group share its latency and hide each
+    other's transfer, so no per-sample share of it is a valid floor.
+    """
+    length = np.asarray(lengths, dtype=np.int64)
+    N = int(num_ranks)
+    L = length.astype(np.float64)
+    k_min = np.minimum(min_group_size(length, budget, N), N)
+    d = np.maximum(0, -(-length // budget) - 1).astype(np.float64)
+    shared = cost.step_overhead * d * (d + 1.0)
+
+    def cp_terms(k: np.ndarray, lp: np.ndarray) -> np.ndarray:
+        return np.where(k > 1, ((k - 1.0) * cost.merge_per_token + cost.cp_per_token) * lp, 0.0)
+
+    best = np.full(length.size, np.inf)
+    for extra in range(4):
+        k = np.minimum(k_min + extra, N).astype(np.float64)
+        lp = padded_float(length, k)
+        best = np.minimum(best, cost.work(lp) + cp_terms(k, lp))
+    beyond = k_min + 4 <= N  # every larger size: e >= its value at k_min + 4 with Lp = L
+    k = np.minimum(k_min + 4, N).astype(np.float64)
+    best = np.where(beyond, np.minimum(best, cost.work(L) + cp_terms(k, L)), best)
+    return best + shared
+
+
 def lower_bound(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
 ) -> float:
     """T* (units): no plan of these lengths under this budget is faster.
 
-    Every sample at its cheapest feasible group size (from the zigzag-exact ceil(L/B) up to N):
-    W = their summed rank-time / N, plus the minimum rounds * beta.  With PP stages, R rounds also
+    Every sample at its least share of rank-time on any feasible group (`rank_time_floor`: its
+    work and per-token CP terms on its cheapest size, and the part of the ring's fixed cost no
+    group can avoid): W = their sum / N, plus the minimum rounds * beta.  With PP stages, R rounds also
     pay (PP - 1) times a round at least max(W / R, h) tall, h the longest sample's least height on
     any group -- minimised over R >= the minimum rounds.  The bound ignores shapes, so one T*
     serves every policy of a case.
     """
     length = np.asarray(lengths, dtype=np.int64)
     k_min = np.minimum(min_group_size(length, budget, num_ranks), num_ranks)
-    rank_time = cost.cheapest_rank_time(length, k_min, num_ranks)
-    W = float(rank_time.sum() / num_ranks)
+    W = float(rank_time_floor(length, num_ranks, budget, cost).sum() / num_ranks)
     r_min = min_rounds(length, num_ranks, budget)
     beta = cost.round_cost
     if pipeline_stages == 1 or length.size == 0:

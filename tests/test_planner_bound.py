@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hdp.packing import CostModel, Plan, PlannerConfig, Policy, check_plan, plan, simulate
 from hdp.packing.cost import max_rank_tokens, min_group_size
 from hdp.packing.exact import exact_search
-from hdp.packing.simulate import lower_bound, lower_bound_tight
+from hdp.packing.simulate import lower_bound, lower_bound_tight, min_rounds
 
 from test_planner_rivals import batches, cost_models
 
@@ -74,10 +74,12 @@ def test_tight_bound_is_below_every_plan(batch, cost, stages, seed):
         p = _random_plan(lengths, n_ranks, budget, seed + s)
         check_plan(p)
         plans.append(p.with_stats(simulate(p, cost, pipeline_stages=stages)))
+    plain = lower_bound(lengths, n_ranks, budget, cost, stages)
     for p in plans:
         assert tight <= p.stats.step_time * (1 + REL), (p.policy, tight, p.stats.step_time)
         s = simulate(p, cost, pipeline_stages=stages, tight=True)
         assert s.lower_bound_tight == tight and s.efficiency_tight <= 1 + REL
+        assert s.lower_bound == plain and plain <= s.step_time * (1 + REL), (p.policy, plain, s.step_time)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,6 +94,23 @@ def test_tight_bound_is_below_the_exact_optimum(cost, data):
     if not res.optimal:
         return
     assert lower_bound_tight(lengths, n_ranks, budget, cost) <= res.step_time * (1 + REL)
+
+
+def test_plain_bound_is_below_a_plan_whose_samples_share_the_ring_latency():
+    """T* once priced every sample at its cheapest group *alone*, un-hidden K/V latency and all: two
+    samples sharing one CP group pay that latency once, so a random valid plan of this batch ran 3%
+    faster than that "bound" (T/T* = 0.970).  `rank_time_floor` charges only what no group shares."""
+    cost = CostModel(linear_coef=10.0, round_cost=100.0, step_overhead=10.0, step_latency=62614.31232705397,
+                     comm_per_token=3.8977287588521374)
+    lengths = np.asarray([15, 15, 405, 466, 265, 597, 305], dtype=np.int64)
+    p = _random_plan(lengths, 2, 302, 34500)
+    check_plan(p)
+    t = simulate(p, cost).step_time
+    k_min = np.minimum(min_group_size(lengths, 302, 2), 2)
+    alone = cost.cheapest_rank_time(lengths, k_min, 2).sum() / 2 + min_rounds(lengths, 2, 302) * cost.round_cost  # old T*
+    assert t < 0.98 * alone
+    assert lower_bound(lengths, 2, 302, cost) <= t * (1 + REL)
+    assert lower_bound_tight(lengths, 2, 302, cost) <= t * (1 + REL)
 
 
 def test_tight_bound_counts_a_tall_sample_that_must_widen():
