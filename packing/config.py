@@ -96,7 +96,7 @@ class SearchBudget:
     """Sample placements the construction may spend on candidate plans after the first (each costs
     its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
     builds one candidate only."""
-    search: int = 500_000
+    search: int = 800_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-step
     bookkeeping); 0 turns the local search and the tall-round starts off."""
     rivals: int = 65_536
@@ -128,7 +128,7 @@ class SearchBudget:
             except ValueError as exc:
                 raise ValueError(
                     f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
-                    "'construct=20000,search=500000,rivals=65536'"
+                    "'construct=20000,search=800000,rivals=65536'"
                 ) from exc
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}

@@ -8,15 +8,20 @@ best trade puts *all* tall samples in one round and fills its other ranks with t
 do the most work per token -- the next longest, on their own groups -- so the idle time is paid
 once.
 
-`_first_rounds` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks (at most
+`_shortlist` scans D over the tallest sample's heights on k = k_min .. 4 k_min ranks (at most
 `_HEIGHTS` of them); for each D every sample, longest per-rank height first, takes the fewest ranks
 that bring it under D while ranks remain.  A round's estimated waste is ``N * D`` minus the least
 rank-time of the samples it holds, minus what its columns' spare time and tokens can still take of
-the short samples; the round with the least waste is topped up with the longest samples that fit
+the short samples.  The round of least waste is topped up with the longest samples that fit
 under D, and the other samples are spread over the remaining rounds (`construct.spread`: multi-rank
-samples over every round, single-rank ones up to each round's level).  That start and the pass's
-input then get half of the ``search`` pool each (`polish`), and the better of the two is returned
-(never worse than the input): a plan that starts lower may end higher, so neither is judged early.
+samples over every round, single-rank ones up to each round's level); that start and the pass's
+input then get half of the ``search`` pool each (`polish`).  The estimate only shortlists: the
+runners-up (`_KEEP` in all) are built into starts too when the pool has room, and the fastest of
+them is polished as well when it starts clearly (`_CLEARLY`) faster than the favourite -- on a
+Wikipedia batch under a large per-token CP cost the favourite (32K documents on 9 ranks) started
+at 0.75 efficiency and polished to 0.79, the runner-up (8 ranks) started at 0.81 and polished to
+0.87.  The best of them is returned (never worse than the input): a plan that starts lower may
+end higher, so none is judged before its search.
 (A start whose other rounds came from the construct and level passes was tried too; its short
 searches cost more than they won.)
 """
@@ -37,6 +42,8 @@ __all__ = ["tall_round", "needs_tall_round", "first_round_units"]
 _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's height
 _HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
 _CHUNK = 64  # samples scored at once by the top-up
+_KEEP = 3  # first rounds (least estimated waste first) built into whole starts
+_CLEARLY = 0.02  # a runner-up start is polished too when it starts this much faster than the favourite
 
 
 def tall_round(cols: Columns, problem) -> Columns:
@@ -49,25 +56,39 @@ def tall_round(cols: Columns, problem) -> Columns:
     if not needs_tall_round(problem) or not meter.allows("search", units):
         return cols
     meter.charge("search", units)
-    n = problem.n
-    tall = []
-    for chosen, group, width in _first_rounds(problem):
-        first = np.full(n, -1, dtype=np.int64)
-        first[chosen] = group
-        base = Columns(col_of=first, round=np.zeros(width.size, dtype=np.int64),
-                       start=left_starts(np.zeros(width.size, dtype=np.int64), width), width=width)
-        rest = np.flatnonzero(first < 0)
-        if rest.size == 0:
-            tall.append(base)
-            continue
-        sub = problem.sub(rest)
-        sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
-        if sp is not None:
-            tall.append(base.plus(sp, rest))
-    if not tall:
+    half = max(0, meter.left("search")) // 2  # for the input and the estimate's favourite start
+    shortlist = _shortlist(problem)
+    starts = [st for st in (_start(problem, *f) for f in shortlist[:1]) if st is not None]
+    if not starts:
         return cols
-    half = max(0, meter.left("search")) // 2
-    return problem.best([polish(cols, problem, limit=half), polish(tall[0], problem, limit=half)])
+    out = [polish(cols, problem, limit=half), polish(starts[0], problem, limit=half)]
+    extra = first_round_units(problem, _KEEP) - first_round_units(problem) + 2 * (_KEEP - 1) * problem.n
+    if len(shortlist) > 1 and meter.allows("search", extra):
+        # the estimate only shortlists: the fastest of the next starts goes on with what is left
+        meter.charge("search", extra)
+        others = [st for st in (_start(problem, *f) for f in shortlist[1:_KEEP]) if st is not None]
+        if others:
+            other = problem.best(others)
+            if problem.step_time(other) < problem.step_time(starts[0]) * (1 - _CLEARLY):
+                out.append(polish(other, problem, limit=min(half, max(0, meter.left("search")))))
+    return problem.best(out)
+
+
+def _start(problem, chosen: np.ndarray, widths: np.ndarray) -> Columns | None:
+    """A whole starting plan: the first round's groups (topped up, `_top_up`) in round 0, the other
+    samples spread over the rounds after it; None when the spread does not fit the budget."""
+    chosen, group, width = _top_up(problem.lengths, np.arange(problem.n), chosen, widths, problem.cost,
+                                   problem.budget, problem.k_min)
+    first = np.full(problem.n, -1, dtype=np.int64)
+    first[chosen] = group
+    base = Columns(col_of=first, round=np.zeros(width.size, dtype=np.int64),
+                   start=left_starts(np.zeros(width.size, dtype=np.int64), width), width=width)
+    rest = np.flatnonzero(first < 0)
+    if rest.size == 0:
+        return base
+    sub = problem.sub(rest)
+    sp = spread(sub, min_rounds(sub.lengths, problem.num_ranks, problem.budget))
+    return None if sp is None else base.plus(sp, rest)
 
 
 def needs_tall_round(problem) -> bool:
@@ -81,15 +102,15 @@ def needs_tall_round(problem) -> bool:
 
 
 def first_round_units(problem, keep: int = 1) -> int:
-    """Work of `_first_rounds` in ``search`` units: the candidate heights' fills over the 2N
+    """Work of `_shortlist` and ``keep`` top-ups in ``search`` units: the candidate heights' fills over the 2N
     tallest samples and the top-ups of the kept rounds, every sample against every group."""
     n, N = problem.n, problem.num_ranks
     return int(_HEIGHTS * min(n, 2 * N) * 16 + keep * n * min(n, N) // 4)
 
 
-def _first_rounds(problem, keep: int = 1) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Up to ``keep`` candidate first rounds, least estimated waste first: (samples [m], group of
-    each [m], width of each group [g]); the caller lays the groups out."""
+def _shortlist(problem) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Candidate first rounds before their top-up, least estimated waste first: (the tall samples
+    [g], the width of each one's group [g])."""
     lengths, k_min, sizes = problem.lengths, problem.k_min, problem.sizes
     cost, N, B = problem.cost, problem.num_ranks, problem.budget
     h_min = cost.sample_cost(lengths, k_min)
@@ -121,10 +142,7 @@ def _first_rounds(problem, keep: int = 1) -> list[tuple[np.ndarray, np.ndarray, 
         waste = N * D - float(cheapest[chosen].sum()) - float(topup.sum())
         found.append((waste, chosen, widths))
     found.sort(key=lambda f: f[0])
-    out = []
-    for _, chosen, widths in found[:keep]:
-        out.append(_top_up(lengths, order, chosen, widths, cost, B, k_min))
-    return out
+    return [(chosen, widths) for _, chosen, widths in found]
 
 
 def _top_up(
