@@ -88,17 +88,20 @@ class SearchBudget:
       (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
       estimates fit.
 
-    The defaults keep ``plan()`` at about 0.1 s for 1,024 samples on 64 ranks on one CPU core
-    (``hdp bench planner``).
+    With the defaults ``plan()`` takes about 30 ms for 1,024 lognormal samples on 64 ranks and
+    about 50 ms for 8,192 on 512 (``hdp bench planner``; there the search stops on its own, well
+    inside the pool), and 0.05-0.3 s for the suite's 1,024-sample batches with tall samples, where
+    the pool binds and costs at most 0.12 efficiency points against an unbounded search.
     """
 
     construct: int = 20_000
     """Sample placements the construction may spend on candidate plans after the first (each costs
     its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
     builds one candidate only."""
-    search: int = 800_000
+    search: int = 3_000_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-step
-    bookkeeping); 0 turns the local search and the tall-round starts off."""
+    bookkeeping) and the tall-round starts cost (built only when they take at most a quarter of
+    the pool); 0 turns the local search and the tall-round starts off."""
     rivals: int = 65_536
     """Estimated work (samples x (ranks + 32), four times that for hdp-pow2) of the other policies'
     plans taken as candidates; 0 takes none.  The default covers every rival up to about 128
@@ -128,7 +131,7 @@ class SearchBudget:
             except ValueError as exc:
                 raise ValueError(
                     f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
-                    "'construct=20000,search=800000,rivals=65536'"
+                    "'construct=20000,search=3000000,rivals=65536'"
                 ) from exc
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}

@@ -64,6 +64,6 @@ def test_bench_planner_json(capsys):
     assert rc == 0
     d = _json_out(capsys)
     assert [r["samples"] for r in d["planner"]] == [1024, 8192]
-    assert d["search_budget"] == {"construct": 20000, "search": 800000, "rivals": 65536}
+    assert d["search_budget"] == {"construct": 20000, "search": 3000000, "rivals": 65536}
     for r in d["planner"]:
         assert r["median_ms"] > 0 and r["median_cpu_ms"] > 0 and 0.9 < r["efficiency"] <= 1.0

@@ -43,6 +43,7 @@ _TALL = 1.5  # a sample counts as tall above this multiple of a balanced round's
 _HEIGHTS = 12  # first-round heights scanned at most (the tallest sample on that many group sizes)
 _CHUNK = 64  # samples scored at once by the top-up
 _KEEP = 3  # first rounds (least estimated waste first) built into whole starts
+_SHARE = 4  # the first rounds may take at most 1/4 of what is left of the ``search`` pool
 _CLEARLY = 0.02  # a runner-up start is polished too when it starts this much faster than the favourite
 
 
@@ -53,8 +54,8 @@ def tall_round(cols: Columns, problem) -> Columns:
     assert cols.complete, "tall_round needs every sample planned"
     meter = problem.meter
     units = first_round_units(problem) + 2 * problem.n  # the first round, the spread of the rest
-    if not needs_tall_round(problem) or not meter.allows("search", units):
-        return cols
+    if not needs_tall_round(problem) or not meter.allows("search", _SHARE * units):
+        return cols  # the starts' searches need the rest of the pool: a first round costing more is not worth it
     meter.charge("search", units)
     half = max(0, meter.left("search")) // 2  # for the input and the estimate's favourite start
     shortlist = _shortlist(problem)
