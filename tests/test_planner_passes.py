@@ -17,6 +17,7 @@ from hdp.packing.policies.hdp import PIPELINE, Columns, Meter, Problem, plan_col
 from hdp.packing.policies.hdp.construct import construct, spread
 from hdp.packing.policies.hdp.level import level
 from hdp.packing.policies.hdp.polish import polish
+from hdp.packing.policies.hdp.reshelve import reshelve
 from hdp.packing.policies.hdp.rivals import rivals
 from hdp.packing.policies.hdp.tall_round import needs_tall_round, tall_round
 
@@ -98,7 +99,7 @@ def test_every_pass_keeps_plans_valid_and_never_raises_the_step_time(problem):
 
 
 def test_pipeline_order():
-    assert [p.__name__ for p in PIPELINE] == ["construct", "level", "tall_round", "polish", "rivals"]
+    assert [p.__name__ for p in PIPELINE] == ["construct", "level", "tall_round", "polish", "reshelve", "rivals"]
 
 
 def test_construct_plans_only_the_unplanned_samples_after_the_given_rounds():
@@ -174,6 +175,27 @@ def test_polish_is_anytime_and_stops_on_its_budget():
     assert times[0] == base.step_time(start)
     assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:]))
     assert times[-1] < times[0]
+
+
+def test_reshelve_puts_the_roof_columns_of_two_rounds_into_one():
+    """Each of two rounds has one tall 2-rank group above short single-rank columns; no one step
+    lowers the step time (moving one group into the other round raises that round as much as it
+    lowers its own), but laid out again tallest first both groups share a round, and the rounds
+    after it are low."""
+    lengths = np.array([1500, 1500] + [400] * 10)
+    problem = Problem.of(lengths, PlannerConfig(num_ranks=4, max_tokens_per_rank=1000,
+                                                cost=CostModel(linear_coef=0.0)))
+    # round 0: group A on ranks 0-1, two singles columns; round 1: group B, two singles; round 2: four singles
+    cols = Columns(col_of=[0, 3, 1, 1, 2, 2, 4, 5, 6, 7, 8, 9],
+                   round=[0, 0, 0, 1, 1, 1, 2, 2, 2, 2], start=[0, 2, 3, 0, 2, 3, 0, 1, 2, 3],
+                   width=[2, 1, 1, 2, 1, 1, 1, 1, 1, 1])
+    _valid(problem, cols)
+    out = reshelve(cols, problem)
+    _valid(problem, out)
+    assert problem.step_time(out) < 0.8 * problem.step_time(cols)
+    assert out.round[out.col_of[0]] == out.round[out.col_of[1]]  # both tall samples in one round
+    again = reshelve(out, problem)  # already tallest first: nothing left to gain, returned as is
+    assert again is out
 
 
 def test_tall_round_puts_the_tallest_samples_together():

@@ -16,7 +16,10 @@ the `Problem` (batch, config, objective, work meter) and returns new columns:
    half of the search budget, the better goes on;
 4. **polish** (`polish.py`): local search -- samples move or trade places off each round's roof,
    a round's only roof group widens onto free ranks;
-5. **rivals** (`rivals.py`): the plans the other policies (and hdp with power-of-two groups) build
+5. **reshelve** (`reshelve.py`): the finished columns laid out into rounds again, tallest first,
+   and searched once more, when that is faster (the search cannot move a round's roof column into
+   another round step by step when every round has one);
+6. **rivals** (`rivals.py`): the plans the other policies (and hdp with power-of-two groups) build
    for the batch, so hdp is never worse than any of them under its own cost model.
 
 The objective of every pass is the simulator's step time (`problem.py`): the sum of round maxima,
@@ -36,7 +39,7 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.policies.common import Assignment
-from hdp.packing.policies.hdp import construct, level, polish, rivals, tall_round
+from hdp.packing.policies.hdp import construct, level, polish, reshelve, rivals, tall_round
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.problem import Meter, Problem
 
@@ -50,7 +53,7 @@ class Pass(Protocol):
 
 
 PIPELINE: tuple[Pass, ...] = (
-    construct.construct, level.level, tall_round.tall_round, polish.polish, rivals.rivals,
+    construct.construct, level.level, tall_round.tall_round, polish.polish, reshelve.reshelve, rivals.rivals,
 )
 """The passes, in order."""
 
