@@ -41,9 +41,11 @@ from hdp.packing.policies.hdp.columns import Columns
 __all__ = ["polish"]
 
 _TOL = 1e-9  # relative: a roof drop smaller than this is no drop
-_PATIENCE_MIN, _PATIENCE_DIV, _PROGRESS = 32, 256, 1e-4
-"""The search stops when a window of max(32, n / 256) steps lowered the sum of the round roofs by
-less than 0.01% (it has settled; large batches otherwise spend the whole pool on levelling)."""
+_PATIENCE_MIN, _PATIENCE_DIV, _PROGRESS, _WINDOWS = 32, 256, 1e-4, 8
+"""The search stops when a window of max(32, n / 256) steps, or of an eighth of the units it may
+spend, lowered the sum of the round roofs by less than 0.01% (it has settled; large batches
+otherwise spend the whole pool on levelling -- at 131,072 samples a step's bookkeeping alone is
+7% of the default pool)."""
 _TARGETS = 4  # moves go to the this many roomiest single-rank and multi-rank columns of every round
 _TRADE_COLUMNS = 8  # trades look at the samples of the this many roomiest columns of every round
 _TRADE_MOVERS = 32  # ... for this many of the longest samples of the roof columns
@@ -207,8 +209,10 @@ def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
         return cols
     s = _State(cols, problem)
     steps = 0
-    mark, stale = float(s.roof.sum()), 0
+    mark, stale, mark_units = float(s.roof.sum()), 0, meter.spent["search"]
     patience = max(_PATIENCE_MIN, problem.n // _PATIENCE_DIV)
+    # and a window of work: on huge batches a step's bookkeeping alone is a large part of the pool
+    window = max(1, (budget.stop_at - meter.spent["search"]) // _WINDOWS)
     while budget.take(s.lengths.size // 8 + s.opened):  # the step's bookkeeping: roof samples, columns
         if s.opened + s.n_rounds + 1 >= s.alive.size:
             s.grow()
@@ -232,11 +236,12 @@ def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
             step()
         steps += len(found)
         stale += len(found)
-        if stale > patience:  # a window of steps: stop once the roofs barely came down over it
+        if stale > patience or meter.spent["search"] - mark_units > window:
+            # a window of steps or of work: stop once the roofs barely came down over it
             now = float(s.roof.sum())
             if now > mark * (1 - _PROGRESS):
                 break
-            mark, stale = now, 0
+            mark, stale, mark_units = now, 0, meter.spent["search"]
     return cols if steps == 0 else problem.better(s.columns(), cols)
 
 
