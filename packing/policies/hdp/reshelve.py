@@ -38,8 +38,9 @@ def reshelve(cols: Columns, problem) -> Columns:
         return cols
     meter.charge("search", units)
     heights = problem.heights(c)
-    now = problem.step_time(c)
-    if _sorted_roofs(c.width, heights, problem.num_ranks) >= _roofs(c, heights) - _WORTH * now:
+    tops = problem.tops(c, heights)
+    now = problem.objective(tops)
+    if _sorted_roofs(c.width, heights, problem.num_ranks) >= float(tops.sum()) - _WORTH * now:
         return cols  # even a perfect tallest-first layout would not gain enough to be worth the layout
     rounds, starts = layout(c.width, heights, problem.num_ranks)
     shelved = Columns(col_of=c.col_of, round=rounds, start=starts, width=c.width)
@@ -49,13 +50,6 @@ def reshelve(cols: Columns, problem) -> Columns:
     if t > now * (1 - _WORTH):
         return shelved
     return problem.better(polish(shelved, problem), shelved)
-
-
-def _roofs(c: Columns, heights: np.ndarray) -> float:
-    """Sum over rounds of the tallest column."""
-    top = np.zeros(c.num_rounds)
-    np.maximum.at(top, c.round, heights)
-    return float(top.sum())
 
 
 def _sorted_roofs(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> float:
