@@ -232,6 +232,13 @@ class CostModel:
         per_step = self.step_overhead + (comm if comm > 0.0 else 0.0) + self.merge_per_token * local
         return sum_work / k + (k - 1) * per_step + self.cp_per_token * local
 
+    def split_per_token(self, k: np.ndarray | float) -> np.ndarray:
+        """Rank-time per token of a sample split over k ranks, summed over the group:
+        ``(k - 1) * merge_per_token + cp_per_token`` for k >= 2 (k ranks x the per-rank terms
+        ``merge (k - 1) Lp / k + cp Lp / k`` of `group_cost`), 0 for k = 1; additive over samples."""
+        k = np.asarray(k, dtype=np.float64)
+        return np.where(k > 1, (k - 1.0) * self.merge_per_token + self.cp_per_token, 0.0)
+
     def packed_cost(self, lengths: np.ndarray | list[int], k: int) -> float:
         """Per-rank cost (units) of one group of ``k`` ranks running ``lengths`` packed in one round."""
         lp = padded_float(np.asarray(lengths, dtype=np.int64), k)

@@ -60,17 +60,14 @@ def rank_time_floor(lengths: np.ndarray, num_ranks: int, budget: int, cost: Cost
     d = np.maximum(0, -(-length // budget) - 1).astype(np.float64)
     shared = cost.step_overhead * d * (d + 1.0)
 
-    def cp_terms(k: np.ndarray, lp: np.ndarray) -> np.ndarray:
-        return np.where(k > 1, ((k - 1.0) * cost.merge_per_token + cost.cp_per_token) * lp, 0.0)
-
     best = np.full(length.size, np.inf)
     for extra in range(4):
         k = np.minimum(k_min + extra, N).astype(np.float64)
         lp = padded_float(length, k)
-        best = np.minimum(best, cost.work(lp) + cp_terms(k, lp))
+        best = np.minimum(best, cost.work(lp) + cost.split_per_token(k) * lp)
     beyond = k_min + 4 <= N  # every larger size: e >= its value at k_min + 4 with Lp = L
     k = np.minimum(k_min + 4, N).astype(np.float64)
-    best = np.where(beyond, np.minimum(best, cost.work(L) + cp_terms(k, L)), best)
+    best = np.where(beyond, np.minimum(best, cost.work(L) + cost.split_per_token(k) * L), best)
     return best + shared
 
 
@@ -170,7 +167,7 @@ def lower_bound_tight(
     def e(i: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         """e(L_i, k): per-sample rank-time floor on a group of k (item 1 of the docstring)."""
         k = np.asarray(k, dtype=np.float64)
-        return fixed[i] + np.where(k > 1, (cost.cp_per_token + cost.merge_per_token * (k - 1.0)) * L[i], 0.0)
+        return fixed[i] + cost.split_per_token(k) * L[i]
 
     star = int(np.argmax(length))  # the longest sample (the first among equals)
     ks = np.arange(int(k_min[star]), N + 1)

@@ -118,3 +118,17 @@ def test_bad_parameters_name_the_field(field):
         CostModel(**{field: float("nan")})
     with pytest.raises(ValueError, match="unit_time_s"):
         CostModel(unit_time_s=0.0)
+
+
+def test_split_per_token_is_the_additive_rank_time_of_being_split():
+    """k x group_cost of a split sample, without the shared ring terms (step overhead, transfer),
+    is its work plus split_per_token(k) per padded token; nothing for k = 1."""
+    from hdp.packing.cost import CostModel, padded_float
+
+    cost = CostModel(linear_coef=300.0, merge_per_token=7.0, cp_per_token=11.0)
+    for k in (1, 2, 3, 8):
+        lp = padded_float(np.array([1000, 333]), k)
+        rank_time = k * cost.packed_cost([1000, 333], k)
+        want = float(cost.work(lp).sum() + cost.split_per_token(k) * lp.sum())
+        assert rank_time == pytest.approx(want, rel=1e-12), k
+    assert float(cost.split_per_token(1)) == 0.0

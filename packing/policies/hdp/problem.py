@@ -172,9 +172,10 @@ class Problem:
             return 0.0
         return float(tops.sum()) + tops.size * self.cost.round_cost + (self.stages - 1) * float(tops.max())
 
-    def step_time(self, cols: Columns) -> float:
-        """T of a plan (empty rounds dropped), the simulator's step time."""
-        top = self.tops(cols)
+    def step_time(self, cols: Columns, heights: np.ndarray | None = None) -> float:
+        """T of a plan (empty rounds dropped), the simulator's step time; ``heights``: its columns'
+        (`heights`) when already known."""
+        top = self.tops(cols, heights)
         return self.objective(top[top > 0] if np.any(top <= 0) else top)
 
     def better(self, new: Columns, old: Columns) -> Columns:

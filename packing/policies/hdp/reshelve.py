@@ -37,14 +37,14 @@ def reshelve(cols: Columns, problem) -> Columns:
     if problem.num_ranks < 2 or c.num_rounds < 2 or not meter.allows("search", units):
         return cols
     meter.charge("search", units)
-    heights = problem.heights(c)
+    heights = problem.heights(c)  # the relayout moves columns, not their samples: computed once
     tops = problem.tops(c, heights)
     now = problem.objective(tops)
     if _sorted_roofs(c.width, heights, problem.num_ranks) >= float(tops.sum()) - _WORTH * now:
         return cols  # even a perfect tallest-first layout would not gain enough to be worth the layout
     rounds, starts = layout(c.width, heights, problem.num_ranks)
     shelved = Columns(col_of=c.col_of, round=rounds, start=starts, width=c.width)
-    t = problem.step_time(shelved)
+    t = problem.step_time(shelved, heights)
     if t >= now * (1 - 1e-9):
         return cols
     if t > now * (1 - _WORTH):

@@ -65,8 +65,7 @@ def _best_sizes(
     if tail.size:
         L = lengths.astype(np.float64)
         k1 = float(tail[0])
-        floor = cost.work(L) + (k1 >= 2) * ((k1 - 1) * k1 * cost.step_overhead
-                                             + ((k1 - 1) * cost.merge_per_token + cost.cp_per_token) * L)
+        floor = cost.work(L) + (k1 >= 2) * (k1 - 1) * k1 * cost.step_overhead + cost.split_per_token(k1) * L
         more = np.flatnonzero(~(floor > best * (1 + 1e-12)))  # a tail size may still win (or tie: none)
         if more.size:
             sc2, h2 = scores(more, tail)

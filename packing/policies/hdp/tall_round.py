@@ -78,8 +78,7 @@ def tall_round(cols: Columns, problem) -> Columns:
 def _start(problem, chosen: np.ndarray, widths: np.ndarray) -> Columns | None:
     """A whole starting plan: the first round's groups (topped up, `_top_up`) in round 0, the other
     samples spread over the rounds after it; None when the spread does not fit the budget."""
-    chosen, group, width = _top_up(problem.lengths, np.arange(problem.n), chosen, widths, problem.cost,
-                                   problem.budget, problem.k_min)
+    chosen, group, width = _top_up(problem.lengths, chosen, widths, problem.cost, problem.budget, problem.k_min)
     first = np.full(problem.n, -1, dtype=np.int64)
     first[chosen] = group
     base = Columns(col_of=first, round=np.zeros(width.size, dtype=np.int64),
@@ -147,8 +146,7 @@ def _shortlist(problem) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def _top_up(
-    lengths: np.ndarray, order: np.ndarray, chosen: np.ndarray, widths: np.ndarray, cost, B: int,
-    k_min: np.ndarray,
+    lengths: np.ndarray, chosen: np.ndarray, widths: np.ndarray, cost, B: int, k_min: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The remaining samples, longest first, join the round's groups (best fit) while the group
     stays within B tokens per rank and under the round's height: (samples [m], group of each [m],
@@ -166,7 +164,7 @@ def _top_up(
     members = list(chosen.tolist())
     taken = np.zeros(lengths.size, dtype=bool)
     taken[chosen] = True
-    rest = order[~taken[order]]
+    rest = np.flatnonzero(~taken)
     rest = rest[np.lexsort((rest, -lengths[rest]))]
     p = 0
     while p < rest.size and float(tok.min()) + 1 <= B:
