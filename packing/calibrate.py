@@ -267,8 +267,9 @@ class _Design:
             "cp_per_token": np.where(self.multi, self.x1, 0.0),
         }
 
-    def exposed(self, lat: float, cpt: float) -> np.ndarray:
-        """(k-1) * max(0, lat + cpt * X1 - X3): un-hidden K/V transfer in units."""
+    def exposed(self, lat: float | np.ndarray, cpt: float | np.ndarray) -> np.ndarray:
+        """(k-1) * max(0, lat + cpt * X1 - X3): un-hidden K/V transfer in units ([G], or [P, G] for
+        [P, 1] columns of points)."""
         return self.ring * np.maximum(0.0, lat + cpt * self.x1 - self.x3)
 
 
@@ -314,44 +315,60 @@ def _subsets(n: int) -> np.ndarray:
     return _SUBSETS[n]
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
-    """min ||a x - b||² with x >= 0 and x[0] > 0, by enumerating active sets (a has <= 6 columns).
+def _nnls(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """min ||a[p] x - b||² with x >= 0 and x[0] > 0 for every p, by enumerating active sets.
 
-    Columns are scaled to unit norm first (their magnitudes differ by 10 orders); every subset's
-    least-squares solution comes from one batched solve of its normal equations (a 1e-10 ridge
-    keeps collinear subsets solvable; their sse is then that of the ridge solution, never below
-    the subset's true minimum); the best feasible one is exact NNLS.  Deterministic.  Returns
-    (x, sse); sse is inf when no subset gives x[0] > 0.
+    ``a`` is [P, G, n] (n <= 6 columns), ``b`` [G]; returns (x [P, n], sse [P]).  Columns are
+    scaled to unit norm first (their magnitudes differ by 10 orders); every subset's least-squares
+    solution comes from one batched solve of its normal equations (a 1e-10 ridge keeps collinear
+    subsets solvable; their sse is then that of the ridge solution, never below the subset's true
+    minimum); the best feasible one is exact NNLS, and its sse is recomputed from the residual
+    (the normal-equation sse cancels when the fit is nearly exact).  Deterministic.  sse is inf
+    where no subset gives x[0] > 0 or ``a[p]`` is not finite.
     """
-    n = a.shape[1]
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return np.zeros(n), np.inf  # never hand LAPACK a NaN/inf (it prints to stdout)
-    norms = np.sqrt((a * a).sum(axis=0))
+    p_count, _, n = a.shape
+    finite = np.all(np.isfinite(a), axis=(1, 2)) & bool(np.all(np.isfinite(b)))  # [P]
+    a = np.where(finite[:, None, None], a, 0.0)  # never hand LAPACK a NaN/inf (it prints to stdout)
+    b = np.where(np.isfinite(b), b, 0.0)
+    norms = np.sqrt(np.einsum("pgi,pgi->pi", a, a))  # [P, n]
     norms[norms == 0] = 1.0
-    an = a / norms
-    gram, rhs, bb = an.T @ an, an.T @ b, float(b @ b)
+    an = a / norms[:, None, :]  # [P, G, n]
+    gram = np.einsum("pgi,pgj->pij", an, an)  # [P, n, n]
+    rhs = np.einsum("pgi,g->pi", an, b)  # [P, n]
+    bb = float(b @ b)
     masks = _subsets(n)  # [S, n]
     both = masks[:, :, None] & masks[:, None, :]  # [S, n, n]
     eye = np.eye(n)
-    mat = np.where(both, gram + 1e-10 * eye, eye)  # [S, n, n]
-    x = np.linalg.solve(mat, np.where(masks, rhs, 0.0)[:, :, None])[:, :, 0]  # [S, n]
-    x = np.where(masks, x, 0.0)
-    sse = bb - 2.0 * (x @ rhs) + np.einsum("si,ij,sj->s", x, gram, x)  # [S]
-    ok = np.all(x >= 0, axis=1) & (x[:, 0] > 0) & np.isfinite(sse)
-    if not ok.any():
-        return np.zeros(n), np.inf
-    i = int(np.flatnonzero(ok)[np.argmin(sse[ok])])
-    resid = an @ x[i] - b
-    return x[i] / norms, float(resid @ resid)
+    mat = np.where(both[None], gram[:, None] + 1e-10 * eye, eye)  # [P, S, n, n]
+    x = np.linalg.solve(mat, np.where(masks[None], rhs[:, None, :], 0.0)[..., None])[..., 0]  # [P, S, n]
+    x = np.where(masks[None], x, 0.0)
+    sse = bb - 2.0 * np.einsum("psi,pi->ps", x, rhs) + np.einsum("psi,pij,psj->ps", x, gram, x)  # [P, S]
+    ok = np.all(x >= 0, axis=2) & (x[:, :, 0] > 0) & np.isfinite(sse)  # [P, S]
+    best = np.argmin(np.where(ok, sse, np.inf), axis=1)  # [P]: the first subset of least sse
+    xb = x[np.arange(p_count), best]  # [P, n]
+    resid = np.einsum("pgi,pi->pg", an, xb) - b  # [P, G]
+    found = ok.any(axis=1) & finite
+    return np.where(found[:, None], xb / norms, 0.0), np.where(found, np.einsum("pg,pg->p", resid, resid), np.inf)
 
 
-def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> tuple[dict[str, float], float]:
-    """Best linear parameters given the communication parameters; ({name: units, "unit_time_s": u}, sse).
+_CHUNK = 1 << 18
+"""Design entries (points x group records) per batched NNLS: bounds the [P, G, n] arrays (~12 MB)."""
 
+
+def _solve_many(des: _Design, st: _State, lat: np.ndarray, cpt: np.ndarray, u_hint: float) -> tuple[np.ndarray, np.ndarray]:
+    """Best linear parameters for each communication point (lat[p], cpt[p]); (x [P, 1 + F], sse [P]).
+
+    ``x[p, 0]`` is the unit time u, ``x[p, i]`` u times the i-th free parameter (`_State.free`).
     Free ``lat``/``cpt`` are in units.  A fixed one is in seconds, so whether it is hidden depends
     on u: it is converted with ``u_hint`` and then with the fitted u until u settles (3 passes).
     Weighted rows (1/t): the sse is a sum of squared relative errors.
     """
+    lat = np.asarray(lat, dtype=np.float64)
+    cpt = np.asarray(cpt, dtype=np.float64)
+    step = max(1, _CHUNK // max(1, des.t.size))
+    if lat.size > step:  # bound the memory of one batch
+        parts = [_solve_many(des, st, lat[i : i + step], cpt[i : i + step], u_hint) for i in range(0, lat.size, step)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     cols = des.columns()
     w = 1.0 / des.t
     target = des.t.copy()
@@ -363,54 +380,81 @@ def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> t
                 fixed_col = fixed_col + value * cols[name]
             else:
                 target = target - value * cols[name]  # seconds
-    u = u_hint
-    params: dict[str, float] = {}
-    sse = np.inf
-    for _ in range(3):
-        scale = 1.0 if st.units else u
-        lat_u = lat if "step_latency" in st.comm_free else st.fixed["step_latency"] / scale
-        cpt_u = cpt if "comm_per_token" in st.comm_free else st.fixed["comm_per_token"] / scale
-        base_col = des.x2 + des.exposed(lat_u, cpt_u) + fixed_col
+    rest = np.stack([cols[n] for n in st.free], axis=1) if st.free else np.zeros((des.t.size, 0))  # [G, F]
+    one_pass = len(st.comm_free) == 2 or st.units
+    u = np.full(lat.size, float(u_hint))
+    x = np.zeros((lat.size, 1 + len(st.free)))
+    sse = np.full(lat.size, np.inf)
+    todo = np.ones(lat.size, dtype=bool)  # points whose u has not settled
+    for _ in range(1 if one_pass else 3):
+        idx = np.flatnonzero(todo)
+        scale = np.ones(idx.size) if st.units else u[idx]
+        lat_u = lat[idx] if "step_latency" in st.comm_free else st.fixed["step_latency"] / scale  # [p]
+        cpt_u = cpt[idx] if "comm_per_token" in st.comm_free else st.fixed["comm_per_token"] / scale
+        base_col = des.x2 + des.exposed(lat_u[:, None], cpt_u[:, None]) + fixed_col  # [p, G]
         if a_fixed:
             base_col = base_col + st.fixed["linear_coef"] * des.x1
-        mat = np.stack([base_col] + [cols[n] for n in st.free], axis=1) * w[:, None]  # [G, 1 + F]
-        x, sse = _nnls(mat, target * w)
-        if not np.isfinite(sse):
-            return {}, np.inf
-        new_u = float(x[0])
-        params = {"unit_time_s": new_u, **{n: float(x[i]) / new_u for i, n in enumerate(st.free, start=1)}}
-        settled = abs(new_u / u - 1.0) < 1e-12
-        u = new_u
-        if settled or len(st.comm_free) == 2 or st.units:
+        mat = np.concatenate([base_col[:, :, None], np.broadcast_to(rest, (idx.size, *rest.shape))], axis=2)
+        xs, ss = _nnls(mat * w[None, :, None], target * w)  # [p, 1 + F], [p]
+        x[idx], sse[idx] = xs, ss
+        new_u = xs[:, 0]
+        settled = ~np.isfinite(ss) | (np.abs(new_u / u[idx] - 1.0) < 1e-12)
+        u[idx] = np.where(np.isfinite(ss), new_u, u[idx])
+        todo[idx[settled]] = False
+        if not todo.any():
             break
-    return params, sse
+    return x, sse
+
+
+def _solve(des: _Design, st: _State, lat: float, cpt: float, u_hint: float) -> tuple[dict[str, float], float]:
+    """`_solve_many` at one point: ({name: units, "unit_time_s": u}, sse); ({}, inf) when no fit."""
+    x, sse = _solve_many(des, st, np.array([lat]), np.array([cpt]), u_hint)
+    if not np.isfinite(sse[0]):
+        return {}, np.inf
+    u = float(x[0, 0])
+    return {"unit_time_s": u, **{n: float(x[0, i]) / u for i, n in enumerate(st.free, start=1)}}, float(sse[0])
 
 
 _STARTS = 4
 """Grid points refined by the pattern search (the best few: the sse over (lat, cpt) has several basins)."""
 
 
-def _pattern(des: _Design, st: _State, lat: float, cpt: float, u_hint: float, lat_free: bool, cpt_free: bool,
-             scale: float, tok: float) -> tuple[float, float, float]:
-    """Multiplicative pattern search from (lat, cpt); returns (sse, lat, cpt)."""
-    best = (_solve(des, st, lat, cpt, u_hint)[1], lat, cpt)
-    step = 30.0 ** (1 / 12)
-    signs = [(x, y) for x in (1, 0, -1) for y in (1, 0, -1)
-             if (x, y) != (0, 0) and (x == 0 or lat_free) and (y == 0 or cpt_free)]
+def _pattern(des: _Design, st: _State, starts: Sequence[tuple[float, float]], u_hint: float, lat_free: bool,
+             cpt_free: bool, scale: float, tok: float) -> list[tuple[float, float, float]]:
+    """Multiplicative pattern search from each of ``starts`` (lat, cpt); returns (sse, lat, cpt) of each.
+
+    Every iteration scores the (up to 8) neighbours of every unfinished search at its current
+    step in one batch; each search moves to its best neighbour that improves (the first of equal
+    ones) or, with none, square-roots its step.  The searches are independent (run side by side
+    only to share the batches).
+    """
+    n = len(starts)
+    lat = np.array([s[0] for s in starts], dtype=np.float64)  # [n]
+    cpt = np.array([s[1] for s in starts], dtype=np.float64)
+    best = _solve_many(des, st, lat, cpt, u_hint)[1]  # [n]
+    step = np.full(n, 30.0 ** (1 / 12))
+    signs = np.array([(x, y) for x in (1, 0, -1) for y in (1, 0, -1)
+                      if (x, y) != (0, 0) and (x == 0 or lat_free) and (y == 0 or cpt_free)], dtype=np.float64)
+    live = np.ones(n, dtype=bool)
     for _ in range(200):
-        improved = False
-        for sx, sy in signs:
-            dl, dc = step ** sx, step ** sy
-            cl = lat * dl if lat > 0 else (scale * 1e-3 if dl > 1 else 0.0)
-            cc = cpt * dc if cpt > 0 else (scale / tok * 1e-3 if dc > 1 else 0.0)
-            sse = _solve(des, st, cl, cc, u_hint)[1]
-            if sse < best[0] * (1 - 1e-12):
-                best, lat, cpt, improved = (sse, cl, cc), cl, cc, True
-        if not improved:
-            step = step ** 0.5
-            if step < 1.0005:
-                break
-    return best
+        idx = np.flatnonzero(live)
+        if idx.size == 0:
+            break
+        dl = step[idx, None] ** signs[None, :, 0]  # [m, D]
+        dc = step[idx, None] ** signs[None, :, 1]
+        la, ca = lat[idx, None], cpt[idx, None]
+        cand_l = np.where(la > 0, la * dl, np.where(dl > 1, scale * 1e-3, 0.0))  # [m, D]
+        cand_c = np.where(ca > 0, ca * dc, np.where(dc > 1, scale / tok * 1e-3, 0.0))
+        sse = _solve_many(des, st, cand_l.ravel(), cand_c.ravel(), u_hint)[1].reshape(cand_l.shape)  # [m, D]
+        pick = np.argmin(sse, axis=1)  # [m]
+        rows = np.arange(idx.size)
+        gain = sse[rows, pick] < best[idx] * (1 - 1e-12)
+        mv = idx[gain]
+        best[mv], lat[mv], cpt[mv] = sse[rows, pick][gain], cand_l[rows, pick][gain], cand_c[rows, pick][gain]
+        stay = idx[~gain]
+        step[stay] = step[stay] ** 0.5
+        live[stay[step[stay] < 1.0005]] = False
+    return [(float(best[i]), float(lat[i]), float(cpt[i])) for i in range(n)]
 
 
 def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint: float) -> tuple[dict[str, float], float, float, float]:
@@ -426,17 +470,17 @@ def _search(des: _Design, st: _State, start: tuple[float, float] | None, u_hint:
     cpt_free = "comm_per_token" in st.comm_free
     lat_grid = np.concatenate([[0.0], scale * np.geomspace(1e-3, 30.0, 25)]) if lat_free else np.zeros(1)
     cpt_grid = np.concatenate([[0.0], scale / tok * np.geomspace(1e-3, 30.0, 25)]) if cpt_free else np.zeros(1)
-    scored = []  # (sse, lat, cpt) of every grid point
-    for lat in lat_grid:
-        for cpt in cpt_grid:
-            scored.append((_solve(des, st, float(lat), float(cpt), u_hint)[1], float(lat), float(cpt)))
+    lats = np.repeat(lat_grid, cpt_grid.size)  # [P]: lat outer, cpt inner
+    cpts = np.tile(cpt_grid, lat_grid.size)
+    sses = _solve_many(des, st, lats, cpts, u_hint)[1]  # [P]: one batch for the whole grid
+    scored = [(float(s), float(la), float(c)) for s, la, c in zip(sses, lats, cpts)]  # (sse, lat, cpt)
     scored.sort(key=lambda x: x[0])  # stable: ties keep grid order (deterministic)
     starts = [s[1:] for s in scored[:_STARTS]]
     if start is not None:
         starts.insert(0, start)
     best = (np.inf, 0.0, 0.0)
-    for lat0, cpt0 in starts:  # the landscape is not convex: refine the best few grid points
-        found = _pattern(des, st, lat0, cpt0, u_hint, lat_free, cpt_free, scale, tok)
+    # the landscape is not convex: refine the best few grid points
+    for found in _pattern(des, st, starts, u_hint, lat_free, cpt_free, scale, tok):
         if found[0] < best[0] * (1 - 1e-12):
             best = found
     _, lat, cpt = best
