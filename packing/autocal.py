@@ -11,7 +11,8 @@ rank of the domain holds the same ``[N, R]`` table and feeds it here:
   (every `AutoCalibrate.holdout_every`-th round of the window is held out; records far off a first
   fit, such as a descheduled process's, are dropped before the second), with the current model
   as the base (what the window cannot determine stays as it is), and adopts the refit only when it
-  predicts the held-out rounds better than the current model (median |log(predicted / measured)|);
+  predicts the held-out rounds better than the current model (median |log(predicted / measured)|;
+  the held-out rounds added since the last refit decide, or the newest 8 when fewer came since);
 * a window without a single-rank group cannot show what context parallelism costs (a model that
   thinks CP is free puts every sample on a CP group, and its records then never contradict it): the
   step after such a refit is planned with a CP-averse variant (`explore_model`), once per refit.
@@ -125,6 +126,7 @@ class CostWindow:
         self._rounds: deque[_Round] = deque()
         self._groups = 0
         self._next = 0
+        self._mark = 0  # ident of the first round after the last refit decision
 
     def __len__(self) -> int:
         return len(self._rounds)
@@ -159,6 +161,16 @@ class CostWindow:
             self._groups += len(groups)
         while self._groups > self.capacity and len(self._rounds) > 1:
             self._groups -= len(self._rounds.popleft().groups)
+
+    def mark(self) -> None:
+        """Note that a refit decision was taken here: `recent` holds the rounds added after it."""
+        self._mark = self._next
+
+    def recent(self, rounds: Sequence[_Round], at_least: int) -> list[_Round]:
+        """The rounds of ``rounds`` (oldest first) added since the last `mark`, or the newest
+        ``at_least`` of them when fewer were added since (all when there are fewer)."""
+        newer = [r for r in rounds if r.ident >= self._mark]
+        return newer if len(newer) >= at_least else list(rounds[-at_least:])
 
     def split(self, holdout_every: int) -> tuple[list[_Round], list[_Round]]:
         """(training rounds, held-out rounds): every ``holdout_every``-th round (by its number) is held out."""
@@ -296,8 +308,15 @@ def _robust(rounds: Sequence[_Round], current: CostModel) -> list[dict[str, Any]
     return kept if any(r["kind"] == "group" for r in kept) else records
 
 
+_MIN_JUDGE = 8
+"""Fewest held-out rounds that decide an adoption (the newest ones when fewer came since the last refit)."""
+
+
 def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Refit:
-    """Fit the window's training rounds (base: ``current``); adopt when the held-out rounds say so."""
+    """Fit the window's training rounds (base: ``current``); adopt when the held-out rounds added
+    since the last refit decision (`CostWindow.mark`; the newest 8 when fewer came since) say so:
+    the machine drifts (warm-up, clocks, other jobs), and the current model was already judged on
+    the older rounds."""
     explore = settings.explore and needs_exploration(window)
     train, held = window.split(settings.holdout_every)
     if not held or len(train) < 2:
@@ -309,7 +328,8 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
         logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, held),
                      r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}", explore=explore)
-    err_new, err_old = round_error(fit.cost, held), round_error(current, held)
+    judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
+    err_new, err_old = round_error(fit.cost, judge), round_error(current, judge)
     adopt = bool(np.isfinite(err_new) and err_new < err_old * (1.0 - settings.min_gain))
     in_use = fit.cost if adopt else current
     return Refit(candidate=fit.cost, adopt=adopt, error_new=err_new, error_old=err_old,

@@ -118,6 +118,33 @@ def test_refit_of_the_right_model_is_not_adopted_without_gain():
     assert not empty.adopt and empty.candidate is None and "too few rounds" in empty.reason
 
 
+def test_refit_is_judged_on_the_rounds_since_the_last_decision():
+    # the machine slows down 30% after a refit decision (warm-up ends, clocks drop, another job
+    # arrives): the current model still predicts the many older rounds exactly, so judged on every
+    # held-out round it would win; the rounds since the decision say the refit is better
+    rng = np.random.default_rng(3)
+    slow = dataclasses.replace(TRUE, unit_time_s=1.3 * TRUE.unit_time_s)
+    w = CostWindow(8192)
+    for s in range(22):
+        if s == 12:
+            w.mark()
+            first_slow = len(w)  # the ident of the first round after the mark (nothing was evicted)
+        lengths = short_tail(48, mean=600.0, max_len=N * B - 2 * N, seed=500 + s)
+        p = plan(lengths, PlannerConfig(num_ranks=N, max_tokens_per_rank=B, cost=TRUE))
+        w.add_step(p, _timed(p, TRUE if s < 12 else slow, rng, noise=0.0))
+    _, held = w.split(4)
+    recent = w.recent(held, 8)
+    assert all(r.ident >= first_slow for r in recent) and 8 <= len(recent) < len(held) / 2, (len(recent), len(held))
+    r = refit(w, TRUE, AutoCalibrate(min_gain=0.02))
+    assert r.candidate is not None
+    assert round_error(TRUE, held) < round_error(r.candidate, held)  # the old rule would keep TRUE
+    assert r.adopt, r
+    assert r.error_old == pytest.approx(math.log(1.3), rel=1e-6) and r.error_new < r.error_old
+    from hdp.packing.autocal import _round_predictions
+
+    assert np.median(_round_predictions(r.candidate, recent) / _round_predictions(TRUE, recent)) > 1.02
+
+
 def test_decision_vector_round_trip():
     r = Refit(candidate=TRUE, adopt=True, error_new=0.01, error_old=0.2, r2=0.99)
     back = Refit.from_vector(r.to_vector(CP_FREE))

@@ -22,7 +22,7 @@ from dist_helper import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-RANKS, B, STEPS, EVERY, LAST = 4, 256, 14, 4, 6
+RANKS, B, STEPS, EVERY, LAST = 4, 256, 20, 4, 12
 NOISE_LIMIT = 0.25  # robust spread (1.48 MAD / median) of step times above which timings cannot judge 15%
 LINK_S = 0.002
 """Seconds every ring step waits on top of gloo (both directions at once): the "hardware" of this test

@@ -86,6 +86,7 @@ class DomainAutoCalibrator:
             self._exploring, plan_with = False, self.cost
         if self.steps % self.settings.every_steps == 0 and len(self.window) >= self.settings.min_rounds:
             decision = self._decide()
+            self.window.mark()  # every rank alike: the next refit is judged on the rounds after this one
             self.last = decision
             self.r2 = decision.r2
             if decision.adopt and decision.candidate is not None and decision.candidate != self.cost:
