@@ -390,3 +390,22 @@ def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
 def test_cli_suite_rejects_a_cost_model(capsys):
     assert main(["simulate", "--suite", "--cost-model", "c.json"]) == 2
     assert "--suite plans every case with its own model and profile; drop --cost-model" in capsys.readouterr().err
+
+
+def test_calibrate_speed_example_fits_its_records():
+    # examples/calibrate_speed.py times real fits; its record sets come from the family, so every
+    # fit must recover the unit time it was drawn with (+-3% noise)
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "calibrate_speed.py"
+    spec = importlib.util.spec_from_file_location("calibrate_speed_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import hdp.packing.calibrate as current
+
+    sets = mod.record_sets()
+    secs, fits = mod.time_fits(current, sets)
+    assert secs > 0 and len(fits) == 6
+    for (base, _), fit in zip(sets, fits):
+        assert fit.unit_time_s == pytest.approx(base.unit_time_s, rel=0.05)
