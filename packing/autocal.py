@@ -322,13 +322,13 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
     if not held or len(train) < 2:
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
                      r2=records_r2(current, window.rounds()), reason="too few rounds in the window", explore=explore)
+    judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
     try:
         fit = calibrate(_robust(train, current), base=current, warn=False)
     except ValueError as exc:
         logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
-        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, held),
+        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, judge),
                      r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}", explore=explore)
-    judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
     err_new, err_old = round_error(fit.cost, judge), round_error(current, judge)
     adopt = bool(np.isfinite(err_new) and err_new < err_old * (1.0 - settings.min_gain))
     in_use = fit.cost if adopt else current
