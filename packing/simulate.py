@@ -17,10 +17,13 @@ calibrated on a PP job measures a stage; a preset for the whole model scales eve
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from hdp.packing.cost import CostModel, min_group_size, padded_float
 from hdp.packing.plan import Plan, PlanStats
+from hdp.packing.round_bound import FirstFit, round_capacity_bound
 
 __all__ = ["simulate", "lower_bound", "lower_bound_tight", "rank_time_floor", "min_rounds", "rank_loads", "round_times", "step_time"]
 
@@ -108,7 +111,11 @@ _TIGHT_ROWS = 1 << 18  # samples x group sizes the tight bound tabulates at most
 def lower_bound_tight(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
 ) -> float:
-    """T*_tight (units): a lower bound that also counts what tall samples force on every plan.
+    """T*_tight (units): the largest of `lower_bound`, the bound below and
+    `hdp.packing.round_bound.round_capacity_bound` (the token slots a tall round strands); every
+    one is a lower bound of every plan's T.  Cached per batch (the suite asks once per policy).
+
+    The bound below counts what tall samples force on every plan.
 
     `lower_bound` prices every sample at its cheapest group and lets the rounds absorb it
     perfectly.  Two costs no plan avoids are missing there: a sample whose round is at most t tall
@@ -153,10 +160,18 @@ def lower_bound_tight(
     a wider group; samples tall enough to vary are tabulated over every group size (at most
     `_TIGHT_ROWS` entries; the rest keep rho at their fewest ranks, which is lower: still valid).
     """
-    length = np.asarray(lengths, dtype=np.int64)
-    n, N, B = int(length.size), int(num_ranks), int(budget)
+    length = np.ascontiguousarray(lengths, dtype=np.int64)
+    return _tight_cached(length.tobytes(), int(num_ranks), int(budget), cost, int(pipeline_stages))
+
+
+@functools.lru_cache(maxsize=64)
+def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages: int) -> float:
+    """`lower_bound_tight` of the batch whose int64 lengths are ``data``."""
+    length = np.frombuffer(data, dtype=np.int64)
+    n = int(length.size)
     if n == 0:
         return 0.0
+    plain = lower_bound(length, N, B, cost, pipeline_stages)
     p, beta = pipeline_stages - 1, cost.round_cost
     r_min = min_rounds(length, N, B)
     L = length.astype(np.float64)
@@ -194,18 +209,8 @@ def lower_bound_tight(
     rho_var = np.broadcast_to(rho0[var][:, None], (var.size, his.size)).copy()  # [V, G]
     feasible = np.ones(his.size, dtype=bool)
     if var.size:
-        kk = np.arange(1, N + 1)
-        Lv = np.broadcast_to(length[var][:, None], (var.size, N))
-        H = cost.sample_cost(Lv, np.broadcast_to(kk, Lv.shape))  # [V, N]
-        H = np.minimum.accumulate(np.where(kk[None, :] >= k_min[var][:, None], H, np.inf), axis=1)
-        big = 4.0 * max(float(np.nanmax(np.where(np.isfinite(H), H, 0.0))), t_top) + 1.0
-        span = 2.0 * big
-        flat = (np.arange(var.size)[:, None] * span + np.where(np.isfinite(H), big - H, 0.0)).ravel()  # sorted
-        t_end = np.where(np.isfinite(his), his, t_top)
-        q = np.arange(var.size)[:, None] * span + (big - t_end)[None, :]  # [V, G]
-        j = np.searchsorted(flat, q.ravel(), side="left").reshape(q.shape) - np.arange(var.size)[:, None] * N
-        feasible = np.all(j < N, axis=0)
-        k_at = np.minimum(j, N - 1) + 1
+        k_at, found = FirstFit(length[var], k_min[var], N, cost)(np.where(np.isfinite(his), his, t_top))
+        feasible = found.all(axis=0)
         rho_var = e(var[:, None], k_at)
     # the fractional knapsack of the others (value rho, weight L, capacity N B - L*): the static
     # samples sorted once, truncated where they alone fill the capacity (the varying ones only push
@@ -249,7 +254,8 @@ def lower_bound_tight(
         S = max(lo, (rest_sum + float(rho_var[:, g].sum()) + m) / N)
         rounds = r_min if not np.isfinite(hi) else max(r_min, int(np.ceil(S / hi - 1e-12)))
         best = min(best, S + p * lo + beta * rounds)
-    return float(best)
+    best = max(best, plain)
+    return float(max(best, round_capacity_bound(length, N, B, cost, pipeline_stages, upper=best)))
 
 def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(round, first rank, size, per-rank cost) of every group of the plan (exact group costs)."""

@@ -369,9 +369,8 @@ def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
     spec.loader.exec_module(loop)
     # the bundled Wikipedia sample, named: the default (../shared/data when a checkout has it, else
     # the bundled file) made the batch depend on where the repository sits.  On the full file's
-    # batch (two 32,768-token documents) no plan reaches 0.94 under this machine: a round holding
-    # one of them lasts >= 2.8e8 units on any group size while B tokens of short documents take
-    # <= 2.2e8 on a rank, so T >= ~1.13 T* (hdp: 0.880; see the issue 11 report).
+    # batch (32,768-token documents) no plan reaches 0.90 under this machine: T*_tight / T* shows it
+    # (`round_capacity_bound`; test_round_bound.py proves the same below 0.95 at N = 64).
     sample = Path(__file__).resolve().parents[1] / "packing" / "data" / "wikipedia_sample.txt"
     result = loop.run(ranks=16, samples=256, budget=8192, workdir=str(tmp_path), wikipedia_path=str(sample))
     params = result["calibration"]["parameters"]
