@@ -162,58 +162,29 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
 
     Each round takes the tallest remaining column, then every column in height order that still
     fits its free ranks.  That is first-fit decreasing: columns tallest first (wider first among
-    equals), each to the first round with room for it, a new round when none has -- done here so,
-    a run of single-rank columns at a time (vectorised) and each wider column with one scan of
-    the rounds' free ranks.  Within a round wider columns go left (aligned power-of-two blocks stay
-    aligned).
+    equals), each to the first round with room for it, a new round when none has -- done here with
+    one pointer per width to the first round that may still hold it (free ranks only fall, so a
+    round once too full for a width stays so): O(columns + rounds x widths).  Within a round wider
+    columns go left (aligned power-of-two blocks stay aligned).
     """
     n = widths.size
     rnd = np.zeros(n, dtype=np.int64)
     if n == 0:
         return rnd, rnd.copy()
     order = np.lexsort((np.arange(n), -widths, -heights))  # tallest first, wider first among equals
-    w = widths[order]
-    wl = w.tolist()
-    free = np.zeros(n + 1, dtype=np.int64)  # [rounds] free ranks of every round opened so far
-    opened = 0
-    cut = np.flatnonzero(np.diff(np.r_[0, (w == 1).astype(np.int8), 0]))  # runs of single-rank columns
-    single_runs = dict(zip(cut[::2].tolist(), cut[1::2].tolist()))
-    i = 0
-    while i < n:
-        if i in single_runs:  # a run of single-rank columns: the first free ranks of the rounds in order
-            end = single_runs[i]
-            need = end - i
-            have = np.flatnonzero(free[:opened] > 0)
-            take = np.minimum(free[have], np.maximum(0, need - (np.cumsum(free[have]) - free[have])))
-            per_round = np.repeat(have, take)
-            short = need - per_round.size
-            if short > 0:  # new rounds for the rest
-                extra = -(-short // num_ranks)
-                free[opened : opened + extra] = num_ranks
-                per_round = np.concatenate([per_round, opened + np.arange(short) // num_ranks])
-                opened += extra
-            rnd[order[i:end]] = per_round
-            np.subtract.at(free, per_round, 1)
-            i = end
-            continue
-        # a run of wide columns: each to the first round with room (Python ints: few rounds, many columns)
-        end = i + 1
-        while end < n and end not in single_runs:
-            end += 1
-        fl = free[:opened].tolist()
-        first_open = 0  # rounds before this one are full
-        for j in range(i, end):
-            wj = wl[j]
-            while first_open < len(fl) and fl[first_open] == 0:
-                first_open += 1
-            r = next((q for q in range(first_open, len(fl)) if fl[q] >= wj), len(fl))
-            if r == len(fl):
-                fl.append(num_ranks)
-            fl[r] -= wj
-            rnd[order[j]] = r
-        free[: len(fl)] = fl
-        opened = len(fl)
-        i = end
+    fl: list[int] = []  # free ranks of every round opened so far
+    first_fit: dict[int, int] = {}  # width -> no round before this one has room for it (free ranks only fall)
+    placed = [0] * n
+    for j, wj in enumerate(widths[order].tolist()):
+        r = first_fit.get(wj, 0)
+        while r < len(fl) and fl[r] < wj:
+            r += 1
+        first_fit[wj] = r
+        if r == len(fl):
+            fl.append(num_ranks)
+        fl[r] -= wj
+        placed[j] = r
+    rnd[order] = placed
     return rnd, left_starts(rnd, widths)
 
 
