@@ -10,6 +10,7 @@ is scored under the hardware itself, next to megatron-core's real ``BalancedCPSc
 
     python examples/cost_closed_loop.py                      # N = 64, 1,024 samples per batch
     python examples/cost_closed_loop.py --ranks 16 --samples 256 --json
+    python examples/cost_closed_loop.py --seeds 8     # also 8 more held-out batches per workload
 
 Every figure is a simulated step time under the stand-in hardware's cost model (the only truth
 here); efficiency is T*/T under that model, "tight" is T*_tight/T (``lower_bound_tight``: also what
@@ -78,7 +79,7 @@ def held_out_batches(samples: int, wikipedia_path: str | None = None) -> dict[st
 
 
 def run(ranks: int = 64, samples: int = 1024, budget: int = 8192, workdir: str | None = None,
-        wikipedia_path: str | None = None) -> dict[str, Any]:
+        wikipedia_path: str | None = None, seeds: int = 0) -> dict[str, Any]:
     """records -> ``hdp calibrate`` -> ``hdp plan --cost-model`` on held-out batches, scored under the hardware."""
     from hdp.trainer.peers import megatron_core_plan
 
@@ -106,6 +107,25 @@ def run(ranks: int = 64, samples: int = 1024, budget: int = 8192, workdir: str |
             row[policy] = _score(plan(lengths, dataclasses.replace(cfg, policy=policy)), budget)
         row["megatron-core"] = _score(megatron_core_plan(lengths, cfg), budget)
         out["batches"][name] = row
+    if seeds:
+        out["seeds"] = seed_sweep(fitted, ranks, samples, budget, seeds, wikipedia_path)
+    return out
+
+
+def seed_sweep(fitted: CostModel, ranks: int, samples: int, budget: int, seeds: int,
+               wikipedia_path: str | None = None) -> dict[str, dict[str, list[float]]]:
+    """hdp (planning with the fitted model) on ``seeds`` more held-out batches per workload (seeds
+    100, 101, ...), scored under the hardware: efficiency, tight efficiency, best possible."""
+    gen = {"rl": get_workload("rl"), "rl-32k": get_workload("rl-32k"),
+           "wikipedia": lambda n, seed: wikipedia(n=n, seed=seed, path=wikipedia_path)}
+    cfg = PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget, cost=fitted)
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, make in gen.items():
+        rows = [_score(plan(make(n=samples, seed=100 + i), cfg), budget) for i in range(seeds)]
+        out[name] = {"efficiency": [r["efficiency"] for r in rows],
+                     "efficiency_tight": [r["efficiency_tight"] for r in rows],
+                     "best_possible": [r["lower_bound"] / r["lower_bound_tight"] for r in rows],
+                     "budget_ok": [r["budget_ok"] for r in rows]}
     return out
 
 
@@ -124,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--max-tokens-per-rank", type=int, default=8192, dest="budget")
     parser.add_argument("--wikipedia", default=None, help="document-length file (default: ../shared/data or the bundled sample)")
+    parser.add_argument("--seeds", type=int, default=0, help="also plan this many more held-out batches per workload")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = run(args.ranks, args.samples, args.budget, wikipedia_path=args.wikipedia)
+    result = run(args.ranks, args.samples, args.budget, wikipedia_path=args.wikipedia, seeds=args.seeds)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -143,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                  for pol, r in row.items() if isinstance(r, dict)]
         print(f"  {name:10s} " + "; ".join(cells))
         print(f"  {'':10s} hdp tight {row['hdp']['efficiency_tight']:.3f}; best possible {row['best_possible_efficiency']:.3f}")
+    for name, sweep in result.get("seeds", {}).items():
+        e, t, b = (np.asarray(sweep[k]) for k in ("efficiency", "efficiency_tight", "best_possible"))
+        print(f"  {name:10s} {e.size} more batches: hdp {e.min():.3f}-{e.max():.3f} (>= 0.95: {int((e >= 0.95).sum())}), "
+              f"tight {t.min():.3f}-{t.max():.3f}, best possible {b.min():.3f}-{b.max():.3f} "
+              f"(>= 0.95: {int((b >= 0.95).sum())}); budget kept on all: {all(sweep['budget_ok'])}")
     return 0
 
 
