@@ -28,9 +28,16 @@ rest, so
     N * S >= N * t' + sum_{s != s*} rho_s - M,
 
 and T >= t' + max(0, (sum_{s != s*} rho_s - M) / N) + (PP - 1) t' + beta * (fewest rounds) for
-t' in [t'_lo, t''): the least over a cover of [s*'s least height, inf) by intervals is a lower
-bound of every plan's T.  Several (theta_1, theta_2) pairs are tried per interval (each gives a
-valid bound of the interval: the largest is kept); the interval of the least bound is refined once.
+t' in [t'_lo, t'').  Two cases of the tallest round's top t >= t' sharpen it: for t < t'' every
+sample's rho may be taken on the sizes where it is no taller than t'' (case A); for t in
+[c_j, c_{j+1}) above t'' that round is not r*, so S >= t' + t as well, with rho at c_{j+1}
+(case B, cuts c_j geometric up to the grid's top).  An interval's bound is its least case; the
+least over a cover of [s*'s least height, inf) by intervals is a lower bound of every plan's T.
+Several (theta_1, theta_2) pairs are tried (each gives a valid bound: the largest is kept).  The
+cover is refined by branch and bound: the lowest intervals are cut, a child keeping its parent's
+bound where that is higher (it holds on the child too), until the lowest is narrow or the work
+cap (knapsack columns x samples) is spent; case B columns that cannot be the lowest are not
+evaluated (their cheap bound t' + PP c_j + beta r_min already is no lower).
 """
 
 from __future__ import annotations
