@@ -42,11 +42,14 @@ evaluated (their cheap bound t' + PP c_j + beta r_min already is no lower).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from hdp.packing.cost import CostModel, min_group_size
+from hdp.packing.simulate import min_rounds
 
-__all__ = ["round_capacity_bound", "FirstFit"]
+__all__ = ["round_capacity_bound", "FirstFit", "TallBatch", "tabulated"]
 
 _THETAS = ((0.0, 1.0), (0.0, 0.5), (1.0, 1.0))
 """(theta for k = 1, theta for k >= 2) tried on every interval."""
@@ -56,6 +59,7 @@ _BATCH = 4  # lowest intervals cut per step
 _WIDTH = 1e-4  # an interval this narrow (relative) is not cut
 _CUTS = 8  # intervals of the tallest round's top (case B) above each interval of t'
 _ROWS = 1 << 18  # samples x group sizes tabulated at most (the others keep their smallest size: valid)
+_MIN_COLUMNS = 48  # knapsack columns the work cap must allow for a start (fewer: no bound)
 _WORK = 1 << 19  # knapsack columns x samples at most (the search stops there; too few for a start: no bound)
 
 
@@ -91,6 +95,74 @@ class FirstFit:
         return np.minimum(j, self.N - 1) + 1, j < self.N
 
 
+def tabulated(idx: np.ndarray, k_lo: np.ndarray, heights: np.ndarray, num_ranks: int) -> np.ndarray:
+    """The samples ``idx`` (sizes from ``k_lo[idx]``) whose size tables fit `_ROWS` entries, tallest
+    (``heights``) first, in index order; the rest keep their smallest size (a lower value: valid)."""
+    if idx.size == 0:
+        return idx
+    width = (num_ranks + 1 - k_lo[idx]).astype(np.int64)
+    order = np.lexsort((idx, -heights[idx]))
+    return np.sort(idx[order[np.cumsum(width[order]) <= _ROWS]])
+
+
+@dataclass(frozen=True, eq=False)
+class TallBatch:
+    """What the tight bounds derive from a batch: every sample's fewest ranks and rank-time floor
+    there, the longest sample s* on every size, and the samples whose floor grows when rounds
+    must be lower than their height at their fewest ranks (`var`, with their size table)."""
+
+    length: np.ndarray  # [n] int64
+    L: np.ndarray  # [n] float64
+    k_min: np.ndarray  # [n] fewest ranks (at most N)
+    fixed: np.ndarray  # [n] e(L, k) without the CP terms: work and the shared ring overhead's floor
+    rho: np.ndarray  # [n] e at the fewest ranks
+    star: int  # the longest sample (the first among equals)
+    ks: np.ndarray  # [K*] s*'s sizes, k_min[s*] .. N
+    h_star: np.ndarray  # [K*] s*'s height on each
+    e_star: np.ndarray  # [K*] s*'s rank-time floor on each
+    t0: float  # s*'s least height: every plan's tallest round is at least this tall
+    r_min: int  # fewest rounds the budget allows
+    var: np.ndarray  # samples (s* aside) taller than t0 at their fewest ranks, tabulated
+    var_fit: FirstFit  # their first fitting size under a height
+    cost: CostModel
+
+    @classmethod
+    def of(cls, length: np.ndarray, num_ranks: int, budget: int, cost: CostModel) -> TallBatch:
+        """The pieces of ``length`` (n >= 1) on ``num_ranks`` ranks of ``budget`` tokens."""
+        N, B = int(num_ranks), int(budget)
+        length = np.asarray(length, dtype=np.int64)
+        L = length.astype(np.float64)
+        k_min = np.minimum(min_group_size(length, B, N), N)
+        d = np.maximum(0, -(-length // B) - 1).astype(np.float64)
+        fixed = cost.work(L) + cost.step_overhead * d * (d + 1.0)
+        star = int(np.argmax(length))
+        ks = np.arange(int(k_min[star]), N + 1)
+        h_star = cost.sample_cost(np.full(ks.size, length[star]), ks)
+        t0 = float(h_star.min())
+        h_kmin = cost.sample_cost(length, k_min)
+        var = np.flatnonzero(h_kmin > t0)
+        var = tabulated(var[var != star], k_min, h_kmin, N)
+        return cls(length=length, L=L, k_min=k_min, fixed=fixed, rho=fixed + cost.split_per_token(k_min) * L,
+                   star=star, ks=ks, h_star=h_star, e_star=fixed[star] + cost.split_per_token(ks) * L[star], t0=t0,
+                   r_min=min_rounds(length, N, B), var=var, var_fit=FirstFit(length[var], k_min[var], N, cost),
+                   cost=cost)
+
+    def e(self, i: np.ndarray | int, k: np.ndarray) -> np.ndarray:
+        """e(L_i, k): the rank-time floor of sample i on a group of k ranks."""
+        return self.fixed[i] + self.cost.split_per_token(np.asarray(k, dtype=np.float64)) * self.L[i]
+
+    def rho_at(self, heights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([n, E] each sample's least e on a size where it is no taller than each height, [E]
+        whether every sample has one); the untabulated keep rho (lower: valid)."""
+        vals = np.broadcast_to(self.rho[:, None], (self.rho.size, heights.size)).copy()
+        ok = np.ones(heights.size, dtype=bool)
+        if self.var.size:
+            kv, found = self.var_fit(heights)
+            vals[self.var] = self.e(self.var[:, None], kv)
+            ok = found.all(axis=0)
+        return vals, ok
+
+
 def _knapsack(values: np.ndarray, weights: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """The fractional knapsack optimum of every row: values [C, n] (>= 0), weights [C, n] (>= 0;
     inf: the item is not allowed), capacity [C] -> [C] (the greedy by value per weight is exact)."""
@@ -112,36 +184,25 @@ def _knapsack(values: np.ndarray, weights: np.ndarray, capacity: np.ndarray) -> 
 
 def round_capacity_bound(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
-    *, upper: float = 0.0,
+    *, upper: float = 0.0, batch: TallBatch | None = None,
 ) -> float:
     """T (units) no plan beats, from the ranks the round of the longest sample can give the other
     samples (module docstring); ``-inf`` where it does not apply (one rank, fewer than two samples, a
     batch too large for its work cap).  The intervals of t' run geometrically from the longest
     sample's least height to ``max(4 x that, upper)`` (any ``upper`` gives a valid bound: a
-    known lower bound is a good one), then one interval to infinity."""
+    known lower bound is a good one), then one interval to infinity.  ``batch``: the batch's
+    `TallBatch` when the caller has it (`lower_bound_tight` does)."""
     length = np.asarray(lengths, dtype=np.int64)
     n, N, B = int(length.size), int(num_ranks), int(budget)
-    if n < 2 or N < 2:
+    cols_left = _WORK // max(1, n)
+    if n < 2 or N < 2 or cols_left < _MIN_COLUMNS:
         return -np.inf
+    tb = TallBatch.of(length, N, B, cost) if batch is None else batch
     thetas = np.asarray(_THETAS, dtype=np.float64)  # [Th, 2]
-    grid_n = min(_GRID, _WORK // (n * thetas.shape[0] * 2))
-    if grid_n < 8:
-        return -np.inf
-    p, beta = pipeline_stages - 1, cost.round_cost
-    r_min = max(1, -(-int(length.sum()) // (N * B)))
-    L = length.astype(np.float64)
-    k_min = np.minimum(min_group_size(length, B, N), N)
-    d = np.maximum(0, -(-length // B) - 1).astype(np.float64)
-    fixed = cost.work(L) + cost.step_overhead * d * (d + 1.0)  # e(L, k) without the CP terms
-
-    star = int(np.argmax(length))
-    rho = fixed + cost.split_per_token(k_min) * L  # [n] rank-time at the fewest ranks
-    rest = float(rho.sum() - rho[star])
+    p, beta, r_min = pipeline_stages - 1, cost.round_cost, tb.r_min
+    L, k_min, fixed, star = tb.L, tb.k_min, tb.fixed, tb.star
     others = np.flatnonzero(np.arange(n) != star)
-    ks = np.arange(int(k_min[star]), N + 1)
-    h_star = cost.sample_cost(np.full(ks.size, length[star]), ks)  # [K*]
-    e_star = fixed[star] + cost.split_per_token(ks) * L[star]
-    t0 = float(h_star.min())
+    ks, h_star, e_star, t0 = tb.ks, tb.h_star, tb.e_star, tb.t0
 
     # option k = 1 (samples that fit one rank): e = work, height = work
     Lo, fo = L[others], fixed[others]
@@ -149,30 +210,8 @@ def round_capacity_bound(
     # option k >= 2: the first size >= max(2, fewest) that fits; tabulated for samples taller than t0 there
     k2_lo = np.maximum(2, k_min[others])
     h2_lo = cost.sample_cost(length[others], k2_lo)
-    tall = np.flatnonzero(h2_lo > t0)
-    if tall.size:
-        width = (N + 1 - k2_lo[tall]).astype(np.int64)
-        order = np.lexsort((tall, -h2_lo[tall]))
-        tall = np.sort(tall[order[np.cumsum(width[order]) <= _ROWS]])
+    tall = tabulated(np.flatnonzero(h2_lo > t0), k2_lo, h2_lo, N)
     fit2 = FirstFit(length[others][tall], k2_lo[tall], N, cost)
-
-    var = np.flatnonzero(cost.sample_cost(length, k_min) > t0)  # samples whose rho(t) grows below their height
-    if var.size:
-        width = (N + 1 - k_min[var]).astype(np.int64)
-        order = np.lexsort((var, -cost.sample_cost(length[var], k_min[var])))
-        var = np.sort(var[order[np.cumsum(width[order]) <= _ROWS]])
-    fit_var = FirstFit(length[var], k_min[var], N, cost)
-
-    def rho_at(t_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([n, E] each sample's least rank-time on a size where it is no taller than each height,
-        [E] whether every sample has such a size); the untabulated keep rho (lower: valid)."""
-        vals = np.broadcast_to(rho[:, None], (n, t_ends.size)).copy()
-        ok = np.ones(t_ends.size, dtype=bool)
-        if var.size:
-            kv, found = fit_var(t_ends)
-            vals[var] = fixed[var][:, None] + cost.split_per_token(kv) * L[var][:, None]
-            ok = found.all(axis=0)
-        return vals, ok
 
     cheap = beta * r_min  # every column's bound is at least t'_lo + (PP - 1) t_lo + this
 
@@ -212,7 +251,7 @@ def round_capacity_bound(
         idx = np.flatnonzero(run)
         if idx.size:
             ends_u, inv = np.unique(c_end[idx], return_inverse=True)
-            rho_e, ok_e = rho_at(ends_u)
+            rho_e, ok_e = tb.rho_at(ends_u)
             values = rho_e[others].T[inv]  # [C, n-1]
             rest_c = rho_e.sum(axis=0)[inv] - rho_e[star][inv]  # [C]
             gi = cg[idx]
@@ -237,9 +276,6 @@ def round_capacity_bound(
     # branch and bound over t': a cover of [t0, inf) by intervals, each with a valid bound; the lowest
     # is cut into _SPLIT (a child keeps its parent's bound when that is higher: it holds there too)
     t_top = max(4.0 * t0, float(upper))
-    cols_left = _WORK // max(1, n)
-    if cols_left < 4 * _CUTS:
-        return -np.inf
     edges = np.geomspace(t0, t_top, _GRID + 1)
     lo, hi = edges[:-1], edges[1:]
     vals, used = interval_bounds(lo, hi, np.inf)

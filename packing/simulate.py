@@ -23,7 +23,6 @@ import numpy as np
 
 from hdp.packing.cost import CostModel, min_group_size, padded_float
 from hdp.packing.plan import Plan, PlanStats
-from hdp.packing.round_bound import FirstFit, round_capacity_bound
 
 __all__ = ["simulate", "lower_bound", "lower_bound_tight", "rank_time_floor", "min_rounds", "rank_loads", "round_times", "step_time"]
 
@@ -105,7 +104,6 @@ def lower_bound(
 
 
 _TIGHT_GRID = 64  # rounds' heights the tight bound tries (geometric), fewer on huge batches
-_TIGHT_ROWS = 1 << 18  # samples x group sizes the tight bound tabulates at most
 
 
 def lower_bound_tight(
@@ -158,7 +156,7 @@ def lower_bound_tight(
     intervals (t >= the longest sample's least height t_0), so the least interval bound is a lower
     bound of T.  The intervals are geometric between t_0 and the height above which no sample needs
     a wider group; samples tall enough to vary are tabulated over every group size (at most
-    `_TIGHT_ROWS` entries; the rest keep rho at their fewest ranks, which is lower: still valid).
+    `hdp.packing.round_bound.tabulated`'s cap; the rest keep rho at their fewest ranks, which is lower: still valid).
     """
     length = np.ascontiguousarray(lengths, dtype=np.int64)
     return _tight_cached(length.tobytes(), int(num_ranks), int(budget), cost, int(pipeline_stages))
@@ -167,37 +165,19 @@ def lower_bound_tight(
 @functools.lru_cache(maxsize=8)  # the suite asks once per policy of a case in turn; keys hold the lengths
 def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages: int) -> float:
     """`lower_bound_tight` of the batch whose int64 lengths are ``data``."""
+    from hdp.packing.round_bound import TallBatch, round_capacity_bound  # it imports this module
+
     length = np.frombuffer(data, dtype=np.int64)
     n = int(length.size)
     if n == 0:
         return 0.0
     plain = lower_bound(length, N, B, cost, pipeline_stages)
     p, beta = pipeline_stages - 1, cost.round_cost
-    r_min = min_rounds(length, N, B)
-    L = length.astype(np.float64)
-    k_min = np.minimum(min_group_size(length, B, N), N)
-    d = np.maximum(0, -(-length // B) - 1).astype(np.float64)
-    fixed = cost.work(L) + cost.step_overhead * d * (d + 1.0)  # [n] e(L, k) without the CP terms
-
-    def e(i: np.ndarray | int, k: np.ndarray) -> np.ndarray:
-        """e(L_i, k): per-sample rank-time floor on a group of k (item 1 of the docstring)."""
-        k = np.asarray(k, dtype=np.float64)
-        return fixed[i] + cost.split_per_token(k) * L[i]
-
-    star = int(np.argmax(length))  # the longest sample (the first among equals)
-    ks = np.arange(int(k_min[star]), N + 1)
-    h_star = cost.sample_cost(np.full(ks.size, length[star]), ks)  # [K*] its height on every size
-    e_star = e(star, ks)
-    t0 = float(h_star.min())  # every plan's tallest round is at least this tall
-    rho0 = e(np.arange(n), k_min)  # [n] rho at the fewest ranks (every t at or above the sample's height)
-    h_kmin = cost.sample_cost(length, k_min)
-    var = np.flatnonzero(h_kmin > t0)  # samples whose rho grows below their height at k_min
-    var = var[var != star]
-    if var.size:
-        width = (N + 1 - k_min[var]).astype(np.int64)
-        order = np.lexsort((var, -h_kmin[var]))
-        var = np.sort(var[order[np.cumsum(width[order]) <= _TIGHT_ROWS]])
-    t_top = float(max(h_kmin[var].max(initial=t0), t0))
+    tb = TallBatch.of(length, N, B, cost)  # fewest ranks, floors, s* on every size, the varying samples
+    r_min, L, k_min, star, e = tb.r_min, tb.L, tb.k_min, tb.star, tb.e
+    ks, h_star, e_star, t0, rho0, var = tb.ks, tb.h_star, tb.e_star, tb.t0, tb.rho, tb.var
+    h_kmin = cost.sample_cost(length[var], k_min[var])
+    t_top = float(max(h_kmin.max(initial=t0), t0))
     grid_n = max(4, min(_TIGHT_GRID, (1 << 21) // n))
     grid = np.unique(np.concatenate([
         np.geomspace(t0, t_top, grid_n) if t_top > t0 else [t0], [t0, t_top],
@@ -209,7 +189,7 @@ def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages:
     rho_var = np.broadcast_to(rho0[var][:, None], (var.size, his.size)).copy()  # [V, G]
     feasible = np.ones(his.size, dtype=bool)
     if var.size:
-        k_at, found = FirstFit(length[var], k_min[var], N, cost)(np.where(np.isfinite(his), his, t_top))
+        k_at, found = tb.var_fit(np.where(np.isfinite(his), his, t_top))
         feasible = found.all(axis=0)
         rho_var = e(var[:, None], k_at)
     # the fractional knapsack of the others (value rho, weight L, capacity N B - L*): the static
@@ -255,7 +235,7 @@ def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages:
         rounds = r_min if not np.isfinite(hi) else max(r_min, int(np.ceil(S / hi - 1e-12)))
         best = min(best, S + p * lo + beta * rounds)
     best = max(best, plain)
-    return float(max(best, round_capacity_bound(length, N, B, cost, pipeline_stages, upper=best)))
+    return float(max(best, round_capacity_bound(length, N, B, cost, pipeline_stages, upper=best, batch=tb)))
 
 def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(round, first rank, size, per-rank cost) of every group of the plan (exact group costs)."""
