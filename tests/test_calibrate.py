@@ -360,13 +360,11 @@ def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
     (+-3% noise) -> ``hdp calibrate --out`` -> ``hdp plan --cost-model --json`` on held-out RL and
     Wikipedia batches -> every plan scored under that machine.  (examples/cost_closed_loop.py; N=16,
     256 samples per batch, B=8192.)"""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "cost_closed_loop.py"
-    spec = importlib.util.spec_from_file_location("cost_closed_loop", path)
-    loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop)
+    from examples_loader import load_example
+
+    loop = load_example("cost_closed_loop")
     # the bundled Wikipedia sample, named: the default (../shared/data when a checkout has it, else
     # the bundled file) made the batch depend on where the repository sits.  On the full file's
     # batch (32,768-token documents) no plan reaches 0.90 under this machine: T*_tight / T* shows it
@@ -394,13 +392,9 @@ def test_cli_suite_rejects_a_cost_model(capsys):
 def test_calibrate_speed_example_fits_its_records():
     # examples/calibrate_speed.py times real fits; its record sets come from the family, so every
     # fit must recover the unit time it was drawn with (+-3% noise)
-    import importlib.util
-    from pathlib import Path
+    from examples_loader import load_example
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "calibrate_speed.py"
-    spec = importlib.util.spec_from_file_location("calibrate_speed_example", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_example("calibrate_speed")
     import hdp.packing.calibrate as current
 
     sets = mod.record_sets()

@@ -18,6 +18,7 @@ from hdp.packing.round_bound import FirstFit, _knapsack, round_capacity_bound
 from hdp.packing.simulate import lower_bound, lower_bound_tight
 from hdp.packing.workloads import wikipedia
 
+from examples_loader import load_example
 from test_planner_bound import _random_plan
 
 REL = 1e-9
@@ -111,20 +112,10 @@ def test_round_bound_is_below_the_optimum_and_every_plan_on_tall_batches():
     assert active >= cases // 5, active  # the bound says more than T* on tall batches
 
 
-def _closed_loop():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "cost_closed_loop.py"
-    spec = importlib.util.spec_from_file_location("cost_closed_loop_bound", path)
-    loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop)
-    return loop
-
-
 def test_closed_loop_seed_sweep_reports_best_possible_efficiency():
     """``examples/cost_closed_loop.py --seeds K``: every batch's efficiency is at most its best
     possible T*/T*_tight, which is at most 1, and hdp keeps the budget."""
-    loop = _closed_loop()
+    loop = load_example("cost_closed_loop")
     sweep = loop.seed_sweep(loop.HARDWARE, ranks=8, samples=64, budget=8192, seeds=2, wikipedia_path=str(SAMPLE))
     assert set(sweep) == {"rl", "rl-32k", "wikipedia"}
     for name, row in sweep.items():
@@ -139,7 +130,7 @@ def test_no_plan_of_the_closed_loop_wikipedia_batch_reaches_095():
     document on g ranks lasts its height while B tokens of short documents fill a rank in far less,
     so T*_tight / T* shows that no plan reaches T*/T = 0.95 -- the issue's target on this batch is
     out of every planner's reach -- and hdp's plan is within 5% of T*_tight."""
-    hardware = _closed_loop().HARDWARE
+    hardware = load_example("cost_closed_loop").HARDWARE
     lengths = wikipedia(n=1024, seed=5, path=SAMPLE)
     tight = lower_bound_tight(lengths, 64, 8192, hardware)
     plain = lower_bound(lengths, 64, 8192, hardware)
