@@ -69,12 +69,13 @@ def _cli(argv: list[str]) -> dict[str, Any]:
     return json.loads(out.getvalue())
 
 
-def held_out_batches(samples: int, wikipedia_path: str | None = None) -> dict[str, np.ndarray]:
-    """RL rollouts (16K and 32K response caps) and Wikipedia document lengths, seeds unseen by the records."""
+def held_out_batches(samples: int, wikipedia_path: str | None = None, seed: int | None = None) -> dict[str, np.ndarray]:
+    """RL rollouts (16K and 32K response caps) and Wikipedia document lengths, seeds unseen by the
+    records (123, 7 and 5; or ``seed`` for all three)."""
     return {
-        "rl": get_workload("rl")(n=samples, seed=123),
-        "rl-32k": get_workload("rl-32k")(n=samples, seed=7),
-        "wikipedia": wikipedia(n=samples, seed=5, path=wikipedia_path),
+        "rl": get_workload("rl")(n=samples, seed=123 if seed is None else seed),
+        "rl-32k": get_workload("rl-32k")(n=samples, seed=7 if seed is None else seed),
+        "wikipedia": wikipedia(n=samples, seed=5 if seed is None else seed, path=wikipedia_path),
     }
 
 
@@ -116,12 +117,11 @@ def seed_sweep(fitted: CostModel, ranks: int, samples: int, budget: int, seeds: 
                wikipedia_path: str | None = None) -> dict[str, dict[str, list[float]]]:
     """hdp (planning with the fitted model) on ``seeds`` more held-out batches per workload (seeds
     100, 101, ...), scored under the hardware: efficiency, tight efficiency, best possible."""
-    gen = {"rl": get_workload("rl"), "rl-32k": get_workload("rl-32k"),
-           "wikipedia": lambda n, seed: wikipedia(n=n, seed=seed, path=wikipedia_path)}
     cfg = PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget, cost=fitted)
+    batches = [held_out_batches(samples, wikipedia_path, seed=100 + i) for i in range(seeds)]
     out: dict[str, dict[str, list[float]]] = {}
-    for name, make in gen.items():
-        rows = [_score(plan(make(n=samples, seed=100 + i), cfg), budget) for i in range(seeds)]
+    for name in batches[0] if batches else ():
+        rows = [_score(plan(b[name], cfg), budget) for b in batches]
         out[name] = {"efficiency": [r["efficiency"] for r in rows],
                      "efficiency_tight": [r["efficiency_tight"] for r in rows],
                      "best_possible": [r["lower_bound"] / r["lower_bound_tight"] for r in rows],
