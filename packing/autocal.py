@@ -8,8 +8,10 @@ rank of the domain holds the same ``[N, R]`` table and feeds it here:
   record per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
   window of at most `AutoCalibrate.window_groups` group records);
 * every `AutoCalibrate.every_steps` steps, `refit` fits the family to the window's training rounds
-  (every `AutoCalibrate.holdout_every`-th round of the window is held out; records far off a first
-  fit, such as a descheduled process's, are dropped before the second), with the current model
+  (every `AutoCalibrate.holdout_every`-th round of the window is held out; a round's weight halves
+  every `AutoCalibrate.half_life_steps` steps of age, so the fit follows a drifting machine; records
+  far off a first fit, such as a descheduled process's, are dropped before the second; the first
+  `AutoCalibrate.warmup_steps` steps are never recorded), with the current model
   as the base (what the window cannot determine stays as it is), and adopts the refit only when it
   predicts the held-out rounds better than the current model (median |log(predicted / measured)|;
   the held-out rounds added since the last refit decide, or the newest 8 when fewer came since);
@@ -64,6 +66,13 @@ class AutoCalibrate:
     """Every this many-th round of the window is held out of the fit and decides the adoption."""
     min_gain: float = 0.02
     """Adopt a refit only when its held-out error is below (1 - min_gain) x the current model's."""
+    warmup_steps: int = 1
+    """The first this many training steps are not recorded: they pay one-off costs (allocator growth,
+    communicator setup, lazy initialisation) that later steps do not."""
+    half_life_steps: int = 40
+    """A round recorded this many steps before the newest counts half as much in the fit (weights
+    halve every ``half_life_steps``), so the model follows a machine whose speed drifts (clocks, other
+    jobs, warm-up); 0: every round in the window counts the same."""
     explore: bool = True
     """When the window holds no single-rank group (so nothing shows what context parallelism costs,
     e.g. after a model that thinks CP is free put every sample on a CP group), plan the step after a
@@ -77,7 +86,8 @@ class AutoCalibrate:
         for flag in ("enabled", "explore"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{prefix}.{flag}={getattr(self, flag)!r}: pass True or False")
-        for name, lo in (("every_steps", 1), ("window_groups", 8), ("min_rounds", 2), ("holdout_every", 2)):
+        for name, lo in (("every_steps", 1), ("window_groups", 8), ("min_rounds", 2), ("holdout_every", 2),
+                         ("warmup_steps", 0), ("half_life_steps", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{prefix}.{name}={v!r}: pass an integer >= {lo}")
@@ -114,6 +124,7 @@ class _Round:
     """One timed round: its group records and its wall time."""
 
     ident: int  # running number of the round in the window's life (decides the hold-out)
+    step: int  # the training step it was timed in (decides its weight in the fit)
     groups: tuple[dict[str, Any], ...]
     seconds: float
 
@@ -127,6 +138,7 @@ class CostWindow:
         self._groups = 0
         self._next = 0
         self._mark = 0  # ident of the first round after the last refit decision
+        self._step = -1  # training step of the newest step added
 
     def __len__(self) -> int:
         return len(self._rounds)
@@ -136,12 +148,15 @@ class CostWindow:
         """Group records held."""
         return self._groups
 
-    def add_step(self, plan: Plan, times: np.ndarray) -> None:
-        """Add a step: ``times`` [N, R] are every rank's seconds of every round of ``plan``.
+    def add_step(self, plan: Plan, times: np.ndarray, step: int | None = None) -> None:
+        """Add a step: ``times`` [N, R] are every rank's seconds of every round of ``plan``; ``step``
+        its training step (default: one after the last step added).
 
         A group's time is its slowest rank's, a round's the slowest rank of the domain.  Rounds
         whose times are not finite and positive are skipped.
         """
+        step = self._step + 1 if step is None else int(step)
+        self._step = step
         times = np.asarray(times, dtype=np.float64)
         assert times.shape == (plan.num_ranks, plan.num_rounds), (times.shape, plan.num_ranks, plan.num_rounds)
         for rnd in plan.rounds:
@@ -156,7 +171,7 @@ class CostWindow:
                                    "seconds": secs})
             if not groups:
                 continue
-            self._rounds.append(_Round(self._next, tuple(groups), float(col.max())))
+            self._rounds.append(_Round(self._next, step, tuple(groups), float(col.max())))
             self._next += 1
             self._groups += len(groups)
         while self._groups > self.capacity and len(self._rounds) > 1:
@@ -177,6 +192,11 @@ class CostWindow:
         train = [r for r in self._rounds if r.ident % holdout_every]
         held = [r for r in self._rounds if not r.ident % holdout_every]
         return train, held
+
+    @property
+    def newest_step(self) -> int:
+        """The training step of the newest step added (-1 when none)."""
+        return self._step
 
     def rounds(self) -> list[_Round]:
         """Every round held, oldest first."""
@@ -204,12 +224,14 @@ def explore_model(current: CostModel, window: CostWindow) -> CostModel:
     return replace(current, cp_per_token=current.cp_per_token + 10.0 * (current.linear_coef + window.longest()))
 
 
-def _records(rounds: Sequence[_Round]) -> list[dict[str, Any]]:
-    """Group and round records of ``rounds`` (`hdp.packing.calibrate` schema)."""
+def _records(rounds: Sequence[_Round], newest: int = 0, half_life: int = 0) -> list[dict[str, Any]]:
+    """Group and round records of ``rounds`` (`hdp.packing.calibrate` schema); with ``half_life`` > 0
+    each carries the weight 0.5 ** ((newest - its step) / half_life)."""
     out: list[dict[str, Any]] = []
     for r in rounds:
-        out.extend(r.groups)
-        out.append({"kind": "round", "seconds": r.seconds,
+        extra = {"weight": 0.5 ** (max(0, newest - r.step) / half_life)} if half_life > 0 else {}
+        out.extend({**g, **extra} for g in r.groups)
+        out.append({"kind": "round", "seconds": r.seconds, **extra,
                     "groups": [{"lengths": g["lengths"], "group_size": g["group_size"]} for g in r.groups]})
     return out
 
@@ -286,11 +308,10 @@ class Refit:
                    reason="" if adopt else "not better on the held-out rounds")
 
 
-def _robust(rounds: Sequence[_Round], current: CostModel) -> list[dict[str, Any]]:
-    """The records of ``rounds`` without the outliers of a first fit (a descheduled process, a GC
-    pause): group and round records whose |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x
-    its median) are dropped (at most a fifth of them)."""
-    records = _records(rounds)
+def _robust(records: list[dict[str, Any]], current: CostModel) -> list[dict[str, Any]]:
+    """``records`` without the outliers of a first fit (a descheduled process, a GC pause): group and
+    round records whose |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x its median) are
+    dropped (at most a fifth of them)."""
     try:
         first = calibrate(records, base=current, warn=False).cost
     except ValueError:
@@ -313,7 +334,8 @@ _MIN_JUDGE = 8
 
 
 def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Refit:
-    """Fit the window's training rounds (base: ``current``); adopt when the held-out rounds added
+    """Fit the window's training rounds (base: ``current``; older rounds weigh less,
+    `AutoCalibrate.half_life_steps`); adopt when the held-out rounds added
     since the last refit decision (`CostWindow.mark`; the newest 8 when fewer came since) say so:
     the machine drifts (warm-up, clocks, other jobs), and the current model was already judged on
     the older rounds."""
@@ -324,7 +346,8 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
                      r2=records_r2(current, window.rounds()), reason="too few rounds in the window", explore=explore)
     judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
     try:
-        fit = calibrate(_robust(train, current), base=current, warn=False)
+        records = _records(train, window.newest_step, settings.half_life_steps)
+        fit = calibrate(_robust(records, current), base=current, warn=False)
     except ValueError as exc:
         logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, judge),

@@ -18,7 +18,9 @@ Record schema (one JSON object per line of a ``.jsonl`` file):
   the wall time of one whole round in which the listed groups ran side by side; ``t - max over
   groups of the group time`` is the per-round cost beta.
 
-Any record may carry extra keys (``"note"``, ``"rank"``, ...); they are ignored.  Lengths are
+Any record may carry ``"weight"``: how much it counts in the fit, a number > 0 (default 1; the
+engine's self-calibration gives older rounds less, so the fit follows a machine that drifts).
+Other extra keys (``"note"``, ``"rank"``, ...) are ignored.  Lengths are
 integers in [1, `MAX_LENGTH`], group sizes in [1, `MAX_GROUP_SIZE`], seconds in
 [`MIN_SECONDS`, `MAX_SECONDS`] (a time below a nanosecond is not a measurement, and such values
 break the linear algebra).
@@ -32,7 +34,7 @@ Model (`hdp.packing.cost`), with ``Lp`` the lengths padded to 2k chunks, ``X1 = 
 
 For fixed (step_latency, comm_per_token) this is linear in (u, u*a, u*step_overhead,
 u*merge_per_token, u*cp_per_token); the fit solves that non-negative least-squares problem exactly
-(active sets enumerated, u > 0) with rows weighted by 1/t (relative error), on a grid over the two
+(active sets enumerated, u > 0) with rows weighted by sqrt(weight)/t (relative error), on a grid over the two
 hideable communication parameters refined by a pattern search; beta comes last from the round
 records.
 
@@ -69,13 +71,15 @@ from hdp.packing.validate import MAX_LENGTH
 
 __all__ = [
     "calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds",
-    "MAX_LENGTH", "MAX_GROUP_SIZE", "MIN_SECONDS", "MAX_SECONDS", "FIT_ORDER",
+    "MAX_LENGTH", "MAX_GROUP_SIZE", "MIN_SECONDS", "MAX_SECONDS", "MAX_WEIGHT", "FIT_ORDER",
 ]
 
 logger = logging.getLogger(__name__)
 
 MAX_GROUP_SIZE = 1 << 20
 """Largest group size a record may hold."""
+MAX_WEIGHT = 1e6
+"""Largest weight a record may carry."""
 MIN_SECONDS = 1e-9
 """Smallest measured time a record may hold (seconds)."""
 MAX_SECONDS = 1e7
@@ -183,6 +187,16 @@ def _seconds(rec: Mapping[str, Any], where: str) -> float:
     return float(t)
 
 
+def _weight(rec: Mapping[str, Any], where: str) -> float:
+    w = rec.get("weight", 1.0)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or not 0 < w <= MAX_WEIGHT:
+        raise ValueError(
+            f"{where}.weight={w!r}: pass a number in (0, {MAX_WEIGHT:g}] (how much the record counts in the "
+            "fit; leave it out for 1)"
+        )
+    return float(w)
+
+
 def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
     """Check one record against the schema; return it normalised (``kind`` filled in)."""
     if not isinstance(rec, Mapping):
@@ -201,6 +215,7 @@ def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
     else:
         raise ValueError(f"{where}.kind={kind!r} is unknown; use 'group' or 'round'")
     _seconds(rec, where)
+    _weight(rec, where)
     return {**rec, "kind": kind}
 
 
@@ -245,6 +260,7 @@ class _Design:
     """Features of the group records (one row each)."""
 
     t: np.ndarray  # [G] measured seconds
+    w: np.ndarray  # [G] record weights, mean 1
     k: np.ndarray  # [G] group sizes (float)
     x1: np.ndarray  # [G] sum Lp / k
     x2: np.ndarray  # [G] sum Lp**2 / k
@@ -279,9 +295,9 @@ def _design(groups: Sequence[Mapping[str, Any]]) -> _Design:
         lengths, k = _group_fields(r, "record")
         lp = padded_float(lengths, k)
         s1, s2 = float(lp.sum()), float((lp * lp).sum())
-        rows.append((float(r["seconds"]), float(k), s1 / k, s2 / k, s2 / (k * k)))
-    t, k, x1, x2, x3 = (np.array(c) for c in zip(*rows))
-    return _Design(t=t, k=k, x1=x1, x2=x2, x3=x3)
+        rows.append((float(r["seconds"]), _weight(r, "record"), float(k), s1 / k, s2 / k, s2 / (k * k)))
+    t, w, k, x1, x2, x3 = (np.array(c) for c in zip(*rows))
+    return _Design(t=t, w=w / w.mean(), k=k, x1=x1, x2=x2, x3=x3)
 
 
 # -------------------------------------------------------------------------------------- the fit
@@ -361,7 +377,7 @@ def _solve_many(des: _Design, st: _State, lat: np.ndarray, cpt: np.ndarray, u_hi
     ``x[p, 0]`` is the unit time u, ``x[p, i]`` u times the i-th free parameter (`_State.free`).
     Free ``lat``/``cpt`` are in units.  A fixed one is in seconds, so whether it is hidden depends
     on u: it is converted with ``u_hint`` and then with the fitted u until u settles (3 passes).
-    Weighted rows (1/t): the sse is a sum of squared relative errors.
+    Weighted rows (sqrt(weight)/t): the sse is a weighted sum of squared relative errors.
     """
     lat = np.asarray(lat, dtype=np.float64)
     cpt = np.asarray(cpt, dtype=np.float64)
@@ -370,7 +386,7 @@ def _solve_many(des: _Design, st: _State, lat: np.ndarray, cpt: np.ndarray, u_hi
         parts = [_solve_many(des, st, lat[i : i + step], cpt[i : i + step], u_hint) for i in range(0, lat.size, step)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     cols = des.columns()
-    w = 1.0 / des.t
+    w = np.sqrt(des.w) / des.t
     target = des.t.copy()
     a_fixed = "linear_coef" not in st.free
     fixed_col = np.zeros_like(des.t)  # fixed parameters that scale with u (units)
@@ -620,12 +636,13 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
 
     # which of the fitted parameters do the records actually determine?
     n_rows = len(groups)
+    n_eff = float(des.w.sum() ** 2 / (des.w * des.w).sum())  # Kish: weighted records count for fewer
     for name in FIT_ORDER:
         if name in reasons:
             continue
         u = params["unit_time_s"]
         value = lat if name == "step_latency" else cpt if name == "comm_per_token" else params[name]
-        dof = max(1, n_rows - 1 - len(st.free) - len(st.comm_free))
+        dof = max(1.0, n_eff - 1 - len(st.free) - len(st.comm_free))
         thr = max(4.0 * sse / dof, 1e-10 * n_rows)
         trials = [2.0 * value, 0.5 * value] if value > 0 else [_natural_scale(des, name, u)]
         if trials == [0.0]:
@@ -665,7 +682,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
             float(r["seconds"]) - max(group_seconds(cost, *_group_fields(g, "group")) for g in r["groups"])
             for r in rounds
         ])
-        wr = 1.0 / np.array([float(r["seconds"]) for r in rounds]) ** 2  # relative-error weights
+        wr = np.array([_weight(r, "round") / float(r["seconds"]) ** 2 for r in rounds])  # relative-error weights
         beta_s = max(0.0, float(np.sum(wr * excess) / np.sum(wr)))
         cost = replace(cost, round_cost=beta_s / cost.unit_time_s)
     else:

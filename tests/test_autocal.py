@@ -145,6 +145,30 @@ def test_refit_is_judged_on_the_rounds_since_the_last_decision():
     assert np.median(_round_predictions(r.candidate, recent) / _round_predictions(TRUE, recent)) > 1.02
 
 
+def test_refit_follows_a_machine_that_drifts():
+    # the first 16 steps ran 40% slower (a loaded machine, or warm-up): fitted with every round
+    # counting the same, the model over-predicts what comes next; with weights that halve every 4
+    # steps it predicts the newest rounds
+    rng = np.random.default_rng(4)
+    slow = dataclasses.replace(TRUE, unit_time_s=1.4 * TRUE.unit_time_s)
+    w = CostWindow(8192)
+    for s in range(24):
+        lengths = short_tail(48, mean=600.0, max_len=N * B - 2 * N, seed=700 + s)
+        p = plan(lengths, PlannerConfig(num_ranks=N, max_tokens_per_rank=B, cost=TRUE))
+        w.add_step(p, _timed(p, slow if s < 16 else TRUE, rng, noise=0.02), step=s)
+    newest = [r for r in w.rounds() if r.step >= 20]
+    flat = refit(w, CP_FREE, AutoCalibrate(half_life_steps=0))
+    decayed = refit(w, CP_FREE, AutoCalibrate(half_life_steps=4))
+    assert flat.candidate is not None and decayed.candidate is not None
+    from hdp.packing.autocal import _round_predictions
+
+    measured = np.array([r.seconds for r in newest])
+    over_flat = float(np.median(_round_predictions(flat.candidate, newest) / measured))
+    over_decayed = float(np.median(_round_predictions(decayed.candidate, newest) / measured))
+    assert over_flat > 1.15, over_flat  # two thirds of the window ran on the slow machine
+    assert abs(over_decayed - 1.0) < 0.06, over_decayed
+
+
 def test_decision_vector_round_trip():
     r = Refit(candidate=TRUE, adopt=True, error_new=0.01, error_old=0.2, r2=0.99)
     back = Refit.from_vector(r.to_vector(CP_FREE))
@@ -176,6 +200,7 @@ def _domain_worker(rank: int, world: int, break_rank0: bool) -> None:
         assert set(up.metrics) == {"hdp/cost_fit_r2", "hdp/predicted_over_measured", "hdp/cost_model_version"}
         versions.append(up.metrics["hdp/cost_model_version"])
         costs.append(cal.cost.to_vector())
+    assert min(r.step for r in cal.window.rounds()) == 1  # warmup_steps=1: step 0 is not recorded
     table = [None] * world
     dist.all_gather_object(table, (versions, [c.tolist() for c in costs]), group=dist.group.WORLD)
     assert all(t == table[0] for t in table), "ranks disagree on the cost model"  # bit-identical

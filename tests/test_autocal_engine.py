@@ -23,7 +23,7 @@ from dist_helper import run_distributed
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 RANKS, B, STEPS, EVERY, LAST = 4, 256, 20, 4, 12
-NOISE_LIMIT = 0.25  # robust spread (1.48 MAD / median) of step times above which timings cannot judge 15%
+NOISE_LIMIT = 0.25  # robust spread (1.48 MAD / median) of predicted/measured above which timings cannot judge 15%
 LINK_S = 0.002
 """Seconds every ring step waits on top of gloo (both directions at once): the "hardware" of this test
 has a slow CP link, so the CP-free model is clearly wrong on every machine, not only a loaded one
@@ -71,7 +71,8 @@ def _worker(rank: int, world: int, out: dict) -> None:
                           max_sequence_length=RANKS * B),
         optim=OptimConfig(lr=1e-4),
         planning=PlanningConfig(max_tokens_per_rank=B, cost_model=cp_free,
-                                auto_calibrate=AutoCalibrate(every_steps=EVERY, min_rounds=8)),
+                                auto_calibrate=AutoCalibrate(every_steps=EVERY, min_rounds=8,
+                                                              half_life_steps=EVERY)),
     )
     engine = HdpEngine.build(cfg, dist.group.WORLD)
     probe = _batch(1000, vocab)
@@ -114,13 +115,15 @@ def test_engine_learns_the_cost_of_context_parallelism(tmp_path):
     # after the refits, the prediction is within 15% of the measured step time (median over the last
     # steps).  That needs timings that are themselves good to ~15%: when other jobs share the cores,
     # the same plan takes 0.7 s in one step and 2.4 s in the next, and no model can predict that.
-    times = [h["perf/step_time"] for h in hist[-LAST:]]
-    med = statistics.median(times)
-    spread = 1.4826 * statistics.median(abs(t - med) for t in times) / med  # robust: one spike does not count
+    # The spread is that of predicted / measured itself (what no model can follow; perf/step_time
+    # also varies with the plan and holds the refits' CPU time, which is not a timing error).
+    last = ratios[-LAST:]
+    med = statistics.median(last)
+    spread = 1.4826 * statistics.median(abs(r - med) for r in last) / med  # robust: one spike does not count
     if spread > NOISE_LIMIT:
-        pytest.skip(f"step times spread by {spread:.0%} (> {NOISE_LIMIT:.0%}) over the last {LAST} steps: this machine "
-                    f"is too loaded to judge a 15% prediction (load average {os.getloadavg()[0]:.1f}); {report}")
-    assert abs(statistics.median(ratios[-LAST:]) - 1.0) <= 0.15, report
+        pytest.skip(f"predicted/measured spreads by {spread:.0%} (> {NOISE_LIMIT:.0%}) over the last {LAST} steps: this "
+                    f"machine is too loaded to judge a 15% prediction (load average {os.getloadavg()[0]:.1f}); {report}")
+    assert abs(med - 1.0) <= 0.15, report
 
 
 def _run_and_save(rank: int, world: int, path: str) -> None:

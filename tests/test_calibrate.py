@@ -183,6 +183,22 @@ def test_fit_is_deterministic():
     assert a.cost == b.cost and a.fitted == b.fitted
 
 
+def test_a_record_of_weight_2_counts_as_two_records():
+    # records from two machines, one 30% slower: the weights decide which one the fit follows, and
+    # weight 2 is the same fit as the record written twice
+    true = PARAMETER_SETS["h100-dense"]
+    slow = dataclasses.replace(true, unit_time_s=1.3 * true.unit_time_s)
+    fast_recs, slow_recs = _records(true, seed=11, n=120, rounds=0), _records(slow, seed=12, n=120, rounds=0)
+    twice = calibrate(fast_recs + fast_recs + slow_recs, base=_base()).cost
+    weighted = calibrate([{**r, "weight": 2} for r in fast_recs] + slow_recs, base=_base()).cost
+    for name in ("unit_time_s", "linear_coef", "cp_per_token"):
+        assert getattr(weighted, name) == pytest.approx(getattr(twice, name), rel=1e-4), name  # the search stops at 5e-4 steps
+    leaning_fast = calibrate([{**r, "weight": 50.0} for r in fast_recs] + slow_recs, base=_base()).cost
+    leaning_slow = calibrate(fast_recs + [{**r, "weight": 50.0} for r in slow_recs], base=_base()).cost
+    assert leaning_fast.unit_time_s == pytest.approx(true.unit_time_s, rel=0.05)
+    assert leaning_slow.unit_time_s == pytest.approx(slow.unit_time_s, rel=0.05)
+
+
 @pytest.mark.parametrize(
     "record, match",
     [
@@ -196,6 +212,8 @@ def test_fit_is_deterministic():
         ({"lengths": [0], "group_size": 1, "seconds": 0.1}, r"\.lengths: every length"),
         ({"kind": "round", "seconds": 1.0, "groups": []}, r"\.groups: a round record needs"),
         ({"kind": "bogus", "seconds": 1.0}, r"\.kind='bogus' is unknown"),
+        ({"lengths": [10], "group_size": 1, "seconds": 0.1, "weight": 0}, r"\.weight=0: pass a number in \(0, 1e\+06\]"),
+        ({"lengths": [10], "group_size": 1, "seconds": 0.1, "weight": "2"}, r"\.weight='2'"),
     ],
 )
 def test_bad_records_name_the_file_line_and_field(tmp_path, record, match):

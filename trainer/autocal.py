@@ -77,7 +77,8 @@ class DomainAutoCalibrator:
         if not self.settings.enabled:
             return AutoCalUpdate()
         times = self._gather(round_seconds, plan.num_rounds)  # [N, R]
-        self.window.add_step(plan, times)
+        if self.steps >= self.settings.warmup_steps:  # the first steps pay one-off costs
+            self.window.add_step(plan, times, step=self.steps)
         self.steps += 1
         measured = float(times.max(axis=0).sum()) if times.size else math.nan  # sum over rounds of the slowest rank
         predicted = simulate(plan, self.cost).step_time_s  # the model this step was planned with
