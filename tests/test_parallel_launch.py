@@ -41,3 +41,32 @@ def test_spawn_returns_torch_tensors_by_value_and_its_workers_are_quiet(capfd) -
 def test_spawn_names_an_unpicklable_result() -> None:
     with pytest.raises(WorkerError, match="cannot be pickled"):
         spawn(_unpicklable, 1, timeout=60)
+
+
+def _environment(rank: int, world: int, tag: str) -> dict:
+    import os
+    import sys
+
+    print(f"rank {rank} says {tag}", flush=True)  # to the caller's stdout, not the fork server's
+    print(f"rank {rank} warns {tag}", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("HDP_LAUNCH_TEST"), "pid": os.getpid(),
+            "engine_loaded": "hdp.trainer.engine" in sys.modules}
+
+
+def test_workers_take_the_callers_environment_and_output_at_each_launch(capfd, monkeypatch) -> None:
+    # the fork server is started by the first launch of this process: later launches must still see
+    # the environment and the standard output / error of their own caller, as fresh processes would
+    monkeypatch.setenv("HDP_LAUNCH_TEST", "first")
+    first = spawn(_environment, 2, "first", timeout=120)
+    capfd.readouterr()
+    monkeypatch.setenv("HDP_LAUNCH_TEST", "second")
+    second = spawn(_environment, 2, "second", timeout=120)
+    out = capfd.readouterr()
+    assert [r["env"] for r in first] == ["first", "first"] and [r["env"] for r in second] == ["second", "second"]
+    assert "rank 0 says second" in out.out and "rank 1 says second" in out.out, out
+    assert "rank 1 warns second" in out.err and "first" not in out.out + out.err, out
+    assert len({r["pid"] for r in first + second}) == 4  # a process per rank and launch
+    import multiprocessing as mp
+
+    if "forkserver" in mp.get_all_start_methods():  # the workers came with Megatron already imported
+        assert all(r["engine_loaded"] for r in first + second)
