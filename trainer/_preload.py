@@ -14,7 +14,7 @@ from hdp.trainer.launch import quiet_third_party_warnings
 
 quiet_third_party_warnings()
 
-for _name in ("torch", "torch.distributed", "hdp.megatron_compat", "hdp.trainer.engine"):
+for _name in ("torch.distributed", "hdp.trainer.engine"):  # the engine imports Megatron-core (hdp.megatron_compat)
     try:
         importlib.import_module(_name)
     except ImportError:  # optional: Megatron-core may be absent
