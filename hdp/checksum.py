@@ -108,6 +108,7 @@ def agree_step(
     data_digest: int = 0,
     device: torch.device | None = None,
     domain_size: int | None = None,
+    label: str = "group rank",
 ) -> list[int]:
     """One collective before a step: did any rank fail its input checks, do all hold ``plan`` and the same data?
 
@@ -116,7 +117,8 @@ def agree_step(
     :func:`verify_plan`).  Returns the ranks that failed (a diagnostic ``all_gather`` names them,
     only when some did; the caller raises), else ``[]`` after checking the plan exactly like
     :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same
-    collectives on every rank whatever their inputs.
+    collectives on every rank whatever their inputs.  ``label`` names the ranks' numbering in
+    messages (ranks of ``group``: ``"world rank"`` when it is the whole job).
     """
     if group is None:
         raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
@@ -138,7 +140,7 @@ def agree_step(
     assert plan is not None
     hi, lo = host[1 : 1 + _RECORD], -host[1 + _RECORD :]
     if not torch.equal(hi, lo):
-        _raise_mismatch(mine, group, n)
+        _raise_mismatch(mine, group, n, label)
     expect = n if domain_size is None else int(domain_size)
     if plan.num_ranks != expect:
         raise ValueError(
@@ -148,7 +150,7 @@ def agree_step(
     return []
 
 
-def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int) -> None:
+def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int, label: str = "group rank") -> None:
     """Every rank of ``group`` knows the plans differ: gather the records and name the odd ranks."""
     records = [torch.empty_like(mine) for _ in range(n)]  # N x [W]
     dist.all_gather(records, mine, group=group)
@@ -161,18 +163,18 @@ def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int) -> Non
     bad = [r for r, key in enumerate(keys) if key != ref]
     if all(keys[r][:4] == ref[:4] for r in bad):  # same plan, different data
         raise ValueError(
-            f"batch data mismatch across the {n} ranks of the group: ranks {bad} hold different token ids, "
+            f"batch data mismatch across the {n} ranks of the group: {label}s {bad} hold different token ids, "
             f"loss masks or extras than {best} rank(s) under the same lengths and plan (data digest "
-            f"{ref[4] & ((1 << 64) - 1):016x}; {'; '.join(f'rank {r}: {keys[r][4] & ((1 << 64) - 1):016x}' for r in bad)}); "
+            f"{ref[4] & ((1 << 64) - 1):016x}; {'; '.join(f'{label} {r}: {keys[r][4] & ((1 << 64) - 1):016x}' for r in bad)}); "
             "every rank must pass the same batch"
         )
     detail = "; ".join(
-        f"rank {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
+        f"{label} {r}: digest {keys[r][0] & ((1 << 64) - 1):016x}, {keys[r][1]} samples, "
         f"{keys[r][2]} rounds, num_ranks={keys[r][3]}"
         for r in bad
     )
     raise ValueError(
-        f"plan mismatch across the {n} ranks of the group: ranks {bad} differ from the plan of "
+        f"plan mismatch across the {n} ranks of the group: {label}s {bad} differ from the plan of "
         f"{best} rank(s) (digest {ref[0] & ((1 << 64) - 1):016x}, {ref[1]} samples, {ref[2]} rounds, "
         f"num_ranks={ref[3]}) [{detail}]; every rank must call hdp.packing.plan with the same "
         "lengths and PlannerConfig (same batch, same config, same hdp version)"

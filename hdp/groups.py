@@ -22,9 +22,46 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-__all__ = ["DomainGroups", "LayoutGroups", "RingSpec", "aligned_blocks"]
+__all__ = ["DomainGroups", "GroupLedger", "LayoutGroups", "RingSpec", "aligned_blocks"]
 
 logger = logging.getLogger(__name__)
+
+
+def _live_groups() -> set[dist.ProcessGroup]:
+    """Every process group this process is a member of (torch's registry; the default group included)."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+class GroupLedger:
+    """The process groups created while it is open, destroyed by :meth:`release`.
+
+    An engine opens one before it creates any group (its own agreement group, Megatron's
+    parallel-state groups, the CP blocks) and releases it when it closes, so that building and
+    closing engines in one process leaves no group — nor the transport threads each group holds —
+    behind.  Groups that existed before it opened (the default group, a caller's groups) are never
+    touched.  Local: every member rank releases its own copy (gloo/NCCL/HCCL destroy locally).
+    """
+
+    def __init__(self) -> None:
+        self._before = _live_groups()
+        self._released = False
+
+    def created(self) -> set[dist.ProcessGroup]:
+        """The groups created since the ledger opened and still alive."""
+        return _live_groups() - self._before
+
+    def release(self) -> int:
+        """Destroy every group created since the ledger opened (idempotent); returns how many."""
+        if self._released:
+            return 0
+        self._released = True
+        groups = self.created()
+        for pg in groups:
+            dist.destroy_process_group(pg)
+        logger.debug("released %d process groups", len(groups))
+        return len(groups)
 
 
 def aligned_blocks(n: int) -> list[tuple[int, int]]:

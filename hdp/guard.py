@@ -58,9 +58,10 @@ class DomainStepError(RuntimeError):
         self.phase = phase
         """Name of the failed phase."""
         self.ranks = ranks
-        """Domain ranks whose phase raised."""
+        """Ranks whose phase raised, numbered in the guard's group (the message's label says which:
+        ``domain rank`` or, for the engine's guard over the whole job, ``world rank``)."""
         self.messages = messages
-        """Domain rank -> the (cut) message of its original error."""
+        """Rank (as in ``ranks``) -> the (cut) message of its original error."""
 
 
 class DomainInputError(DomainStepError, ValueError):
@@ -176,16 +177,16 @@ class StepGuard:
         messages = {r: m for r, (_, m) in rows.items()}
         inputs = all(flag == 2 for flag, _ in rows.values())  # every failure was bad input
         failed = tuple(sorted(messages))
-        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        detail = "; ".join(f"{self.label} {r}: {messages[r]}" for r in failed)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error  # the other ranks were told; this one stops as it was asked to
         if error is not None:
             head = f"step {step}, phase {name!r} failed on {self.label} {self.rank}: {describe(error)}"
             others = [r for r in failed if r != self.rank]
-            tail = f" (also failed on: {'; '.join(f'rank {r}: {messages[r]}' for r in others)})" if others else ""
+            tail = f" (also failed on: {'; '.join(f'{self.label} {r}: {messages[r]}' for r in others)})" if others else ""
             msg = f"{head}{tail}; every rank of the domain raises this step"
         elif inputs:
-            msg = (f"step {step}, phase {name!r}: invalid input on ranks {list(failed)} [{detail}]; "
+            msg = (f"step {step}, phase {name!r}: invalid input on {self.label}s {list(failed)} [{detail}]; "
                    "this rank stops too (nothing was run): every rank must pass the same valid input")
         else:
             msg = (f"step {step}, phase {name!r} failed on {self.label}s {list(failed)} [{detail}]; "

@@ -85,6 +85,8 @@ __all__ = [
     "initialize_megatron",
     "megatron_groups",
     "destroy_megatron",
+    "stop_checkpoint_writer",
+    "release_ddp",
     "manual_seed",
     "dist_checkpointing",
     "parallel_state",
@@ -600,7 +602,8 @@ class HdpP2PCommunicator(P2PCommunicator):
     direction over another group; this communicator exchanges the shapes the same way.  Any device:
     the shape tensors live on ``device``.  Can go when megatron-core's ``_communicate_shapes`` takes
     the ``_p2p_ops`` path (or distinct tags) for two stages.  :meth:`expect_shapes` skips the
-    exchange altogether when the caller knows every micro-batch's shape (1F1B).
+    exchange altogether when the caller knows every micro-batch's shape (1F1B), and
+    :meth:`expect_interleaved_shapes` for the interleaved schedule.
     """
 
     def __init__(self, pp_group: Any, config: Any, device: torch.device | str) -> None:
@@ -608,18 +611,43 @@ class HdpP2PCommunicator(P2PCommunicator):
         self.device = torch.device(device)
         self._known: tuple[collections.deque, collections.deque] | None = None
 
-    def expect_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
+    def expect_shapes(self, shapes: Sequence[Sequence[int]] | None, *, forward_only: bool = False) -> None:
         """Shapes every stage sends, one per micro-batch in schedule order (``None``: exchange them).
 
         With the non-interleaved 1F1B schedule a stage receives its forward inputs, and its output
         gradients, each in micro-batch order; when every stage knows every micro-batch's shape (hdp's
         plan fixes them), the receiver takes them from here and no shape message is sent.
         """
-        self._known = None if shapes is None else (collections.deque(shapes), collections.deque(shapes))
+        if shapes is None:
+            self._known = None
+            return
+        first, last = self.pp_group.rank() == 0, self.pp_group.rank() == self.pp_group.size() - 1
+        self._known = (collections.deque([] if first else shapes),
+                       collections.deque([] if last or forward_only else shapes))
+
+    def expect_interleaved_shapes(self, shapes: Sequence[Sequence[int]], num_chunks: int, group_size: int, *,
+                                  forward_only: bool = False) -> None:
+        """Shapes of the interleaved schedule's messages, from each micro-batch's shape (``None`` exchange).
+
+        ``shapes[i]`` is what every stage sends for micro-batch i (all model chunks alike);
+        ``num_chunks`` the virtual stages per rank, ``group_size`` Megatron's
+        ``microbatch_group_size_per_vp_stage``.  The interleaved schedule runs virtual micro-batch k
+        (forward and backward alike) as micro-batch ``table[k]`` of chunk ``chunks[k]`` (reversed in
+        backward), and a stage sends, in k order, every forward output except the last chunk's on
+        the last stage and every input gradient except the first chunk's on the first stage; the
+        receiver takes them in the same order (P2P messages are ordered per peer).  So each stage
+        knows what it will receive without a shape message.  ``forward_only``: no gradients move.
+        """
+        pp, rank = self.pp_group.size(), self.pp_group.rank()
+        table = interleaved_schedule(len(shapes), num_chunks, group_size)
+        src_fwd, src_bwd = (rank - 1) % pp, (rank + 1) % pp
+        fwd = [shapes[mb] for mb, c in table if not (src_fwd == pp - 1 and c == num_chunks - 1)]
+        bwd = [] if forward_only else [shapes[mb] for mb, c in table if not (src_bwd == 0 and num_chunks - 1 - c == 0)]
+        self._known = (collections.deque(fwd), collections.deque(bwd))
 
     def unused_shapes(self) -> int:
-        """Expected shapes not consumed (0 after a complete schedule that received them)."""
-        return 0 if self._known is None else min(len(self._known[0]), len(self._known[1]))
+        """Expected messages not received (0 after a complete schedule, on every stage)."""
+        return 0 if self._known is None else len(self._known[0]) + len(self._known[1])
 
     def _communicate_shapes(self, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
                             recv_next: bool) -> tuple[list[int], list[int]]:
@@ -652,6 +680,19 @@ class HdpP2PCommunicator(P2PCommunicator):
         return prev_shape, next_shape
 
 
+def interleaved_schedule(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """(micro-batch, model chunk) of every virtual micro-batch of Megatron's interleaved schedule.
+
+    Megatron's ``get_schedule_table``: micro-batches go in groups of ``group_size``; each group runs
+    chunk 0 over its micro-batches, then chunk 1, ...; the last group takes the remainder.
+    """
+    out: list[tuple[int, int]] = []
+    for lo in range(0, num_microbatches, group_size):
+        hi = num_microbatches if lo + group_size >= num_microbatches else lo + group_size
+        out.extend((mb, c) for c in range(num_chunks) for mb in range(lo, hi))
+    return out
+
+
 # --- Megatron's parallel state ---------------------------------------------------------------------
 
 
@@ -677,8 +718,22 @@ class MegatronRuntime:
         """Release the CPU shim hold and this initialisation's Megatron state (idempotent)."""
         if self.generation == _GENERATION[0] and parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+            _forget_parallel_state_groups()
         if self.shim is not None:
             self.shim.undo()
+
+
+def _forget_parallel_state_groups() -> None:
+    """Drop the process groups ``destroy_model_parallel`` leaves in Megatron's module globals.
+
+    megatron-core 0.16.1's ``destroy_model_parallel`` does not reset
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin, so those groups (and their
+    transport threads) outlive the parallel state.  Every module-level global of ``parallel_state``
+    that still holds a process group is set to ``None``.  Can go when Megatron resets them itself.
+    """
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and name.isupper() and isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)
 
 
 def initialize_megatron(
@@ -766,6 +821,32 @@ def checkpoint_writers_die_with_parent() -> None:
 
 
 _WRITER_MANAGER: list[Any] = []
+
+
+def release_ddp(ddp: Any) -> None:
+    """Let a Megatron DDP wrapper be freed: drop the gradient-accumulator nodes it keeps.
+
+    megatron-core 0.16.1 ``DistributedDataParallel`` registers its backward hook on each
+    parameter's ``AccumulateGrad`` node and keeps the node in ``grad_accs``: node -> hook -> DDP ->
+    node is a cycle through C++ that Python's garbage collector cannot see, so a DDP wrapper (its
+    model, its process groups and their transport threads) lives as long as the process.  Dropping
+    the list frees the nodes (parameters hold them weakly) and with them the cycle.  The wrapper
+    no longer reduces gradients afterwards: call it only when its engine closes.
+    """
+    accs = getattr(ddp, "grad_accs", None)
+    if isinstance(accs, list):
+        accs.clear()
+
+
+def stop_checkpoint_writer() -> None:
+    """Stop the helper process :func:`checkpoint_writers_die_with_parent` started (idempotent); the
+    next dist save starts a new one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    while _WRITER_MANAGER:
+        manager = _WRITER_MANAGER.pop()
+        filesystem_async._results_queue = None
+        manager.shutdown()
 
 
 def megatron_groups() -> ProcessGroupCollection:

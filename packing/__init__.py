@@ -11,10 +11,10 @@ from hdp.packing.plan import Group, Plan, PlanStats, Round
 from hdp.packing.planner import plan
 from hdp.packing.profiles import MODELS, PROFILES, HardwareProfile, ModelPreset, cost_model
 from hdp.packing.simulate import lower_bound, simulate
-from hdp.packing.validate import check_plan
+from hdp.packing.validate import PlanError, check_plan
 
 __all__ = [
     "plan", "PlannerConfig", "PlannerOptions", "SearchBudget", "Policy", "GroupShape", "CostModel", "cost_model",
     "HardwareProfile", "ModelPreset", "PROFILES", "MODELS", "Plan", "Round", "Group",
-    "PlanStats", "simulate", "lower_bound", "check_plan", "zigzag_bounds", "rank_chunks",
+    "PlanStats", "simulate", "lower_bound", "check_plan", "PlanError", "zigzag_bounds", "rank_chunks",
 ]

@@ -164,6 +164,26 @@ class Plan:
     num_rounds: int
     stats: PlanStats | None = None
 
+    def __post_init__(self) -> None:
+        """Columns are 1-D int64, one entry per sample; sizes and counts are positive integers."""
+        for name in ("num_ranks", "max_tokens_per_rank", "num_rounds"):
+            v = getattr(self, name)
+            lo = 0 if name == "num_rounds" else 1
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
+                raise ValueError(f"Plan.{name}={v!r}: pass an integer >= {lo}")
+        n = None
+        for name in ("lengths", "round_of", "group_start", "group_size"):
+            col = np.asarray(getattr(self, name))
+            if col.ndim != 1 or not (np.issubdtype(col.dtype, np.integer) or col.size == 0):
+                raise ValueError(f"Plan.{name}: expected a 1-D integer column (one entry per sample), got shape "
+                                 f"{col.shape}, dtype {col.dtype}")
+            if n is None:
+                n = col.shape[0]
+            elif col.shape[0] != n:
+                raise ValueError(f"Plan.{name} has {col.shape[0]} entries but Plan.lengths has {n}: every column "
+                                 "holds one entry per sample (build it from the same assignment)")
+            object.__setattr__(self, name, _frozen(col))
+
     @classmethod
     def from_columns(
         cls,
@@ -178,7 +198,13 @@ class Plan:
         num_rounds: int | None = None,
     ) -> "Plan":
         """Build a plan from per-sample columns; rounds are renumbered to drop empty ones."""
-        lengths, round_of = _frozen(lengths), np.asarray(round_of, dtype=np.int64)
+        lengths, round_of = _frozen(lengths), np.asarray(round_of)
+        for name, col in (("round_of", round_of), ("group_start", np.asarray(group_start)),
+                          ("group_size", np.asarray(group_size))):
+            if col.shape != lengths.shape:
+                raise ValueError(f"Plan.from_columns: {name} has shape {col.shape} but lengths has {lengths.shape}: "
+                                 "pass one entry per sample in every column")
+        round_of = round_of.astype(np.int64)
         if num_rounds is None:
             used = np.unique(round_of)
             remap = np.full(int(round_of.max(initial=-1)) + 1, -1, dtype=np.int64)

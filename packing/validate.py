@@ -9,7 +9,7 @@ import numpy as np
 from hdp.packing.cost import max_rank_tokens, min_group_size
 from hdp.packing.plan import Plan
 
-__all__ = ["validate_lengths", "check_plan", "MAX_LENGTH"]
+__all__ = ["validate_lengths", "check_plan", "PlanError", "MAX_LENGTH"]
 
 MAX_LENGTH = 1 << 40
 """Longest sample (tokens) the planner accepts: sums over a batch stay exact in int64 and float64."""
@@ -57,36 +57,81 @@ def validate_lengths(lengths: Sequence[int] | np.ndarray, num_ranks: int, budget
     return arr
 
 
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the field, the sample or round, and the fix."""
+
+
+_FIX = "build plans with hdp.packing.plan (or Plan.from_columns from a valid assignment)"
+
+
 def check_plan(plan: Plan, *, pow2: bool = False) -> None:
-    """Assert the plan invariants; raise AssertionError describing the first violation.
+    """Raise :class:`PlanError` (a ``ValueError``) naming the first violated plan invariant.
 
     1. every sample is in exactly one group of one round (columns are per sample, so checked by
        range checks), chunk boundaries cover it (zigzag bounds are exact by construction);
     2. groups of a round are disjoint and inside the domain; no rank holds more than B tokens;
-    with ``pow2`` every group is an aligned power-of-two block.
+    with ``pow2`` every group is an aligned power-of-two block.  Messages say which column, which
+    sample (caller index) or round, and domain ranks (the plan knows no other numbering).
     """
     n, N = plan.num_samples, plan.num_ranks
-    assert plan.lengths.shape == plan.round_of.shape == plan.group_start.shape == plan.group_size.shape == (n,)
-    assert np.all((plan.round_of >= 0) & (plan.round_of < plan.num_rounds)), "sample outside rounds"
-    assert np.all(plan.group_size >= 1), "empty group size"
-    assert np.all((plan.group_start >= 0) & (plan.group_start + plan.group_size <= N)), "group outside domain"
+    cols = {"round_of": plan.round_of, "group_start": plan.group_start, "group_size": plan.group_size}
+    for name, col in cols.items():
+        if col.shape != (n,):
+            raise PlanError(f"plan.{name} has shape {col.shape} but plan.lengths has {n} samples; {_FIX}")
+
+    def first(mask: np.ndarray) -> int | None:
+        bad = np.flatnonzero(mask)
+        return int(bad[0]) if bad.size else None
+
+    i = first((plan.round_of < 0) | (plan.round_of >= plan.num_rounds))
+    if i is not None:
+        raise PlanError(f"plan.round_of[{i}]={int(plan.round_of[i])}: sample {i} is outside the plan's rounds "
+                        f"[0, {plan.num_rounds}); {_FIX}")
+    i = first(plan.group_size < 1)
+    if i is not None:
+        raise PlanError(f"plan.group_size[{i}]={int(plan.group_size[i])}: sample {i} needs a group of >= 1 rank; {_FIX}")
+    i = first((plan.group_start < 0) | (plan.group_start + plan.group_size > N))
+    if i is not None:
+        raise PlanError(f"plan.group_start[{i}]={int(plan.group_start[i])}, plan.group_size[{i}]={int(plan.group_size[i])}: "
+                        f"the group of sample {i} spans domain ranks outside [0, {N}); {_FIX}")
     if pow2:
         k = plan.group_size
-        assert np.all((k & (k - 1)) == 0), "group size not a power of two"
-        assert np.all(plan.group_start % k == 0), "group not aligned to its size"
+        i = first((k & (k - 1)) != 0)
+        if i is not None:
+            raise PlanError(f"plan.group_size[{i}]={int(k[i])}: sample {i}'s group is not a power of two "
+                            "(pow2 plans); plan with group_shape='pow2'")
+        i = first(plan.group_start % k != 0)
+        if i is not None:
+            raise PlanError(f"plan.group_start[{i}]={int(plan.group_start[i])}: sample {i}'s group of {int(k[i])} ranks "
+                            "is not aligned to its size (pow2 plans); plan with group_shape='pow2'")
     # disjointness: a (round, start) key has one size, and ranges of a round do not overlap
     key = plan.round_of * (N + 1) + plan.group_start
-    uniq, first = np.unique(key, return_index=True)
-    sizes = plan.group_size[first]
-    same = plan.group_size == sizes[np.searchsorted(uniq, key)]
-    assert same.all(), "two groups share a start rank in one round with different sizes"
-    r, s = uniq // (N + 1), uniq % (N + 1)
-    nxt_same_round = r[1:] == r[:-1]
-    assert np.all(s[:-1][nxt_same_round] + sizes[:-1][nxt_same_round] <= s[1:][nxt_same_round]), (
-        "overlapping groups in one round"
-    )
-    tokens = plan.tokens_per_rank()
-    assert tokens.max(initial=0) <= plan.max_tokens_per_rank, (
-        f"a rank holds {int(tokens.max())} > B={plan.max_tokens_per_rank} tokens in a round"
-    )
-    assert int(tokens.sum()) == int(plan.lengths.sum()), "tokens lost or duplicated"
+    uniq, firsts = np.unique(key, return_index=True)
+    sizes = plan.group_size[firsts]
+    i = first(plan.group_size != sizes[np.searchsorted(uniq, key)])
+    if i is not None:
+        j = int(firsts[np.searchsorted(uniq, key[i])])
+        raise PlanError(
+            f"round {int(plan.round_of[i])}: samples {j} and {i} start a group at domain rank {int(plan.group_start[i])} "
+            f"with sizes {int(plan.group_size[j])} and {int(plan.group_size[i])} (plan.group_size); samples of one group "
+            f"share its start and size; {_FIX}")
+    r, st = uniq // (N + 1), uniq % (N + 1)
+    clash = first((r[1:] == r[:-1]) & (st[:-1] + sizes[:-1] > st[1:]))
+    if clash is not None:
+        a, b = int(firsts[clash]), int(firsts[clash + 1])
+        raise PlanError(
+            f"round {int(r[clash])}: the groups of samples {a} (domain ranks {int(st[clash])}..{int(st[clash] + sizes[clash] - 1)}) "
+            f"and {b} (domain ranks {int(st[clash + 1])}..{int(st[clash + 1] + sizes[clash + 1] - 1)}) overlap; "
+            f"groups of a round must be disjoint; {_FIX}")
+    tokens = plan.tokens_per_rank()  # [R, N]
+    if tokens.size and int(tokens.max()) > plan.max_tokens_per_rank:
+        rnd, rank = (int(x) for x in np.unravel_index(int(np.argmax(tokens)), tokens.shape))
+        held = [int(s) for s in np.flatnonzero((plan.round_of == rnd) & (plan.group_start <= rank)
+                                                & (plan.group_start + plan.group_size > rank))]
+        raise PlanError(
+            f"round {rnd}: domain rank {rank} holds {int(tokens[rnd, rank])} tokens (samples {held}) > "
+            f"plan.max_tokens_per_rank={plan.max_tokens_per_rank}; give those samples larger groups or more rounds, "
+            "or raise the budget")
+    if int(tokens.sum()) != int(plan.lengths.sum()):
+        raise PlanError(f"the plan's ranks hold {int(tokens.sum())} tokens but its samples have "
+                        f"{int(plan.lengths.sum())}; {_FIX}")

@@ -223,3 +223,29 @@ def test_disabled_calibrator_runs_no_collective():
     p = plan([100, 200], PlannerConfig(num_ranks=2, max_tokens_per_rank=256, cost=TRUE))
     up = cal.observe(p, [0.1] * p.num_rounds)
     assert up.cost is None and up.metrics == {}
+
+
+def test_a_refit_depends_only_on_its_window_and_settings_not_the_clock(monkeypatch):
+    """Reproducibility: two runs' refits differ only where their measured round times do.  The same
+    records (built twice) give bit-identical decisions even with every clock of the process returning
+    noise; one round's seconds changed gives another candidate."""
+    import time as time_module
+
+    settings = AutoCalibrate(every_steps=5)
+    first = refit(_window_from_steps(CP_FREE, 6), CP_FREE, settings).to_vector(CP_FREE)
+    rng = np.random.default_rng(9)
+    for name in ("time", "perf_counter", "monotonic", "process_time", "time_ns", "perf_counter_ns", "monotonic_ns"):
+        fn = getattr(time_module, name)
+        monkeypatch.setattr(time_module, name, lambda f=fn: type(f())(f() * (1 + float(rng.uniform(0, 1)))))
+    again = refit(_window_from_steps(CP_FREE, 6), CP_FREE, settings).to_vector(CP_FREE)
+    monkeypatch.undo()
+    assert np.array_equal(first, again, equal_nan=True)
+    # the same batches and plans, one step measured 30% slower: the measured times are the inputs
+    rng = np.random.default_rng(0)
+    w = CostWindow(8192)
+    for s in range(6):
+        lengths = short_tail(48, mean=600.0, max_len=N * B - 2 * N, seed=s)
+        p = plan(lengths, PlannerConfig(num_ranks=N, max_tokens_per_rank=B, cost=CP_FREE))
+        w.add_step(p, _timed(p, TRUE, rng, 0.03) * (1.3 if s == 3 else 1.0))
+    changed = refit(w, CP_FREE, settings).to_vector(CP_FREE)
+    assert not np.array_equal(first, changed, equal_nan=True)

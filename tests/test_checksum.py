@@ -36,10 +36,10 @@ def _worker(rank, world_size):
     lengths = list(LENGTHS)
     if rank == 2:
         lengths[0] += 1
-    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "ranks [2]", "plan mismatch", "same")
+    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "group ranks [2]", "plan mismatch", "same")
     # two ranks differ in different ways
     lengths = list(LENGTHS) + ([5] if rank == 0 else [6] if rank == 3 else [])
-    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "ranks [0, 3]")
+    _raises_naming(lambda: verify_plan(_plan(lengths), domain), "group ranks [0, 3]")
     # a plan for the wrong domain size fails on every rank too
     _raises_naming(lambda: verify_plan(_plan(LENGTHS, num_ranks=2), domain), "plan.num_ranks=2", "4 ranks")
     verify_plan(_plan(LENGTHS), domain)  # the group is still usable afterwards

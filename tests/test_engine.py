@@ -401,8 +401,19 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     masks = list(good.loss_mask)
     if rank == 1:
         masks[0] = masks[0][:3]
-    with pytest.raises(ValueError, match="loss_mask" if rank == 1 else r"invalid input on ranks \[1\]"):
+    with pytest.raises(ValueError, match=r"world rank 1 = domain rank 1\): Batch.loss_mask" if rank == 1
+                       else r"invalid input on world ranks \[1\]"):
         engine.train_step(Batch(tokens=good.tokens, loss_mask=masks), nll_loss)
+    # an invalid explicit plan: the reason names the round, the rank and the samples (it used to be empty)
+    from hdp.packing import Plan
+
+    p = engine.plan(good)
+    crowded = Plan.from_columns(num_ranks=4, max_tokens_per_rank=B, policy="explicit", lengths=p.lengths,
+                                round_of=np.zeros_like(p.round_of), group_start=np.zeros_like(p.group_start),
+                                group_size=np.ones_like(p.group_size))
+    with pytest.raises(ValueError, match=r"round 0: domain rank 0 holds \d+ tokens \(samples \[0, 1, .*"
+                                         r"plan.max_tokens_per_rank=32"):
+        engine.train_step(good, pg_loss, plan=crowded)
     with pytest.raises(ValueError, match="forward"):
         engine.forward(Batch(tokens=[]))
     for k, v in _params(engine).items():
@@ -431,6 +442,47 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
 
 def test_bad_input_raises_on_every_rank_without_update_and_records_calibrate(tmp_path) -> None:
     run_distributed(_bad_inputs, 4, str(tmp_path / "records.jsonl"), timeout=240)
+
+
+# ---- (4b) build + close leaves nothing behind: process groups, their threads, later calls refused -----
+
+
+def _threads() -> int:
+    """OS threads of this process (gloo's transport threads included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _build_close(rank: int, world: int, ckpt: str) -> list[tuple[int, int]]:
+    from torch.distributed import distributed_c10d
+
+    from hdp.trainer.config import ParallelConfig
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    before = (_threads(), len(distributed_c10d._world.pg_map))
+    after, params = [], []
+    for i in range(5):  # TP = PP = 1, then PP 2 (Megatron's pipeline groups), a dist checkpoint once
+        cfg = dataclasses.replace(_engine_cfg(), parallel=ParallelConfig(pp=2)) if i % 2 else _engine_cfg()
+        engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
+        for s in range(2):  # fits a domain of 1 (PP 2 on 2 ranks)
+            engine.train_step(_batch(s, [30, 20, 12, 25, 9]), nll_loss)
+        if i % 2 == 0:
+            params.append(_params(engine))
+        if i == 2:
+            engine.save_checkpoint(ckpt, format="dist")  # starts Megatron's writer helper process
+        engine.close()
+        after.append((_threads(), len(distributed_c10d._world.pg_map)))
+        with pytest.raises(RuntimeError, match=r"train_step: the engine is closed"):
+            engine.train_step(_batch(0, [30, 20, 12, 25, 9]), nll_loss)
+    assert all(a == before for a in after), (before, after)
+    for other in params[1:]:  # identical runs are bit-identical (no refit within 2 steps)
+        assert all(torch.equal(other[k], v) for k, v in params[0].items())
+    return after
+
+
+def test_build_and_close_five_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
+    """Each build made ~18 gloo groups (~54 threads) per rank that close() left alive: after 5 builds the
+    counts must equal those before the first (groups, and the OS threads their transports run)."""
+    run_distributed(_build_close, 2, str(tmp_path / "ckpt"), timeout=300)
 
 
 # ---- (5) configs: frozen, validated, errors name the field -------------------------------------------

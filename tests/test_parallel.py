@@ -86,9 +86,18 @@ def _batch(step: int, lengths: list[int] = LENGTHS):
 # ---- the one-process reference ------------------------------------------------------------------------
 
 
-def _reference(batches, steps: int, model_kw: dict | None = None) -> dict:
+ENTROPY_COEF = 0.1
+
+
+def entropy_bonus_loss(local, logprobs, weights):
+    """NLL with an entropy bonus: ℓ_t = −log p_t − c·H_t (H over the full vocabulary, with its gradient)."""
+    return -(weights * (logprobs + ENTROPY_COEF * local.entropy())).sum()
+
+
+def _reference(batches, steps: int, model_kw: dict | None = None, entropy_coef: float = 0.0) -> dict:
     """Loss, gradients (step 1), grad norms, parameters after each step and log-probs of batch 0, in
-    one process on the whole batch (Megatron initialised TP = PP = EP = 1 for it, then torn down)."""
+    one process on the whole batch (Megatron initialised TP = PP = EP = 1 for it, then torn down).
+    ``entropy_coef`` c: the per-token loss is −log p − c·H (full-vocabulary entropy, naive path)."""
     from hdp import megatron_compat as mc
     from hdp.loss import aggregate_loss
     from hdp.trainer.attention_spec import packed_seq_params
@@ -106,7 +115,12 @@ def _reference(batches, steps: int, model_kw: dict | None = None) -> dict:
         losses, masks, off = [], [], 0
         for i, t in enumerate(batch.tokens):
             n = t.numel()
-            losses.append(-token_logprobs(logits[off : off + n - 1], t[1:]))
+            lg = logits[off : off + n - 1]
+            loss = -token_logprobs(lg, t[1:])
+            if entropy_coef:
+                logp = torch.log_softmax(lg.float(), dim=-1)  # [n-1, V]
+                loss = loss - entropy_coef * -(logp.exp() * logp).sum(-1)
+            losses.append(loss)
             masks.append(batch.loss_mask[i][1:])
             off += n
         return aggregate_loss(losses, masks, "token-mean")
@@ -156,14 +170,14 @@ def _shard(engine, full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _tp_shard(full, p, engine.groups.tp_rank, size)
 
 
-def _check_grads(engine, batch, ref: dict, what: str) -> None:
+def _check_grads(engine, batch, ref: dict, what: str, plan=None, loss_fn=None) -> None:
     """The engine's gradients of ``batch`` (phases 1–2, then all-reduced) equal the reference shards."""
     from hdp import megatron_compat as mc
     from hdp.trainer.engine import nll_loss
 
-    prep = engine._prepare(batch, "grad check")
+    prep = engine._prepare(batch, "grad check", plan)
     engine._skip_update()
-    state = engine._run_rounds(prep, nll_loss, train=True)
+    state = engine._run_rounds(prep, loss_fn or nll_loss, train=True)
     red = engine._reduce(state)
     np.testing.assert_allclose(float(red[0]), ref["loss"][0], rtol=LOSS_RTOL, err_msg=f"{what} loss")
     assert len(engine.round_seconds) == prep.plan.num_rounds and all(t > 0 for t in engine.round_seconds)
@@ -291,6 +305,55 @@ def test_pp2_domain2_1f1b_interleaved_moe_forward_checkpoint_and_bad_layouts(tmp
     run_distributed(_pp, 4, str(tmp_path), timeout=600)
 
 
+# ---- PP 2 x 2 virtual stages x domain 2: 1, 2, 3 and 5 rounds (4 ranks) ------------------------------
+
+# rounds -> (lengths, round_of, group_start, group_size) on a domain of 2 ranks (CP2 groups, an idle rank)
+VPP_PLANS = {
+    1: ([7, 4], [0, 0], [0, 1], [1, 1]),
+    2: ([40, 9, 12], [0, 1, 1], [0, 0, 1], [2, 1, 1]),
+    3: ([30, 20, 12, 25, 9], [0, 1, 1, 2, 2], [0, 0, 1, 0, 1], [2, 1, 1, 1, 1]),
+    5: ([60, 30, 20, 12, 25, 9, 40, 16], [0, 1, 1, 2, 2, 2, 3, 4], [0, 0, 1, 0, 1, 0, 0, 0],
+        [2, 1, 1, 1, 1, 1, 2, 1]),
+}
+
+
+def _vpp_plan(rounds: int):
+    from hdp.packing import Plan
+
+    lengths, round_of, start, size = (np.array(c) for c in VPP_PLANS[rounds])
+    plan = Plan.from_columns(num_ranks=2, max_tokens_per_rank=B, policy="explicit", lengths=lengths,
+                             round_of=round_of, group_start=start, group_size=size)
+    assert plan.num_rounds == rounds
+    return plan
+
+
+def _vpp_rounds(rank: int, world: int) -> None:
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    batches = {r: _batch(r, list(VPP_PLANS[r][0])) for r in VPP_PLANS}
+    refs = {r: _reference([b], 1) for r, b in batches.items()}  # before the engine: it re-initialises Megatron
+    engine = HdpEngine.build(_engine_cfg(dict(pp=2, virtual_pp=2), collective_timeout_s=60), dist.group.WORLD,
+                             init_fn=init_param)
+    for r, batch in batches.items():  # gradients only: the engine's weights stay the reference's
+        _check_grads(engine, batch, refs[r], f"pp2 vpp2, {r} rounds", plan=_vpp_plan(r))
+    for r, batch in batches.items():  # forward-only: every virtual micro-batch in warm-up
+        out = engine.forward(batch, plan=_vpp_plan(r))
+        for i, lp in enumerate(refs[r]["logprobs"]):
+            torch.testing.assert_close(out.logprobs[i], lp, atol=LOGP_TOL, rtol=0)
+    m = engine.train_step(batches[1], nll_loss, plan=_vpp_plan(1))  # one round: the case that hung
+    np.testing.assert_allclose(m["loss"], refs[1]["loss"][0], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(m["grad_norm"], refs[1]["norm"][0], rtol=LOSS_RTOL)
+    _check_params(engine, refs[1]["params"][0], "pp2 vpp2, 1 round, step 1")
+    engine.close()
+
+
+def test_pp2_vpp2_domain2_with_1_2_3_and_5_rounds() -> None:
+    """The interleaved schedule on steps of <= PP rounds (every virtual micro-batch of stage 0 in warm-up,
+    stage 1 already in 1F1B): gradients, log-probs and a train step equal one process, no hang (60 s timeout:
+    the hang it fixes waited for the collective timeout)."""
+    run_distributed(_vpp_rounds, 4, timeout=400)
+
+
 # ---- TP 2 (sequence parallel) x domain 2 (4 ranks) ------------------------------------------------------
 
 
@@ -302,11 +365,21 @@ def _tp(rank: int, world: int, tmp: str) -> None:
     # EP 2 with expert-TP 1 under TP 2 (each EP group spans the two TP ranks of a domain rank), zero-memory
     _layout_run(dict(tp=2, ep=2), moe_ref, batches, "moe tp2 ep2 zero-memory", model_kw=MOE, forward=False,
                 moe_zero_memory="level0")
+    # an entropy bonus through LocalTensors.entropy(): its gradient reaches the model, over the full
+    # vocabulary under TP 2 (the shard's log_softmax would be off) and at TP 1
+    from hdp.trainer.engine import HdpEngine
+
+    ent_ref = _reference(batches[:1], 1, entropy_coef=ENTROPY_COEF)
+    assert abs(ent_ref["loss"][0] - ref["loss"][0]) > 1e-2 * abs(ref["loss"][0])  # the bonus matters
+    for par in (dict(tp=2), dict()):
+        engine = HdpEngine.build(_engine_cfg(par), dist.group.WORLD, init_fn=init_param)
+        _check_grads(engine, batches[0], ent_ref, f"entropy bonus {par}", loss_fn=entropy_bonus_loss)
+        engine.close()
 
 
 def test_tp2_sequence_parallel_domain2_forward_checkpoint_and_moe(tmp_path) -> None:
     """TP 2 with sequence parallelism x domain 2 (+ forward log-probs, checkpoint resume); MoE EP 2 under
-    TP 2 with zero-memory level0."""
+    TP 2 with zero-memory level0; an entropy-regularised loss under TP 2 and TP 1."""
     run_distributed(_tp, 4, str(tmp_path), timeout=600)
 
 

@@ -271,6 +271,43 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
         assert set(exported) == set(disk), sorted(set(exported) ^ set(disk))
         for n, t in disk.items():
             assert torch.equal(exported[n].float(), t.float()), n
+    if vpp > 1:
+        _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, actor_cfg)
+
+
+def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, actor_cfg) -> None:
+    """A log-prob pass and an update of one round under PP 2 x 2 virtual stages (fewer rounds than PP: stage 0
+    stays in warm-up while stage 1 runs 1F1B; the update hung until the collective timeout) from the step-1
+    checkpoint: log-probs, loss and grad norm against HF on the checkpoint's weights."""
+    import torch
+    import torch.distributed as dist
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
+    from verl.workers.utils.padding import no_padding_2_padding
+    from verl_support import batches as B
+
+    act.load_checkpoint(ckpt, del_local_after_load=False)
+    small_samples = [samples[0], samples[4]]  # 14 and 10 tokens: one round on the domain of 2
+    small = B.padded_batch(small_samples, pad_id=0)
+    probe = B.ref_batch(small)
+    tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
+    assert engine._make_plan(probe).num_rounds == 1
+    out = act.compute_log_prob(B.old_logp_batch(small))
+    objs = [no_padding_2_padding(tu.get(out, "log_probs"), probe).float() if rank == src else None]
+    dist.broadcast_object_list(objs, src=src, group=dist.group.WORLD)
+    adv = torch.randn(small["responses"].shape, generator=torch.Generator().manual_seed(5)) * small["response_mask"]
+    extra = {"old_log_probs": objs[0], "advantages": adv, "ref_log_prob": objs[0]}
+    got = act.update_actor(B.update_batch(small, extra, mini_batch_size=2, calculate_entropy=True))
+    if rank != src:
+        return
+    hf_logp, _, hf_loss, hf_norm = _hf_reference(os.path.join(ckpt, "model", "huggingface"), small_samples, small,
+                                                 extra, actor_cfg)
+    for a, c in zip(tu.get(out, "log_probs").unbind(), hf_logp):
+        torch.testing.assert_close(a[:-1].float(), c[:-1], atol=LOGP_TOL_FP32, rtol=0)
+    m = verl_reduce_metrics(tu.get(got, "metrics"))
+    assert abs(m["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m["loss"], hf_loss)
+    assert abs(m["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m["grad_norm"], hf_norm)
 
 
 def _adam_moments(engine) -> list:

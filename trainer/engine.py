@@ -91,7 +91,7 @@ from hdp.digest import batch_digest
 from hdp.guard import DomainStepError, DomainUnreachableError, StepGuard, describe, is_input_error
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack
-from hdp.groups import DomainGroups, LayoutGroups
+from hdp.groups import DomainGroups, GroupLedger, LayoutGroups
 from hdp.loss import sample_token_weights
 from hdp.megatron_compat import dist_checkpointing
 from hdp.moe.levels import ZeroMemoryLevel
@@ -107,10 +107,9 @@ from hdp.trainer.model import (
     build_optimizer,
     global_param_name,
     init_parameters,
-    vocab_parallel_entropy,
-    vocab_parallel_logprobs,
     wrap_ddp,
 )
+from hdp.logprobs import logprobs_entropy
 
 __all__ = [
     "Batch",
@@ -172,11 +171,21 @@ class LocalTensors:
     target_position: torch.Tensor
     """[T] position of each target token inside its sample (1 .. L_i; L_i marks the padded last slot)."""
     logits: torch.Tensor
-    """[T, V] logits (with grad), e.g. for an entropy bonus.  Under tensor parallelism this is the TP
-    rank's vocabulary shard [T, V/TP]; use :func:`hdp.trainer.model.vocab_parallel_entropy` /
-    ``vocab_parallel_logprobs`` with ``tp_group`` for full-vocabulary quantities."""
+    """[T, V] logits (with grad).  Under tensor parallelism this is the TP rank's vocabulary shard
+    [T, V/TP]: ``log_softmax(logits)`` is then only the shard's distribution.  For full-vocabulary
+    quantities use :meth:`entropy` or :func:`hdp.logprobs.logprobs_entropy` with ``tp_group``."""
     tp_group: dist.ProcessGroup
     """The tensor-parallel group the logits are sharded over (a size-1 group without TP)."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def entropy(self) -> torch.Tensor:
+        """[T] entropy of the full-vocabulary next-token distribution at each local position,
+        differentiable (an entropy bonus gets its gradient) and TP-aware (collective over ``tp_group``:
+        call it on every TP rank alike).  Computed once per round (vocabulary-chunked, no [T, V] copy)."""
+        if "entropy" not in self._cache:
+            _, ent = logprobs_entropy(self.logits, self.targets, self.tp_group, entropy=True)
+            self._cache["entropy"] = ent
+        return self._cache["entropy"]
 
 
 class LossFn(Protocol):
@@ -184,7 +193,8 @@ class LossFn(Protocol):
 
     Must return Σ_t weights[t] · ℓ_t for the per-token loss ℓ it wants (``weights`` already hold the
     mask and the global normaliser of the configured aggregation), so that the sum over the
-    domain is the exact loss of the whole batch.
+    domain is the exact loss of the whole batch.  ``logprobs`` [T] are full-vocabulary log-probs of
+    the targets (with grad, TP-aware); an entropy bonus is ``-c * (weights * local.entropy()).sum()``.
     """
 
     def __call__(self, local: LocalTensors, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
@@ -364,15 +374,18 @@ class HdpEngine:
         self._p2p = (
             mc.HdpP2PCommunicator(groups.pp, self.model_chunks[0].config, device) if groups.pp_size > 1 else None
         )
-        for i, chunk in enumerate(self.model_chunks):
-            layers = chunk.module.decoder.layers
-            layers[0].register_forward_pre_hook(functools.partial(self._mark_stage_input, i), with_kwargs=True)
+        self._hooks = [
+            chunk.module.decoder.layers[0].register_forward_pre_hook(
+                functools.partial(self._mark_stage_input, i), with_kwargs=True)
+            for i, chunk in enumerate(self.model_chunks)
+        ]
         self._closed = False
+        self._ledger: GroupLedger | None = None  # set by build(): the groups close() destroys
         # control tensors of the job's collectives: CPU for gloo, else the device
         self._collective_device = torch.device("cpu") if _gloo(self.world_group) else device
         # every error inside a step raises on every rank of the job (hdp/guard.py)
         self._guard = StepGuard(group=self.world_group, rank=groups.world_rank, size=groups.world_size,
-                                device=self._collective_device, timeout_s=config.collective_timeout_s, label="rank")
+                                device=self._collective_device, timeout_s=config.collective_timeout_s, label="world rank")
         self._broken: str | None = None
 
     @property
@@ -423,18 +436,23 @@ class HdpEngine:
         par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
         timeout_s = float(config.collective_timeout_s)
-        # the engine's own agreement group over the whole job, with the bounded timeout
-        job = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
-        runtime = mc.initialize_megatron(
-            device=device,
-            tensor_model_parallel_size=par.tp,
-            pipeline_model_parallel_size=par.pp,
-            virtual_pipeline_model_parallel_size=par.virtual_pp if par.vpp > 1 else None,
-            expert_model_parallel_size=par.ep,
-            expert_tensor_parallel_size=par.expert_tp,
-            seed=config.seed,
-            collective_timeout_s=timeout_s,
-        )
+        ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
+        try:
+            # the engine's own agreement group over the whole job, with the bounded timeout
+            job = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
+            runtime = mc.initialize_megatron(
+                device=device,
+                tensor_model_parallel_size=par.tp,
+                pipeline_model_parallel_size=par.pp,
+                virtual_pipeline_model_parallel_size=par.virtual_pp if par.vpp > 1 else None,
+                expert_model_parallel_size=par.ep,
+                expert_tensor_parallel_size=par.expert_tp,
+                seed=config.seed,
+                collective_timeout_s=timeout_s,
+            )
+        except BaseException:
+            ledger.release()
+            raise
         try:
             pgc = runtime.groups
             torch.manual_seed(config.seed)  # identical initial weights on every rank of a domain
@@ -456,16 +474,35 @@ class HdpEngine:
                                   pp=pgc.pp, ep=pgc.ep)
         except BaseException:
             runtime.close()
+            ledger.release()
             raise
         logger.info("hdp engine: world %d = TP %d x PP %d (x%d virtual) x domain %d, EP %d, device %s",
                     world, par.tp, par.pp, par.vpp, groups.domain.size, par.ep, device)
-        return cls(config, groups, runtime, ddp, optimizer, device)
+        engine = cls(config, groups, runtime, ddp, optimizer, device)
+        engine._ledger = ledger
+        return engine
 
     def close(self) -> None:
-        """Release Megatron's parallel state of this engine and its CPU-shim hold (idempotent)."""
+        """Release everything the engine made (idempotent): Megatron's parallel state, every process
+        group it created (with their transport threads), the CPU-shim hold and the helper process of
+        Megatron's checkpoint writer.  Later calls on the engine raise."""
         if not self._closed:
             self._closed = True
+            self._state = None
+            for hook in self._hooks:
+                hook.remove()
+            for chunk in self.model_chunks:
+                mc.release_ddp(chunk)
             self.runtime.close()
+            if self._ledger is not None:
+                self._ledger.release()
+            mc.stop_checkpoint_writer()
+            # the model, the optimizer and the group handles go now, not when the caller drops the
+            # engine: a destroyed group's transport threads live as long as a reference to it does
+            self.model_chunks, self._chunk_index, self._hooks = [], {}, []
+            for name in ("optimizer", "runtime", "groups", "world_group", "domain_group", "_p2p", "_guard",
+                         "_autocal", "_ledger"):
+                setattr(self, name, None)
 
     # -- phase 1: validation and planning --
 
@@ -542,10 +579,7 @@ class HdpEngine:
                 f"plan.lengths={plan.lengths.tolist()} differ from the batch lengths {batch.lengths}; "
                 "plan this batch (engine.plan(batch))"
             )
-        try:
-            check_plan(plan)
-        except AssertionError as exc:
-            raise ValueError(f"plan is invalid: {exc}; build it with hdp.packing.plan or Plan.from_columns") from exc
+        check_plan(plan)  # PlanError (a ValueError) naming the column, the sample or round, and the fix
 
     def _prepare(self, batch: Batch, what: str, given: Plan | None = None) -> _Prepared:
         """Phase 1: validate, plan and digest the batch; agree on errors, the plan and the data over the job.
@@ -579,22 +613,28 @@ class HdpEngine:
         # one fixed-size collective over the job (never hangs, whatever the inputs): errors anywhere,
         # the plan checksum and the batch digest over the domain, the pipeline and the TP ranks at once
         bad = agree_step(None if prepared is None else prepared.plan, self.world_group, failed=error is not None,
-                         data_digest=digest, device=self._collective_device, domain_size=self.num_ranks)
+                         data_digest=digest, device=self._collective_device, domain_size=self.num_ranks,
+                         label="world rank")
         if bad:
             try:
                 self._guard.agree(f"{what}: validate", step, error)
             except DomainStepError as agreed:
                 if error is not None and is_input_error(error):
-                    others = [r for r in agreed.ranks if r != self.groups.world_rank]
-                    also = f" (invalid input on ranks {others} too)" if others else ""
-                    raise type(error)(f"{what} (step {step}, domain rank {self.rank}): {error}{also}") from error
+                    me = self.groups.world_rank
+                    others = [r for r in agreed.ranks if r != me]
+                    also = f" (invalid input on world ranks {others} too)" if others else ""
+                    raise type(error)(f"{what} (step {step}, world rank {me} = domain rank {self.rank}): {error}{also}") from error
                 raise
-            raise RuntimeError(f"{what} (step {step}): ranks {bad} reported a failure the agreement did not carry")
+            raise RuntimeError(f"{what} (step {step}): world ranks {bad} reported a failure the agreement did not carry")
         assert prepared is not None
         return prepared
 
     def _usable(self, what: str) -> None:
-        """Raise (no collective) when an earlier call broke off in the middle of its collectives."""
+        """Raise (no collective) when the engine is closed or an earlier call broke off in the middle of
+        its collectives."""
+        if self._closed:
+            raise RuntimeError(f"HdpEngine.{what}: the engine is closed (close() released its process groups); "
+                               "build a new engine")
         if self._broken is not None:
             raise RuntimeError(
                 f"HdpEngine.{what}: this engine is unusable since {self._broken}; its process groups may be out "
@@ -620,7 +660,7 @@ class HdpEngine:
             if isinstance(exc, (KeyboardInterrupt, SystemExit, DomainUnreachableError)):
                 raise
             raise DomainUnreachableError(
-                f"{where}: rank {self.groups.world_rank} (domain rank {self.rank}) stopped in the middle of the "
+                f"{where}: world rank {self.groups.world_rank} (domain rank {self.rank}) stopped in the middle of the "
                 f"phase's collectives: {describe(exc)}. Either a peer died or hangs (each rank gives up after "
                 f"EngineConfig.collective_timeout_s={self.config.collective_timeout_s:g} s) or this rank failed "
                 "there, and then the other ranks fail within that timeout. The engine is no longer usable: "
@@ -743,9 +783,7 @@ class HdpEngine:
         if not state.train:
             if real:
                 assert li is not None
-                lr = logits[:real]
-                lp = vocab_parallel_logprobs(lr, li.targets, tp)  # [Tr]
-                ent = vocab_parallel_entropy(lr, tp)  # [Tr]
+                lp, ent = logprobs_entropy(logits[:real], li.targets, tp, entropy=True)  # [Tr], [Tr]
                 state.outputs[r] = torch.stack([lp.float(), ent.float()], dim=-1)  # [Tr, 2]
             state.timer.stop(key)
             return logits.sum() * 0.0, count, {}
@@ -758,7 +796,8 @@ class HdpEngine:
                 logits=logits[:real], tp_group=tp,
             )
             try:
-                loss = state.loss_fn(local, vocab_parallel_logprobs(local.logits, local.targets, tp), li.weights)
+                logprobs, _ = logprobs_entropy(local.logits, local.targets, tp)  # [Tr]
+                loss = state.loss_fn(local, logprobs, li.weights)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(
                         f"loss_fn returned {type(loss).__name__}"
@@ -817,13 +856,18 @@ class HdpEngine:
             forward_only=not train,
         )
         self._state = state
-        known = self._p2p is not None and len(chunks) == 1
+        known = self._p2p is not None
         if known:
-            # every stage knows each round's length from the plan: no shape messages (1F1B order)
+            # every stage knows each round's length from the plan: no shape messages (a stage receiving
+            # a shape its peer sends only later is what hangs the interleaved schedule on <= PP rounds)
             split = self._token_multiple  # sequence parallelism: a stage sends its [T/TP, 1, H] shard
-            hidden = chunks[0].config.hidden_size
-            self._p2p.expect_shapes(
-                [(self._round_input(state, r).tokens.shape[0] // split, 1, hidden) for r in range(m)])
+            cfg = chunks[0].config
+            shapes = [(self._round_input(state, r).tokens.shape[0] // split, 1, cfg.hidden_size) for r in range(m)]
+            if len(chunks) == 1:
+                self._p2p.expect_shapes(shapes, forward_only=not train)  # 1F1B: micro-batch order
+            else:
+                group = int(getattr(cfg, "microbatch_group_size_per_vp_stage", None) or self.groups.pp_size)
+                self._p2p.expect_interleaved_shapes(shapes, len(chunks), group, forward_only=not train)
         try:
             if self.groups.pp_size == 1:
                 mc.forward_backward_no_pipelining(data_iterator=iters[0], model=chunks[0], **kwargs)
@@ -840,8 +884,8 @@ class HdpEngine:
             if known:
                 left = self._p2p.unused_shapes()
                 self._p2p.expect_shapes(None)
-        if known and left and self.groups.pp_rank not in (0, self.groups.pp_size - 1):
-            raise RuntimeError(f"pipeline schedule received {m - left} of {m} micro-batches")
+        if known and left:
+            raise RuntimeError(f"pipeline schedule of {m} micro-batches ended with {left} expected messages not received")
         return state
 
     # -- phase 3: reduce --

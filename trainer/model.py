@@ -14,8 +14,8 @@ divided by the *global* token count and the reduced gradient is the global token
 however many tokens each rank holds.
 
 Under tensor parallelism the output layer's logits are this TP rank's vocabulary shard
-[T, V/TP]; :func:`vocab_parallel_logprobs` and :func:`vocab_parallel_entropy` reduce over the TP
-group (explicitly named) so every TP rank gets the full-vocabulary log-probabilities.
+[T, V/TP]; :func:`hdp.logprobs.logprobs_entropy` reduces over the TP group (explicitly named) so
+every TP rank gets the full-vocabulary log-probabilities and entropies.
 
 Legend: T packed tokens of a micro-batch, V vocabulary, Vl = V/TP local vocabulary shard.
 """
@@ -51,8 +51,6 @@ __all__ = [
     "build_optimizer",
     "packed_logits",
     "token_logprobs",
-    "vocab_parallel_logprobs",
-    "vocab_parallel_entropy",
     "global_param_name",
     "global_param_names",
     "init_parameters",
@@ -382,81 +380,10 @@ def packed_logits(
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[T] log-probability of ``targets`` [T] under full-vocabulary ``logits`` [T, V] (float32)."""
+    """[T] log-probability of ``targets`` [T] under full-vocabulary ``logits`` [T, V] (float32; the naive
+    one-process path, for references and benches: the engines use :func:`hdp.logprobs.logprobs_entropy`)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
     return logp.gather(-1, targets.long()[:, None])[:, 0]
-
-
-class _VocabParallelLogProb(torch.autograd.Function):
-    """log p(target) from vocabulary-sharded logits, reduced over an explicit TP group.
-
-    Forward (Megatron's vocab-parallel cross-entropy, with the group named): m = max_v z (all-reduce
-    MAX), s = Σ_v exp(z − m) and z_t = the target's logit (0 on the ranks not holding it) in one
-    all-reduce SUM, log p = z_t − m − log s.  Backward: d log p / d z = onehot − softmax,
-    local to each shard (the loss is replicated over the TP ranks, so no reduction).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        z = logits.float()  # [T, Vl]
-        vl = z.shape[-1]
-        start = group.rank() * vl
-        m = z.max(dim=-1).values  # [T]
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(z - m[:, None])  # [T, Vl]
-        local = targets.long() - start  # [T]
-        mine = (local >= 0) & (local < vl)
-        idx = torch.where(mine, local, torch.zeros_like(local))
-        zt = torch.where(mine, z.gather(-1, idx[:, None])[:, 0], torch.zeros_like(m))  # [T]
-        both = torch.stack([e.sum(dim=-1), zt])  # [2, T]: Σ_v exp(z − m) and the target's logit
-        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
-        s, zt = both[0], both[1]
-        logp = zt - m - torch.log(s)  # [T]
-        ctx.save_for_backward(e, s, idx, mine)
-        ctx.in_dtype = logits.dtype
-        return logp
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        e, s, idx, mine = ctx.saved_tensors
-        d = -(e / s[:, None]) * grad[:, None]  # [T, Vl]: −softmax · g
-        d.scatter_add_(-1, idx[:, None], (grad * mine.to(grad.dtype))[:, None])  # + onehot · g
-        return d.to(ctx.in_dtype), None, None
-
-
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[T] log p(``targets``) from this TP rank's vocabulary shard ``logits`` [T, Vl] (float32, with grad).
-
-    ``group`` is the TP group (explicit); every TP rank gets the same values.
-    """
-    if group is None:
-        raise ValueError("vocab_parallel_logprobs: group=None; pass the tensor-parallel group explicitly")
-    if group.size() == 1:
-        return token_logprobs(logits, targets)
-    return _VocabParallelLogProb.apply(logits, targets, group)
-
-
-@torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[T] entropy of the full-vocabulary distribution from this TP rank's shard ``logits`` [T, Vl] (no grad).
-
-    H = log s + m − Σ_v p_v z_v with m, s as in :func:`vocab_parallel_logprobs` and the last sum
-    reduced over ``group`` (the TP group, explicit).
-    """
-    z = logits.float()  # [T, Vl]
-    if group is None:
-        raise ValueError("vocab_parallel_entropy: group=None; pass the tensor-parallel group explicitly")
-    if group.size() == 1:
-        logp = torch.log_softmax(z, dim=-1)
-        return -(logp.exp() * logp).sum(-1)
-    m = z.max(dim=-1).values  # [T]
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(z - m[:, None])  # [T, Vl]
-    s = e.sum(-1)
-    dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-    ez = (e * z).sum(-1)  # [T]
-    dist.all_reduce(ez, op=dist.ReduceOp.SUM, group=group)
-    return torch.log(s) + m - ez / s
 
 
 # ---- layout-independent parameters ------------------------------------------------------------------

@@ -13,7 +13,7 @@ each round's shape from the plan: :class:`hdp.megatron_compat.HdpP2PCommunicator
 the interleaved schedule with virtual stages (rounds padded with idle micro-batches to a multiple of
 PP, shapes exchanged); under
 TP with sequence parallelism packed lengths are padded to a multiple of TP (padding tokens weigh 0)
-and log-probs / entropies come from the vocabulary shards (:func:`.logprobs.tp_logprobs_entropy`).
+and log-probs / entropies come from the vocabulary shards (:func:`hdp.logprobs.logprobs_entropy`).
 Outputs and metrics come back, as in verl's own Megatron engine, on the last stage's TP rank 0 —
 here its domain rank 0, verl's one collect rank.
 
@@ -69,9 +69,9 @@ from hdp.checksum import agree_step, collective_device
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, gather_outputs, local_meta, pack, unpack_into
 from hdp.groups import DomainGroups, LayoutGroups
+from hdp.logprobs import logprobs_entropy
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.checks import ACTOR_KEY, REF_KEY, check_remove_padding, check_token_budgets, role_key
-from hdp.integrations.verl.logprobs import tp_logprobs_entropy
 from hdp.integrations.verl.config import (
     HdpEngineConfig,
     to_hdp_engine_config,
@@ -519,25 +519,30 @@ class HdpMegatronEngine(_MegatronLM):
             total = -(-len(rounds) // group) * group
             rounds = list(rounds) + [self._padding_round(dev) for _ in range(total - len(rounds))]
             state.num_microbatches = total
+            split = self._token_multiple
+            p2p.expect_interleaved_shapes([(r.tokens.shape[0] // split, 1, cfg.hidden_size) for r in rounds],
+                                          len(self.module), group, forward_only=state.forward_only)
             mc.forward_backward_pipelining_with_interleaving(
                 forward_step_func=step, data_iterator=[iter(rounds) for _ in self.module], model=self.module,
                 num_microbatches=total, seq_length=max(r.tokens.shape[0] for r in rounds), micro_batch_size=1,
                 forward_only=state.forward_only, p2p_communicator=p2p, pg_collection=self.domain.megatron,
             )
+            if p2p.unused_shapes():
+                raise RuntimeError(f"pipeline schedule of {total} micro-batches ended with messages not received")
             return
         # 1F1B: every stage knows each round's length from the plan, so no shape messages; under
         # sequence parallelism a stage sends its [T/TP, 1, H] shard
         state.num_microbatches = len(rounds)
         split = self._token_multiple
-        p2p.expect_shapes([(r.tokens.shape[0] // split, 1, cfg.hidden_size) for r in rounds])
+        p2p.expect_shapes([(r.tokens.shape[0] // split, 1, cfg.hidden_size) for r in rounds],
+                          forward_only=state.forward_only)
         mc.forward_backward_pipelining_without_interleaving(
             forward_step_func=step, data_iterator=iter(rounds), model=chunk, num_microbatches=len(rounds),
             seq_length=max(r.tokens.shape[0] for r in rounds), micro_batch_size=1, forward_only=state.forward_only,
             p2p_communicator=p2p, pg_collection=self.domain.megatron,
         )
-        left = p2p.unused_shapes()
-        if left and layout.pp_rank not in (0, layout.pp_size - 1):
-            raise RuntimeError(f"pipeline schedule received {len(rounds) - left} of {len(rounds)} micro-batches")
+        if p2p.unused_shapes():
+            raise RuntimeError(f"pipeline schedule of {len(rounds)} micro-batches ended with messages not received")
 
     def _padding_round(self, dev: torch.device) -> "_Round":
         """An idle micro-batch beyond the plan (interleaved schedule): padding tokens only, weight 0."""
@@ -558,11 +563,11 @@ class HdpMegatronEngine(_MegatronLM):
         meta = inp.meta
         logits = out[0][: meta.num_tokens]  # [Tr, V/TP]
         dev = logits.device
-        logp, ent = tp_logprobs_entropy(
+        logp, ent = logprobs_entropy(
             logits,
             inp.targets[: meta.num_tokens].to(dev),
-            inp.temperature[: meta.num_tokens].to(dev),
             self.domain.layout.tp,
+            temperature=inp.temperature[: meta.num_tokens].to(dev),
             chunk=int(self.engine_config.entropy_from_logits_chunk_size),
             entropy=state.calculate_entropy,
         )  # [Tr], [Tr] or None

@@ -1,6 +1,6 @@
-"""Chunked token log-probs / entropy of the verl engine: exact, and no extra [T, V] tensors.
+"""hdp.logprobs: chunked, TP-aware token log-probs / entropy of both engines: exact, and no extra [T, V] tensors.
 
-The engine used to build ``logits.float() / t``, its ``log_softmax``, ``exp`` of that and the
+The verl engine used to build ``logits.float() / t``, its ``log_softmax``, ``exp`` of that and the
 entropy product — four [T, V] fp32 tensors per round, entropy or not.  The memory check counts,
 with a ``TorchDispatchMode``, every tensor an ATen op produces: the forward may produce nothing of
 T·V elements or more, the backward exactly one (d logits, which Megatron's output layer needs).
@@ -14,9 +14,24 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hdp.integrations.verl.logprobs import token_logprobs_entropy
+import torch.distributed as dist
+
+from hdp.logprobs import logprobs_entropy
 
 T, V = 37, 1000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group(tmp_path_factory):
+    """A one-rank gloo world for this module's in-process tests (the TP group without tensor parallelism)."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("logprobs") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def token_logprobs_entropy(logits, targets, temp, *, chunk, entropy=False):
+    return logprobs_entropy(logits, targets, dist.group.WORLD, temperature=temp, chunk=chunk, entropy=entropy)
 
 
 class _BigOutputs(TorchDispatchMode):
@@ -94,10 +109,6 @@ def test_bad_chunk_names_the_value():
 
 def _tp_worker(rank: int, world: int) -> None:
     """TP 2: each rank holds half of the vocabulary; values and d logits equal the one-process path."""
-    import torch.distributed as dist
-
-    from hdp.integrations.verl.logprobs import tp_logprobs_entropy
-
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(T, 64, generator=g) * 3  # [T, V] float32, V = 64
     targets = torch.randint(0, 64, (T,), generator=g)
@@ -105,23 +116,25 @@ def _tp_worker(rank: int, world: int) -> None:
     w_lp, w_h = torch.randn(T, generator=g), torch.randn(T, generator=g)  # upstream gradients
 
     full = logits.clone().requires_grad_(True)
-    lp_ref, h_ref = token_logprobs_entropy(full, targets, temp, chunk=16, entropy=True)
+    lp_all = torch.log_softmax(full / temp[:, None], dim=-1)  # [T, V] the naive one-process path
+    lp_ref, h_ref = lp_all.gather(-1, targets[:, None])[:, 0], -(lp_all.exp() * lp_all).sum(-1)
     ((lp_ref * w_lp).sum() + (h_ref * w_h).sum()).backward()
 
     shard = logits[:, rank * 32 : (rank + 1) * 32].clone().requires_grad_(True)  # [T, V/2]
-    lp, h = tp_logprobs_entropy(shard, targets, temp, dist.group.WORLD, entropy=True)
+    lp, h = logprobs_entropy(shard, targets, dist.group.WORLD, temperature=temp, chunk=8, entropy=True)
     ((lp * w_lp).sum() + (h * w_h).sum()).backward()
     torch.testing.assert_close(lp, lp_ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(shard.grad, full.grad[:, rank * 32 : (rank + 1) * 32], atol=2e-5, rtol=0)
-    lp_only, none = tp_logprobs_entropy(shard.detach(), targets, temp, dist.group.WORLD, entropy=False)
+    lp_only, none = logprobs_entropy(shard.detach(), targets, dist.group.WORLD, temperature=temp, entropy=False)
     assert none is None
     torch.testing.assert_close(lp_only, lp_ref.detach(), atol=2e-5, rtol=0)
 
 
 @pytest.mark.dist
 def test_tensor_parallel_logprobs_and_entropy_match_the_full_vocabulary():
-    """The verl engine's TP path: vocab-parallel log-probs (hdp.trainer.model) and entropy (with its backward)."""
+    """TP 2: chunked over each shard's columns, combined over the TP group; d logits of each shard equal the
+    full-vocabulary gradient's columns (the backward needs no communication)."""
     from dist_helper import run_distributed
 
     run_distributed(_tp_worker, 2, timeout=120)
