@@ -1,7 +1,7 @@
 """Self-calibration of the cost model from the rounds a job times (pure numpy; no torch.distributed).
 
-The engine times every round on every rank; `hdp.trainer.autocal` gathers those times so that every
-rank of the domain holds the same ``[N, R]`` table and feeds it here:
+The engine times every round on every rank; `hdp.trainer.planning` gathers those times so that every
+rank of the job holds the same ``[N, R]`` table (a domain rank's slowest TP rank and stage) and feeds it here:
 
 * `CostWindow` turns a step's plan and its ``[N, R]`` round times into calibration records
   (`hdp.packing.calibrate` schema: a group record per group, the slowest of its ranks; a round
@@ -20,7 +20,7 @@ rank of the domain holds the same ``[N, R]`` table and feeds it here:
   step after such a refit is planned with a CP-averse variant (`explore_model`), once per refit.
 
 Everything here is deterministic in its inputs, so ranks holding the same window reach the same
-decision; the trainer still broadcasts domain rank 0's decision (one fixed-size vector) so that
+decision; the trainer still broadcasts world rank 0's decision (one fixed-size vector) so that
 BLAS differences between nodes cannot split the domain.
 """
 

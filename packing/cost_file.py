@@ -43,11 +43,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from hdp.packing.cost import CostModel
 
-__all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_model", "load_cost_model", "read_cost_file", "resolve_cost"]
+__all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_model", "load_cost_model", "read_cost_file", "resolve_cost", "AUTO"]
 
 FORMAT = "hdp-cost-model"
 """Value of the ``format`` key of a cost-model file."""
@@ -172,16 +172,44 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     return CostModel(**{f.name: float(params[f.name]) for f in dataclasses.fields(CostModel)})
 
 
-def resolve_cost(value: object, field_name: str) -> CostModel:
-    """A `CostModel` from a `CostModel` or the path of a cost-model file; errors name ``field_name``."""
+AUTO = "auto"
+"""`resolve_cost` spec: the engine's own model shape on its device's hardware profile."""
+
+
+def resolve_cost(value: object, field_name: str, *, auto: "Callable[[], CostModel] | None" = None) -> CostModel:
+    """The `CostModel` a ``cost_model`` option names; the one meaning of that option in every door.
+
+    * a `CostModel`: itself;
+    * ``"MODEL@PROFILE"``: the presets (`hdp.packing.MODELS` @ `hdp.packing.PROFILES`), e.g.
+      ``"dense-8b@h100-nvlink"``;
+    * ``"auto"``: ``auto()`` — an engine's own model shape on its device's profile
+      (`hdp.trainer.planning.auto_cost_model`); only engines can resolve it;
+    * anything else: the path of a cost-model file (``hdp calibrate --records R.jsonl --out COST.json``),
+      read once here.
+
+    Errors name ``field_name``, the value and the forms it may take.
+    """
     if isinstance(value, CostModel):
         return value
-    if isinstance(value, (str, os.PathLike)) and str(value):
+    forms = ("a hdp.packing.CostModel, 'auto', a preset 'MODEL@PROFILE' (e.g. 'dense-8b@h100-nvlink') or the "
+             "path of a cost-model file (hdp calibrate --records R.jsonl --out COST.json)")
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{field_name}={value!r}: pass {forms}")
+    text = str(value)
+    if text == AUTO:
+        if auto is None:
+            raise ValueError(f"{field_name}='auto' needs an engine (it reads the model and the device); "
+                             "pass a preset 'MODEL@PROFILE' or a cost-model file here")
+        return auto()
+    if "@" in text and not Path(text).exists():
+        from hdp.packing.profiles import cost_model
+
+        model, _, profile = text.partition("@")
         try:
-            return load_cost_model(value)
+            return cost_model(model, profile)
         except ValueError as exc:
-            raise ValueError(f"{field_name}: {exc}") from exc
-    raise ValueError(
-        f"{field_name}={value!r}: pass a hdp.packing.CostModel or the path of a cost-model file "
-        "(hdp calibrate --records R.jsonl --out COST.json)"
-    )
+            raise ValueError(f"{field_name}={text!r}: {exc}") from exc
+    try:
+        return load_cost_model(text)
+    except ValueError as exc:
+        raise ValueError(f"{field_name}: {exc}; or pass {forms}") from exc

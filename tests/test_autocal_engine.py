@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, out: dict) -> None:
     last_plan = engine.plan(probe)
     if rank == 0:
         out.update(history=history, first=first_plan.stats.cp_degree_hist, last=last_plan.stats.cp_degree_hist,
-                   cost=dataclasses.asdict(engine._planner.cost))
+                   cost=dataclasses.asdict(engine.planner.cost))
 
 
 def test_engine_learns_the_cost_of_context_parallelism(tmp_path):

@@ -175,12 +175,17 @@ def _check_grads(engine, batch, ref: dict, what: str, plan=None, loss_fn=None) -
     from hdp import megatron_compat as mc
     from hdp.trainer.engine import nll_loss
 
+    from hdp.trainer.engine import _LossAdapter
+
     prep = engine._prepare(batch, "grad check", plan)
-    engine._skip_update()
-    state = engine._run_rounds(prep, loss_fn or nll_loss, train=True)
-    red = engine._reduce(state)
+    core = engine.core
+    core.skip_update()
+    adapter = _LossAdapter(prep, loss_fn or nll_loss, engine.groups.tp, engine.device)
+    state = core.run(prep.plan, prep.tokens, adapter, train=True)
+    red = core.reduce(state)
     np.testing.assert_allclose(float(red[0]), ref["loss"][0], rtol=LOSS_RTOL, err_msg=f"{what} loss")
-    assert len(engine.round_seconds) == prep.plan.num_rounds and all(t > 0 for t in engine.round_seconds)
+    seconds = core.round_seconds(state)
+    assert len(seconds) == prep.plan.num_rounds and all(t > 0 for t in seconds)
     mc.finalize_model_grads(engine.model_chunks, None, pg_collection=engine.runtime.groups, force_all_reduce=True)
     named = _named(engine)
     assert named, what
@@ -188,7 +193,7 @@ def _check_grads(engine, batch, ref: dict, what: str, plan=None, loss_fn=None) -
         expect = _shard(engine, ref["grads"][name], p)
         torch.testing.assert_close(p.main_grad, expect, rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                    msg=lambda m, n=name: f"{what} grad {n}: {m}")
-    engine._skip_update()
+    core.skip_update()
 
 
 def _check_params(engine, expect: dict, what: str, tol: float = PARAM_TOL) -> None:

@@ -106,6 +106,6 @@ def test_pipeline_stages_is_validated():
 def test_engine_planning_config_passes_the_stages():
     from hdp.trainer.config import PlanningConfig
 
-    cfg = PlanningConfig(max_tokens_per_rank=512).planner_config(8, pipeline_stages=4)
+    cfg = PlanningConfig(max_tokens_per_rank=512, cost_model="cpu-tiny@cpu-gloo").planner_config(8, pipeline_stages=4)
     assert cfg.pipeline_stages == 4 and cfg.num_ranks == 8
-    assert PlanningConfig().planner_config(8).pipeline_stages == 1
+    assert PlanningConfig(cost_model="cpu-tiny@cpu-gloo").planner_config(8).pipeline_stages == 1

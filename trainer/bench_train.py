@@ -196,7 +196,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         m = _timed_step(engines[p], batches[0])
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
         engines[p].train_step(batches[0], nll_loss, plan=mixed)
-    cost = _fitted_cost(spec, records_dir, rank)
+    cost = _fitted_cost(spec, records_dir, rank, engines[spec.policies[0]].planner.cost)
     steps = range(1, spec.steps)
     if spec.alternate:
         order = [(s, p) for s in steps for p in (spec.policies if s % 2 else spec.policies[::-1])]
@@ -233,13 +233,12 @@ def _timed_step(engine: Any, batch: Any, plan: Any = None) -> dict[str, Any]:
     return {**m, "perf/cpu_time": float(cpu)}
 
 
-def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int) -> "CostModel":
+def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "CostModel") -> "CostModel":
     """The cost model fitted on rank 0 to the warm-up records, broadcast over the world.
 
-    Falls back to the engine's default cost model when the records cannot be fitted.
+    Falls back to ``default`` (the engines' own ``auto`` model) when the records cannot be fitted.
     """
     from hdp.packing.calibrate import calibrate, load_records
-    from hdp.trainer.config import PlanningConfig
 
     fitted: list[Any] = [None]
     if rank == 0:
@@ -250,12 +249,12 @@ def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int) -> "CostMode
                 records.extend(load_records(path))
         try:
             # [cost model] what the warm-up cannot determine comes from the engine's default preset
-            fitted[0] = asdict(calibrate(records, base=PlanningConfig().cost).cost)
+            fitted[0] = asdict(calibrate(records, base=default).cost)
         except ValueError as exc:
             logger.warning("bench train: cost model not fitted (%s); planning with the default", exc)
     if dist.is_initialized():
         dist.broadcast_object_list(fitted, src=0, group=dist.group.WORLD)
-    return CostModel(**fitted[0]) if fitted[0] else PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank).cost
+    return CostModel(**fitted[0]) if fitted[0] else default
 
 
 def _environment(spec: TrainBenchSpec) -> dict[str, Any]:
@@ -318,8 +317,6 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
     """Fit the cost model to all policies' records; simulated / measured step time per policy."""
     from hdp.packing import PlannerConfig, plan, simulate
     from hdp.packing.calibrate import calibrate, load_records
-    from hdp.trainer.config import PlanningConfig
-
     records: list[Any] = []
     for p in spec.policies:
         path = Path(records_dir) / f"{p}.jsonl"
@@ -328,7 +325,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
     if not records:
         return {"error": "no calibration records were written"}
     try:
-        fit = calibrate(records, base=PlanningConfig().cost)  # [cost model] base: the engine's default preset
+        fit = calibrate(records, base=_engine_config(spec, spec.policies[0], None).planning.cost)  # base: the engines' auto model
     except ValueError as exc:
         return {"error": f"calibrate: {exc}"}
     ratios = {}

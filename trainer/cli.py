@@ -731,9 +731,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hdp.packing.cost import PARAMETERS as fields  # every CostModel field, as calibrate's to_dict has them
     cost = CostModel(**{k: cal[k] for k in fields}) if all(k in cal for k in fields) else None
     if cost is None:
-        from hdp.trainer.config import PlanningConfig
+        from hdp.trainer.bench_train import _engine_config
 
-        cost = PlanningConfig().cost
+        cost = _engine_config(spec, "hdp", None).planning.cost  # the engines' own auto model
     gantt = out / "demo_hdp_plan.png"
     plot_gantt(Plan.from_dict(result["plans"]["hdp"]), cost, gantt, title="HDP plan of the demo batch (step 1)")
     (out / "demo_result.json").write_text(json.dumps(result, default=str, indent=1))

@@ -10,6 +10,7 @@ it never probes hardware.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -21,15 +22,11 @@ from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing import CostModel, PlannerConfig, cost_model
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
-from hdp.packing.cost_file import resolve_cost
+from hdp.packing.cost_file import AUTO, resolve_cost
 from hdp.trainer.model import ModelConfig, OptimConfig
 from hdp.trainer.parallel import ParallelConfig
 
 __all__ = ["PlanningConfig", "EngineConfig", "ParallelConfig"]
-
-
-def _default_cost() -> CostModel:
-    return cost_model("cpu-tiny", "cpu-gloo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +38,12 @@ class PlanningConfig(PlannerOptions):
 
     max_tokens_per_rank: int = 4096
     """B: tokens one rank may hold in one round (activation memory is linear in tokens)."""
-    cost_model: CostModel | str | os.PathLike[str] = field(default_factory=_default_cost)
-    """Cost model the planner scores plans with: a ``hdp.packing.CostModel`` or the path of a cost-model
-    file (``hdp calibrate --records R.jsonl --out COST.json``), read once here; default: ``cpu-tiny`` on
-    ``cpu-gloo``.  After construction it always holds the `CostModel`."""
+    cost_model: CostModel | str | os.PathLike[str] = AUTO
+    """Where the planner's cost model comes from (the one meaning of ``cost_model`` in every door,
+    `hdp.packing.cost_file.resolve_cost`): a ``hdp.packing.CostModel``, ``"auto"`` (default: the
+    engine's own model shape on its device's profile, `hdp.trainer.planning.auto_cost_model`), a preset
+    ``"MODEL@PROFILE"`` or the path of a cost-model file (read once, here).  After construction it holds
+    the `CostModel`, or ``"auto"`` until `EngineConfig` resolves it."""
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     """CP attention: ``ring`` for every group, or ``allgather`` on aligned power-of-two blocks (ring elsewhere)."""
     auto_calibrate: AutoCalibrate | bool = field(default_factory=AutoCalibrate)
@@ -58,13 +57,16 @@ class PlanningConfig(PlannerOptions):
             self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, "PlanningConfig.cp_algorithm")
         )
         check_token_budget(self.max_tokens_per_rank, "PlanningConfig.max_tokens_per_rank")
-        object.__setattr__(self, "cost_model", resolve_cost(self.cost_model, "PlanningConfig.cost_model"))
+        if self.cost_model != AUTO:
+            object.__setattr__(self, "cost_model", resolve_cost(self.cost_model, "PlanningConfig.cost_model"))
         object.__setattr__(self, "auto_calibrate", auto_calibrate_config(self.auto_calibrate, "PlanningConfig.auto_calibrate"))
 
     @property
     def cost(self) -> CostModel:
         """The cost model (`cost_model` resolved to a `CostModel`)."""
-        assert isinstance(self.cost_model, CostModel)
+        if not isinstance(self.cost_model, CostModel):
+            raise ValueError("PlanningConfig.cost_model='auto' is resolved by EngineConfig (it needs the model and "
+                             "the device); pass a CostModel, a preset 'MODEL@PROFILE' or a cost-model file here")
         return self.cost_model
 
     def planner_config(self, num_ranks: int, pipeline_stages: int = 1) -> PlannerConfig:
@@ -155,6 +157,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.device={self.device!r}: pass one of {', '.join(DEVICE_KINDS)} (with ':i' for an index)"
             )
+        if self.planning.cost_model == AUTO:  # the model's own shape on the device's profile, resolved once
+            from hdp.trainer.planning import auto_cost_model
+
+            object.__setattr__(self, "planning", dataclasses.replace(
+                self.planning, cost_model=auto_cost_model(self.model.shape(), kind)))
         if not 0 <= self.pad_token_id < self.model.vocab_size:
             raise ValueError(
                 f"EngineConfig.pad_token_id={self.pad_token_id}: must be in [0, model.vocab_size={self.model.vocab_size})"

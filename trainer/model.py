@@ -37,6 +37,7 @@ from hdp.trainer.attention_spec import (
     RopeConfig,
     core_attention_module,
 )
+from hdp.packing.model_shape import ModelShape
 from hdp.trainer.parallel import ParallelConfig
 
 __all__ = [
@@ -123,6 +124,19 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the MLPs are mixture-of-experts layers."""
         return self.num_moe_experts is not None
+
+    def shape(self) -> ModelShape:
+        """This model's `hdp.packing.model_shape.ModelShape` (the planner's view: cost and memory models)."""
+        heads = self.num_attention_heads
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        return ModelShape(
+            name="hdp-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=heads,
+            num_kv_heads=self.num_query_groups or heads, head_dim=self.hidden_size // heads, ffn_hidden_size=ffn,
+            vocab_size=self.vocab_size, num_experts=self.num_moe_experts or 0,
+            topk=self.moe_router_topk if self.num_moe_experts else 0,
+            moe_ffn_hidden_size=(self.moe_ffn_hidden_size or ffn) if self.num_moe_experts else 0,
+            gated=self.activation == "swiglu", dtype_bytes=4 if self.params_dtype == "float32" else 2,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

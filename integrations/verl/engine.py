@@ -382,9 +382,9 @@ class HdpMegatronEngine(_MegatronLM):
           exp_avg/exp_avg_sq but leaves every state entry's ``step`` at a placeholder, so the update after
           a reload differs from the uninterrupted one.  The optimizer state dict verl's checkpoint manager
           loads is captured on its way into ``optimizer.load_state_dict`` and handed to the library
-          engine's fix (:func:`hdp.trainer.engine._restore_adam_steps`).
+          engine's fix (:func:`hdp.trainer.optim_state.restore_adam_steps`).
         """
-        from hdp.trainer.engine import _restore_adam_steps
+        from hdp.trainer.optim_state import restore_adam_steps
 
         opt = getattr(self, "optimizer", None)
         loaded: list[Any] = []
@@ -403,7 +403,7 @@ class HdpMegatronEngine(_MegatronLM):
             if opt is not None:
                 del opt.load_state_dict
         if opt is not None and loaded:
-            _restore_adam_steps(opt, loaded[-1])
+            restore_adam_steps(opt, loaded[-1])
 
     # -- model --
 

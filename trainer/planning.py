@@ -1,0 +1,231 @@
+"""`DomainPlanner`: an engine's one planner — options, cost model, calibration state — built once.
+
+Both engines (`hdp.trainer.engine.HdpEngine`, the verl engine) hold one, built at construction from
+their resolved settings; nothing is re-read or rebuilt per step.  It
+
+* plans a batch (`plan`; a per-call token budget only where verl's passes have their own);
+* after every training step, `observe` takes every rank's measured seconds of every round
+  (**one all-gather over the whole job**), and from the same ``[W, R]`` table on every rank:
+  a round's time is its slowest rank over all TP ranks and pipeline stages, a group's the slowest
+  of its domain ranks;
+  - writes calibration records (`hdp.packing.calibrate` schema) on world rank 0 when a path is set
+    (a failed write never fails the step: it is reported as ``hdp/records_write_failed`` on every
+    rank);
+  - feeds the auto-calibration window (`hdp.packing.autocal`) and, every ``every_steps`` steps,
+    refits on world rank 0; the decision travels in **one fixed-size broadcast over the job**, so
+    every rank of every domain, stage and TP rank plans with bit-identical parameters;
+  - returns the metrics ``hdp/predicted_over_measured``, ``hdp/idle_fraction_measured``,
+    ``hdp/cost_model_version``, ``hdp/cost_fit_r2``.
+
+Default cost model (``cost_model="auto"`` in both engines): the engine's own model shape
+(`hdp.packing.model_shape.ModelShape`) on its device kind's profile — ``cpu-gloo`` on CPU,
+``h100-nvlink`` on CUDA, ``ascend-910b-hccs`` on NPU — then refined by auto-calibration.  The
+planner alone (``hdp plan``, `hdp.packing.PlannerConfig`) has no model or device and defaults to
+``deepseek-v3@h100-nvlink``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hdp.groups import LayoutGroups
+from hdp.packing import CostModel, Plan, PlannerConfig, simulate
+from hdp.packing import plan as make_plan
+from hdp.packing.autocal import AutoCalibrate, CostWindow, Refit, explore_model, refit
+from hdp.packing.cost import PARAMETERS
+from hdp.packing.model_shape import ModelShape
+from hdp.packing.profiles import cost_model as preset_cost
+
+__all__ = ["DomainPlanner", "auto_cost_model", "PROFILE_OF_DEVICE"]
+
+logger = logging.getLogger(__name__)
+
+PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
+"""Hardware profile the ``auto`` cost model takes for each device kind."""
+
+
+def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
+    """The ``auto`` cost model: ``shape``'s preset (`ModelShape.cost_preset`) on the device kind's profile."""
+    kind = torch.device(device).type
+    return preset_cost(shape.cost_preset(), PROFILE_OF_DEVICE.get(kind, "h100-nvlink"))
+
+
+class DomainPlanner:
+    """Plans every step of one engine and learns its cost model from the timed rounds (see the module docstring).
+
+    ``config``: the planner config (domain size, default token budget, cost model, PP stages, options);
+    ``settings``: auto-calibration; ``groups``: the job's groups (``world`` carries the two collectives
+    of `observe`); ``records_path``: where calibration records go (``None``: nowhere).
+    """
+
+    def __init__(self, config: PlannerConfig, settings: AutoCalibrate, groups: LayoutGroups, *,
+                 collective_device: torch.device, records_path: str | None = None) -> None:
+        if not isinstance(settings, AutoCalibrate):
+            raise TypeError(f"settings is {type(settings).__name__}; pass a hdp.packing.autocal.AutoCalibrate")
+        self.config = config
+        self.settings = settings
+        self.groups = groups
+        self.device = collective_device
+        self.records_path = None if records_path is None else Path(records_path)
+        self.window = CostWindow(settings.window_groups)
+        self.version = 0
+        self.steps = 0
+        self.r2 = math.nan
+        self.last: Refit | None = None
+        self._exploring = False
+        self._plan_cost = config.cost  # the model the next plans use (an exploration variant for one step)
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model in use (the adopted one; not an exploration variant)."""
+        return self.config.cost
+
+    def planner_config(self, max_tokens_per_rank: int | None = None) -> PlannerConfig:
+        """The planner config of the next plan (``max_tokens_per_rank`` overrides the default budget)."""
+        cfg = self.config if self._plan_cost is self.config.cost else dataclasses.replace(self.config, cost=self._plan_cost)
+        if max_tokens_per_rank is not None and max_tokens_per_rank != cfg.max_tokens_per_rank:
+            cfg = dataclasses.replace(cfg, max_tokens_per_rank=int(max_tokens_per_rank))
+        return cfg
+
+    def plan(self, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> Plan:
+        """The plan of ``lengths`` (pure; identical on every rank); its stats carry ``planner_ms``."""
+        return make_plan(lengths, self.planner_config(max_tokens_per_rank))
+
+    # -- after a training step: records, calibration, metrics ---------------------------------------
+
+    def observe(self, plan: Plan, round_seconds: Sequence[float], *, step: int) -> dict[str, Any]:
+        """Feed one training step's round times (collective over the job; see the module docstring)."""
+        table = self._gather(plan, round_seconds)  # [W, R + 2]
+        times, dom, stage = table[:, :-2], table[:, -2].astype(int), table[:, -1].astype(int)
+        n = plan.num_ranks
+        per_rank = np.full((n, plan.num_rounds), 0.0)  # [N, R]: slowest TP rank / stage of each domain rank
+        for d in range(n):
+            rows = times[dom == d]
+            if rows.size:
+                per_rank[d] = rows.max(axis=0)
+        measured = float(per_rank.max(axis=0).sum()) if per_rank.size else math.nan
+        predicted = simulate(plan, self._plan_cost).step_time_s  # the model this step was planned with
+        busy = float(per_rank.sum())
+        idle = 1.0 - busy / (n * measured) if measured > 0 else math.nan
+        write_failed = 0.0
+        if self.records_path is not None and self.groups.world_rank == 0:
+            write_failed = 0.0 if self._write(plan, times, dom, stage, step) else 1.0
+        if self.settings.enabled and self.steps >= self.settings.warmup_steps:
+            self.window.add_step(plan, per_rank, step=self.steps)
+        self.steps += 1
+        due = (self.settings.enabled and self.steps % self.settings.every_steps == 0
+               and len(self.window) >= self.settings.min_rounds)
+        exploring_done = self._exploring
+        if self.settings.enabled or self.records_path is not None:
+            decision, write_failed = self._decide(due, write_failed)
+        else:
+            decision = None
+        if exploring_done:  # back to the model in use after one exploration step
+            self._exploring, self._plan_cost = False, self.config.cost
+        if decision is not None:
+            self.window.mark()  # every rank alike: the next refit is judged on the rounds after this one
+            self.last, self.r2 = decision, decision.r2
+            if decision.adopt and decision.candidate is not None and decision.candidate != self.config.cost:
+                self.config = dataclasses.replace(self.config, cost=decision.candidate)
+                self._plan_cost = decision.candidate
+                self.version += 1
+                logger.info("auto-calibration: cost model v%d adopted (held-out error %.3g -> %.3g, R2 %.3f)",
+                            self.version, decision.error_old, decision.error_new, decision.r2)
+            else:
+                logger.info("auto-calibration: kept cost model v%d (%s)", self.version, decision.reason)
+            if decision.explore:
+                self._exploring, self._plan_cost = True, explore_model(self.config.cost, self.window)
+                logger.info("auto-calibration: no single-rank group in the window; the next step explores")
+        stats = plan.stats
+        out = {
+            "hdp/predicted_over_measured": predicted / measured if measured > 0 else math.nan,
+            "hdp/idle_fraction_measured": idle,
+            "hdp/round_time_max": float(per_rank.max()) if per_rank.size else 0.0,
+            "hdp/max_tokens_per_rank": float(stats.max_tokens_per_rank) if stats else math.nan,
+            "hdp/mean_tokens_per_rank": float(stats.tokens_per_rank.mean()) if stats and stats.tokens_per_rank.size
+            else math.nan,
+        }
+        if self.settings.enabled:
+            out.update({"hdp/cost_model_version": self.version, "hdp/cost_fit_r2": self.r2})
+        if self.records_path is not None:
+            out["hdp/records_write_failed"] = write_failed
+        return out
+
+    def _gather(self, plan: Plan, round_seconds: Sequence[float]) -> np.ndarray:
+        """[W, R + 2]: every rank's seconds per round, its domain rank and stage (one all-gather over the job)."""
+        mine = np.asarray(list(round_seconds), dtype=np.float64)
+        if mine.shape != (plan.num_rounds,):
+            mine = np.full(plan.num_rounds, math.nan)  # a caller bug must not change the collective's size
+        row = np.concatenate([mine, [float(self.groups.domain.domain_rank), float(self.groups.pp_rank)]])
+        local = torch.from_numpy(row).to(self.device)  # [R + 2]
+        table = [torch.empty_like(local) for _ in range(self.groups.world_size)]  # W x [R + 2]
+        dist.all_gather(table, local, group=self.groups.world)
+        return torch.stack(table).cpu().numpy()
+
+    def _decide(self, due: bool, write_failed: float) -> tuple[Refit | None, float]:
+        """World rank 0 refits (when due) and broadcasts [write failed, decided, decision...] (fixed size)."""
+        size = 2 + Refit.VECTOR_SIZE + len(PARAMETERS)
+        vec = np.zeros(size, dtype=np.float64)
+        if self.groups.world_rank == 0:
+            vec[0] = write_failed
+            if due:
+                vec[1] = 1.0
+                try:
+                    vec[2:] = refit(self.window, self.config.cost, self.settings).to_vector(self.config.cost)
+                except Exception as exc:  # noqa: BLE001 - rank 0 must still broadcast, or the job hangs
+                    logger.warning("auto-calibration: refit raised %s: %s; keeping the current cost model",
+                                   type(exc).__name__, exc)
+                    vec[2:] = Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
+                                    r2=math.nan, reason=f"refit raised {type(exc).__name__}").to_vector(self.config.cost)
+        buf = torch.from_numpy(vec).to(self.device)
+        src = dist.get_global_rank(self.groups.world, 0)
+        dist.broadcast(buf, src=src, group=self.groups.world)
+        got = buf.cpu().numpy()
+        return (Refit.from_vector(got[2:]) if got[1] > 0 else None), float(got[0])
+
+    def _write(self, plan: Plan, times: np.ndarray, dom: np.ndarray, stage: np.ndarray, step: int) -> bool:
+        """Append this step's records (world rank 0); False (logged) when the write failed."""
+        pp = self.groups.pp_size
+        lines = []
+        for rnd in plan.rounds:
+            groups = []
+            for g in rnd.groups:
+                sel = (dom >= g.start) & (dom < g.start + g.size)
+                per_stage = [float(times[sel & (stage == s), rnd.index].max()) for s in range(pp)]
+                rec = {"kind": "group", "lengths": list(g.lengths), "group_size": g.size, "seconds": max(per_stage)}
+                lines.append({**rec, "step": step, "round": rnd.index, "policy": plan.policy,
+                              "pp": pp, "tp": self.groups.tp_size, "stage_seconds": per_stage})
+                groups.append({"lengths": list(g.lengths), "group_size": g.size})
+            per_stage = [float(times[stage == s, rnd.index].max()) for s in range(pp)]
+            lines.append({"kind": "round", "seconds": max(per_stage), "groups": groups, "step": step,
+                          "round": rnd.index, "policy": plan.policy, "pp": pp, "tp": self.groups.tp_size,
+                          "stage_seconds": per_stage})
+        text = "".join(json.dumps(rec) + "\n" for rec in lines)
+        try:
+            assert self.records_path is not None
+            self.records_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.records_path.open("a") as fh:
+                fh.write(text)
+            return True
+        except (OSError, ValueError) as exc:  # a full disk, a read-only path: never fail the step
+            logger.warning("calibration records: writing %s failed at step %d (%s); the step itself is fine",
+                           self.records_path, step, exc)
+            return False
+
+
+def timed_plan(planner: DomainPlanner, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> tuple[Plan, float]:
+    """(plan, wall milliseconds of planning)."""
+    t0 = time.perf_counter()
+    p = planner.plan(lengths, max_tokens_per_rank)
+    return p, (time.perf_counter() - t0) * 1e3

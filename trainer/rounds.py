@@ -1,0 +1,498 @@
+"""The one round core both engines run: agree → rounds through Megatron's schedule → reduce →
+optimizer step or an agreed skip.  The only place in hdp that calls Megatron's forward/backward
+schedules.
+
+A step (`hdp.trainer.engine.HdpEngine.train_step`, the verl engine's ``train_batch`` /
+``infer_batch``) is
+
+1. **agree** (:meth:`RoundCore.agree`): the engine's own validation and planning run inside it and
+   may raise anything; one fixed-size all-reduce over the job (:func:`hdp.checksum.agree_step`)
+   agrees on failures and compares the plan checksum and the batch digest over the domain, the
+   pipeline and the TP ranks at once; when any rank failed, the step guard
+   (:mod:`hdp.guard`) shares the messages and every rank raises, naming the failed world ranks;
+2. **rounds** (:meth:`RoundCore.run`): every round is one micro-batch of Megatron's schedule
+   (``forward_backward_no_pipelining`` at PP = 1, 1F1B, or interleaved with virtual stages; every
+   stage knows each round's shape from the plan, so no shape message is ever sent).  One padding
+   rule: under the interleaved schedule the rounds are padded with idle micro-batches to a multiple
+   of Megatron's ``microbatch_group_size_per_vp_stage`` (PP by default); a rank without tokens runs
+   padding tokens (Megatron cannot run 0 tokens), inside its group's CP communication when it has a
+   group.  On the last stage the round's logits go to the engine's **loss adapter**
+   (:class:`RoundLoss`): hdp's per-token weights for the library, verl's loss function on whole
+   samples for verl.  The adapter returns the round's share of the step loss (the sum over the
+   domain of the shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches``
+   and DDP's ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
+   the rounds go on with a zero loss, so every collective lines up;
+3. **reduce** (:meth:`RoundCore.reduce`): one all-reduce over the job of (loss, adapter failed,
+   per-sample non-finite flags) — the step's one host synchronisation;
+4. **optimizer** (:meth:`RoundCore.optimizer_step`) or :meth:`RoundCore.skip_update` (gradients
+   zeroed, parameters unchanged) — the engine decides from the reduced flags, alike on every rank.
+
+A phase that breaks off inside its collectives marks the core unusable
+(:meth:`RoundCore.collectives`): every later call raises at once, without touching the network.
+
+Legend: S samples, T local tokens of a round (Tr real, the rest padding), Vl vocabulary shard,
+R rounds, m micro-batches (R, padded under interleaving), N domain size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdp import device as _device
+from hdp import megatron_compat as mc
+from hdp.checksum import agree_step
+from hdp.cp import CPAlgorithm
+from hdp.dispatch import LocalMeta, local_meta, pack
+from hdp.groups import LayoutGroups
+from hdp.guard import DomainStepError, DomainUnreachableError, StepGuard, describe, is_input_error
+from hdp.packing import Plan
+from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
+
+__all__ = ["RoundCore", "RoundInput", "RoundLoss", "StepState", "NonFiniteLossError", "next_token_targets"]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A step's loss was NaN/inf on some rank; the update was skipped on every rank."""
+
+    def __init__(self, step: int, samples: Sequence[int], ranks: Sequence[int]) -> None:
+        self.step = step
+        self.samples = tuple(samples)
+        self.ranks = tuple(ranks)
+        super().__init__(
+            f"step {step}: the loss is not finite on domain ranks {list(ranks)} in rounds holding samples "
+            f"{list(samples)}; the update was skipped on every rank (parameters unchanged, gradients zeroed). "
+            "Check these samples' per-token inputs (advantages, old log-probs) and the loss function"
+        )
+
+
+def next_token_targets(tokens: Sequence[torch.Tensor], pad_token_id: int) -> list[torch.Tensor]:
+    """S x [L_i]: the token each position predicts (token p+1 of its sample; ``pad_token_id`` after the last)."""
+    return [torch.cat([t[1:], t.new_full((1,), pad_token_id)]) for t in tokens]
+
+
+@dataclass(frozen=True, eq=False)
+class RoundInput:
+    """This rank's micro-batch of one round: packed tokens (real, then padding) and their context."""
+
+    index: int
+    """Micro-batch index (plan round; rounds beyond the plan are interleaving padding)."""
+    meta: LocalMeta | None
+    """Where the real tokens come from; ``None`` for a padding round beyond the plan."""
+    tokens: torch.Tensor
+    """[T] int64 token ids on the device (Tr real ones, then padding)."""
+    psp: HdpPackedSeqParams
+    """THD packed-sequence parameters with the CP context."""
+
+    @property
+    def real(self) -> int:
+        """Tr: the real tokens."""
+        return 0 if self.meta is None else self.meta.num_tokens
+
+
+class RoundLoss(Protocol):
+    """An engine's loss adapter: called on the last stage for every round where this rank holds tokens.
+
+    ``adapter(rnd, logits [Tr, Vl]) -> scalar or None``: in a training step, the round's share of the
+    step loss (its gradient summed over the domain is the exact gradient), or ``None`` when this rank
+    adds nothing; in a forward-only pass the return value is ignored (the adapter keeps its outputs).
+    May raise: the core records the first error, runs the remaining rounds with a zero loss and
+    reports it in :meth:`RoundCore.reduce`.
+    """
+
+    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None: ...
+
+
+@dataclass(eq=False)
+class StepState:
+    """What one step's rounds produce on this rank, kept on the device until the step's one sync."""
+
+    plan: Plan
+    train: bool
+    adapter: RoundLoss | None
+    num_microbatches: int
+    loss_sum: torch.Tensor
+    """[] float64: Σ of this rank's round losses (last stage), as the adapter returned them."""
+    bad: torch.Tensor
+    """[S] float64: > 0 where a round holding the sample had a non-finite loss."""
+    timer: _device.RoundTimer
+    error: BaseException | None = None
+    """The first error the adapter raised on this rank."""
+    timer_round: int = -1
+    inputs: dict[int, RoundInput] = field(default_factory=dict)
+
+
+class _SpanMark(torch.autograd.Function):
+    """Identity whose backward starts or stops a span of a :class:`~hdp.device.RoundTimer`.
+
+    Put on a stage's output (its backward starts there) and on its first layer's input (its
+    backward ends there), it times a micro-batch's backward inside Megatron's schedule without a
+    host synchronisation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, timer: _device.RoundTimer, key: Any, action: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.timer, ctx.key, ctx.action = timer, key, action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        getattr(ctx.timer, ctx.action)(ctx.key)
+        return grad, None, None, None
+
+
+def _gloo(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group))
+
+
+class RoundCore:
+    """Runs an engine's steps over the job (see the module docstring).
+
+    ``groups``: the job's groups (``world`` is the core's own agreement group, built with the
+    engine's timeout: :meth:`job_group`); ``megatron_groups``: Megatron's ``ProcessGroupCollection``
+    (passed to the pipeline schedules); ``chunks``: this rank's DDP model chunks (one, or one per
+    virtual stage); ``pad_token_id``: the token padding runs; ``cp_algorithm``: ring everywhere, or
+    all-gather on aligned power-of-two groups; ``timeout_s``: quoted in errors; ``optimizer``: Megatron's
+    optimizer over ``chunks`` (``None`` for a forward-only engine).
+    """
+
+    def __init__(self, *, groups: LayoutGroups, megatron_groups: Any, chunks: Sequence[Any], device: torch.device,
+                 pad_token_id: int, cp_algorithm: CPAlgorithm, timeout_s: float, optimizer: Any = None) -> None:
+        self.groups = groups
+        self.optimizer = optimizer
+        self.megatron_groups = megatron_groups
+        self.chunks = list(chunks)
+        self.device = torch.device(device)
+        self.pad_token_id = int(pad_token_id)
+        self.cp_algorithm = CPAlgorithm(cp_algorithm)
+        self.timeout_s = float(timeout_s)
+        cfg = self.chunks[0].config
+        self.per_token_loss = bool(getattr(cfg, "calculate_per_token_loss", False))
+        tp = groups.tp_size
+        self.token_multiple = tp if tp > 1 and bool(getattr(cfg, "sequence_parallel", False)) else 1
+        self.collective_device = torch.device("cpu") if _gloo(groups.world) else self.device
+        self.guard = StepGuard(group=groups.world, rank=groups.world_rank, size=groups.world_size,
+                               device=self.collective_device, timeout_s=self.timeout_s, label="world rank")
+        self.broken: str | None = None
+        self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
+        self._chunk_index = {id(m): i for i, m in enumerate(self.chunks)}
+        self._holds_loss = any(_post_process(m) for m in self.chunks)
+        self._state: StepState | None = None
+        self._hooks = [
+            _decoder(chunk).layers[0].register_forward_pre_hook(
+                functools.partial(self._mark_stage_input, i), with_kwargs=True)
+            for i, chunk in enumerate(self.chunks)
+        ]
+
+    @staticmethod
+    def job_group(world: int, timeout_s: float) -> dist.ProcessGroup:
+        """A new group over the whole job with ``timeout_s`` (collective: every rank calls it once)."""
+        return dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=float(timeout_s)))
+
+    def close(self) -> None:
+        """Remove the core's hooks and drop its references (the engine destroys the groups)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self.chunks, self._chunk_index, self._p2p, self._state = [], [], {}, None, None
+        self.optimizer = None
+
+    # -- failure bookkeeping --
+
+    def usable(self, what: str) -> None:
+        """Raise (no collective) when an earlier call broke off in the middle of its collectives."""
+        if self.broken is not None:
+            raise RuntimeError(
+                f"{what}: this engine is unusable since {self.broken}; its process groups may be out "
+                "of step. Restart the job (or rebuild the engine in a fresh process group) and load the last checkpoint"
+            )
+
+    @contextlib.contextmanager
+    def collectives(self, phase: str, step: int) -> Iterator[None]:
+        """Run a phase whose collectives cannot be abandoned on one rank alone (rounds, optimizer, save).
+
+        An exception here (a peer died or hangs and the group's timeout expired, or this rank
+        failed in the middle of the phase's collectives) leaves the job's groups out of step: the
+        core marks itself unusable and raises :class:`~hdp.guard.DomainUnreachableError` naming the
+        step, the phase and the timeout.  Errors the step guard already agreed on pass through.
+        """
+        try:
+            yield
+        except (DomainStepError, NonFiniteLossError):
+            raise
+        except BaseException as exc:
+            where = f"step {step}, phase {phase!r}"
+            self.broken = f"{where} ({describe(exc)})"
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, DomainUnreachableError)):
+                raise
+            raise DomainUnreachableError(
+                f"{where}: world rank {self.groups.world_rank} (domain rank {self.groups.domain.domain_rank}) stopped "
+                f"in the middle of the phase's collectives: {describe(exc)}. Either a peer died or hangs (each rank "
+                f"gives up after the collective timeout, {self.timeout_s:g} s) or this rank failed there, and then "
+                "the other ranks fail within that timeout. The engine is no longer usable: restart the job and load "
+                "the last checkpoint",
+                step=step, phase=phase,
+            ) from exc
+
+    # -- phase 1: agree --
+
+    def agree(self, what: str, step: int, work: Callable[[], tuple[Plan, int]]) -> Plan:
+        """Run ``work`` (the engine's validation and planning: returns the plan and the batch digest)
+        and agree on its outcome over the job; every rank raises alike when any rank failed."""
+        self.usable(what)
+        error: BaseException | None = None
+        plan: Plan | None = None
+        digest = 0
+        try:
+            plan, digest = work()
+        except Exception as exc:  # every type: one rank's failure must reach every rank
+            error, plan = exc, None
+        bad = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest,
+                         device=self.collective_device, domain_size=self.groups.domain.size, label="world rank")
+        if bad:
+            try:
+                self.guard.agree(f"{what}: validate", step, error)
+            except DomainStepError as agreed:
+                if error is not None and is_input_error(error):
+                    me = self.groups.world_rank
+                    others = [r for r in agreed.ranks if r != me]
+                    also = f" (invalid input on world ranks {others} too)" if others else ""
+                    raise type(error)(f"{what} (step {step}, world rank {me} = domain rank "
+                                      f"{self.groups.domain.domain_rank}): {error}{also}") from error
+                raise
+            raise RuntimeError(f"{what} (step {step}): world ranks {bad} reported a failure the agreement did not carry")
+        assert plan is not None
+        return plan
+
+    # -- phase 2: the rounds --
+
+    def num_microbatches(self, plan: Plan) -> int:
+        """Rounds, padded under the interleaved schedule to a multiple of Megatron's micro-batch group."""
+        r = plan.num_rounds
+        if len(self.chunks) > 1:
+            g = self._vp_group()
+            r = -(-r // g) * g
+        return r
+
+    def _vp_group(self) -> int:
+        pp = self.groups.pp_size
+        return max(int(getattr(self.chunks[0].config, "microbatch_group_size_per_vp_stage", None) or pp), pp)
+
+    def _context(self, meta: LocalMeta) -> HdpPackedSeqParams:
+        m = self.token_multiple
+        if meta.k == 1:
+            return packed_seq_params(meta.group_lengths, self.device, token_multiple=m)
+        algo = CPAlgorithm.RING
+        aligned = meta.k & (meta.k - 1) == 0 and meta.group_start % meta.k == 0
+        if self.cp_algorithm is CPAlgorithm.ALLGATHER and aligned:
+            algo = CPAlgorithm.ALLGATHER
+        dom = self.groups.domain
+        cp = CPContext(group_lengths=meta.group_lengths, k_group=meta.k, ring=dom.ring(meta.group_start, meta.k),
+                       groups=dom, algo=algo)
+        return packed_seq_params(meta.group_lengths, self.device, cp=cp, token_multiple=m)
+
+    def _round_input(self, state: StepState, tokens: Sequence[torch.Tensor], r: int) -> RoundInput:
+        """This rank's micro-batch of round ``r`` (a rank without tokens runs padding only, inside its
+        group's CP context when it has a group, so the group's ring or all-gather lines up)."""
+        plan = state.plan
+        meta = local_meta(plan, self.groups.domain.domain_rank, r) if r < plan.num_rounds else None
+        if meta is None:
+            psp = packed_seq_params((), self.device, token_multiple=self.token_multiple)
+            real = torch.empty(0, dtype=torch.int64)
+        else:
+            psp = self._context(meta)
+            real = pack(meta, tokens).to(torch.int64) if meta.num_tokens else torch.empty(0, dtype=torch.int64)
+        pad = torch.full((psp.pad_tokens,), self.pad_token_id, dtype=torch.int64)
+        return RoundInput(index=r, meta=meta, tokens=torch.cat([real, pad]).to(self.device), psp=psp)  # [T]
+
+    def _mark_stage_input(self, chunk: int, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Forward pre-hook of a chunk's first layer: its input's backward closes the round's backward span."""
+        state = self._state
+        hidden = kwargs.get("hidden_states")
+        if state is None or not state.train or hidden is None or not hidden.requires_grad:
+            return None
+        kwargs["hidden_states"] = _SpanMark.apply(hidden, state.timer, ("b", state.timer_round, chunk), "stop")
+        return args, kwargs
+
+    def _forward_step(self, state: StepState, data_iterator: Iterator[int], model: Any) -> tuple[torch.Tensor, Callable]:
+        """Megatron's ``forward_step_func``: run this chunk on round ``next(data_iterator)``."""
+        r = next(data_iterator)
+        chunk = self._chunk_index[id(model)]
+        inp = state.inputs[r]
+        key = ("f", r, chunk)
+        state.timer.start(key)
+        state.timer_round = r
+        out = model(input_ids=inp.tokens[None, :], position_ids=None, attention_mask=None,
+                    packed_seq_params=inp.psp)  # [1, T, Vl] (last stage) or [T/TP?, 1, H]
+        if state.train:
+            out = _SpanMark.apply(out, state.timer, ("b", r, chunk), "start")
+        if not _post_process(model):
+            state.timer.stop(key)
+        return out, functools.partial(self._round_loss, state, key, inp)
+
+    def _round_loss(self, state: StepState, key: Any, inp: RoundInput, output: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Megatron's loss function on the last stage: the adapter's round loss, Megatron's scaling undone."""
+        logits = output[0]  # [T, Vl]
+        loss = None
+        if inp.real and state.error is None and state.adapter is not None:
+            try:
+                loss = state.adapter(inp, logits[: inp.real])
+                if state.train and loss is not None:
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise TypeError(
+                            f"the loss function returned {type(loss).__name__}"
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor")
+                    if not loss.requires_grad:
+                        raise TypeError(
+                            "the loss function returned a tensor that does not require grad (detached, or computed "
+                            "under torch.no_grad / from .item()); build the loss from the logprobs it is given")
+            except Exception as exc:  # a caller bug on one rank must not hang the others
+                state.error, loss = exc, None
+        if not state.train or loss is None:
+            loss = logits.sum() * 0.0  # backward still runs (EP all-to-alls, CP rings line up)
+        loss = loss.reshape(())
+        value = loss.detach().to(torch.float64)
+        state.loss_sum += value
+        if inp.meta is not None and inp.meta.samples:
+            flag = (~torch.isfinite(value)).to(torch.float64)
+            idx = torch.tensor(inp.meta.samples, dtype=torch.int64, device=state.bad.device)
+            state.bad.index_add_(0, idx, flag.expand(idx.shape[0]))
+        if not self.per_token_loss:  # Megatron divides by the micro-batches and DDP averages over the domain
+            loss = loss * (state.num_microbatches * self.groups.domain.size)
+        state.timer.stop(key)
+        # (loss, tokens, reduced): per-token mode adds no count (the engine finalises with num_tokens=None);
+        # otherwise a count of 1 makes Megatron's ÷ count a no-op
+        count = torch.zeros if self.per_token_loss else torch.ones
+        return loss, count((), dtype=torch.int, device=logits.device), {}
+
+    def run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool) -> StepState:
+        """Phase 2: every round through Megatron's schedule (one micro-batch per round)."""
+        dev = self.device
+        m = self.num_microbatches(plan)
+        state = StepState(plan=plan, train=train, adapter=adapter if self._holds_loss else None,
+                          num_microbatches=m, loss_sum=torch.zeros((), dtype=torch.float64, device=dev),
+                          bad=torch.zeros(plan.num_samples, dtype=torch.float64, device=dev),
+                          timer=_device.RoundTimer(dev))
+        # every round's inputs go to the device before the first round (no host-device copy, so no
+        # synchronisation, between rounds)
+        for r in range(m):
+            state.inputs[r] = self._round_input(state, tokens, r)
+        longest = max(inp.tokens.shape[0] for inp in state.inputs.values())
+        chunks = self.chunks
+        kwargs: dict[str, Any] = dict(forward_step_func=functools.partial(self._forward_step, state),
+                                      num_microbatches=m, seq_length=longest, micro_batch_size=1,
+                                      forward_only=not train)
+        p2p = self._p2p
+        if p2p is not None:
+            # every stage knows each round's length from the plan: no shape messages (a stage waiting
+            # for a shape its peer sends only later is what hung the interleaved schedule on <= PP rounds)
+            cfg = chunks[0].config
+            shapes = [(state.inputs[r].tokens.shape[0] // self.token_multiple, 1, cfg.hidden_size) for r in range(m)]
+            if len(chunks) == 1:
+                p2p.expect_shapes(shapes, forward_only=not train)
+            else:
+                p2p.expect_interleaved_shapes(shapes, len(chunks), self._vp_group(), forward_only=not train)
+        self._state = state
+        try:
+            if self.groups.pp_size == 1:
+                mc.forward_backward_no_pipelining(data_iterator=iter(range(m)), model=chunks[0], **kwargs)
+            elif len(chunks) == 1:
+                mc.forward_backward_pipelining_without_interleaving(
+                    data_iterator=iter(range(m)), model=chunks[0], p2p_communicator=p2p,
+                    pg_collection=self.megatron_groups, **kwargs)
+            else:
+                mc.forward_backward_pipelining_with_interleaving(
+                    data_iterator=[iter(range(m)) for _ in chunks], model=chunks, p2p_communicator=p2p,
+                    pg_collection=self.megatron_groups, **kwargs)
+        finally:
+            self._state = None
+            left = p2p.unused_shapes() if p2p is not None else 0
+            if p2p is not None:
+                p2p.expect_shapes(None)
+        if left:
+            raise RuntimeError(f"pipeline schedule of {m} micro-batches ended with {left} expected messages not received")
+        return state
+
+    # -- phase 3: reduce --
+
+    def reduce(self, state: StepState) -> torch.Tensor:
+        """One all-reduce over the job of [loss, adapter failed, per-sample non-finite flags]; the step's
+        one host synchronisation.  Returns the reduced vector on the host (float64)."""
+        counts = self.groups.is_last_stage and self.groups.tp_rank == 0  # each domain rank's loss once
+        head = torch.stack([
+            state.loss_sum if counts else torch.zeros_like(state.loss_sum),
+            torch.tensor(1.0 if state.error is not None else 0.0, dtype=torch.float64, device=state.bad.device),
+        ])
+        red = torch.cat([head, state.bad]).to(self.collective_device)
+        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.groups.world)
+        return red.cpu()  # the one synchronisation of the step
+
+    def round_seconds(self, state: StepState) -> list[float]:
+        """Seconds per plan round on this rank (forward + backward over its chunks); call after :meth:`reduce`."""
+        spans = state.timer.seconds(sync=False)
+        out = [0.0] * state.plan.num_rounds
+        for (_kind, r, _chunk), secs in spans.items():
+            if r < len(out):
+                out[r] += secs
+        return out
+
+    def raise_adapter_error(self, state: StepState, red: torch.Tensor, step: int, what: str) -> None:
+        """When an adapter failed on any rank (``red[1] > 0``): skip the update and raise on every rank,
+        naming the failed ranks and their errors (one fixed-size collective)."""
+        if state.error is not None or red[1] > 0:
+            self.skip_update()
+            self.guard.agree(what, step, state.error)
+            raise RuntimeError(f"step {step}: {what} failed on some rank; the update was skipped")
+
+    def nonfinite(self, state: StepState, red: torch.Tensor) -> list[int]:
+        """Samples whose round loss was NaN/inf on some rank ([] when the step's loss is finite)."""
+        flags = red[2:] > 0
+        if flags.any() or not torch.isfinite(red[0]):
+            return torch.nonzero(flags).flatten().tolist()
+        return []
+
+    def ranks_of(self, plan: Plan, samples: Sequence[int]) -> list[int]:
+        """Domain ranks of the groups holding ``samples``."""
+        ranks: set[int] = set()
+        for s in samples:
+            start, k = int(plan.group_start[s]), int(plan.group_size[s])
+            ranks.update(range(start, start + k))
+        return sorted(ranks)
+
+    # -- phase 4: optimizer step or skip --
+
+    def skip_update(self) -> None:
+        """Zero the DDP grad buffers and the optimizer's grads (nothing applied)."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> tuple[bool, Any]:
+        """Finalize the gradients (DDP reduce-scatter over the domain, sequence-parallel norm gradients
+        over TP; skipped when the schedule already did it through ``finalize_model_grads_func``) and step
+        the distributed optimizer; returns (applied, grad norm), alike on every rank."""
+        if getattr(self.chunks[0].config, "finalize_model_grads_func", None) is None:
+            mc.finalize_model_grads(self.chunks, num_tokens=None, pg_collection=self.megatron_groups)
+        ok, grad_norm, _ = self.optimizer.step()
+        return bool(ok), grad_norm
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _post_process(model: Any) -> bool:
+    return bool(_unwrap(model).post_process)
+
+
+def _decoder(model: Any) -> Any:
+    return _unwrap(model).decoder
