@@ -82,7 +82,7 @@ def held_out_batches(samples: int, wikipedia_path: str | None = None, seed: int 
 def run(ranks: int = 64, samples: int = 1024, budget: int = 8192, workdir: str | None = None,
         wikipedia_path: str | None = None, seeds: int = 0) -> dict[str, Any]:
     """records -> ``hdp calibrate`` -> ``hdp plan --cost-model`` on held-out batches, scored under the hardware."""
-    from hdp.trainer.peers import megatron_core_plan
+    from hdp.trainer.bench.peers import megatron_core_plan
 
     work = Path(workdir or tempfile.mkdtemp(prefix="hdp-closed-loop-"))
     records, cost_file = work / "records.jsonl", work / "cost.json"

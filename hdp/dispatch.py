@@ -26,6 +26,9 @@ Three ways in and out:
   hanging) is exchanged first.
 * :func:`gather_outputs` — per-token outputs of the local chunks (log-probs, entropies) go back as
   full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``).
+* :func:`group_samples` — inside one round, the ranks of one group assemble their samples whole
+  (for a loss that needs whole samples, such as verl's): point-to-point among the group's k ranks
+  only; this rank's own rows keep their graph.
 
 Every collective names its process group; none runs on ``group=None``.
 """
@@ -43,6 +46,7 @@ import torch.distributed as dist
 
 from hdp.checksum import check_cu_seqlens, check_plan_domain, collective_device
 from hdp.cp.metadata import positions, rank_layout
+from hdp.groups import DomainGroups
 from hdp.packing.plan import Plan
 
 __all__ = [
@@ -56,6 +60,7 @@ __all__ = [
     "owners_by_modulo",
     "redistribute",
     "gather_outputs",
+    "group_samples",
 ]
 
 logger = logging.getLogger(__name__)
@@ -471,3 +476,49 @@ def gather_outputs(
         flat[int(starts[i]) : int(starts[i + 1])].reshape(int(lengths[i]), *feat)  # [L_i, ...]
         for i in range(plan.num_samples)
     ]
+
+
+# ---------------------------------------------------------------- whole samples inside a group
+
+_TAG_GROUP = 21
+
+
+def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> list[torch.Tensor]:
+    """Sg x [L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``.
+
+    ``local`` [T, ...] are this rank's per-token values of the round (its zigzag chunks, as
+    :func:`local_meta` orders them).  Every member with tokens sends them to every other member with
+    tokens and receives theirs (one batch of point-to-point ops on the domain group, peers by global
+    rank): per-rank bytes are the group's tokens, a rank alone in its group sends and receives
+    nothing, and only the group's k metas are computed (no O(N) work).  Own rows keep their graph
+    (others' arrive detached), so when every member computes the same loss of the whole samples and
+    differentiates through its own rows, the domain sum of gradients is the gradient of that loss.
+    Collective over the group's members that hold tokens: each calls it in the same round.
+    """
+    if local.shape[0] != meta.num_tokens:
+        raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
+                         f"{meta.num_tokens} tokens")
+    outs = [local.new_zeros((length, *local.shape[1:])) for length in meta.group_lengths]  # Sg x [L_i, ...]
+    if meta.k > 1:
+        peers = [local_meta(plan, q, meta.round_index) for q in range(meta.group_start, meta.group_start + meta.k)]
+        peers = [m for m in peers if m.rank != meta.rank and m.num_tokens > 0]
+        bufs = [local.new_empty((m.num_tokens, *local.shape[1:])) for m in peers]
+        send = local.detach().contiguous()
+        ops = []
+        for m, buf in zip(peers, bufs):
+            peer = groups.global_ranks[m.rank]
+            if send.shape[0]:
+                ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, _TAG_GROUP))
+            ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
+        for work in (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
+        by_caller = dict(zip(meta.samples, outs))
+        for m, buf in zip(peers, bufs):
+            unpack_into(m, buf, by_caller)  # type: ignore[arg-type]
+    sample_index = meta.sample_index.to(local.device)
+    positions = meta.position_ids.to(local.device)
+    result = []
+    for s, out in zip(meta.samples, outs):
+        idx = torch.nonzero(sample_index == s).flatten()  # local rows of sample s
+        result.append(out.index_put((positions[idx],), local[idx]))  # out-of-place: grad flows to `local`
+    return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hdp.trainer.bench_train import (
+from hdp.trainer.bench.train import (
     TrainBenchSpec,
     bench_train,
     compare_with_baseline,

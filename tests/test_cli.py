@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from hdp.trainer.cli import CONTRACT_KEYS, main
+from hdp.trainer.cli import main
+from hdp.trainer.cli.common import CONTRACT_KEYS
 
 
 def _available(policy: str) -> bool:

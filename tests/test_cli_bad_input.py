@@ -13,8 +13,8 @@ from hdp.trainer.cli import main
 @pytest.fixture
 def no_run(monkeypatch):
     """Fail the test if a benchmark would start: every check must come before any rank is spawned."""
-    import hdp.trainer.bench_faults as bench_faults
-    import hdp.trainer.bench_train as bench_train
+    import hdp.trainer.bench.faults as bench_faults
+    import hdp.trainer.bench.train as bench_train
 
     def boom(*a, **k):
         raise AssertionError("a run started before the input was checked")

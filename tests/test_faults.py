@@ -1,7 +1,7 @@
 """Fault injection (issue 14): every fault raises on every surviving rank within the collective
 timeout, with parameters and optimizer state bit-identical to before the failed call.
 
-The scenarios live in ``hdp.trainer.bench_faults`` (``hdp bench faults --json``); these tests run
+The scenarios live in ``hdp.trainer.bench.faults`` (``hdp bench faults --json``); these tests run
 them and assert on the report.  Each spawn has its own timeout, so a hang fails the test instead
 of CI.
 """
@@ -34,7 +34,7 @@ def _assert_report(report: dict, expect_faults: set[str]) -> None:
 
 @pytest.mark.slow
 def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
-    from hdp.trainer.bench_faults import run_faults
+    from hdp.trainer.bench.faults import run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("in-process", "other-world"), workdir=str(tmp_path))
     _assert_report(report, {
@@ -76,8 +76,27 @@ def test_killed_and_hung_ranks_through_the_cli(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(tmp_path) -> None:
-    from hdp.trainer.bench_faults import run_faults
+    from hdp.trainer.bench.faults import run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("sigkill-during-save",), workdir=str(tmp_path))
     _assert_report(report, {"sigkill-during-save-per-rank", "sigkill-during-save-dist"})
     assert report["checks"] == {"previous-checkpoint-loads-after-killed-save": True, "no-orphan-writers": True}
+
+
+@pytest.mark.slow
+def test_verl_engine_faults_through_the_cli() -> None:
+    """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
+    raising loss function) or its loss is NaN; every rank raises (NaN: every rank skips the update, grad_norm
+    NaN), the state is unchanged, within 5 s."""
+    pytest.importorskip("verl")
+    pytest.importorskip("mbridge")
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "faults", "--only", "verl", "--json",
+                          "--timeout", str(TIMEOUT_S)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout)
+    rows = {r["fault"]: r for r in report["faults"]}
+    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss"}, rows
+    for name, row in rows.items():
+        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
+    assert rows["verl-nan-loss"]["skipped_with_nan_grad_norm"] and rows["verl-nan-loss"]["usable_after"]
+    assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]

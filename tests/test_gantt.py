@@ -6,7 +6,7 @@ import numpy as np
 
 from hdp.packing import Plan, cost_model
 from hdp.packing.simulate import simulate
-from hdp.trainer.gantt import plot_gantt
+from hdp.trainer.cli.gantt import plot_gantt
 
 
 def _plan(num_ranks: int, rng: np.random.Generator) -> Plan:

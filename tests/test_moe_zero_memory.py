@@ -95,7 +95,7 @@ def test_swiglu_backward_equals_autograd(dtype: torch.dtype, offset: float) -> N
 
 def _unsupported() -> None:
     """Zero-memory on top of Megatron's own 'moe' recompute is refused with a message naming it."""
-    from hdp.trainer.bench_moe import build_moe_layer, moe_transformer_config
+    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
 
     cfg = moe_transformer_config(hidden_size=H, ffn_hidden_size=F, num_experts=4, topk=2, ep=1, full_recompute=True)
     with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
@@ -129,7 +129,7 @@ def _run_level(layer: torch.nn.Module, level: str, x0: torch.Tensor, dy: torch.T
 def _exactness(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from hdp.moe import ZeroMemoryTrace
-    from hdp.trainer.bench_moe import build_moe_layer, moe_transformer_config
+    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
 
     for ep, topk in ((1, 2), (2, 3), (4, 2)):
         rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)
@@ -255,7 +255,7 @@ def test_moe_gpt_step_same_parameters_with_and_without_zero_memory() -> None:
 
 @pytest.mark.slow
 def test_bench_moe_saved_bytes_order() -> None:
-    from hdp.trainer.bench_moe import bench_moe
+    from hdp.trainer.bench.moe import bench_moe
 
     res = bench_moe(2, tokens=128, hidden_size=64, ffn_hidden_size=128, iters=1, timeout=110)
     sb = res["saved_bytes"]

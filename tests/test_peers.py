@@ -9,7 +9,7 @@ from hdp.packing import PlannerConfig, cost_model
 
 pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
 
-from hdp.trainer.peers import budget_ok, megatron_core_plan, megatron_core_report  # noqa: E402
+from hdp.trainer.bench.peers import budget_ok, megatron_core_plan, megatron_core_report  # noqa: E402
 
 
 def test_megatron_core_plan_long_tail_8_ranks():

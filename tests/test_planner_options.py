@@ -51,14 +51,19 @@ def test_engine_and_verl_options_build_the_same_planner_config(tmp_path):
     opts = dict(policy="static-cp", group_shape="pow2", static_cp_size=2, max_extra_rounds=1,
                 search_budget={"construct": 100, "search": 0})
     engine = PlanningConfig(max_tokens_per_rank=512, cost_model=str(path), **opts).planner_config(8)
-    verl = verl_config.HdpOptions(max_tokens_per_rank=512, cost_model_file=str(path), **opts).planner_config(8, None)
+    vo = verl_config.HdpOptions(max_tokens_per_rank=512, cost_model=str(path), **opts)
+    verl = vo.planner_config(8, 512, vo.cost(None))
     direct = PlannerConfig(num_ranks=8, max_tokens_per_rank=512, cost=cost, **opts)
     assert engine == verl == direct
 
 
-def test_verl_budget_falls_back_to_verls_and_bad_cost_file_fails_at_configuration(tmp_path):
-    assert verl_config.HdpOptions().planner_config(4, 2048).max_tokens_per_rank == 2048
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.cost_model_file"):
-        verl_config.HdpOptions(cost_model_file=str(tmp_path / "missing.json"))
+def test_bad_cost_model_and_impossible_cp_settings_fail_at_configuration(tmp_path):
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.cost_model: cost-model file"):
+        verl_config.HdpOptions(cost_model=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.cost_model='dense-8b@tpu': profile='tpu'"):
+        verl_config.HdpOptions(cost_model="dense-8b@tpu")
+    with pytest.raises(ValueError, match=r"hdp\.cp_algorithm=allgather with .*group_shape=any"):
+        verl_config.HdpOptions(cp_algorithm="allgather")
+    assert verl_config.HdpOptions(cp_algorithm="allgather", group_shape="pow2").cost_model == "auto"
     with pytest.raises(ValueError, match=r"PlanningConfig\.cost_model"):
         PlanningConfig(cost_model=str(tmp_path / "missing.json"))

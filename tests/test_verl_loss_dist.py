@@ -1,9 +1,11 @@
 """verl's real ``ppo_loss`` under hdp plans (2 and 4 gloo ranks) equals the single-process loss and gradient.
 
 What it checks is the loss path of ``HdpMegatronEngine``: plan the batch over the domain, each rank
-packs its zigzag chunks (:func:`round_inputs`), the group's ranks rebuild whole samples with the own
-chunk differentiable (:func:`_group_full_samples`), verl's ``ppo_loss`` runs per group with the
-global normalisers and ``dp_size = N``, gradients are averaged over the domain like Megatron DDP.
+packs its zigzag chunks (:func:`hdp.dispatch.pack`), the group's ranks rebuild whole samples with the
+own chunk differentiable (:func:`hdp.dispatch.group_samples`, point-to-point among the group's ranks
+only), verl's ``ppo_loss`` runs per group with the global normalisers and ``dp_size = 1`` (each group's
+loss is its share of the batch's), and the domain sum of gradients is the single-process gradient.
+A second check counts the bytes each rank moves in that exchange: a rank alone in its group none.
 The model is a bigram table (logits of a token depend on that token only), so no attention is
 needed; the Megatron model path is not exercised here.  float64: tolerance 1e-10.
 """
@@ -82,29 +84,30 @@ def _reference(mode: str, seed: int):
 
 
 def _worker(rank: int, world: int, seed: int) -> None:
-    from hdp.dispatch import local_meta
-    from hdp.integrations.verl.engine import _group_full_samples, round_inputs
+    from hdp.dispatch import group_samples, local_meta, pack
+    from hdp.groups import DomainGroups
     from hdp.packing import PlannerConfig, plan
+    from hdp.trainer.rounds import next_token_targets
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     group = dist.group.WORLD
+    domain = DomainGroups.build(group)
     for mode in MODES:
         ref_loss, ref_grad = _reference(mode, seed)
         data, ids, masks = _batch(seed)
+        targets = next_token_targets(ids, 0)
         table = torch.randn(V, V, generator=torch.Generator().manual_seed(99), dtype=torch.float64).requires_grad_()
         p = plan([len(x) for x in ids], PlannerConfig(num_ranks=world, max_tokens_per_rank=16))
         assert max(p.group_size) > 1, "the batch must split some sample for this test to mean anything"
-        tu.assign_non_tensor(data, dp_size=world, batch_num_tokens=int(sum(int(m.sum()) for m in masks)))
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(sum(int(m.sum()) for m in masks)))
         led = 0.0
         for r in range(p.num_rounds):
             meta = local_meta(p, rank, r)
-            inp = round_inputs(meta, ids, 1.0, pad_token_id=0)
-            logp = _logp(table, inp.tokens, inp.targets)  # [T]
             if meta.num_tokens == 0:
-                _group_full_samples(p, meta, logp[:0], group)  # idle ranks still join the gather
-                continue
-            full = _group_full_samples(p, meta, logp, group)
+                continue  # a rank without tokens takes no part in the exchange
+            logp = _logp(table, pack(meta, ids), pack(meta, targets))  # [T]
+            full = group_samples(p, meta, logp, domain)
             # a sample's last position predicts nothing; verl never reads it
             full = [torch.cat([f[:-1], f.new_zeros(1)]) for f in full]
             sub = tu.index_select_tensor_dict(data, list(meta.samples))
@@ -114,12 +117,62 @@ def _worker(rank: int, world: int, seed: int) -> None:
             if meta.j == 0:
                 led += float(loss)
         grad = table.grad.clone()
-        dist.all_reduce(grad, group=group)
-        grad /= world  # Megatron DDP averages over the domain
+        dist.all_reduce(grad, group=group)  # the domain sum of gradients (the engine undoes DDP's 1/N)
         total = torch.tensor([led], dtype=torch.float64)
         dist.all_reduce(total, group=group)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-10, msg=f"{mode}: gradient")
-        assert abs(float(total) / world - ref_loss) < 1e-10, (mode, float(total) / world, ref_loss)
+        assert abs(float(total) - ref_loss) < 1e-10, (mode, float(total), ref_loss)
+
+
+def _bytes_worker(rank: int, world: int) -> dict:
+    """Round 0: CP2 on ranks 0-1, ranks 2 and 3 alone; round 1: ranks 0 and 1 alone, CP2 on ranks 2-3."""
+    import numpy as np
+
+    from hdp.dispatch import group_samples, local_meta
+    from hdp.groups import DomainGroups
+    from hdp.packing import Plan
+
+    domain = DomainGroups.build(dist.group.WORLD)
+    p = Plan.from_columns(num_ranks=4, max_tokens_per_rank=64, policy="explicit",
+                          lengths=np.array([40, 10, 12, 9, 7, 50]), round_of=np.array([0, 0, 0, 1, 1, 1]),
+                          group_start=np.array([0, 2, 3, 0, 1, 2]), group_size=np.array([2, 1, 1, 1, 1, 2]))
+    moved = {}
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        for op in ops:
+            kind = "sent" if op.op is dist.isend else "received"
+            moved[kind] = moved.get(kind, 0) + op.tensor.numel() * op.tensor.element_size()
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        per_round = []
+        for r in range(p.num_rounds):
+            moved.clear()
+            meta = local_meta(p, rank, r)
+            local = torch.arange(meta.num_tokens * 2, dtype=torch.float32).reshape(meta.num_tokens, 2) + 1000 * rank
+            full = group_samples(p, meta, local, domain)
+            assert [f.shape[0] for f in full] == list(meta.group_lengths)
+            per_round.append(dict(moved))
+    finally:
+        dist.batch_isend_irecv = real
+    return {"rank": rank, "moved": per_round}
+
+
+@pytest.mark.dist
+def test_whole_sample_exchange_stays_inside_each_group():
+    """Bytes per rank are its group's tokens (8 B per token here: log-prob and entropy in fp32); a rank alone
+    in its group sends and receives nothing."""
+    out = {o["rank"]: o["moved"] for o in run_distributed(_bytes_worker, 4, timeout=60)}
+    alone = {(0, 2), (0, 3), (1, 0), (1, 1)}
+    for rank, rounds in out.items():
+        for r, moved in enumerate(rounds):
+            if (r, rank) in alone:
+                assert moved == {}, (rank, r, moved)
+            else:  # a CP2 group: each half of the sample goes to the partner and comes back from it
+                half = (40 if r == 0 else 50) // 2
+                assert moved == {"sent": half * 8, "received": half * 8}, (rank, r, moved)
 
 
 @pytest.mark.dist

@@ -1,19 +1,23 @@
-"""``python -m verl.trainer.main_ppo ... model_engine=hdp``: 2 GRPO steps of a tiny Qwen3 on CPU (2 ranks, Ray).
+"""``hdp demo --verl``: GRPO steps of a tiny Qwen3 through ``python -m verl.trainer.main_ppo ... model_engine=hdp`` on CPU.
 
 The whole trainer, as a user runs it: verl's Hydra config and ``validate_config``, Ray, TransferQueue,
 verl's v1 sync trainer, ``ActorRolloutRefWorker`` x2 building the hdp engine for actor and ref
 (vanilla mbridge), verl's agent loop and reward loop, weight sync from the hdp engine to the rollout
 (``get_per_tensor_param``), ref / old log-probs, GRPO advantages and ``update_actor``.  verl 0.9.1 has
-no CPU rollout, so generation is a test-only HF ``generate`` server registered through verl's rollout
-registries (``tests/verl_support/hf_rollout.py``); the CPU platform and the Megatron/mbridge CPU shims
-are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES`` (``tests/verl_support/autoload.py``).
-Checked: exit status 0, two logged training steps, and hdp's own metrics in them (the hdp engine ran).
+no CPU rollout, so generation is hdp's HF ``generate`` server registered through verl's rollout
+registries (``hdp.integrations.verl.cpu.hf_rollout``); the CPU platform and the Megatron/mbridge CPU
+shims are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``
+(``hdp.integrations.verl.cpu.autoload``).  Through the door users use: the ``hdp`` command.
+Checked: exit status 0, the logged training steps, hdp's own metrics in them (the hdp engine ran,
+timed its rounds and self-calibrates), and the calibration records it wrote.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -21,17 +25,21 @@ pytest.importorskip("verl")
 pytest.importorskip("mbridge")
 pytest.importorskip("transfer_queue")
 
-from verl_support import ppo_job  # noqa: E402
-
 
 @pytest.mark.slow
-def test_main_ppo_two_grpo_steps_on_hdp(tmp_path):
-    paths = ppo_job.prepare(tmp_path)
-    cmd = ppo_job.command(paths, steps=2, ranks=2)
-    out = subprocess.run(cmd, env=ppo_job.environment(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+def test_hdp_demo_verl_runs_grpo_steps_on_hdp(tmp_path):
+    hdp = [sys.executable, "-m", "hdp.trainer"]
+    out = subprocess.run([*hdp, "demo", "--verl", "--out", str(tmp_path), "--steps", "2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=1200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
     steps = [line for line in log.splitlines() if re.search(r"\bstep:\d+ - ", line)]
     assert len(steps) == 2, "\n".join(steps) or log[-4000:]
     for line in steps:
-        assert "actor/pg_loss" in line and "hdp/rounds" in line, line[:2000]
+        for key in ("actor/pg_loss", "actor/hdp/rounds", "actor/hdp/planner_ms", "actor/hdp/efficiency_planned",
+                    "actor/hdp/predicted_over_measured", "actor/hdp/cost_model_version",
+                    "actor/hdp/idle_fraction_measured", "actor/hdp/max_tokens_per_rank"):
+            assert key in line, (key, line[:3000])
+    assert "step 2: actor/hdp/" in out.stdout  # the demo's own summary
+    records = [json.loads(x) for x in (tmp_path / "hdp_calibration" / "actor.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"group", "round"}

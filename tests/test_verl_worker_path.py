@@ -21,7 +21,7 @@ process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
   the metrics of the repeated step and the weights after it equal the uninterrupted step's bit for bit
   (Adam's per-parameter step is restored by the engine's ``load_checkpoint``).
 
-CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``tests/verl_support``.
+CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``hdp.integrations.verl.cpu``.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int 
         f"actor_rollout_ref.ref.megatron.dtype={'bfloat16' if moe else 'float32'}",
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.optim.total_training_steps=10",
-        "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny",
-        "actor_rollout_ref.actor.hdp.hardware_profile=cpu-gloo",
+        "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",
+        "actor_rollout_ref.actor.hdp.auto_calibrate=false",
+        f"actor_rollout_ref.actor.hdp.calibration_path={ckpt_dir}/records/actor.jsonl",
         f"actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
     ]
     for role in ("actor", "ref"):  # verl's own Megatron layout keys; the ref's are read separately
@@ -103,7 +104,7 @@ def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
 
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
-    from verl_support import batches as B
+    from hdp.integrations.verl.cpu import batches as B
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     logps, ents = [], []
@@ -143,7 +144,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
     import logging
 
-    from verl_support.cpu import install
+    from hdp.integrations.verl.cpu import install
 
     install()
     import torch
@@ -154,8 +155,8 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
     from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import no_padding_2_padding
-    from verl_support import batches as B
-    from verl_support.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
 
     from hdp.integrations.verl.engine import HdpMegatronEngine
 
@@ -180,7 +181,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     assert (layout.tp_size, layout.pp_size, engine.domain.size) == (tp, pp, world // (tp * pp))
     assert engine.get_data_parallel_size() == 1
     assert len(engine.module) == vpp
-    assert engine._token_multiple == tp  # sequence parallel under TP: packed lengths padded to a multiple of TP
+    assert engine.core.token_multiple == tp  # sequence parallel under TP: packed lengths padded to a multiple of TP
     # verl's collect rank (TP rank 0 of the last stage, domain rank 0) holds the outputs; every rank learns which
     flags = [None] * world
     dist.all_gather_object(flags, bool(engine.is_mp_src_rank_with_outputs()), group=dist.group.WORLD)
@@ -285,7 +286,7 @@ def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, acto
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
     from verl.workers.utils.padding import no_padding_2_padding
-    from verl_support import batches as B
+    from hdp.integrations.verl.cpu import batches as B
 
     act.load_checkpoint(ckpt, del_local_after_load=False)
     small_samples = [samples[0], samples[4]]  # 14 and 10 tokens: one round on the domain of 2
@@ -339,3 +340,99 @@ def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
     moe, tp, pp, full = CASES[case]
     vpp = 2 if "vpp2" in case else 1
     run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), vpp, timeout=300)
+
+
+# ---- self-calibration through verl's worker: from a CP-free cost model to one that predicts the machine ----
+
+AUTOCAL_STEPS, AUTOCAL_LAST, LINK_S = 16, 8, 0.002
+
+
+def _autocal_lengths(step: int, budget: int, ranks: int) -> list[tuple[int, int]]:
+    """(prompt, response) pairs: short samples and two long ones near the domain's capacity."""
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    short = rng.lognormal(np.log(24.0), 0.5, 10).astype(int).clip(6, budget - 2)
+    long = rng.uniform(0.6 * ranks * budget, ranks * budget - 2 * ranks, 2).astype(int)
+    return [(4, int(n) - 4) for n in [*short, *long]]
+
+
+def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
+    import dataclasses
+    import time
+
+    from hdp.integrations.verl.cpu import install
+    from hdp.integrations.verl.cpu.worker import actor_worker, compose, environment_for_rank
+
+    environment_for_rank(rank, world)
+    install()
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import hdp.cp.ring as ring
+    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+    from hdp.packing import cost_model
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
+
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    real_exchange = ring._exchange
+
+    def slow_link(*args, **kwargs):  # the emulated interconnect: a fixed latency per ring step
+        time.sleep(LINK_S)
+        return real_exchange(*args, **kwargs)
+
+    ring._exchange = slow_link
+    budget = 48
+    model = os.path.join(tmp, "model")
+    cp_free = os.path.join(tmp, "cp_free.json")
+    if rank == 0:
+        build_tiny(model)
+        dataclasses.replace(cost_model("cpu-tiny", "cpu-gloo"), step_overhead=0.0, step_latency=0.0, comm_per_token=0.0,
+                            merge_per_token=0.0, cp_per_token=0.0).save(cp_free)
+    dist.barrier(group=dist.group.WORLD)
+    n = len(_autocal_lengths(0, budget, world))
+    cfg = compose(model, budget=budget, records=os.path.join(tmp, "records", "actor.jsonl"), overrides=[
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
+        f"actor_rollout_ref.actor.hdp.cost_model={cp_free}",
+        "actor_rollout_ref.actor.hdp.auto_calibrate={every_steps:4,min_rounds:8,half_life_steps:4}",
+    ])
+    act = actor_worker(cfg)
+    engine = act.actor.engine
+    probe = B.ref_batch(B.padded_batch(B.random_samples(_autocal_lengths(1000, budget, world), VOCAB, seed=5), pad_id=0))
+    first = engine._make_plan(probe).stats.cp_degree_hist
+    history = []
+    for s in range(AUTOCAL_STEPS):
+        padded = B.padded_batch(B.random_samples(_autocal_lengths(s, budget, world), VOCAB, seed=s), pad_id=0)
+        shape = padded["responses"].shape
+        adv = torch.randn(shape, generator=torch.Generator().manual_seed(s)) * padded["response_mask"]
+        extra = {"old_log_probs": torch.full(shape, -4.0), "advantages": adv, "ref_log_prob": torch.full(shape, -4.0)}
+        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=n))
+        if out is not None:
+            m = verl_reduce_metrics(tu.get(out, "metrics"))
+            history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version")})
+    last = engine._make_plan(probe).stats.cp_degree_hist
+    return {"history": history, "first": first, "last": last, "records": os.path.getsize(os.path.join(tmp, "records", "actor.jsonl"))
+            if rank == 0 else 0}
+
+
+@pytest.mark.slow
+def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
+    """Auto-calibration on the verl door (on by default; here from a CP-free cost-model file, emulated slow CP
+    link as in the library's test): predicted/measured moves to 1 +- 0.25, the adopted model changes the plans,
+    and the calibration records land where the option says."""
+    import statistics
+
+    res = run_distributed(_autocal_worker, 4, str(tmp_path), timeout=600)
+    src = next(r for r in res if r["history"])
+    ratios = [h["hdp/predicted_over_measured"] for h in src["history"]]
+    versions = [h["hdp/cost_model_version"] for h in src["history"]]
+    assert versions[-1] >= 1, versions
+    assert ratios[0] < 0.75, ratios  # the CP-free model under-predicts the slow CP link at first
+    med = statistics.median(ratios[-AUTOCAL_LAST:])
+    assert abs(med - 1.0) <= 0.25, (med, ratios)
+    assert src["first"] != src["last"], (src["first"], src["last"])
+    assert res[0]["records"] > 0

@@ -19,7 +19,7 @@ from hdp.cp import CPAlgorithm
 from hdp.device import DEVICE_KINDS
 from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
-from hdp.packing import CostModel, PlannerConfig, cost_model
+from hdp.packing import CostModel, PlannerConfig
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
 from hdp.packing.cost_file import AUTO, resolve_cost

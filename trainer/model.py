@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hdp import megatron_compat as mc
 from hdp.trainer.attention_spec import (

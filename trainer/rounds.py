@@ -102,8 +102,8 @@ class RoundLoss(Protocol):
     ``adapter(rnd, logits [Tr, Vl]) -> scalar or None``: in a training step, the round's share of the
     step loss (its gradient summed over the domain is the exact gradient), or ``None`` when this rank
     adds nothing; in a forward-only pass the return value is ignored (the adapter keeps its outputs).
-    May raise: the core records the first error, runs the remaining rounds with a zero loss and
-    reports it in :meth:`RoundCore.reduce`.
+    May raise: the core records the first error, runs the remaining rounds with a zero loss (still
+    calling the adapter, whose collectives must line up) and reports it in :meth:`RoundCore.reduce`.
     """
 
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None: ...
@@ -340,7 +340,9 @@ class RoundCore:
         """Megatron's loss function on the last stage: the adapter's round loss, Megatron's scaling undone."""
         logits = output[0]  # [T, Vl]
         loss = None
-        if inp.real and state.error is None and state.adapter is not None:
+        # the adapter runs in every round even after it failed once: it may hold collectives among the
+        # group's ranks (verl's whole-sample exchange), which must line up; only the first error is kept
+        if inp.real and state.adapter is not None:
             try:
                 loss = state.adapter(inp, logits[: inp.real])
                 if state.train and loss is not None:
@@ -353,7 +355,7 @@ class RoundCore:
                             "the loss function returned a tensor that does not require grad (detached, or computed "
                             "under torch.no_grad / from .item()); build the loss from the logprobs it is given")
             except Exception as exc:  # a caller bug on one rank must not hang the others
-                state.error, loss = exc, None
+                state.error, loss = state.error or exc, None
         if not state.train or loss is None:
             loss = logits.sum() * 0.0  # backward still runs (EP all-to-alls, CP rings line up)
         loss = loss.reshape(())

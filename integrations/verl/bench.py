@@ -173,7 +173,7 @@ def static_cp_dynamic_bsz_plan(data: Any, num_ranks: int, max_token_len_per_gpu:
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from hdp.integrations.verl.engine import sample_lengths
+    from hdp.integrations.verl.data import sample_lengths
     from hdp.packing import Plan
 
     lengths = np.asarray(sample_lengths(data), dtype=np.int64)
@@ -204,7 +204,7 @@ def _stock_engine_class() -> type:
     class StockDynamicBszStaticCP(HdpMegatronEngine):
         """The emulated stock path: :func:`static_cp_dynamic_bsz_plan` instead of an hdp plan."""
 
-        def _make_plan(self, data: Any) -> Any:
+        def _make_plan(self, data: Any, train: bool = True) -> Any:
             from verl.utils import tensordict_utils as tu
 
             budget = int(tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None))
@@ -256,7 +256,8 @@ def build_engines(
     optimizer = None
     if model is None:
         model, optimizer = _build_ddp(tiny_model_config(), distributed_optimizer)
-    opts = HdpOptions(max_tokens_per_rank=budget, policy=policy, cost_model="cpu-tiny", hardware_profile="cpu-gloo")
+    opts = HdpOptions(max_tokens_per_rank=budget, policy=policy, cost_model="cpu-tiny@cpu-gloo", auto_calibrate=False,
+                      calibration_path=None)
     cls = _stock_engine_class() if stock else HdpMegatronEngine
     engine = cls.from_modules(
         module=[model],
@@ -282,7 +283,7 @@ def reference_step(data: Any, loss_agg_mode: str) -> tuple[list[torch.Tensor], l
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from hdp.integrations.verl.engine import sample_lengths
+    from hdp.integrations.verl.data import sample_lengths
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp import megatron_compat as mc
     from hdp.trainer.model import build_gpt_model, packed_logits

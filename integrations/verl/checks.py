@@ -19,6 +19,7 @@ __all__ = [
     "check_token_budgets",
     "check_remove_padding",
     "check_ulysses",
+    "check_fused_kernels",
     "check_actor_config",
 ]
 
@@ -63,6 +64,15 @@ def check_remove_padding(value: Any, key: str = "actor_rollout_ref.model.use_rem
         raise ValueError(
             f"{key}={value!r}: the hdp engine packs samples without padding (THD) and would ignore it; "
             "set it to True"
+        )
+
+
+def check_fused_kernels(value: Any, key: str = "actor_rollout_ref.model.use_fused_kernels") -> None:
+    """verl's fused Megatron forward bypasses hdp's chunked log-probs and CP packing."""
+    if value is not None and bool(value):
+        raise ValueError(
+            f"{key}={value!r}: verl's fused Megatron forward bypasses hdp's chunked log-probs and CP packing; "
+            "set it to False (hdp computes log-probs in vocabulary chunks itself)"
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import verl
 from verl.trainer.config import CheckpointConfig
@@ -48,7 +48,7 @@ __all__ = [
     "mindspeed_lm_engine",
     "engine_registry",
     "tensordict_utils",
-    "forward_backward_func",
+    "maybe_fix_3d_position_ids",
     "mpu",
     "unwrap_model",
     "causal_mask_type",
@@ -142,11 +142,11 @@ def tensordict_utils() -> Any:
     return tensordict_utils
 
 
-def forward_backward_func() -> Callable[..., Any]:
-    """Megatron's schedule for the current PP layout (``get_forward_backward_func``)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def maybe_fix_3d_position_ids(data: Any) -> None:
+    """verl's fix of 3-D (multimodal) position ids on a batch, as its engines' ``train_batch`` calls it."""
+    from verl.utils.tensordict_utils import maybe_fix_3d_position_ids as fix
 
-    return get_forward_backward_func()
+    fix(data)
 
 
 def mpu() -> Any:

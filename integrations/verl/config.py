@@ -28,11 +28,19 @@ from typing import Any, ClassVar, Optional
 
 from hdp.cp import CPAlgorithm
 from hdp.integrations.verl import compat
-from hdp.integrations.verl.checks import check_actor_config, check_parallel_size, check_remove_padding, check_ulysses, role_key
+from hdp.integrations.verl.checks import (
+    check_actor_config,
+    check_fused_kernels,
+    check_parallel_size,
+    check_remove_padding,
+    check_ulysses,
+    role_key,
+)
 from hdp.moe.zero_memory import ZeroMemoryLevel
-from hdp.packing import CostModel, PlannerConfig, cost_model
+from hdp.packing import CostModel, PlannerConfig
+from hdp.packing.autocal import auto_calibrate_config
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
-from hdp.packing.cost_file import resolve_cost
+from hdp.packing.cost_file import AUTO, resolve_cost
 
 __all__ = [
     "HDP_STRATEGY",
@@ -48,14 +56,18 @@ HDP_STRATEGY = "hdp"
 """The value of ``actor_rollout_ref.actor.strategy`` (and the EngineRegistry backend) that selects hdp."""
 
 _KEY = "actor_rollout_ref.actor"
+_FUSED = (
+    "actor_rollout_ref.model.use_fused_kernels=True: verl's fused Megatron forward bypasses hdp's chunked "
+    "log-probs and CP packing; set it to False (hdp computes log-probs in vocabulary chunks itself)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HdpOptions(PlannerOptions):
     """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): the planner's options (declared once in
     `hdp.packing.PlannerOptions`: policy, group_shape, static_cp_size, max_extra_rounds, search_budget)
-    plus the token budget, the cost model, CP attention and MoE zero-memory.  The domain size comes
-    from Megatron."""
+    plus the token budget, the cost model and its self-calibration, CP attention and MoE zero-memory.
+    The domain size comes from Megatron."""
 
     _FIELD_PREFIX: ClassVar[str] = f"{_KEY}.hdp"
 
@@ -67,13 +79,20 @@ class HdpOptions(PlannerOptions):
     """CP attention: ``ring`` everywhere, or ``allgather`` on aligned power-of-two groups."""
     zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
     """MoE expert-path recomputation: none, level0, level1 (MindSpeed ``--moe-zero-memory`` semantics)."""
-    cost_model_file: Optional[str] = None
-    """Path of a cost-model file (``hdp calibrate --records R.jsonl --out COST.json``); when set it replaces
-    the ``cost_model`` / ``hardware_profile`` presets."""
-    cost_model: str = "dense-8b"
-    """Planner cost-model preset (hdp.packing.MODELS): dense-8b, qwen3-235b-a22b, deepseek-v3, cpu-tiny."""
-    hardware_profile: str = "h100-nvlink"
-    """Planner hardware profile (hdp.packing.PROFILES): h100-nvlink, ascend-910b-hccs, cpu-gloo."""
+    cost_model: str = AUTO
+    """Where the planner's cost model comes from (the same meaning in the library and the CLI):
+    ``auto`` (default: this model's shape on the device's profile, refined by auto-calibration), a
+    preset ``MODEL@PROFILE`` (e.g. ``qwen3-235b-a22b@h100-nvlink``) or the path of a cost-model file
+    (``hdp calibrate --records R.jsonl --out COST.json``)."""
+    auto_calibrate: Any = True
+    """Refit the cost model from the timed rounds of training steps (`hdp.packing.autocal.AutoCalibrate`:
+    true/false, or a mapping of its fields such as ``{every_steps: 20}``)."""
+    calibration_path: Optional[str] = "hdp_calibration/{role}.jsonl"
+    """Where each training step's calibration records go (``hdp calibrate --records``); relative paths are
+    taken from the worker's working directory, ``{role}`` is ``actor``; null: no records."""
+    collective_timeout_s: float = 600.0
+    """Seconds hdp's own collectives (agreement, CP groups, the whole-sample exchange) may wait before
+    every rank raises naming the step and phase."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -85,34 +104,38 @@ class HdpOptions(PlannerOptions):
             self.max_tokens_per_rank, f"{_KEY}.hdp.max_tokens_per_rank",
             none_means="actor.ppo_max_token_len_per_gpu (log-prob passes: their budget)",
         )
-        self.cost()  # a bad preset or file fails at configuration time, naming the key
-
-    def cost(self) -> CostModel:
-        """The planner's cost model: ``cost_model_file`` when set, else the presets."""
-        if self.cost_model_file is not None:
-            return resolve_cost(self.cost_model_file, f"{_KEY}.hdp.cost_model_file")
-        try:
-            return cost_model(self.cost_model, self.hardware_profile)
-        except (KeyError, ValueError) as exc:
+        if self.cp_algorithm is CPAlgorithm.ALLGATHER and self.group_shape.value != "pow2":
             raise ValueError(
-                f"{_KEY}.hdp.cost_model={self.cost_model!r} / hardware_profile={self.hardware_profile!r}: "
-                f"unknown preset ({exc}); see hdp.packing.MODELS and hdp.packing.PROFILES, or set "
-                f"{_KEY}.hdp.cost_model_file"
-            ) from exc
+                f"{_KEY}.hdp.cp_algorithm=allgather with {_KEY}.hdp.group_shape={self.group_shape.value}: the "
+                "all-gather runs only on aligned power-of-two groups, so most groups of 'any' would silently run "
+                f"the ring; set {_KEY}.hdp.group_shape=pow2 or {_KEY}.hdp.cp_algorithm=ring")
+        object.__setattr__(self, "auto_calibrate", auto_calibrate_config(self.auto_calibrate, f"{_KEY}.hdp.auto_calibrate"))
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1.0 <= float(t) <= 86400.0:
+            raise ValueError(f"{_KEY}.hdp.collective_timeout_s={t!r}: pass seconds in [1, 86400]")
+        if self.cost_model != AUTO:
+            self.cost(None)  # a bad preset or file fails at configuration time, naming the key
 
-    def planner_config(self, num_ranks: int, default_budget: int | None, *, pipeline_stages: int = 1) -> PlannerConfig:
-        """The planner config for a domain of ``num_ranks`` under ``pipeline_stages`` (PP);
-        ``default_budget`` is verl's per-GPU token budget."""
-        budget = self.max_tokens_per_rank if self.max_tokens_per_rank is not None else default_budget
-        if budget is None:
+    def cost(self, auto: Any) -> CostModel:
+        """The planner's cost model (read once, by the engine); ``auto()`` builds the ``auto`` model."""
+        return resolve_cost(self.cost_model, f"{_KEY}.hdp.cost_model", auto=auto)
+
+    def token_budgets(self, train: int | None, infer: int | None) -> tuple[int, int]:
+        """(training, log-prob passes) token budgets: ``max_tokens_per_rank`` for both, else verl's
+        ``ppo_max_token_len_per_gpu`` / ``log_prob_max_token_len_per_gpu`` (each falling back on the other)."""
+        if self.max_tokens_per_rank is not None:
+            return self.max_tokens_per_rank, self.max_tokens_per_rank
+        if train is None and infer is None:
             raise ValueError(
-                f"{_KEY}.hdp.max_tokens_per_rank is null and verl passed no max_token_len_per_gpu: "
-                "set actor_rollout_ref.actor.hdp.max_tokens_per_rank"
-            )
-        return PlannerConfig(
-            num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=self.cost(), pipeline_stages=pipeline_stages,
-            **self.planner_options(),
-        )
+                f"{_KEY}.hdp.max_tokens_per_rank is null and verl set no per-GPU token budget "
+                "(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu): set one of them")
+        return int(train or infer), int(infer or train)
+
+    def planner_config(self, num_ranks: int, budget: int, cost: CostModel, *, pipeline_stages: int = 1) -> PlannerConfig:
+        """The planner config for a domain of ``num_ranks`` under ``pipeline_stages`` (PP) with token budget
+        ``budget`` (``max_tokens_per_rank``, or verl's per-GPU budget when it is null: the engine resolves it)."""
+        return PlannerConfig(num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=cost,
+                             pipeline_stages=pipeline_stages, **self.planner_options())
 
 
 @dataclass
@@ -151,6 +174,15 @@ class HdpEngineConfig(compat.McoreEngineConfig):
                 f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
+        overrides = dict(self.override_transformer_config or {})
+        if self.hdp.zero_memory is not ZeroMemoryLevel.NONE and overrides.get("moe_grouped_gemm", False):
+            raise ValueError(
+                f"{key}.override_transformer_config.moe_grouped_gemm=True with {_KEY}.hdp.zero_memory="
+                f"{self.hdp.zero_memory.value}: zero-memory recomputes the per-expert MLPs (SequentialMLP) and "
+                f"cannot run grouped GEMM experts; set {key}.override_transformer_config.moe_grouped_gemm=False "
+                "or hdp.zero_memory=none")
+        if getattr(self, "use_fused_kernels", False):
+            raise ValueError(_FUSED)
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")
@@ -189,6 +221,7 @@ class HdpActorConfig(compat.McoreActorConfig):
         super().validate(n_gpus, train_batch_size, model_config)
         if model_config is not None:
             check_remove_padding(model_config.get("use_remove_padding", True))
+            check_fused_kernels(model_config.get("use_fused_kernels", False))
 
 
 # ---- converters --------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ Adaptations to our model, both needed for the invariants of ../shared/DESIGN.md:
     N (like Megatron, whose groups are every power of two and the whole DPxCP domain, so with a
     non-power-of-two N a group of all N ranks can occur).  Doubling a group when filling idle ranks is skipped if it would break the budget or the
     free ranks are fewer than its size (those ranks then idle).  Megatron's memory model is per
-    sample (each sub-sample is its own forward), see ``hdp.trainer.peers`` for the real thing.
+    sample (each sub-sample is its own forward), see ``hdp.trainer.bench.peers`` for the real thing.
 (b) Groups are contiguous rank ranges in creation order (Megatron's are too: fresh groups take
     the lowest free ranks, and filling pushes later groups right).  Group sizes stay powers of two
     but, after doubling, blocks need not be aligned (check with ``check_plan(pow2=False)``).

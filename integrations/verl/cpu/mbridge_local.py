@@ -1,4 +1,4 @@
-"""mbridge bridges for Qwen3 / Qwen3-MoE on Megatron's *local* layer spec (test-only, CPU).
+"""mbridge bridges for Qwen3 / Qwen3-MoE on Megatron's *local* layer spec (CPU, no TransformerEngine).
 
 mbridge 0.15 builds every model with ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
 (``mbridge/core/llm_bridge.py``), and its name mappings assume TransformerEngine's layout (the input

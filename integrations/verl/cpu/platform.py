@@ -1,9 +1,9 @@
-"""A CPU platform for verl (test-only), registered through verl's own ``PlatformRegistry``.
+"""A CPU platform for verl (laptop demos and tests), registered through verl's own ``PlatformRegistry``.
 
 verl 0.9.1 ships CUDA, NPU and ROCm platforms and falls back to "nvidia" on a CPU-only machine
 (``verl/plugin/platform/platform_manager.py``), so ``get_device_name()`` is "cuda" and every
 ``get_torch_device()`` call reaches ``torch.cuda``.  ``PlatformCPU`` answers "cpu" and a small
-``torch.cpu``-like module; select it with ``VERL_PLATFORM=cpu`` (set by :func:`verl_support.cpu.install`).
+``torch.cpu``-like module; select it with ``VERL_PLATFORM=cpu`` (set by :func:`hdp.integrations.verl.cpu.install`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _none(*args: Any, **kwargs: Any) -> None:
 
 def cpu_device_module() -> types.ModuleType:
     """What verl calls on ``get_torch_device()``, for CPU (memory figures are 0: no device memory)."""
-    mod = types.ModuleType("verl_support_cpu_device")
+    mod = types.ModuleType("hdp_verl_cpu_device")
     mod.current_device = lambda: "cpu"
     for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
         setattr(mod, name, _zero)

@@ -1,4 +1,4 @@
-"""verl's trainer-side batches for the worker tests: padded rollout tensors -> ``left_right_2_no_padding``.
+"""verl's trainer-side batches (for the worker tests and the verl fault bench): padded rollout tensors -> ``left_right_2_no_padding``.
 
 Built exactly as ``RayPPOTrainer._compute_ref_log_prob`` / ``_compute_old_log_prob`` /
 ``_update_actor`` do (verl/trainer/ppo/ray_trainer.py), from (prompt, response) token lists.

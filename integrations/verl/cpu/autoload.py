@@ -2,12 +2,12 @@
 
 verl imports the modules named in ``VERL_USE_EXTERNAL_MODULES`` inside ``verl/__init__`` (driver,
 TaskRunner, workers, servers alike), so this is where the CPU platform, the Megatron/mbridge CPU
-shims and the ``hf_cpu`` test rollout get registered in each of them.  Test-only.
+shims and the ``hf_cpu`` test rollout get registered in each of them.  Not on the engine's runtime path.
 """
 
-from verl_support import cpu
+from hdp.integrations.verl.cpu import install
 
-cpu.install()
+install()
 # registers itself when its import completes (a Ray actor of HFServer imports it first, then verl,
 # which imports this module while hf_rollout is still half-initialised)
-import verl_support.hf_rollout  # noqa: E402,F401
+import hdp.integrations.verl.cpu.hf_rollout  # noqa: E402,F401

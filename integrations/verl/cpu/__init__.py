@@ -1,12 +1,17 @@
-"""Everything a test process needs before verl builds an hdp engine on CPU: call :func:`install` first.
+"""verl on a machine without an accelerator: what a process needs before verl builds an hdp engine on CPU.
 
-* ``VERL_PLATFORM=cpu`` and the :class:`verl_support.platform.PlatformCPU` registration (verl's
+Call :func:`install` first (``hdp demo --verl`` and the tests do; every Ray process of a ``main_ppo``
+run through :mod:`~hdp.integrations.verl.cpu.autoload`).  Needs the ``verl`` extra (verl, mbridge).
+It exists because verl 0.9.1 and mbridge assume an accelerator and TransformerEngine:
+
+
+* ``VERL_PLATFORM=cpu`` and the :class:`~hdp.integrations.verl.cpu.platform.PlatformCPU` registration (verl's
   ``get_device_name()`` is then "cpu", so ``EngineRegistry`` finds hdp's "cpu" engine key);
 * hdp's Megatron CPU shim (:func:`hdp.megatron_compat.apply_cpu_shim`, public API);
-* mbridge on the local layer spec (:mod:`verl_support.mbridge_local`), and its ``get_model``
+* mbridge on the local layer spec (:mod:`~hdp.integrations.verl.cpu.mbridge_local`), and its ``get_model``
   without the ``module.cuda()`` it calls on every chunk (``mbridge/core/util.py``).
 
-Test-only.  Idempotent.
+Not on the engine's runtime path (GPU/NPU runs never import it).  Idempotent.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def _patch_mbridge_get_model() -> None:
     util_mod.torch = _TorchWithCpuCurrentDevice()  # get_model's module.cuda(torch.cuda.current_device())
 
     orig = bridge_mod.get_model
-    if getattr(orig, "_verl_support", False):
+    if getattr(orig, "_hdp_cpu", False):
         return
 
     @functools.wraps(orig)
@@ -69,7 +74,7 @@ def _patch_mbridge_get_model() -> None:
         with _module_cuda_is_noop():
             return orig(*args, **kwargs)
 
-    get_model._verl_support = True  # type: ignore[attr-defined]
+    get_model._hdp_cpu = True  # type: ignore[attr-defined]
     bridge_mod.get_model = get_model
 
 
@@ -80,14 +85,14 @@ def _patch_process_group_backend() -> None:
     import verl.utils.distributed as vdist
 
     orig = vdist.initialize_global_process_group_ray
-    if getattr(orig, "_verl_support", False):
+    if getattr(orig, "_hdp_cpu", False):
         return
 
     @functools.wraps(orig)
     def initialize_global_process_group_ray(timeout_second: Any = None, backend: Any = None) -> Any:
         return orig(timeout_second=timeout_second, backend=backend or "gloo")
 
-    initialize_global_process_group_ray._verl_support = True  # type: ignore[attr-defined]
+    initialize_global_process_group_ray._hdp_cpu = True  # type: ignore[attr-defined]
     vdist.initialize_global_process_group_ray = initialize_global_process_group_ray
     engine_workers = sys.modules.get("verl.workers.engine_workers")
     if engine_workers is not None:
@@ -100,7 +105,7 @@ def install() -> None:
     if _installed:
         return
     os.environ["VERL_PLATFORM"] = "cpu"
-    from verl_support import mbridge_local, platform  # noqa: F401  (registers the platform)
+    from hdp.integrations.verl.cpu import mbridge_local, platform  # noqa: F401  (registers the platform)
 
     from hdp import megatron_compat
 

@@ -1,4 +1,4 @@
-"""A test-only CPU rollout for verl's trainer: HF ``transformers`` ``generate`` behind verl's rollout API.
+"""A CPU rollout for verl's trainer: HF ``transformers`` ``generate`` behind verl's rollout API.
 
 verl 0.9.1 generates through rollout *servers* (vLLM / SGLang / TensorRT-LLM) that need GPUs.  This
 module registers a backend ``hf_cpu`` through verl's own registries:
@@ -11,7 +11,8 @@ module registers a backend ``hf_cpu`` through verl's own registries:
   ``update_weights`` (the hdp engine's ``get_per_tensor_param``, a collective: every rank drains
   it) and rank 0 of the replica loads them into the server.
 
-Select it with ``actor_rollout_ref.rollout.name=hf_cpu``.  Never on the engine's runtime path.
+Select it with ``actor_rollout_ref.rollout.name=hf_cpu`` (laptop demos and tests; slow, one process per
+replica).  Never on the engine's runtime path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ NAME = "hf_cpu"
 
 
 def _server_name(replica_rank: int) -> str:
-    return f"verl_support_hf_server_{replica_rank}"
+    return f"hdp_hf_server_{replica_rank}"
 
 
 class HFServer:

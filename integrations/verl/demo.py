@@ -1,9 +1,12 @@
-"""Files and overrides for a tiny GRPO run of ``python -m verl.trainer.main_ppo`` on CPU with the hdp engine.
+"""The verl door on a laptop: a few GRPO steps of ``python -m verl.trainer.main_ppo`` with ``model_engine=hdp`` on CPU.
 
-:func:`prepare` writes a tiny Qwen3 (``save_pretrained``), a parquet set of arithmetic prompts in
-verl's RLHF format and a reward function; :func:`command` returns the ``main_ppo`` command line
-(2 steps, 2 ranks, GRPO with 2 samples per prompt, ``model_engine=hdp``, the ``hf_cpu`` test rollout)
-and :func:`environment` the environment every Ray process needs.  Test-only.
+``hdp demo --verl`` (or ``make verl-demo``) runs :func:`run`: :func:`prepare` writes a tiny Qwen3
+(built from its config with random weights, ``save_pretrained``), a parquet set of arithmetic prompts
+in verl's RLHF format and a reward function; :func:`command` is the ``main_ppo`` command line (GRPO
+with 2 responses per prompt, 2 CPU ranks, ``model_engine=hdp``, the ``hf_cpu`` rollout of
+:mod:`hdp.integrations.verl.cpu.hf_rollout`); :func:`environment` loads hdp's CPU scaffolding in every
+Ray process.  verl's own trainer, workers, Hydra config and logger run unchanged; what prints is
+verl's console logger, ``actor/hdp/*`` included.  Needs the ``verl`` extra.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["prepare", "command", "environment"]
+__all__ = ["prepare", "command", "environment", "run", "main"]
 
 _REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -25,7 +28,7 @@ def prepare(root: str | Path, *, n_prompts: int = 8) -> dict[str, str]:
     """Write model, data and reward under ``root``; returns their paths."""
     import pandas as pd
 
-    from verl_support.tiny import build_tiny
+    from hdp.integrations.verl.cpu.tiny import build_tiny
 
     root = Path(root)
     model = build_tiny(root / "model")
@@ -72,10 +75,9 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+        f"actor_rollout_ref.actor.hdp.calibration_path={Path(paths['out']).parent / 'hdp_calibration' / 'actor.jsonl'}",
         "actor_rollout_ref.actor.megatron.dtype=float32",
         "actor_rollout_ref.ref.megatron.dtype=float32",
-        "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny",
-        "actor_rollout_ref.actor.hdp.hardware_profile=cpu-gloo",
         "actor_rollout_ref.rollout.name=hf_cpu",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -94,19 +96,70 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "trainer.device=cpu",
         "ray_kwargs.ray_init.num_cpus=16",  # logical slots: TaskRunner, TransferQueue, workers, servers
         "+ray_kwargs.ray_init.include_dashboard=False",
-        f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see verl_support.platform)
+        f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see hdp.integrations.verl.cpu.platform)
     ]
 
 
 def environment() -> dict[str, str]:
     """The driver's environment: Ray workers started from it inherit these (CPU platform, autoload)."""
-    tests = str(Path(__file__).resolve().parents[1])
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
         "VERL_PLATFORM": "cpu",
-        "VERL_USE_EXTERNAL_MODULES": "verl_support.autoload",
+        "VERL_USE_EXTERNAL_MODULES": "hdp.integrations.verl.cpu.autoload",
         "RAY_DEDUP_LOGS": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
     }
+
+
+def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 1800.0) -> tuple[int, list[str]]:
+    """Run the demo under ``root``; returns (exit code, verl's step lines).  Streams verl's output."""
+    import re
+    import subprocess
+
+    paths = prepare(root)
+    proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks), env=environment(), cwd=str(root),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    steps_seen: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if re.search(r"\bstep:\d+ - ", line):
+            steps_seen.append(line.rstrip())
+            print(line.rstrip(), flush=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = 124
+    return code, steps_seen
+
+
+def hdp_metrics(step_line: str) -> dict[str, float]:
+    """``actor/hdp/*`` metrics of one verl console step line (``name:value`` pairs)."""
+    import re
+
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"(actor/hdp/[\w/]+):([-+\w.]+)", step_line)
+            if m.group(2) not in ("nan",)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hdp demo --verl``: run the demo in ``--out`` (default out/verl-demo) and summarise hdp's metrics."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="hdp demo --verl")
+    parser.add_argument("--out", default="out/verl-demo")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args(argv)
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"hdp demo --verl: verl main_ppo, GRPO, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
+          f"model_engine=hdp (files under {root})", flush=True)
+    code, lines = run(root, steps=args.steps, ranks=args.ranks)
+    for i, line in enumerate(lines, 1):
+        shown = {k: v for k, v in hdp_metrics(line).items()}
+        print(f"step {i}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())), flush=True)
+    if code != 0 or not lines:
+        print(f"hdp demo --verl: main_ppo exited with {code}; its output is above", file=sys.stderr)
+        return code or 1
+    return 0

@@ -55,7 +55,6 @@ Usage: ``hdp bench moe --ep 2 --json``.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -109,8 +108,8 @@ class MoEBenchConfig:
     threads: int = 1
     """torch threads per rank."""
     caching_malloc: bool = True
-    """Run the ranks with glibc malloc keeping freed memory (``MALLOC_MMAP_MAX_=0``, a huge
-    ``MALLOC_TRIM_THRESHOLD_``), as GPU/NPU caching allocators do; off: every fresh large tensor
+    """Run the ranks with glibc malloc keeping freed memory (``mallopt``: no mmap chunks, the largest
+    trim threshold), as GPU/NPU caching allocators do; off: every fresh large tensor
     pays first-touch page faults (about 0.5 ms per MB on a small VM), which then dominates copies."""
     model_step: bool = True
     """Time the whole-model training step (``step_time_s``); off: layer figures only."""
@@ -414,69 +413,31 @@ def _run(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
     return {"saved_bytes": saved, "layer_times": layer_times, "layer_cpu": layer_cpu, "model_times": model_times}
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: MoEBenchConfig, results: Any) -> None:
-    import datetime
-    import traceback
+def _caching_malloc() -> None:
+    """glibc malloc of this process as a GPU caching allocator behaves: no mmap'd chunks, never trim the
+    heap (``mallopt``; what ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40`` would set at start-up)."""
+    import ctypes
+    import ctypes.util
 
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(cfg.threads)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=600))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        out = _run(rank, world, cfg)
-        results.put((rank, out, None))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-        raise SystemExit(1)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc malloc.h
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
 
 
-_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-"""glibc malloc settings of the ranks with ``caching_malloc``: no mmap'd chunks, never trim the heap."""
+def _rank_main(rank: int, world: int, cfg: MoEBenchConfig) -> dict[str, Any]:
+    """One rank (launched by :func:`hdp.trainer.launch.spawn`)."""
+    if cfg.caching_malloc:
+        _caching_malloc()
+    torch.set_num_threads(cfg.threads)
+    return _run(rank, world, cfg)
 
 
 def _spawn(cfg: MoEBenchConfig, timeout: float) -> dict[str, Any]:
-    """Run :func:`_run` on ``cfg.ep`` spawned gloo ranks; rank 0's result."""
-    import multiprocessing as mp
-    import queue
+    """Run :func:`_run` on ``cfg.ep`` gloo ranks; rank 0's result."""
+    from hdp.trainer.launch import spawn
 
-    import torch.distributed as dist
-
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, cfg.ep + 1, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg.ep, store.port, cfg, results), daemon=True)
-             for r in range(cfg.ep)]
-    env = _MALLOC_ENV if cfg.caching_malloc else {}
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read by glibc when the spawned interpreter starts
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < cfg.ep:
-            try:
-                rank, out, err = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty as exc:
-                raise TimeoutError(f"bench_moe: ranks did not finish within {timeout:.0f} s") from exc
-            if err is not None:
-                raise RuntimeError(f"bench_moe rank {rank} failed:\n{err}")
-            got[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return got[0]
+    return spawn(_rank_main, cfg.ep, cfg, timeout=timeout, threads=cfg.threads)[0]
 
 
 def _paired_overhead(times: dict[str, list[float]]) -> dict[str, float]:

@@ -14,14 +14,10 @@ Legend: T tokens, Hq/Hkv query/kv heads, D head dim.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import multiprocessing as mp
 import os
-import queue
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -55,69 +51,36 @@ def _fwd_bwd_single(inputs: list[torch.Tensor], scale: float) -> tuple[float, fl
     return dt, dc, [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], results: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=600))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        domain = dist.group.WORLD
-        groups = DomainGroups.build(domain)
-        ring = groups.ring(0, world)
-        lengths = [cfg["tokens"]]
-        idx = positions(lengths, world, rank)  # one sample: position == index into the full sample
-        assert idx.numel() == rank_layout(lengths, world, rank).num_tokens
-        full = _inputs(cfg["tokens"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["seed"])
-        q, k, v, dout = (t[idx] for t in full)  # [T_local, H, D] each
-        times = []
-        grads: list[torch.Tensor] = []
-        for it in range(cfg["repeats"] + 1):  # the first iteration is a warm-up
-            lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
-            dist.barrier(group=domain)
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = cp_attention(
-                lq, lk, lv, lengths, world, ring=ring, groups=groups, algo=cfg["algo"], scale=cfg["scale"]
-            )
-            out.backward(dout)
-            c1 = time.process_time()  # CPU time of this rank, before waiting for the slowest one
-            dist.barrier(group=domain)
-            if it > 0:
-                times.append((time.perf_counter() - t0, c1 - c0))
-            grads = [out.detach(), lq.grad, lk.grad, lv.grad]
-        # numpy arrays travel by value (torch tensors would be shared through fds of an exiting process)
-        results.put((rank, times, idx.numpy(), [g.numpy() for g in grads], None))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, [], None, None, traceback.format_exc()))
-        raise SystemExit(1)
+def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> tuple[Any, ...]:
+    """One rank (launched by :func:`hdp.trainer.launch.spawn`): (rank, times, local index, grads)."""
+    domain = dist.group.WORLD
+    groups = DomainGroups.build(domain)
+    ring = groups.ring(0, world)
+    lengths = [cfg["tokens"]]
+    idx = positions(lengths, world, rank)  # one sample: position == index into the full sample
+    assert idx.numel() == rank_layout(lengths, world, rank).num_tokens
+    full = _inputs(cfg["tokens"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["seed"])
+    q, k, v, dout = (t[idx] for t in full)  # [T_local, H, D] each
+    times = []
+    grads: list[torch.Tensor] = []
+    for it in range(cfg["repeats"] + 1):  # the first iteration is a warm-up
+        lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        dist.barrier(group=domain)
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = cp_attention(lq, lk, lv, lengths, world, ring=ring, groups=groups, algo=cfg["algo"], scale=cfg["scale"])
+        out.backward(dout)
+        c1 = time.process_time()  # CPU time of this rank, before waiting for the slowest one
+        dist.barrier(group=domain)
+        if it > 0:
+            times.append((time.perf_counter() - t0, c1 - c0))
+        grads = [out.detach(), lq.grad, lk.grad, lv.grad]
+    return rank, times, idx.numpy(), [g.numpy() for g in grads]
 
 
 def _run_ranks(ranks: int, cfg: dict[str, Any], timeout: float) -> list[tuple[Any, ...]]:
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, ranks, store.port, cfg, results), daemon=True)
-        for r in range(ranks)
-    ]
-    for p in procs:
-        p.start()
-    got: list[tuple[Any, ...]] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < ranks:
-            try:
-                item = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty as exc:
-                raise TimeoutError(f"bench_attention: ranks did not finish within {timeout:.0f} s") from exc
-            if item[4] is not None:
-                raise RuntimeError(f"bench_attention rank {item[0]} failed:\n{item[4]}")
-            got.append(item)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return sorted(got, key=lambda r: r[0])
+    from hdp.trainer.launch import spawn
+
+    return spawn(_rank_main, ranks, cfg, timeout=timeout, threads=1)
 
 
 def bench_attention(

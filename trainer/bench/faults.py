@@ -23,7 +23,10 @@ the same lengths on one rank, truncated and corrupted checkpoint files in both f
 checkpoint of another model — verified by the manifest, and with a forged manifest so that
 Megatron itself fails half-way and the engine must roll back); ``other-world`` (2 ranks load the
 4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
-(3 ranks, both formats, then a fresh job loads the previous checkpoint).
+(3 ranks, both formats, then a fresh job loads the previous checkpoint); ``verl`` (2 ranks of verl's
+own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank;
+found through the ``hdp.faults`` entry point (the verl plugin's ``faults`` module); skipped, with a
+check saying so, where verl is not installed).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch.distributed as dist
 
 __all__ = ["SCENARIOS", "run_faults"]
 
-SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save")
+SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save", "verl")
 SLACK_S = 15.0
 """Seconds allowed beyond the collective timeout for a rank to notice and raise (process start-up excluded)."""
 _B = 32
@@ -462,6 +465,18 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         checks["previous-checkpoint-loads-after-killed-save"] = all(
             v[f]["equal"] and v[f]["step"] == 1 for v in loaded for f in ("per-rank", "dist"))
         checks["no-orphan-writers"] = not orphans
+    if "verl" in chosen:
+        from importlib.metadata import entry_points
+
+        found = [ep for ep in entry_points(group="hdp.faults") if ep.name == "verl"]
+        try:
+            run_verl = found[0].load() if found else None
+        except ImportError:  # verl not installed
+            run_verl = None
+        if run_verl is None:
+            checks["verl-rows-skipped-verl-not-installed"] = True
+        else:
+            rows += run_verl(timeout_s=timeout_s, workdir=str(work / "verl"))
     return {
         "collective_timeout_s": timeout_s,
         "faults": rows,

@@ -1,0 +1,56 @@
+"""verl's own ``ActorRolloutRefWorker`` on CPU ranks with the hdp engine: config and construction.
+
+For the worker-path tests and ``hdp bench faults`` (the verl rows): the door a verl user takes —
+verl's Hydra ``ppo_trainer`` config with ``model_engine=hdp``, ``omega_conf_to_dataclass`` and the
+worker's ``init_model`` (vanilla mbridge building the model from an HF checkpoint) — on a tiny
+model.  Call :func:`hdp.integrations.verl.cpu.install` first in the process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+__all__ = ["compose", "actor_worker", "environment_for_rank"]
+
+
+def environment_for_rank(rank: int, world: int) -> None:
+    """The environment variables verl's worker reads (torch.distributed is already initialised)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
+
+
+def compose(model_path: str, *, budget: int, records: str | None, overrides: Sequence[str] = ()) -> Any:
+    """verl's ``ppo_trainer`` with ``model_engine=hdp`` for a tiny fp32 model on CPU, plus ``overrides``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import verl.trainer.config as vtc
+
+    base = [
+        "algorithm.adv_estimator=grpo",
+        "model_engine=hdp",
+        f"actor_rollout_ref.model.path={model_path}",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
+        "actor_rollout_ref.actor.megatron.dtype=float32",
+        "actor_rollout_ref.ref.megatron.dtype=float32",
+        "actor_rollout_ref.actor.optim.total_training_steps=100",
+        f"actor_rollout_ref.actor.hdp.calibration_path={records if records is not None else 'null'}",
+    ]
+    with initialize_config_dir(config_dir=os.path.dirname(vtc.__file__), version_base=None):
+        return hydra_compose("ppo_trainer", overrides=[*base, *overrides])
+
+
+def actor_worker(cfg: Any, role: str = "actor") -> Any:
+    """verl's ``ActorRolloutRefWorker`` for ``role`` with its model built (collective over the world)."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=role)
+    worker.init_model()
+    return worker

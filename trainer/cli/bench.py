@@ -1,0 +1,260 @@
+"""``hdp bench ...``: the command-line side of the benchmarks in :mod:`hdp.trainer.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hdp.trainer.cli.common import CliError, _console, _emit_json, _flatten, _fmt_s, _given, _hist_text, _print_dict, logger
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "attention":
+        return _bench_attention(args)
+    if args.what == "train":
+        return _bench_train(args)
+    if args.what == "verl":
+        # found through the "hdp.benchmarks" entry-point group, so the trainer never imports the
+        # integrations package (dependencies point one way: packing <- hdp <- trainer <- integrations)
+        from importlib.metadata import entry_points
+
+        found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+        if not found:
+            raise SystemExit("hdp bench verl: no 'hdp.benchmarks' entry point 'verl'; reinstall hdp-engine (pip install -e .)")
+        result = found[0].load()(ranks=_given(args.ranks, 4, "--ranks"), steps=_given(args.steps, 5, "--steps"))
+        if args.json:
+            _emit_json(result)
+        else:
+            _print_dict(_flatten(result), f"verl engine benchmark, {_given(args.ranks, 4, '--ranks')} ranks")
+        return 0
+    if args.what == "moe":
+        from hdp.trainer.bench.moe import bench_moe
+
+        shape = {"seq_length": args.seq_length} if args.seq_length else {}
+        result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
+        if args.json:
+            _emit_json(result)
+        else:
+            _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
+        return 0
+    if args.what == "exact":
+        return _bench_exact(args)
+    if args.what == "faults":
+        return _bench_faults(args)
+    return _bench_planner(args)
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    from hdp.trainer.bench.faults import SCENARIOS, run_faults
+
+    only = tuple(s.strip() for s in (args.only or "").split(",") if s.strip()) or None
+    for name in only or ():
+        if name not in SCENARIOS:
+            raise CliError(f"--only: scenario={name!r} is unknown; choose from: {', '.join(SCENARIOS)}")
+    if not (args.timeout == args.timeout and 1.0 <= args.timeout <= 3600.0):  # NaN-safe
+        raise CliError(f"--timeout={args.timeout}: pass seconds in [1, 3600] (the engines' collective timeout)")
+    result = run_faults(timeout_s=args.timeout, only=only)
+    if args.json:
+        _emit_json(result)
+    else:
+        from rich.table import Table
+
+        con = _console()
+        table = Table(title=f"injected faults (collective timeout {args.timeout:g} s)")
+        for col in ("fault", "ranks raised", "died", "s to exit", "state unchanged", "ok"):
+            table.add_column(col)
+        for r in result["faults"]:
+            table.add_row(r["fault"], str(r["ranks_raised"]), str(r["ranks_died"]), f"{r['seconds_to_exit']:.2f}",
+                          str(r["state_unchanged"]), "yes" if r["ok"] else "NO")
+        con.print(table)
+        for name, ok in result["checks"].items():
+            con.print(f"{name}: {'yes' if ok else 'NO'}")
+    return 0 if result["ok"] else 1
+
+
+def _bench_exact(args: argparse.Namespace) -> int:
+    from hdp.packing.exact import optimum_gaps
+
+    result = optimum_gaps(instances=args.instances, seed=args.seed)
+    if args.json:
+        _emit_json(result)
+        return 0
+    _print_dict({k: v for k, v in result.items() if k != "gaps"},
+                "hdp vs exact optimum (branch and bound), T(hdp)/T(opt) - 1")
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from hdp.trainer.bench.train import TrainBenchSpec, bench_train, compare_with_baseline
+
+    # every check before any rank is spawned: bad input never costs a run, nor loses one
+    try:
+        spec = TrainBenchSpec(
+            ranks=_given(args.ranks, 4, "--ranks"),
+            policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
+            steps=_given(args.steps, 5, "--steps"), workload=args.workload, tp=args.tp, pp=args.pp,
+        )
+    except ValueError as exc:
+        raise CliError(f"bench train: {exc}") from exc
+    if not (math.isfinite(args.tolerance) and 0.0 <= args.tolerance < 1.0):
+        raise CliError(f"--tolerance={args.tolerance}: pass a fraction in [0, 1) (0.05 = 5% slower is a regression)")
+    baseline = _load_baseline(args.baseline, spec.policies) if args.baseline else None
+    if args.output and Path(args.output).is_dir():
+        raise CliError(f"--output={args.output!r} is a directory; name a file for the JSON result")
+    result = bench_train(spec)
+    if not result:  # a non-zero rank under torchrun
+        return 0
+    problems = compare_with_baseline(result, baseline, args.tolerance) if baseline else []
+    result["regressions"] = problems
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, default=str, indent=1))
+    if args.json:
+        _emit_json(result)
+    else:
+        layout = f"{spec.ranks} ranks = TP {spec.tp} x PP {spec.pp} x domain {spec.ranks // (spec.tp * spec.pp)}"
+        _print_train_table(result, f"bench train: {spec.workload}, {layout}, {spec.steps} steps per policy")
+    for msg in problems:
+        print(f"regression: {msg}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _load_baseline(path: str, policies: tuple[str, ...]) -> dict[str, Any]:
+    """A stored ``bench train --json`` result, checked before the run: a JSON object whose
+    ``results`` maps policy names to objects with a positive, finite number ``tokens_per_s``
+    (``speedup``, if present, maps names to positive numbers), sharing a policy with this run."""
+    where = f"--baseline={path!r}"
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"{where}: cannot read a JSON result ({exc}); pass a file written by bench train --json/--output")
+    if not isinstance(doc, dict):
+        raise CliError(f"{where}: holds a JSON {type(doc).__name__}, not the object bench train --json writes")
+    results = doc.get("results")
+    if not isinstance(results, dict) or not results:
+        raise CliError(f"{where}: field 'results' is {results!r}; it must map policy names to their results "
+                       "(a file written by bench train --json/--output)")
+    for name, r in results.items():
+        tps = r.get("tokens_per_s") if isinstance(r, dict) else None
+        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) or tps <= 0:
+            raise CliError(f"{where}: field 'results.{name}.tokens_per_s' is {tps!r}; it must be a positive number")
+    speedup = doc.get("speedup", {})
+    if not isinstance(speedup, dict):
+        raise CliError(f"{where}: field 'speedup' is {speedup!r}; it must map names to numbers")
+    for name, v in speedup.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CliError(f"{where}: field 'speedup.{name}' is {v!r}; it must be a positive number")
+    if not set(results) & set(policies):
+        raise CliError(f"{where}: its policies {sorted(results)} share none with --policies {list(policies)}; "
+                       "nothing could be compared")
+    return doc
+
+
+def _print_train_table(result: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    con = _console()
+    table = Table(title=title)
+    for col in ("policy", "tokens/s/rank", "step time", "rounds", "planned eff.", "CP degrees (first step)"):
+        table.add_column(col, justify="left" if col in ("policy", "CP degrees (first step)") else "right")
+    for p, r in result["results"].items():
+        table.add_row(p, f"{r['tokens_per_s']:.0f}", _fmt_s(r["step_time_s"]), ",".join(map(str, r["rounds"])),
+                      f"{r['efficiency_planned']:.1%}", _hist_text(r["cp_degree_hist"]))
+    con.print(table)
+    steps = Table(title="loss of every step (the update does not depend on the plan)")
+    steps.add_column("step", justify="right")
+    for p in result["results"]:
+        steps.add_column(f"{p} loss", justify="right")
+        steps.add_column(f"{p} time", justify="right")
+    n = len(next(iter(result["results"].values()))["losses"])
+    for s in range(n):
+        cells = []
+        for r in result["results"].values():
+            cells += [f"{r['losses'][s]:.6f}", _fmt_s(r["step_times_s"][s])]
+        steps.add_row(str(s) + (" (warm-up)" if s == 0 else ""), *cells)
+    con.print(steps)
+    sp = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
+    cpu = ", ".join(f"{k} {v:.2f}x" for k, v in result.get("speedup_cpu_time", {}).items())
+    con.print(f"speedup (tokens/s): {sp}; per CPU-second of all ranks: {cpu}; losses match: "
+              f"{result['loss_match']} (max rel. diff {result['loss_max_rel_diff']:.1e})")
+    cal = result.get("calibration", {})
+    if "predicted_over_measured" in cal:
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())
+        con.print(f"cost model fitted to this run's records (R² {cal.get('r2', float('nan')):.3f}); "
+                  f"simulated / measured step time: {ratios}")
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module("hdp.trainer.bench.attention")
+    except ImportError as exc:
+        raise CliError(f"bench attention: hdp.trainer.bench.attention is not available ({exc})") from exc
+    result = mod.bench_attention(ranks=_given(args.ranks, 2, "--ranks"), tokens=args.tokens, algo=args.algo)
+    result = dict(result)
+    if args.json:
+        _emit_json(result)
+        return 0
+    _print_dict(result, f"attention benchmark: {args.algo}, {_given(args.ranks, 2, '--ranks')} ranks, {args.tokens} tokens")
+    return 0
+
+
+def _bench_planner(args: argparse.Namespace) -> int:
+    from hdp.packing import PlannerConfig
+    from hdp.packing import plan as make_plan
+    from hdp.packing.workloads import lognormal
+
+    from hdp.packing import SearchBudget
+
+    budget = SearchBudget.parse(args.search_budget, "--search-budget")
+    runs = [
+        ("1024 samples / 64 ranks", 1_024, 64, args.repeats, 100.0),
+        ("8192 samples / 512 ranks", 8_192, 512, args.repeats, 50.0),
+        ("131072 samples / 8192 ranks", 131_072, 8_192, args.large_repeats, 1000.0),
+    ]
+    if args.small_only:
+        runs = runs[:2]
+    out: list[dict[str, Any]] = []
+    for label, s, n, repeats, target in runs:
+        lengths = lognormal(s, mean=2048.0, sigma=1.2, max_len=32_768, seed=args.seed)
+        config = PlannerConfig(num_ranks=n, max_tokens_per_rank=4_096, policy=args.policy, search_budget=budget)
+        walls, cpus, policy_ms = [], [], []
+        make_plan(lengths[: min(s, 256)], config)  # warm-up: imports, caches
+        for _ in range(max(1, repeats)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            p = make_plan(lengths, config)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            cpus.append((time.process_time() - c0) * 1e3)
+            policy_ms.append(p.stats.planner_ms)
+        med = statistics.median(walls)
+        out.append({
+            "name": label, "samples": s, "ranks": n, "policy": args.policy, "repeats": len(walls),
+            "median_ms": med, "median_cpu_ms": statistics.median(cpus),
+            "policy_median_ms": statistics.median(policy_ms), "target_ms": target,
+            "passed": med <= target, "efficiency": p.stats.efficiency,
+        })
+        logger.info("%s: median %.1f ms", label, med)
+    meta = {"search_budget": dataclasses.asdict(budget),
+            "cost_model": "deepseek-v3 on h100-nvlink (PlannerConfig default)", "lengths": "lognormal mean 2048, sigma 1.2, max 32768, B=4096"}
+    if args.json:
+        _emit_json({"planner": out, "passed": all(r["passed"] for r in out), **meta})
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"planner speed (policy {args.policy}, lognormal lengths, B=4096, search budget {budget})")
+    for col in ("case", "repeats", "median plan() ms", "median CPU ms", "policy ms", "target ms", "efficiency", "result"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in out:
+        table.add_row(
+            r["name"], str(r["repeats"]), f"{r['median_ms']:.1f}", f"{r['median_cpu_ms']:.1f}",
+            f"{r['policy_median_ms']:.1f}", f"{r['target_ms']:.0f}", f"{r['efficiency']:.3f}",
+            "[green]PASS[/green]" if r["passed"] else "[red]FAIL[/red]",
+        )
+    _console().print(table)
+    return 0

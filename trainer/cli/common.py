@@ -1,0 +1,201 @@
+"""Helpers every ``hdp`` subcommand shares: arguments, lengths, cost models, JSON and tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+
+
+logger = logging.getLogger("hdp.cli")
+
+
+ALL_POLICIES = ("hdp", "hdp-pow2", "static-cp", "megatron-dcp", "ascend-hdp", "verl-kk")
+
+
+CONTRACT_KEYS = (
+    "policy", "ranks", "rounds", "step_time", "lower_bound", "efficiency", "max_idle_ratio",
+    "cp_degree_hist", "planner_ms",
+)
+
+
+ASCEND_TARGET = 1.39
+
+
+EFFICIENCY_TARGET = 0.95
+
+
+class CliError(ValueError):
+    """A user error the CLI reports as ``error: ...`` with exit code 2."""
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _console(stderr: bool = False):  # noqa: ANN202 - rich is imported lazily
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 160  # rich falls back to 80 columns off a terminal
+    return Console(stderr=stderr, highlight=False, width=width)
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--lengths", metavar="FILE", help="text file with one sample length per line")
+    src.add_argument("--workload", metavar="NAME", help="built-in workload generator (see --help-workloads)")
+    p.add_argument("--samples", type=int, default=1024, help="samples to draw with --workload (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --workload (default 0)")
+
+
+def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("--ranks", "-N", type=int, required=required, help="N: ranks in the domain")
+    p.add_argument(
+        "--max-tokens-per-rank", "-B", type=int, required=required, dest="max_tokens_per_rank",
+        help="B: per-rank token budget of one round",
+    )
+    p.add_argument("--group-shape", default="any", help="any (contiguous ranges) or pow2 (aligned blocks)")
+    _add_cost_args(p)
+    p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
+                   help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
+    p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
+                   help="hdp: work it may spend beyond its first plan (hdp.packing.SearchBudget): 'default', "
+                        "'off' (no local search) or pools, e.g. construct=20000,search=3000000,rivals=65536")
+    p.add_argument("--pp", type=int, default=1, dest="pp", metavar="P",
+                   help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it (default 1)")
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    """--cost-model FILE, or --profile/--model/--linear-coef (a preset pair); not both."""
+    p.add_argument("--cost-model", metavar="SPEC", dest="cost_model", default=None,
+                   help="a cost-model file (hdp calibrate --out) or a preset MODEL@PROFILE, as cost_model means in "
+                        "the library and verl; replaces --profile/--model/--linear-coef")
+    p.add_argument("--profile", default=None, help="hardware profile (default h100-nvlink)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
+    model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
+
+
+def _check_domain_args(args: argparse.Namespace) -> None:
+    """Range checks of --ranks / --max-tokens-per-rank beyond what argparse does (CliError)."""
+    from hdp.packing.validate import MAX_LENGTH
+
+    b = getattr(args, "max_tokens_per_rank", None)
+    if b is not None and not 1 <= b <= MAX_LENGTH:
+        raise CliError(f"--max-tokens-per-rank={b}: the per-rank token budget B must be in [1, {MAX_LENGTH}] (2^40)")
+    n = getattr(args, "ranks", None)
+    if n is not None and not 1 <= n <= 1 << 24:
+        raise CliError(f"--ranks={n}: the domain size N must be in [1, {1 << 24}]")
+
+
+def _load_lengths(args: argparse.Namespace) -> np.ndarray:
+    from hdp.packing.workloads import get_workload, read_lengths
+
+    if args.lengths is not None:
+        return read_lengths(args.lengths)
+    if args.samples < 1:
+        raise CliError(f"--samples={args.samples}: must be >= 1")
+    return get_workload(args.workload)(n=args.samples, seed=args.seed)
+
+
+def _cost(args: argparse.Namespace):  # noqa: ANN202
+    """The cost model of --cost-model SPEC (file or MODEL@PROFILE), or of the --model/--linear-coef and
+    --profile presets."""
+    from hdp.packing import cost_model
+    from hdp.packing.cost_file import resolve_cost
+
+    if getattr(args, "cost_model", None):
+        given = [f for f, v in (("--profile", args.profile), ("--model", args.model),
+                                ("--linear-coef", args.linear_coef)) if v is not None]
+        if given:
+            raise CliError(
+                f"--cost-model and {'/'.join(given)} are mutually exclusive: the cost-model file holds every "
+                f"parameter; drop {' '.join(given)} (or drop --cost-model to plan with the presets)"
+            )
+        try:
+            return resolve_cost(args.cost_model, "--cost-model")
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+    model: Any = args.linear_coef if args.linear_coef is not None else (args.model or "deepseek-v3")
+    return cost_model(model, args.profile or "h100-nvlink")
+
+
+def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: ANN202
+    from hdp.packing import PlannerConfig
+
+    shape = "pow2" if policy == "hdp-pow2" else args.group_shape  # hdp-pow2: hdp on power-of-two groups
+    return PlannerConfig(
+        num_ranks=args.ranks,
+        max_tokens_per_rank=args.max_tokens_per_rank,
+        policy="hdp" if policy == "hdp-pow2" else policy,
+        group_shape=shape,
+        cost=cost if cost is not None else _cost(args),
+        static_cp_size=args.static_cp,
+        search_budget=args.search_budget,
+        pipeline_stages=args.pp,
+    )
+
+
+def _entry(plan: Any, cost: Any) -> dict[str, Any]:
+    from hdp.packing.suite import plan_entry
+
+    return plan_entry(plan, cost)
+
+
+def _hist_text(hist: dict[str, int], top: int = 6) -> str:
+    items = list(hist.items())
+    if len(items) <= top:
+        return " ".join(f"CP{k}:{v}" for k, v in items)
+    shown = sorted(sorted(items, key=lambda kv: -kv[1])[:top], key=lambda kv: int(kv[0]))
+    return " ".join(f"CP{k}:{v}" for k, v in shown) + f" +{len(items) - top} sizes (max CP{items[-1][0]})"
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level of dotted keys (for tables)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _print_dict(d: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", justify="right")
+    for k, v in d.items():
+        table.add_row(str(k), f"{v:.6g}" if isinstance(v, float) else str(v))
+    _console().print(table)
+
+
+def _given(value: int | None, default: int, flag: str) -> int:
+    """``value`` if the flag was given (0 included: validated by the caller), else ``default``."""
+    return default if value is None else value

@@ -1,0 +1,404 @@
+"""``hdp plan``, ``hdp simulate`` (and ``--suite``), ``hdp calibrate``: the planner on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hdp.trainer.cli.common import ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hdp.packing import plan as make_plan
+    from hdp.packing.simulate import simulate
+
+    _check_domain_args(args)
+    cost = _cost(args)
+    lengths = _load_lengths(args)
+    p = make_plan(lengths, _config(args, args.policy, cost))
+    p = p.with_stats(simulate(p, cost, p.stats.planner_ms, p.stats.pipeline_stages, tight=True))
+    if args.plot:
+        from hdp.trainer.cli.gantt import plot_gantt
+
+        plot_gantt(p, cost, args.plot)
+        logger.info("wrote %s", args.plot)
+    if args.json:
+        _emit_json(p.to_dict())
+        return 0
+    from rich.table import Table
+
+    con = _console()
+    s = p.stats.to_dict()
+    summary = Table(title=f"hdp plan — policy {p.policy}", show_header=False)
+    summary.add_column("field", style="bold")
+    summary.add_column("value")
+    for key, value in (
+        ("samples", p.num_samples), ("ranks N", p.num_ranks), ("budget B", p.max_tokens_per_rank),
+        ("rounds (min)", f"{s['rounds']} ({s['min_rounds']})"),
+        ("step time T", _fmt_s(s["step_time"])), ("lower bound T*", _fmt_s(s["lower_bound"])),
+        ("efficiency", f"{s['efficiency']:.2%}"),
+        ("efficiency (tight T*)", f"{s['efficiency_tight']:.2%}" if s.get("efficiency_tight") is not None else "-"),
+        ("max idle ratio", f"{s['max_idle_ratio']:.2%}"),
+        ("max tokens/rank", s["max_tokens_per_rank"]), ("CP degrees", _hist_text(s["cp_degree_hist"])),
+        ("planner", f"{s['planner_ms']:.1f} ms"), ("checksum", p.checksum()),
+    ):
+        summary.add_row(key, str(value))
+    con.print(summary)
+    from hdp.packing.simulate import rank_loads
+
+    loads = rank_loads(p, cost) * cost.unit_time_s
+    tokens = p.stats.tokens_per_rank
+    rounds = Table(title="rounds")
+    for col in ("round", "groups", "samples", "max tokens/rank", "round time", "idle ranks"):
+        rounds.add_column(col, justify="right" if col != "groups" else "left")
+    shown = p.rounds[:50]
+    for rnd in shown:
+        sizes: dict[int, int] = {}
+        for g in rnd.groups:
+            sizes[g.size] = sizes.get(g.size, 0) + 1
+        covered = sum(g.size for g in rnd.groups)
+        rounds.add_row(
+            str(rnd.index),
+            " ".join(f"CP{k}×{n}" for k, n in sorted(sizes.items(), reverse=True)),
+            str(sum(len(g.samples) for g in rnd.groups)),
+            str(int(tokens[rnd.index].max())),
+            _fmt_s(float(loads[rnd.index].max())),
+            str(p.num_ranks - covered),
+        )
+    con.print(rounds)
+    if len(p.rounds) > len(shown):
+        con.print(f"... {len(p.rounds) - len(shown)} more rounds (use --json for all)")
+    if args.plot:
+        con.print(f"Gantt chart: {args.plot}")
+    return 0
+
+
+def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """The megatron-core reference entry, or (None, note) when it is unavailable."""
+    try:
+        peers = importlib.import_module("hdp.trainer.bench.peers")
+    except ImportError as exc:
+        return None, f"megatron-core peer skipped: hdp.trainer.bench.peers unavailable ({exc})"
+    fn = getattr(peers, "megatron_core_plan", None)
+    if fn is None:
+        return None, "megatron-core peer skipped: hdp.trainer.bench.peers has no megatron_core_plan"
+    try:
+        result = fn(lengths, config)
+    except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+        return None, f"megatron-core peer skipped: {exc}"
+    from hdp.packing.plan import Plan
+    from hdp.packing.simulate import simulate
+
+    if isinstance(result, Plan):
+        p = result if result.stats is not None else result.with_stats(simulate(result, config.cost))
+        entry = _entry(p, config.cost)
+        # its memory model is per sample: a rank may hold more than B tokens in one of our rounds
+        entry["budget_ok"] = bool(p.stats.max_tokens_per_rank <= config.max_tokens_per_rank)
+    elif isinstance(result, dict):
+        entry = dict(result)
+    else:
+        return None, f"megatron-core peer skipped: unexpected result type {type(result).__name__}"
+    entry["policy"] = "megatron-core"
+    return entry, None
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.suite:
+        given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
+                                ("--model", args.model), ("--linear-coef", args.linear_coef)) if v is not None]
+        if given:
+            raise CliError(f"--suite plans every case with its own model and profile; drop {' '.join(given)}")
+        return _cmd_suite(args)
+    if args.lengths is None and args.workload is None:
+        raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
+    if args.ranks is None or args.max_tokens_per_rank is None:
+        raise CliError("simulate: --ranks and --max-tokens-per-rank are required (or use --suite)")
+    from hdp.packing import Policy
+    from hdp.packing import plan as make_plan
+
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    if not policies:
+        raise CliError("--policies: list at least one policy")
+    known = [p.value for p in Policy] + ["hdp-pow2"]
+    for name in policies:
+        if name not in known:
+            raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
+    _check_domain_args(args)
+    if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
+        raise CliError(f"--plot-dir={args.plot_dir!r} is an existing file; name a directory for the Gantt charts")
+    cost = _cost(args)
+    lengths = _load_lengths(args)
+    cases: list[dict[str, Any]] = []
+    notes: list[str] = []
+    plans = {}
+    runs: list[tuple[str, argparse.Namespace]] = [("", args)]
+    if args.moe_zero_memory != "none":
+        # the same memory holds more tokens when MoE activations are freed: plan with both budgets
+        from hdp.moe.budget import MOE_SHAPES, token_budget_with_zero_memory
+
+        if args.moe_shape not in MOE_SHAPES:
+            raise CliError(f"--moe-shape={args.moe_shape!r} is unknown; choose from: {', '.join(MOE_SHAPES)}")
+        b_zm = token_budget_with_zero_memory(
+            args.max_tokens_per_rank, args.moe_zero_memory, MOE_SHAPES[args.moe_shape]
+        )
+        notes.append(
+            f"MoE zero-memory {args.moe_zero_memory} ({args.moe_shape} layer shape): the memory of "
+            f"B={args.max_tokens_per_rank} tokens holds B={b_zm}"
+        )
+        runs.append((f"+{args.moe_zero_memory}", argparse.Namespace(**{**vars(args), "max_tokens_per_rank": b_zm})))
+    for suffix, run_args in runs:
+        for name in policies:
+            config = _config(run_args, name, cost)
+            try:
+                p = make_plan(lengths, config)
+            except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+                if name == "hdp" and isinstance(exc, ValueError):
+                    raise  # bad input: the batch or the config, not a baseline's limit
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                cases.append({"policy": name + suffix, "error": reason})
+                notes.append(f"{name + suffix} skipped: {reason}")
+                logger.warning("%s skipped: %s", name + suffix, reason)
+                continue
+            plans[name + suffix] = p
+            entry = _entry(p, cost)
+            entry["policy"] = name + suffix
+            entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+            cases.append(entry)
+            if name == "hdp" and run_args.pp > 1:
+                # the plan made without the pipeline, scored with it: what knowing PP buys
+                from hdp.packing.simulate import simulate
+
+                flat = make_plan(lengths, _config(argparse.Namespace(**{**vars(run_args), "pp": 1}), name, cost))
+                flat = flat.with_stats(simulate(flat, cost, flat.stats.planner_ms, run_args.pp))
+                plans["hdp-no-pp" + suffix] = flat
+                entry = _entry(flat, cost)
+                entry["policy"] = "hdp-no-pp" + suffix
+                entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+                cases.append(entry)
+    if not args.no_peers:
+        peer, note = _peer_entry(lengths, _config(args, policies[0], cost))
+        if peer is not None:
+            cases.append(peer)
+        if note:
+            notes.append(note)
+            logger.info("%s", note)
+    if args.plot_dir:
+        from hdp.trainer.cli.gantt import plot_gantt
+
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, p in plans.items():
+            plot_gantt(p, cost, out / f"gantt_{name}.png")
+        logger.info("wrote %d Gantt charts to %s", len(plans), out)
+    if args.json:
+        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp}
+        if notes:
+            obj["notes"] = notes
+        _emit_json(obj)
+        return 0
+    from rich.table import Table
+
+    t_ref = next((c["step_time"] for c in cases if c["policy"] == "hdp" and "error" not in c), None)
+    pp = f", PP={args.pp} (T counts {args.pp - 1} x the longest round more)" if args.pp > 1 else ""
+    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={args.max_tokens_per_rank}{pp}")
+    for col in ("policy", "rounds", "T", "T*", "efficiency", "eff. (tight T*)", "T/T(hdp)", "max idle", "CP degrees",
+                "planner"):
+        table.add_column(col, justify="left" if col in ("policy", "CP degrees") else "right")
+    for c in cases:
+        if "error" in c:
+            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "-", "skipped (see note)", "-")
+            continue
+        ratio = f"{c['step_time'] / t_ref:.3f}" if t_ref else "-"
+        tight = c.get("efficiency_tight")
+        table.add_row(
+            c["policy"], str(c["rounds"]), _fmt_s(c["step_time"]), _fmt_s(c["lower_bound"]),
+            f"{c['efficiency']:.2%}", f"{tight:.2%}" if tight is not None else "-", ratio, f"{c['max_idle_ratio']:.1%}",
+            _hist_text(c["cp_degree_hist"]), f"{c['planner_ms']:.1f} ms",
+        )
+    con = _console()
+    con.print(table)
+    for n in notes:
+        con.print(f"[dim]note: {n}[/dim]")
+    return 0
+
+
+def _suite_checks(results: list[dict[str, Any]], cases: Sequence[Any]) -> list[dict[str, Any]]:
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], {})[r["policy"]] = r
+    checks: list[dict[str, Any]] = []
+
+    # 1. hdp >= 95% efficiency where the longest sample needs <= N/4 ranks
+    fails, n = [], 0
+    for case in cases:
+        h = by_case.get(case.name, {}).get("hdp")
+        if h is None or "error" in h or h["longest_needs_ranks"] > case.num_ranks / 4:
+            if h is not None and "error" in h:
+                fails.append(f"{case.name}: hdp failed ({h['error']})")
+            continue
+        n += 1
+        if h["efficiency"] < EFFICIENCY_TARGET:
+            tight = h.get("efficiency_tight")
+            fails.append(f"{case.name}: {h['efficiency']:.3f}" + (f" (tight T*: {tight:.3f})" if tight is not None else ""))
+    checks.append({
+        "name": f"hdp efficiency >= {EFFICIENCY_TARGET} where longest needs <= N/4 ranks",
+        "passed": not fails and n > 0, "detail": "; ".join(fails) or f"{n} cases",
+    })
+
+    # 2. hdp at least as fast as every other policy on every case
+    fails, n = [], 0
+    for case in cases:
+        row = by_case.get(case.name, {})
+        h = row.get("hdp")
+        if h is None or "error" in h:
+            fails.append(f"{case.name}: no hdp result")
+            continue
+        for name, r in row.items():
+            if name == "hdp" or "error" in r or r.get("budget_ok") is False:
+                continue  # a plan over the token budget is not a valid plan to compare with
+            n += 1
+            if h["step_time"] > r["step_time"] * (1 + 1e-9):
+                fails.append(f"{case.name}: {name} {r['step_time'] / h['step_time']:.3f}x")
+    checks.append({
+        "name": "hdp >= every other policy on every case",
+        "passed": not fails and n > 0, "detail": "; ".join(fails) or f"{n} comparisons",
+    })
+
+    # 3. Ascend short-tail: static CP8 at least 1.39x slower than hdp
+    ascend = [c for c in cases if "ascend" in c.tags]
+    fails, details = [], []
+    for case in ascend:
+        row = by_case.get(case.name, {})
+        h, s = row.get("hdp"), row.get("static-cp")
+        if h is None or s is None or "error" in h or "error" in s:
+            fails.append(f"{case.name}: missing hdp or static-cp result")
+            continue
+        ratio = s["step_time"] / h["step_time"]
+        details.append(f"{case.name}: {ratio:.3f}")
+        if ratio < ASCEND_TARGET:
+            fails.append(f"{case.name}: {ratio:.3f}")
+    checks.append({
+        "name": f"T(static-cp CP8)/T(hdp) >= {ASCEND_TARGET} on ascend-short-tail",
+        "passed": bool(ascend) and not fails, "detail": "; ".join(fails or details) or "no ascend case",
+    })
+    return checks
+
+
+def _cmd_suite(args: argparse.Namespace) -> int:
+    from hdp.packing.suite import SUITE, run_case
+
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    cases = [c for c in SUITE if not args.quick or c.num_ranks in (8, 64)]
+    results: list[dict[str, Any]] = []
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=_console(stderr=True), transient=True,
+    ) as progress:
+        task = progress.add_task("suite", total=len(cases))
+        for case in cases:
+            progress.update(task, description=f"suite {case.name}")
+            results.extend(run_case(case, policies))
+            if not args.no_peers:
+                entry, _ = _peer_entry(case.lengths(), case.config("hdp"))
+                if entry is not None:
+                    entry["case"] = case.name
+                    entry["longest_needs_ranks"] = results[-1].get("longest_needs_ranks")
+                    results.append(entry)
+            progress.advance(task)
+    checks = _suite_checks(results, cases)
+    failed = any(not c["passed"] for c in checks)
+    if args.json:
+        _emit_json({"cases": results, "checks": checks, "passed": not failed})
+    else:
+        from rich.table import Table
+
+        by_case: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in results:
+            by_case.setdefault(r["case"], {})[r["policy"]] = r
+        table = Table(title="hdp suite — efficiency (T(policy)/T(hdp))")
+        table.add_column("case")
+        table.add_column("N", justify="right")
+        table.add_column("needs", justify="right")
+        shown = policies + (["megatron-core"] if any(r["policy"] == "megatron-core" for r in results) else [])
+        for name in shown:
+            table.add_column(name, justify="right")
+        for case in cases:
+            row = by_case.get(case.name, {})
+            h = row.get("hdp")
+            t_ref = h["step_time"] if h is not None and "error" not in h else None
+            cells = []
+            for name in shown:
+                r = row.get(name)
+                if r is None or "error" in r:
+                    cells.append("[red]error[/red]")
+                    continue
+                cell = f"{r['efficiency']:.3f}"
+                if t_ref and name != "hdp":
+                    cell += f" ({r['step_time'] / t_ref:.2f}x)"
+                cells.append(cell)
+            needs = next(iter(row.values()))["longest_needs_ranks"] if row else "-"
+            table.add_row(case.name, str(case.num_ranks), str(needs), *cells)
+        con = _console()
+        con.print(table)
+        errors = [r for r in results if "error" in r]
+        for r in errors[:10]:
+            con.print(f"[dim]{r['case']} / {r['policy']}: {r['error'][:120]}[/dim]")
+        for c in checks:
+            mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
+            con.print(f"{mark} {c['name']} — {c['detail']}")
+    return 1 if (failed and args.strict) else 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model to measured records; print it and write the cost-model file (--out)."""
+    from hdp.packing import cost_model
+    from hdp.packing.calibrate import calibrate, load_records
+    from hdp.packing.cost import PARAMETERS
+    from hdp.packing.cost_file import cost_document, save_cost_model
+
+    model, profile = args.model or "deepseek-v3", args.profile or "h100-nvlink"
+    base = cost_model(model, profile)
+    base_name = f"{model}@{profile}"
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise CliError(f"--out={args.out!r} is a directory; pass a file path such as cost.json")
+        if not out.parent.is_dir():
+            raise CliError(f"--out={args.out!r}: the folder {str(out.parent)!r} does not exist")
+    result = calibrate(load_records(args.records), base=base)
+    meta = result.metadata(base_name)
+    if args.out is not None:
+        save_cost_model(result.cost, args.out, metadata=meta)
+        logger.info("wrote %s", args.out)
+    doc = cost_document(result.cost, metadata=meta)
+    if args.json:
+        _emit_json(doc)
+        return 0
+    from rich.table import Table
+
+    c = result.cost
+    table = Table(title=f"calibrated cost model ({result.n_records} records; base {base_name})")
+    for col in ("parameter", "value", "seconds", "source"):
+        table.add_column(col, justify="left" if col in ("parameter", "source") else "right")
+    per_unit = {"linear_coef": None, "unit_time_s": None}
+    for n in PARAMETERS:
+        v = float(getattr(c, n))
+        secs = "-" if n in per_unit else _fmt_s(v * c.unit_time_s) + ("/token" if n.endswith("per_token") else "")
+        src = "fitted" if n in result.fitted else f"base ({result.reasons.get(n, '')})"
+        table.add_row(n, f"{v:.6g}", secs, src)
+    con = _console()
+    con.print(table)
+    con.print(f"R² {result.r2:.4f}; relative error median {result.median_rel_err:.2%}, p90 "
+              f"{result.rel_err_p90:.2%}, max {result.max_rel_err:.2%}")
+    for w in result.warnings:
+        con.print(f"[yellow]warning:[/yellow] {w}")
+    if args.out is not None:
+        con.print(f"cost-model file: {args.out} (hdp plan / hdp simulate --cost-model {args.out})")
+    return 0
