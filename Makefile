@@ -1,11 +1,12 @@
 # Two commands for a fresh machine (see README):
 #   make demo   — set up .venv and run the main job
 #   make test   — set up .venv and run the tests
+#   make verl-demo — a few GRPO steps through verl's main_ppo with model_engine=hdp (CPU)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test suite clean
+.PHONY: setup demo verl-demo test suite clean
 
 $(BIN)/hdp: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +21,9 @@ setup: $(BIN)/hdp
 
 demo: setup
 	$(BIN)/hdp demo --out out/demo
+
+verl-demo: setup
+	$(BIN)/hdp demo --verl --out out/verl-demo
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--max-tokens-per-rank", type=int, default=8192, dest="budget")
-    parser.add_argument("--wikipedia", default=None, help="document-length file (default: ../shared/data or the bundled sample)")
+    parser.add_argument("--wikipedia", default=None, help="document-length file (default: the 1M-document file bundled with hdp)")
     parser.add_argument("--seeds", type=int, default=0, help="also plan this many more held-out batches per workload")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Cross-rank plan agreement and pre-communication validation.
 
-DESIGN invariant 3: every rank of the domain computes the same plan from the same lengths and
+Invariant 3 (docs/design.md): every rank of the domain computes the same plan from the same lengths and
 config (and, with TP and PP, every TP rank and pipeline stage of a domain rank runs that same
 plan).  If one rank's plan differs (different lengths, config or code version), the ranks would
 post different collectives and hang.  :func:`verify_plan` catches that with one fixed-size

@@ -1,6 +1,6 @@
 """Process groups of one domain: cached power-of-two blocks and point-to-point rings.
 
-A domain of N ranks (see ../shared/DESIGN.md) runs groups of two shapes:
+A domain of N ranks (docs/design.md, "Words") runs groups of two shapes:
 
 * aligned power-of-two blocks ``[start, start + size)`` with ``size`` in 2, 4, ..., and
   ``start % size == 0`` — each gets a cached torch.distributed sub-group (built once, collectively,

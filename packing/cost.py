@@ -1,4 +1,4 @@
-"""Cost model of one training step in "token² units" (see ../shared/DESIGN.md).
+"""Cost model of one training step in "token² units" (docs/design.md, "Cost model").
 
 work(L) = a*L + L**2 is the forward+backward cost of one causal sample of L tokens: ``a*L`` the
 linear part (projections, MLP, experts), ``L**2`` causal attention.  One unit is the attention
@@ -17,7 +17,7 @@ rank's share; sums over the group's samples)
       + cp_per_token * sum Lp / k                             per-token work of being split at all
 
 and a rank of a group of k = 1 costs ``sum work(L)``.  A round costs its busiest rank plus
-``round_cost`` (beta); a step is the sum of its rounds (DESIGN.md's rounds model).
+``round_cost`` (beta); a step is the sum of its rounds (the rounds model of docs/design.md).
 
 The two per-token terms are the memory-bound work that the K/V transfer does not hide and that
 grows with L on every rank whatever k is: in forward every ring step after the first merges a

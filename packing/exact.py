@@ -1,7 +1,7 @@
 """Exact optimum of small instances (<= 12 samples, <= 8 ranks) by branch and bound.
 
 Minimises T = sum over rounds of the slowest rank + rounds * beta (the simulator's step time) over
-all plans satisfying the invariants of ../shared/DESIGN.md, with groups being contiguous ranges of
+all plans satisfying the plan invariants (docs/design.md), with groups being contiguous ranges of
 any size (``config.group_shape == "any"``) or aligned power-of-two blocks (``"pow2"``).  Memory is
 checked exactly (zigzag per-rank token counts summed over the group's samples, <= B).
 

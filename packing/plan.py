@@ -4,7 +4,7 @@ Storage is columnar (one entry per sample, in the caller's order): the round of 
 the first rank and size of its group.  Everything else — rounds, groups, the samples of a rank,
 per-rank token counts, a checksum — is derived from those columns, so a plan is cheap to build for
 100K samples and still reads as rounds -> groups -> samples.  Ranks that no group covers in a
-round are idle: they run an empty micro-batch so collectives line up (DESIGN invariant 2).
+round are idle: they run an empty micro-batch so collectives line up (docs/design.md, invariant 2).
 Within a group, samples run in ascending caller index.
 """
 

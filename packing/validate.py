@@ -1,4 +1,4 @@
-"""Input validation and plan invariant checks (DESIGN invariants 1 and 2)."""
+"""Input validation and plan invariant checks (docs/design.md, invariants 1 and 2)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ with sensible defaults, called as ``WORKLOADS[name](n=..., seed=..., **overrides
 from __future__ import annotations
 
 import functools
+import gzip
 import logging
 import os
 from collections.abc import Callable
@@ -128,18 +129,12 @@ def _default_wikipedia_path() -> Path:
     env = os.environ.get(WIKIPEDIA_ENV)
     if env:
         return Path(env)
-    # packing/workloads.py -> repo root -> ../shared/data
-    candidate = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikipedia_doc_lengths.txt"
-    if candidate.is_file():
-        return candidate
-    # a fresh machine without ../shared: the 50,000-document sample shipped with the package
-    bundled = Path(__file__).resolve().parent / "data" / "wikipedia_sample.txt"
+    bundled = Path(__file__).resolve().parent / "data" / "wikipedia_doc_lengths.txt.gz"  # 1M documents
     if bundled.is_file():
-        logger.info("wikipedia: %s not found; using the bundled sample %s", candidate, bundled)
         return bundled
     raise ValueError(
-        f"wikipedia: document-length file not found at {candidate}; set {WIKIPEDIA_ENV}=/path/to/"
-        "wikipedia_doc_lengths.txt or pass path="
+        f"wikipedia: the bundled document-length file {bundled} is missing (a broken install?); set "
+        f"{WIKIPEDIA_ENV}=/path/to/wikipedia_doc_lengths.txt or pass path="
     )
 
 
@@ -153,8 +148,8 @@ def _load_cached(path: str, mtime: float) -> np.ndarray:
 def wikipedia(n: int, max_len: int = 32_768, seed: int = 0, path: str | os.PathLike | None = None) -> np.ndarray:
     """n document lengths sampled (with replacement) from the wikipedia length file, clipped to max_len.
 
-    ``path`` defaults to ``$HDP_WIKIPEDIA_LENGTHS``, else ``../shared/data/wikipedia_doc_lengths.txt``
-    relative to the repository root.
+    ``path`` defaults to ``$HDP_WIKIPEDIA_LENGTHS``, else the 1M-document file bundled with the package
+    (``hdp/packing/data/wikipedia_doc_lengths.txt.gz``).
     """
     rng = _check(n, seed, max_len=max_len)
     p = Path(path) if path is not None else _default_wikipedia_path()
@@ -175,9 +170,9 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """
     p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ValueError(f"lengths file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
+        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"lengths file {str(p)!r}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from exc
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"lengths file {str(p)!r}: byte {exc.start} is not UTF-8 text (a binary file?); "

@@ -383,8 +383,7 @@ def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
     from examples_loader import load_example
 
     loop = load_example("cost_closed_loop")
-    # the bundled Wikipedia sample, named: the default (../shared/data when a checkout has it, else
-    # the bundled file) made the batch depend on where the repository sits.  On the full file's
+    # the bundled 50,000-document Wikipedia sample, named (the full file is the default).  On the full file's
     # batch (32,768-token documents) no plan reaches 0.90 under this machine: T*_tight / T* shows it
     # (`round_capacity_bound`; test_round_bound.py proves the same below 0.95 at N = 64).
     sample = Path(__file__).resolve().parents[1] / "packing" / "data" / "wikipedia_sample.txt"

@@ -1,4 +1,4 @@
-"""Planner invariants (DESIGN 1-3) for every policy, determinism, bad input, and the hdp policy
+"""Planner invariants (docs/design.md, 1-3) for every policy, determinism, bad input, and the hdp policy
 against the exact optimum on small instances."""
 
 from __future__ import annotations

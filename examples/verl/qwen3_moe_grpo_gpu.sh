@@ -1,41 +1,39 @@
 #!/usr/bin/env bash
-# NOT RUN ON HARDWARE.
-# Written against verl 0.9.1 + hdp (integrations/verl). Its overrides compose with verl 0.9.1's
-# ppo_trainer and pass validate_config on CPU (placeholder paths); no GPU run has happened yet.
+# NOT RUN ON HARDWARE (no GPU was lent to these sessions).  Its overrides compose with verl 0.9.1's
+# ppo_trainer and build hdp's actor/ref configs on CPU (tests/test_verl_examples.py); nothing else ran.
 #
-# GRPO on Qwen3-30B-A3B (MoE, 128 experts, top-8) with the actor and the reference model on hdp's
-# engine: 1 node x 8 GPUs (H100/H200 80+ GB), EP = 8, TP = PP = CP = 1 (hdp supplies CP per sample,
-# sized to each sample's length, inside attention), long-tail responses up to 16K tokens.
+# GRPO on Qwen3-235B-A22B (MoE: 94 layers, 128 experts, top-8) with the actor and the reference model on
+# hdp's engine: 8 nodes x 8 H100/H200 = 64 GPUs, TP 1 x PP 8 x EP 8.  World = TP x PP x domain, so each
+# pipeline stage's 8 GPUs form hdp's domain (Megatron's DP group with CP = 1): every long response gets
+# a CP group of just enough of those 8 GPUs, short ones run on one GPU.  94 layers over 8 stages:
+# 11 on the first and the last, 12 on each of the 6 in between.  MoE zero-memory level1 frees the
+# expert path's activations (so a 32K response fits a smaller CP group); it needs SequentialMLP experts
+# (moe_grouped_gemm=False; hdp rejects the combination naming the key otherwise).
 #
-# Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, Megatron-Bridge
-# (verl's Megatron engine builds the model through it), vLLM for rollout, and
-#   pip install "hdp-engine[verl]"        # registers the 'hdp' engine through verl.plugins
-# The switch is `actor_rollout_ref.actor.strategy=hdp`; `model_engine=hdp` additionally gives the
-# actor and the ref verl's full `megatron.*` block (EP, offload, overrides), which a MoE model needs.
+# Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, Megatron-Bridge or
+# mbridge, TransformerEngine, vLLM, and hdp with its verl extra from a checkout or a built wheel:
+#   pip install -e '.[verl]'     or     pip install 'dist/hdp_engine-0.1.0-py3-none-any.whl[verl]'
 set -xeuo pipefail
 
-MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}
+MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-235B-A22B}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/dapo-math-17k/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/aime-2024/test.parquet}
-NNODES=${NNODES:-1}
+NNODES=${NNODES:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+PP=${PP:-8}
 EP=${EP:-8}
 MAX_PROMPT=${MAX_PROMPT:-2048}
-MAX_RESPONSE=${MAX_RESPONSE:-16384}
-# hdp's token budget per GPU and round (bounds activation memory; long samples get CP groups)
-TOKENS_PER_GPU=${TOKENS_PER_GPU:-24576}
-
-# verl sets CUDA_DEVICE_MAX_CONNECTIONS=1 only for strategy == "megatron"; hdp runs TP = 1 and does
-# not need it. Router replay (R2/R3) is verl-megatron only and stays off under strategy=hdp.
+MAX_RESPONSE=${MAX_RESPONSE:-30720}
+# hdp's token budget per GPU and round (bounds activation memory; longer samples get CP groups)
+TOKENS_PER_GPU=${TOKENS_PER_GPU:-16384}
 
 python3 -m verl.trainer.main_ppo \
     model_engine=hdp \
-    actor_rollout_ref.actor.strategy=hdp \
     algorithm.adv_estimator=grpo \
     algorithm.use_kl_in_reward=False \
     data.train_files="$TRAIN_FILES" \
     data.val_files="$VAL_FILES" \
-    data.train_batch_size=64 \
+    data.train_batch_size=128 \
     data.max_prompt_length=$MAX_PROMPT \
     data.max_response_length=$MAX_RESPONSE \
     data.filter_overlong_prompts=True \
@@ -43,7 +41,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.model.path="$MODEL_PATH" \
     actor_rollout_ref.model.use_remove_padding=True \
     actor_rollout_ref.actor.optim.lr=1e-6 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
     actor_rollout_ref.actor.use_dynamic_bsz=True \
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$TOKENS_PER_GPU \
     actor_rollout_ref.actor.loss_agg_mode=token-mean \
@@ -52,34 +50,39 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.kl_loss_type=low_var_kl \
     actor_rollout_ref.actor.entropy_coeff=0 \
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 \
-    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
     actor_rollout_ref.actor.megatron.param_offload=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=11 \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=11 \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=False \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall \
-    actor_rollout_ref.actor.hdp.max_tokens_per_rank=$TOKENS_PER_GPU \
     actor_rollout_ref.actor.hdp.policy=hdp \
     actor_rollout_ref.actor.hdp.group_shape=any \
     actor_rollout_ref.actor.hdp.cp_algorithm=ring \
-    actor_rollout_ref.actor.hdp.zero_memory=none \
-    actor_rollout_ref.actor.hdp.cost_model=qwen3-235b-a22b \
-    actor_rollout_ref.actor.hdp.hardware_profile=h100-nvlink \
+    actor_rollout_ref.actor.hdp.zero_memory=level1 \
+    actor_rollout_ref.actor.hdp.cost_model=qwen3-235b-a22b@h100-nvlink \
+    actor_rollout_ref.actor.hdp.auto_calibrate=True \
+    actor_rollout_ref.actor.hdp.calibration_path=hdp_calibration/actor.jsonl \
+    actor_rollout_ref.actor.hdp.collective_timeout_s=1800 \
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.ref.megatron.param_offload=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=$TOKENS_PER_GPU \
     actor_rollout_ref.rollout.name=vllm \
     actor_rollout_ref.rollout.n=8 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size=4 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=8 \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
     actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$TOKENS_PER_GPU \
     trainer.logger='["console"]' \
     trainer.project_name=hdp_verl \
-    trainer.experiment_name=qwen3_30b_a3b_grpo_hdp_gpu \
+    trainer.experiment_name=qwen3_235b_a22b_grpo_hdp_gpu \
     trainer.nnodes=$NNODES \
     trainer.n_gpus_per_node=$GPUS_PER_NODE \
     trainer.save_freq=-1 \

@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# NOT RUN ON HARDWARE.
-# Written against verl 0.9.1 + hdp (integrations/verl). Its overrides compose with verl 0.9.1's
-# ppo_trainer and pass validate_config on CPU (placeholder paths); no Ascend run has happened yet.
+# NOT RUN ON HARDWARE (no Ascend NPU was lent to these sessions).  Its overrides compose with verl
+# 0.9.1's ppo_trainer and build hdp's actor/ref configs on CPU (tests/test_verl_examples.py).
 #
-# GRPO on Qwen3-30B-A3B (MoE) on Ascend NPUs with the actor and the reference model on hdp's engine:
-# 2 nodes x 16 NPUs (Atlas 800T A3; A2 nodes may need more offload or a smaller token budget), EP = 16,
-# TP = PP = CP = 1.  On NPU, verl registers MindSpeed's engine for backend "megatron"; the hdp plugin
-# registers `HdpMindspeedEngine` (HdpMegatronEngine on verl's MindSpeed engine, so MindSpeed's
-# repatch runs before Megatron initialises) for device "npu" when MindSpeed is installed.
-# hdp replaces Megatron's core attention, so MindSpeed's flash-attention patch (use_flash_attn) does
-# not reach it; today the hdp engine uses hdp's pure-torch attention kernel on NPU (the
-# torch_npu.npu_fusion_attention adapter in hdp.kernels.npu is selectable only by name and unrun):
-# expect slow attention until the engine exposes the kernel choice.
+# GRPO on Qwen3-235B-A22B (MoE) on Ascend NPUs with the actor and the reference model on hdp's engine:
+# 4 nodes x 16 NPUs (Atlas 800T A3) = 64 NPUs, TP 1 x PP 4 x EP 16: each stage's 16 NPUs are hdp's
+# domain.  94 layers over 4 stages: 23 on the first and the last, 24 on the two in between.  On NPU
+# verl registers MindSpeed's engine for backend "megatron"; the hdp plugin registers
+# `HdpMindspeedEngine` (HdpMegatronEngine on verl's MindSpeed engine, so MindSpeed's repatch runs
+# before Megatron initialises) for device "npu" when MindSpeed is installed.  hdp replaces Megatron's
+# core attention, so MindSpeed's flash-attention patch does not reach it: the hdp engine runs hdp's
+# pure-torch attention kernel on NPU today (the npu_fusion_attention adapter in hdp.kernels.npu is
+# unrun) — expect slow attention.  All-gather CP on aligned power-of-two groups (HCCS full mesh);
+# zero-memory level0 with SequentialMLP experts (grouped GEMM is rejected with zero-memory).
 #
-# Needs: CANN + torch_npu matching torch, MindSpeed (core_r0.16-compatible branch), verl==0.9.1
-# without [megatron], megatron-core 0.16.x, Megatron-Bridge, vLLM + vllm-ascend, and
-#   pip install "hdp-engine[verl,npu]"
+# Needs: CANN + torch_npu matching torch, MindSpeed (core_r0.16-compatible branch), verl==0.9.1 without
+# [megatron], megatron-core 0.16.x, vLLM + vllm-ascend, and hdp from a checkout or a built wheel:
+#   pip install -e '.[verl,npu]'
 set -xeuo pipefail
 
-MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B}
+MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-235B-A22B}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/dapo-math-17k/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/aime-2024/test.parquet}
-NNODES=${NNODES:-2}
+NNODES=${NNODES:-4}
 NPUS_PER_NODE=${NPUS_PER_NODE:-16}
+PP=${PP:-4}
 EP=${EP:-16}
 MAX_PROMPT=${MAX_PROMPT:-2048}
-MAX_RESPONSE=${MAX_RESPONSE:-16384}
+MAX_RESPONSE=${MAX_RESPONSE:-30720}
 TOKENS_PER_NPU=${TOKENS_PER_NPU:-16384}
 
 # Ascend runtime settings commonly used with verl + MindSpeed
@@ -38,13 +39,12 @@ export VLLM_USE_V1=1
 
 python3 -m verl.trainer.main_ppo \
     model_engine=hdp \
-    actor_rollout_ref.actor.strategy=hdp \
     trainer.device=npu \
     algorithm.adv_estimator=grpo \
     algorithm.use_kl_in_reward=False \
     data.train_files="$TRAIN_FILES" \
     data.val_files="$VAL_FILES" \
-    data.train_batch_size=64 \
+    data.train_batch_size=128 \
     data.max_prompt_length=$MAX_PROMPT \
     data.max_response_length=$MAX_RESPONSE \
     data.filter_overlong_prompts=True \
@@ -52,7 +52,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.model.path="$MODEL_PATH" \
     actor_rollout_ref.model.use_remove_padding=True \
     actor_rollout_ref.actor.optim.lr=1e-6 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
     actor_rollout_ref.actor.use_dynamic_bsz=True \
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$TOKENS_PER_NPU \
     actor_rollout_ref.actor.loss_agg_mode=token-mean \
@@ -61,39 +61,39 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.kl_loss_type=low_var_kl \
     actor_rollout_ref.actor.entropy_coeff=0 \
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 \
-    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
     actor_rollout_ref.actor.megatron.param_offload=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
-    +actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=True \
-    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True \
-    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=23 \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=23 \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=False \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rmsnorm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_swiglu=True \
-    actor_rollout_ref.actor.hdp.max_tokens_per_rank=$TOKENS_PER_NPU \
     actor_rollout_ref.actor.hdp.policy=hdp \
     actor_rollout_ref.actor.hdp.group_shape=pow2 \
     actor_rollout_ref.actor.hdp.cp_algorithm=allgather \
     actor_rollout_ref.actor.hdp.zero_memory=level0 \
-    actor_rollout_ref.actor.hdp.cost_model=qwen3-235b-a22b \
-    actor_rollout_ref.actor.hdp.hardware_profile=ascend-910b-hccs \
+    actor_rollout_ref.actor.hdp.cost_model=qwen3-235b-a22b@ascend-910b-hccs \
+    actor_rollout_ref.actor.hdp.collective_timeout_s=1800 \
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.ref.megatron.param_offload=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=$TOKENS_PER_NPU \
     actor_rollout_ref.rollout.name=vllm \
     actor_rollout_ref.rollout.n=8 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size=4 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=16 \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
     actor_rollout_ref.rollout.enforce_eager=True \
     actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$TOKENS_PER_NPU \
     trainer.logger='["console"]' \
     trainer.project_name=hdp_verl \
-    trainer.experiment_name=qwen3_30b_a3b_grpo_hdp_npu \
+    trainer.experiment_name=qwen3_235b_a22b_grpo_hdp_npu \
     trainer.nnodes=$NNODES \
     trainer.n_gpus_per_node=$NPUS_PER_NODE \
     trainer.save_freq=-1 \

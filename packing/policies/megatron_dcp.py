@@ -19,7 +19,7 @@ at a time until every sample is placed; each micro-batch becomes one of our roun
 * idle ranks are filled by doubling the size of the (first) smallest group, pushing later groups
   to the right, until no rank is empty.
 
-Adaptations to our model, both needed for the invariants of ../shared/DESIGN.md:
+Adaptations to our model, both needed for the plan invariants (docs/design.md):
 
 (a) Our memory model is per round: every rank of a group holds all the group's samples of the round
     at once, so a group whose ranks would exceed B tokens (sum of ``max_rank_tokens``) with the
