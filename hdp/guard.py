@@ -39,8 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["MESSAGE_BYTES", "DomainStepError", "DomainInputError", "DomainUnreachableError", "StepGuard", "describe",
-           "is_input_error"]
+__all__ = ["MESSAGE_BYTES", "DomainStepError", "DomainInputError", "DomainUnreachableError", "RankFailedError",
+           "StepGuard", "describe", "is_input_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,17 @@ class DomainUnreachableError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.phase = phase
+
+
+class RankFailedError(DomainUnreachableError):
+    """A rank failed for a reason of its own in the middle of a phase's collectives (a forward, a CP
+    backward, an interrupt); it told every rank (:mod:`hdp.alarm`), and every rank raises this at once,
+    naming the failed ranks and their errors.  The groups were aborted: the engine is unusable."""
+
+    def __init__(self, message: str, *, step: int, phase: str, failures: dict[int, str]):
+        super().__init__(message, step=step, phase=phase)
+        self.failures = failures
+        """World rank -> what it published (phase and error)."""
 
 
 def describe(exc: BaseException) -> str:
@@ -146,6 +157,11 @@ class StepGuard:
         error: BaseException | None = None
         try:
             yield self
+        except (KeyboardInterrupt, SystemExit):
+            # an interrupt may land in the middle of the body's collectives (a Megatron dist save): this
+            # rank stops now, and the engine's alarm (hdp.alarm) tells the others and releases them
+            self._deferred = None
+            raise
         except BaseException as exc:  # every type: one rank's failure must reach all ranks
             error = exc
         if error is None:

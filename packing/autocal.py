@@ -308,27 +308,6 @@ class Refit:
                    reason="" if adopt else "not better on the held-out rounds")
 
 
-def _robust(records: list[dict[str, Any]], current: CostModel) -> list[dict[str, Any]]:
-    """``records`` without the outliers of a first fit (a descheduled process, a GC pause): group and
-    round records whose |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x its median) are
-    dropped (at most a fifth of them)."""
-    try:
-        first = calibrate(records, base=current, warn=False).cost
-    except ValueError:
-        return records
-    pred = []
-    for r in records:
-        if r["kind"] == "group":
-            pred.append(group_seconds(first, r["lengths"], r["group_size"]))
-        else:
-            beta = first.round_cost * first.unit_time_s
-            pred.append(max(group_seconds(first, g["lengths"], g["group_size"]) for g in r["groups"]) + beta)
-    dev = np.abs(np.log(np.array(pred) / np.array([r["seconds"] for r in records])))
-    limit = max(0.05, 3.0 * 1.4826 * float(np.median(dev)), float(np.quantile(dev, 0.8)))
-    kept = [r for r, d in zip(records, dev) if d <= limit]
-    return kept if any(r["kind"] == "group" for r in kept) else records
-
-
 _MIN_JUDGE = 8
 """Fewest held-out rounds that decide an adoption (the newest ones when fewer came since the last refit)."""
 
@@ -347,7 +326,7 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
     judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
     try:
         records = _records(train, window.newest_step, settings.half_life_steps)
-        fit = calibrate(_robust(records, current), base=current, warn=False)
+        fit = calibrate(records, base=current, warn=False, robust=True)  # outliers trimmed there
     except ValueError as exc:
         logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, judge),

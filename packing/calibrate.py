@@ -558,27 +558,132 @@ def _check_order(des: _Design, base: CostModel) -> list[str]:
     return notes
 
 
-def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None, *, warn: bool = True) -> CalibrationResult:
+def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = None, *, warn: bool = True,
+              robust: bool = True) -> CalibrationResult:
     """Fit the parameters of a `CostModel` that the records determine; keep the others from ``base``.
 
     ``base`` (default: a `CostModel()` with zero overheads) supplies every parameter the records
     cannot determine (see the module docstring: no k >= 2 records, one group size only, comm
     always hidden, no round records, too few records); the result names them and why.  Raises
     ValueError when there is no group record, a record is malformed, or the times fall as the
-    work grows.  ``warn=False`` logs the result's warnings at INFO instead of WARNING (for fits that
-    run again and again, like the engine's self-calibration).
+    work grows, and when the fit explains nothing (R² <= 0).  ``warn=False`` logs the result's warnings
+    at INFO instead of WARNING (for fits that run again and again, like the engine's self-calibration).
+
+    Robust to bad records: records whose time per unit of work is ``SCREEN_FACTOR`` off the median
+    are rejected by name before fitting; with ``robust`` the records far off a first fit are left out
+    of a second (trimmed residuals).  Scales to a long job's records: beyond ``MAX_FIT_RECORDS`` per
+    kind they are subsampled (evenly spaced, weights scaled).  The result's warnings say what was done.
     """
     base = base if base is not None else CostModel()
     recs = [validate_record(r, f"records[{i}]") for i, r in enumerate(records)]
-    groups = [r for r in recs if r["kind"] == "group"]
-    rounds = [r for r in recs if r["kind"] == "round"]
-    if not groups:
+    if not any(r["kind"] == "group" for r in recs):
         raise ValueError(
             "calibrate: records hold no group records ({'lengths', 'group_size', 'seconds'}); the unit "
             "time and a come from them"
         )
+    notes: list[str] = []
+    recs = _screen(recs, base, notes)
+    recs = _subsample(recs, notes)
+    first = _fit(recs, base, warn=False, notes=notes)
+    if not robust:
+        return _report(first, warn)
+    kept = _trim(recs, first.cost, notes)
+    if len(kept) == len(recs):
+        return _report(first, warn)
+    return _report(_fit(kept, base, warn=False, notes=notes), warn)
+
+
+MAX_FIT_RECORDS = 8192
+"""Most group records (and, separately, round records) one fit uses: more are subsampled (evenly spaced
+in input order, each kept record's weight scaled by the ratio), so a fit of a long job's records costs
+what one of 8,192 does (~3 s)."""
+SCREEN_FACTOR = 100.0
+"""A record whose time per unit of work is this many times off the records' median is rejected by name."""
+
+
+def _work_units(rec: Mapping[str, Any], a: float) -> float:
+    """a · sum Lp / k + sum Lp² / k of a group record (``k`` = its group size)."""
+    lengths, k = _group_fields(rec, "record")
+    lp = np.asarray([padded_float(float(x), k) for x in lengths])
+    return float((a * lp.sum() + (lp * lp).sum()) / k)
+
+
+def _screen(recs: list[dict[str, Any]], base: CostModel, notes: list[str]) -> list[dict[str, Any]]:
+    """Drop records whose seconds per unit of work are ``SCREEN_FACTOR`` off the median (a length typed
+    wrong, a stalled process, another machine): one such record can otherwise dominate a least-squares fit."""
+    a = float(base.linear_coef)
+    per = []
+    for r in recs:
+        if r["kind"] == "group":
+            per.append(float(r["seconds"]) / max(_work_units(r, a), 1e-300))
+        else:
+            w = max(_work_units(g, a) for g in r["groups"])
+            per.append(float(r["seconds"]) / max(w, 1e-300))
+    per_arr = np.log10(np.asarray(per))
+    med = float(np.median(per_arr[[r["kind"] == "group" for r in recs]]))
+    bad = np.flatnonzero(np.abs(per_arr - med) > np.log10(SCREEN_FACTOR))
+    if bad.size == 0:
+        return recs
+    shown = ", ".join(
+        f"records[{i}] ({recs[i]['kind']}, {recs[i]['seconds']:.3g} s for "
+        f"{'lengths ' + str(recs[i]['lengths'][:4]) if recs[i]['kind'] == 'group' else str(len(recs[i]['groups'])) + ' groups'})"
+        for i in bad[:5])
+    notes.append(f"calibrate: rejected {bad.size} record(s) whose time per unit of work is more than "
+                 f"{SCREEN_FACTOR:g}x off the others' median: {shown}{' ...' if bad.size > 5 else ''}")
+    kept = [r for i, r in enumerate(recs) if i not in set(bad.tolist())]
+    if not any(r["kind"] == "group" for r in kept):
+        raise ValueError("calibrate: every group record was rejected as inconsistent; check the records")
+    return kept
+
+
+def _subsample(recs: list[dict[str, Any]], notes: list[str]) -> list[dict[str, Any]]:
+    """At most ``MAX_FIT_RECORDS`` group and round records each: evenly spaced, weights scaled."""
+    out: list[dict[str, Any]] = []
+    for kind in ("group", "round"):
+        these = [r for r in recs if r["kind"] == kind]
+        if len(these) <= MAX_FIT_RECORDS:
+            out += these
+            continue
+        idx = np.unique(np.linspace(0, len(these) - 1, MAX_FIT_RECORDS).round().astype(int))
+        scale = len(these) / idx.size
+        out += [{**these[i], "weight": _weight(these[i], kind) * scale} for i in idx]
+        notes.append(f"calibrate: {len(these)} {kind} records subsampled to {idx.size} (evenly spaced, weights x{scale:.3g})")
+    return out
+
+
+def _trim(recs: list[dict[str, Any]], cost: CostModel, notes: list[str]) -> list[dict[str, Any]]:
+    """``recs`` without the outliers of a first fit (a descheduled process, a GC pause): records whose
+    |log(predicted / measured)| exceeds max(0.05, 3 x 1.48 x its median, its 80th percentile) (at most a
+    fifth); the second fit then runs on the rest."""
+    pred = []
+    for r in recs:
+        if r["kind"] == "group":
+            pred.append(group_seconds(cost, r["lengths"], r["group_size"]))
+        else:
+            beta = cost.round_cost * cost.unit_time_s
+            pred.append(max(group_seconds(cost, g["lengths"], g["group_size"]) for g in r["groups"]) + beta)
+    dev = np.abs(np.log(np.array(pred) / np.array([float(r["seconds"]) for r in recs])))
+    limit = max(0.05, 3.0 * 1.4826 * float(np.median(dev)), float(np.quantile(dev, 0.8)))
+    kept = [r for r, d in zip(recs, dev) if d <= limit]
+    if len(kept) < len(recs) and any(r["kind"] == "group" for r in kept):
+        notes.append(f"calibrate: {len(recs) - len(kept)} record(s) more than {np.exp(limit):.3g}x off the first fit "
+                     "left out of the second (trimmed residuals)")
+        return kept
+    return recs
+
+
+def _report(result: "CalibrationResult", warn: bool) -> "CalibrationResult":
+    for msg in result.warnings:
+        logger.log(logging.WARNING if warn else logging.INFO, "%s", msg)
+    return result
+
+
+def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequence[str]) -> "CalibrationResult":
+    """One fit of ``recs`` (validated): see :func:`calibrate`."""
+    groups = [r for r in recs if r["kind"] == "group"]
+    rounds = [r for r in recs if r["kind"] == "round"]
     des = _design(groups)
-    warnings: list[str] = _check_order(des, base)
+    warnings: list[str] = [*notes, *_check_order(des, base)]
     reasons: dict[str, str] = {}
 
     # structural limits of the design
@@ -675,7 +780,10 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
         else:
             values[n] = base.linear_coef if n == "linear_coef" else getattr(base, n) * (1.0 if in_units else u_base / u)
     values["round_cost"] = base.round_cost * (1.0 if in_units else u_base / u)
-    cost = replace(base, **values)
+    try:
+        cost = replace(base, **values)
+    except ValueError as exc:
+        raise ValueError(f"calibrate: the records fit no physical cost model ({exc}); check the records") from None
 
     if rounds:
         excess = np.array([
@@ -701,6 +809,11 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
     ss_tot = float(np.sum((measured - measured.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")  # one distinct time: R² undefined
     rel = np.abs(predicted - measured) / measured
+    if len(recs) >= 3 and np.isfinite(r2) and r2 <= 0.0:
+        raise ValueError(
+            f"calibrate: the fit explains nothing (R²={r2:.3g}: no better than the records' mean time; median "
+            f"relative error {float(np.median(rel)):.1%}); check that the records come from one machine and model"
+        )
     if len(recs) >= 3 and np.isfinite(r2) and r2 < 0.9:
         warnings.append(
             f"calibrate: the model explains the records poorly (R²={r2:.3f}, median relative error "
@@ -708,8 +821,6 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
         )
     from_base = tuple(n for n in PARAMETERS if n in reasons)
     fitted = tuple(n for n in PARAMETERS if n not in reasons)
-    for msg in warnings:
-        logger.log(logging.WARNING if warn else logging.INFO, "%s", msg)
     for n in from_base:
         logger.info("calibrate: %s kept from the base model (%s)", n, reasons[n])
     logger.info("calibrate: %d records, R2=%.4f, median rel err=%.3g", len(recs), r2, float(np.median(rel)))

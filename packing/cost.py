@@ -49,6 +49,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MAX_PARAMETER = 1e30
+"""Largest value of a unit-valued `CostModel` parameter (beyond it step times of long samples overflow)."""
+MIN_UNIT_TIME_S = 1e-30
+MAX_UNIT_TIME_S = 1.0
+"""Range of `CostModel.unit_time_s` (seconds per token pair of attention)."""
+
 __all__ = ["CostModel", "PARAMETERS", "work", "padded_length", "padded_float", "max_rank_tokens", "min_group_size", "pow2_ceil"]
 
 
@@ -170,9 +176,15 @@ class CostModel:
                 raise ValueError(f"cost.{name}={value!r}: must be a finite number >= 0")
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost.{name}={value!r}: must be a finite number >= 0")
+            if value > MAX_PARAMETER:
+                raise ValueError(f"cost.{name}={value!r}: above {MAX_PARAMETER:g} units, where step times of long "
+                                 "samples overflow; no machine costs that (a unit is one token pair of attention)")
         u = self.unit_time_s
         if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not np.isfinite(u) or u <= 0:
             raise ValueError(f"cost.unit_time_s={u!r}: must be a finite number > 0 (seconds per unit)")
+        if not MIN_UNIT_TIME_S <= u <= MAX_UNIT_TIME_S:
+            raise ValueError(f"cost.unit_time_s={u!r}: must be in [{MIN_UNIT_TIME_S:g}, {MAX_UNIT_TIME_S:g}] seconds per "
+                             "unit (one token pair of attention: ~1e-9 s on one accelerator)")
 
     def save(self, path: str | os.PathLike[str], *, metadata: dict | None = None) -> None:
         """Write this model to a cost-model file (`hdp.packing.cost_file`; ``hdp plan --cost-model`` reads it)."""

@@ -72,6 +72,36 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
+MAX_FILE_BYTES = 1 << 20
+"""Largest cost-model file read (a real one is ~2 KB)."""
+
+
+def read_bounded_text(path: Path, limit: int, what: str, fix: str) -> str:
+    """The text of regular file ``path`` of at most ``limit`` bytes; ValueError naming ``what`` otherwise
+    (a device like /dev/zero, a directory, a huge file, binary data)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r}: cannot read it ({exc.strerror or exc})") from exc
+    import stat as stat_module
+
+    if not stat_module.S_ISREG(st.st_mode):
+        raise ValueError(f"{what} {str(path)!r} is not a regular file (a directory or a device); {fix}")
+    if st.st_size > limit:
+        raise ValueError(f"{what} {str(path)!r} has {st.st_size} bytes, more than the {limit} a {what} may have; {fix}")
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r}: cannot read it ({exc.strerror or exc})") from exc
+    if len(raw) > limit:
+        raise ValueError(f"{what} {str(path)!r} grew past {limit} bytes while read; {fix}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {str(path)!r}: not a text file; {fix}") from None
+
+
 def cost_document(cost: CostModel, *, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON document of a cost-model file for ``cost`` (what `save_cost_model` writes).
 
@@ -114,16 +144,14 @@ def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: 
 def read_cost_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole checked document of a cost-model file (parameters and metadata)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ValueError(f"cost-model file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"cost-model file {str(p)!r}: not a text file; pass the JSON written by hdp calibrate --out") from exc
+    text = read_bounded_text(p, MAX_FILE_BYTES, "cost-model file", "pass the JSON written by hdp calibrate --out")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"cost-model file {str(p)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except RecursionError:
+        raise ValueError(f"cost-model file {str(p)!r}: JSON nested too deeply to be a cost-model file; pass the JSON "
+                         "written by hdp calibrate --out") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(
@@ -209,7 +237,10 @@ def resolve_cost(value: object, field_name: str, *, auto: "Callable[[], CostMode
             return cost_model(model, profile)
         except ValueError as exc:
             raise ValueError(f"{field_name}={text!r}: {exc}") from exc
+    if not Path(text).exists():
+        raise ValueError(f"{field_name}={text!r} is neither a preset 'MODEL@PROFILE' nor an existing cost-model file; "
+                         f"pass {forms}")
     try:
         return load_cost_model(text)
     except ValueError as exc:
-        raise ValueError(f"{field_name}: {exc}; or pass {forms}") from exc
+        raise ValueError(f"{field_name}: {exc}") from exc

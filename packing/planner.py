@@ -11,6 +11,7 @@ import numpy as np
 from hdp.packing.config import PlannerConfig, Policy
 from hdp.packing.plan import Plan
 from hdp.packing.simulate import simulate
+from hdp.packing.single_rank import pack_rounds
 from hdp.packing.validate import validate_lengths
 
 __all__ = ["plan", "POLICY_MODULES"]
@@ -27,19 +28,26 @@ POLICY_MODULES: dict[Policy, str] = {
 def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
     """Plan one step: which samples run on which ranks in which round.
 
-    Pure and deterministic: the same (lengths, config) give an identical plan on every rank.
+    Pure and deterministic: the same (lengths, config) give an identical plan on every rank.  A
+    domain of one rank is plain packing at the fewest rounds, whatever the policy
+    (`hdp.packing.single_rank`).
     Raises ValueError for bad input (empty batch, non-positive or non-integer lengths, a sample
     that does not fit N x B), and `hdp.packing.policies.common.TooLarge` (a ValueError) when a
     baseline policy would take too long on a batch this large.
     """
     arr = validate_lengths(lengths, config.num_ranks, config.max_tokens_per_rank)
-    module = importlib.import_module(POLICY_MODULES[config.policy])
-    check_scale = getattr(module, "check_scale", None)
-    if check_scale is not None:  # a policy that cannot plan this batch in reasonable time says so now
-        check_scale(arr, config)
-    t0 = time.perf_counter()
-    a = module.assign(arr, config)
-    planner_ms = (time.perf_counter() - t0) * 1e3
+    if config.num_ranks == 1:  # no groups to choose: plain packing at the fewest rounds (every policy)
+        t0 = time.perf_counter()
+        a = pack_rounds(arr, config.max_tokens_per_rank)
+        planner_ms = (time.perf_counter() - t0) * 1e3
+    else:
+        module = importlib.import_module(POLICY_MODULES[config.policy])
+        check_scale = getattr(module, "check_scale", None)
+        if check_scale is not None:  # a policy that cannot plan this batch in reasonable time says so now
+            check_scale(arr, config)
+        t0 = time.perf_counter()
+        a = module.assign(arr, config)
+        planner_ms = (time.perf_counter() - t0) * 1e3
     p = Plan.from_columns(
         num_ranks=config.num_ranks,
         max_tokens_per_rank=config.max_tokens_per_rank,

@@ -8,7 +8,7 @@ with sensible defaults, called as ``WORKLOADS[name](n=..., seed=..., **overrides
 from __future__ import annotations
 
 import functools
-import gzip
+import zlib
 import logging
 import os
 from collections.abc import Callable
@@ -162,22 +162,48 @@ def wikipedia(n: int, max_len: int = 32_768, seed: int = 0, path: str | os.PathL
     return np.clip(pool[idx], 1, max_len).astype(np.int64)
 
 
+MAX_LENGTHS_BYTES = 1 << 30
+"""Largest lengths file read (1 GiB: ~100M lengths)."""
+
+
+def read_bounded_bytes(path: Path, limit: int, fix: str) -> bytes:
+    """The bytes of regular file ``path`` (at most ``limit``); ValueError otherwise."""
+    import stat as stat_module
+
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ValueError(f"lengths file {str(path)!r}: cannot read it ({exc.strerror or exc})") from exc
+    if not stat_module.S_ISREG(st.st_mode) or st.st_size > limit:
+        raise ValueError(f"lengths file {str(path)!r} is not a regular file of at most {limit} bytes; {fix}")
+    return path.read_bytes()
+
+
 def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """Read one integer length per line; blank lines and ``#`` comments are skipped.
 
     Raises ValueError naming the line number and content of the first line that is not an
     integer.  Values are not range-checked here (the planner validates them).
     """
+    from hdp.packing.cost_file import read_bounded_text
+
     p = Path(path)
-    try:
-        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
-    except (OSError, EOFError) as exc:
-        raise ValueError(f"lengths file {str(p)!r}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"lengths file {str(p)!r}: byte {exc.start} is not UTF-8 text (a binary file?); "
-            "write one integer length per line"
-        ) from None
+    fix = "write one integer length per line"
+    if p.suffix == ".gz":
+        raw = read_bounded_bytes(p, MAX_LENGTHS_BYTES, fix)
+        try:
+            d = zlib.decompressobj(wbits=31)
+            data = d.decompress(raw, MAX_LENGTHS_BYTES + 1)
+        except zlib.error as exc:
+            raise ValueError(f"lengths file {str(p)!r}: not a gzip file ({exc}); {fix}") from None
+        if len(data) > MAX_LENGTHS_BYTES:
+            raise ValueError(f"lengths file {str(p)!r} unpacks to more than {MAX_LENGTHS_BYTES} bytes; {fix}")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"lengths file {str(p)!r}: not UTF-8 text; {fix}") from None
+    else:
+        text = read_bounded_text(p, MAX_LENGTHS_BYTES, "lengths file", fix)
     values: list[int] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()

@@ -419,3 +419,48 @@ def test_calibrate_speed_example_fits_its_records():
     assert secs > 0 and len(fits) == 6
     for (base, _), fit in zip(sets, fits):
         assert fit.unit_time_s == pytest.approx(base.unit_time_s, rel=0.05)
+
+
+# ---- bad records a long job produces, and a long job's record count ---------------------------------------
+
+
+def test_an_outlier_record_is_rejected_by_name_and_the_fit_holds():
+    """One record of length 10^12 among 400 used to pull the unit time to 1.4e-72 (R² -9.5e11, exit 0)."""
+    true = PARAMETER_SETS["h100-dense"]
+    recs = _records(true, seed=3, n=360)
+    bad = len(recs)
+    recs.append({"lengths": [10**12], "group_size": 1, "seconds": 1.0})
+    res = calibrate(recs, base=_base())
+    assert any(f"records[{bad}]" in w and "rejected 1 record" in w for w in res.warnings), res.warnings
+    assert abs(res.cost.unit_time_s / true.unit_time_s - 1) < 0.08 and res.r2 > 0.98
+
+
+def test_a_stalled_rank_is_trimmed_from_the_second_fit():
+    true = PARAMETER_SETS["h100-dense"]
+    recs = _records(true, seed=4, n=240)
+    for r in recs[:12]:  # a descheduled process: 3x slower, not enough to be rejected up front
+        r["seconds"] *= 3.0
+    res = calibrate(recs, base=_base())
+    assert any("left out of the second" in w for w in res.warnings), res.warnings
+    assert abs(res.cost.unit_time_s / true.unit_time_s - 1) < 0.08
+
+
+def test_a_fit_that_explains_nothing_is_refused():
+    rng = np.random.default_rng(5)
+    noise = [{"lengths": [int(rng.integers(100, 9000))], "group_size": 1, "seconds": float(rng.uniform(0.1, 1.0))}
+             for _ in range(200)]
+    with pytest.raises(ValueError, match=r"the fit explains nothing \(R²="):
+        calibrate(noise, base=_base())
+
+
+def test_a_long_jobs_records_are_subsampled():
+    """10^5 records took 232 s; beyond MAX_FIT_RECORDS per kind they are subsampled (evenly spaced, weights
+    scaled), so the fit costs what 8,192 records do; the fit is the truth's within the noise."""
+    from hdp.packing.calibrate import MAX_FIT_RECORDS
+
+    true = PARAMETER_SETS["cpu-gloo"]
+    recs = _records(true, seed=6, n=3 * MAX_FIT_RECORDS, rounds=2 * MAX_FIT_RECORDS)
+    res = calibrate(recs, base=_base())
+    assert res.n_group_records <= MAX_FIT_RECORDS and res.n_round_records <= MAX_FIT_RECORDS
+    assert any("subsampled" in w for w in res.warnings)
+    assert abs(res.cost.unit_time_s / true.unit_time_s - 1) < 0.08

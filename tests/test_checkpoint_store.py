@@ -157,3 +157,39 @@ def test_forked_writers_die_with_a_killed_parent(tmp_path):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the forked writer outlived its killed parent")
+
+
+# ---- one writer at a time -------------------------------------------------------------------------------
+
+
+def _save_while_locked(rank: int, world: int, root: str) -> dict:
+    try:
+        _save(Path(root), rank, 1, 1.0)
+        return {"error": None}
+    except (CheckpointError, DomainStepError) as exc:
+        return {"error": str(exc)}
+
+
+def test_a_second_writer_is_refused_and_the_lock_file_removed(tmp_path) -> None:
+    """Another job holds the save lock of the path (it is mid-save): every rank of this job raises naming the
+    path and the other writer, nothing is written; once the other writer is done, saving works and no lock
+    file is left behind."""
+    import fcntl
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    lock = root / ".hdp-save.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, b"pid 4242 on other-host", 0)
+    try:
+        out = run_distributed(_save_while_locked, WORLD, str(root), timeout=240)
+    finally:
+        os.close(fd)
+        lock.unlink()
+    for o in out:
+        assert o["error"] and "being saved by another writer (pid 4242 on other-host)" in o["error"], o
+    assert sorted(p.name for p in root.iterdir()) == [], list(root.iterdir())  # nothing written
+    out = run_distributed(_save_while_locked, WORLD, str(root), timeout=240)
+    assert all(o["error"] is None for o in out), out
+    assert (root / "manifest.json").is_file() and not lock.exists()

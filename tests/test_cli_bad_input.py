@@ -21,6 +21,13 @@ def no_run(monkeypatch):
 
     monkeypatch.setattr(bench_train, "bench_train", boom)
     monkeypatch.setattr(bench_faults, "run_faults", boom)
+    import hdp.trainer.launch as launch
+
+    def spawn_checked(fn, world_size, *a, **k):  # the capacity check runs; a real start does not
+        launch.check_local_capacity(world_size)
+        boom()
+
+    monkeypatch.setattr(launch, "spawn", spawn_checked)
 
 
 def _files(tmp_path):
@@ -34,6 +41,20 @@ def _files(tmp_path):
         p = tmp_path / f"{name}.json"
         p.write_text(text)
         out[name] = str(p)
+    huge = {"format": "hdp-cost-model", "version": 2, "parameters": {
+        "linear_coef": 1e308, "round_cost": 1e308, "step_overhead": 0.0, "step_latency": 0.0, "comm_per_token": 0.0,
+        "merge_per_token": 0.0, "cp_per_token": 0.0, "unit_time_s": 1e-9}}
+    (tmp_path / "huge.json").write_text(json.dumps(huge))
+    out["huge"] = str(tmp_path / "huge.json")
+    (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
+    out["deep"] = str(tmp_path / "deep.json")
+    import random
+
+    rng = random.Random(0)  # seconds unrelated to the work: a fit that explains nothing
+    noise = [{"kind": "group", "lengths": [rng.randint(100, 9000)], "group_size": 1, "seconds": rng.uniform(0.1, 1.0)}
+             for _ in range(200)]
+    (tmp_path / "noise.jsonl").write_text("".join(json.dumps(r) + "\n" for r in noise))
+    out["noise"] = str(tmp_path / "noise.jsonl")
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
     out["a-file"] = str(tmp_path / "a-file")
@@ -62,6 +83,15 @@ CASES = [
     (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--no-peers", "--plot-dir", "{a-file}"],
      "is an existing file"),
     (["plan", "--lengths", "{binary}", "-N", "8", "-B", "8192"], "binary.txt"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--cost-model", "{huge}"], "above 1e+30 units"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--cost-model", "{deep}"], "nested too deeply"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--cost-model", "/dev/zero"], "is not a regular file"),
+    (["plan", "--lengths", "/dev/zero", "-N", "8", "-B", "8192"], "is not a regular file"),
+    (["plan", "--workload", "rl", "--samples", "1e10", "-N", "8", "-B", "8192"], "[1, 10,000,000]"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--plot", "{dir}"], "--plot=" ),
+    (["demo", "--out", "{a-file}"], "is a file; name a folder"),
+    (["bench", "train", "--ranks", "10000"], "local ranks"),
+    (["calibrate", "--records", "{noise}"], "the fit explains nothing"),
 ]
 
 

@@ -100,3 +100,30 @@ def test_verl_engine_faults_through_the_cli() -> None:
         assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
     assert rows["verl-nan-loss"]["skipped_with_nan_grad_norm"] and rows["verl-nan-loss"]["usable_after"]
     assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]
+
+
+@pytest.mark.slow
+def test_own_errors_interrupts_a_stopped_peer_and_a_full_disk(tmp_path) -> None:
+    """A rank's own RuntimeError in a round's forward and in a CP backward (collective timeout 300 s): every
+    rank raises within 5 s naming the rank and its error; SIGINT on one rank in a dist save and in a dist
+    load: every rank exits at once and the previous checkpoint loads bit for bit; a peer stopped during the
+    validation agreement: DomainUnreachableError naming the phase, later calls refused; calibration records
+    on a full disk: the step succeeds on every rank and the metric reports the failed write."""
+    from hdp.trainer.bench.faults import run_faults
+
+    report = run_faults(timeout_s=TIMEOUT_S, only=("own-error-in-round", "sigint-during-dist-checkpoint",
+                                                   "sigstop-during-validation", "calibration-log-full-disk"),
+                        workdir=str(tmp_path))
+    rows = {r["fault"]: r for r in report["faults"]}
+    assert set(rows) == {"own-error-in-round-forward", "own-error-in-round-cp-backward", "sigint-during-dist-save",
+                         "sigint-during-dist-load", "sigstop-during-validation"}, sorted(rows)
+    for name in ("own-error-in-round-forward", "own-error-in-round-cp-backward"):
+        r = rows[name]
+        assert r["ok"] and r["seconds_to_exit"] <= 5.0 and r["names_rank_and_error"] and r["next_call_refused"], r
+        assert r["ranks_raised"] == [0, 1, 2, 3] and r["state_unchanged"], r
+    for name in ("sigint-during-dist-save", "sigint-during-dist-load"):
+        r = rows[name]
+        assert r["ok"] and r["ranks_raised"] == [0, 1, 2] and r["seconds_to_exit"] <= 5.0, r
+    r = rows["sigstop-during-validation"]
+    assert r["ok"] and r["names_phase"] and r["next_call_refused"], r
+    assert all(report["checks"].values()) and len(report["checks"]) == 4, report["checks"]

@@ -195,3 +195,25 @@ def test_pow2_sample_that_fits_no_block_is_rejected(lengths, n_ranks, budget):
     cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, group_shape="pow2", cost=COSTS["cpu"])
     with pytest.raises(ValueError, match=r"lengths\[0\]=.*power-of-two block"):
         plan(lengths, cfg)
+
+
+def test_one_rank_is_plain_packing_at_the_fewest_rounds():
+    """N = 1: every policy packs 10^5 samples first-fit decreasing (it planned 100,000 rounds where ~21,700
+    suffice, megatron-dcp ran > 600 s, verl-kk asked for 16 GiB); within 0.5% of the bound ceil(sum L / B)."""
+    import time
+
+    import numpy as np
+
+    from hdp.packing.workloads import get_workload
+
+    lengths = get_workload("rl")(n=100_000, seed=3)
+    budget = int(lengths.max()) * 2
+    bound = int(np.ceil(lengths.sum() / budget))
+    for policy in ("hdp", "megatron-dcp", "verl-kk", "static-cp"):
+        t0 = time.perf_counter()
+        p = plan(lengths, PlannerConfig(num_ranks=1, max_tokens_per_rank=budget, policy=policy))
+        assert time.perf_counter() - t0 < 30.0  # a correctness guard, not a speed target (see hdp bench planner)
+        check_plan(p)
+        assert bound <= p.num_rounds <= 1.005 * bound + 1, (policy, p.num_rounds, bound)
+    small = plan([5, 3, 2, 7, 1], PlannerConfig(num_ranks=1, max_tokens_per_rank=8))
+    assert small.num_rounds == 3 and sorted(small.tokens_per_rank()[:, 0].tolist()) == [2, 8, 8]

@@ -250,6 +250,10 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
         return
     ckpt = os.path.join(tmp, "ckpt")
     act.save_checkpoint(ckpt, global_step=1)
+    import tempfile
+
+    left = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(os.path.abspath(ckpt)) & 0xFFFFFFFF:08x}.lock")
+    assert not os.path.exists(left), f"verl's mkdir lock {left} was left behind"
     saved_weights = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
     saved_moments = _adam_moments(engine)
     m2 = update()

@@ -207,9 +207,74 @@ def save_slots(
     ``write(slot_dir)`` runs on every rank of ``group`` (the ranks that write the checkpoint; rank 0
     of it commits) and writes this rank's part.  Every phase is agreed through ``guard``; a failure
     on any rank raises on every rank and leaves the committed checkpoint as it was.
+    A ``write`` that runs collectives (Megatron's dist checkpointing) must run them on a group of its
+    own that it aborts when it fails on this rank (see ``HdpEngine._checkpoint_group``), so that the
+    peers leave them and reach the agreement.
+
+    **One writer at a time.** Rank 0 holds an exclusive lock on ``path/.hdp-save.lock`` (``flock``)
+    from before the slot is chosen until after the commit: a second job saving to the same path
+    fails at once on every rank naming the path, instead of both reporting success while one job's
+    checkpoint is silently lost.  The lock file is removed when the save ends.  (``flock`` is
+    local-file-system and NFSv4 semantics; it is not a cross-host lock on every shared file system.)
     """
     root = Path(path)
+    lock = _SaveLock(root) if rank == 0 else None
+    try:
+        return _save_locked(root, lock, guard=guard, group=group, rank=rank, size=size, step=step, format=format,
+                            meta=meta, write=write)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class _SaveLock:
+    """An exclusive ``flock`` on ``root/.hdp-save.lock`` (taken by :meth:`acquire`, file removed on release)."""
+
+    NAME = ".hdp-save.lock"
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / self.NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = ""
+            try:
+                owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            raise CheckpointError(
+                f"checkpoint {str(self.path.parent)!r} is being saved by another writer ({owner or 'unknown'}): two "
+                "jobs must not save to one path (one job's checkpoints would be silently lost); give each job its own "
+                "checkpoint directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still holding the lock: nobody else holds this inode
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _save_locked(root: Path, lock: "_SaveLock | None", *, guard: StepGuard, group: dist.ProcessGroup, rank: int,
+                 size: int, step: int, format: str, meta: Mapping[str, Any], write: Callable[[Path], None]) -> Manifest:
     with guard.phase("save: prepare", step):
+        if lock is not None:
+            lock.acquire()
         try:
             current = read_manifest(root).slot
         except CheckpointError:

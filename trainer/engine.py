@@ -254,7 +254,8 @@ class HdpEngine:
     """
 
     def __init__(self, config: EngineConfig, groups: LayoutGroups, runtime: mc.MegatronRuntime,
-                 model_chunks: Sequence[Any], optimizer: Any, device: torch.device) -> None:
+                 model_chunks: Sequence[Any], optimizer: Any, device: torch.device,
+                 ledger: GroupLedger | None = None) -> None:
         self.config = config
         self.groups = groups
         self.runtime = runtime
@@ -267,13 +268,14 @@ class HdpEngine:
         self.round_seconds: list[float] = []
         self.core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self.model_chunks, device=device,
                               pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
-                              timeout_s=config.collective_timeout_s, optimizer=optimizer)
+                              timeout_s=config.collective_timeout_s, optimizer=optimizer,
+                              abort_groups=ledger.created if ledger is not None else None)
         self.planner = DomainPlanner(config.planning.planner_config(self.num_ranks, pipeline_stages=config.parallel.pp),
                                      config.planning.auto_calibrate, groups,
                                      collective_device=self.core.collective_device,
                                      records_path=config.calibration_path)
         self._closed = False
-        self._ledger: GroupLedger | None = None  # set by build(): the groups close() destroys
+        self._ledger = ledger  # the groups close() destroys (build() makes it)
 
     @property
     def model(self) -> Any:
@@ -358,14 +360,13 @@ class HdpEngine:
             optimizer = build_optimizer(ddp, config.optim, groups=pgc)
             groups = LayoutGroups(world=job, domain=DomainGroups.build(pgc.dp, timeout_s=timeout_s), tp=pgc.tp,
                                   pp=pgc.pp, ep=pgc.ep)
-            engine = cls(config, groups, runtime, ddp, optimizer, device)
+            engine = cls(config, groups, runtime, ddp, optimizer, device, ledger)
         except BaseException:
             runtime.close()
             ledger.release()
             raise
         logger.info("hdp engine: world %d = TP %d x PP %d (x%d virtual) x domain %d, EP %d, device %s",
                     world, par.tp, par.pp, par.vpp, groups.domain.size, par.ep, device)
-        engine._ledger = ledger
         return engine
 
     def close(self) -> None:
@@ -714,7 +715,8 @@ class HdpEngine:
             def write(slot: Path) -> None:
                 if fmt is CheckpointFormat.DIST:
                     mc.checkpoint_writers_die_with_parent()  # its spawned helper dies with this rank
-                    dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(slot))
+                    with self.core.checkpoint_collectives():  # Megatron's collectives: the engine's timeout, released on failure
+                        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(slot))
                 else:
                     torch.save(self._payload(), slot / f"rank_{self.groups.world_rank}.pt")
 
@@ -745,7 +747,8 @@ class HdpEngine:
                 with self.core.guard.phase("load: apply", step):
                     before = to_host(self._payload())  # the state to restore if any rank fails to load
                     if manifest.format == CheckpointFormat.DIST.value:
-                        self._load_dist(slot)
+                        with self.core.checkpoint_collectives():  # Megatron's collectives: released when this rank fails
+                            self._load_dist(slot)
                     else:
                         state = torch.load(slot / f"rank_{self.groups.world_rank}.pt", map_location=self.device,
                                            weights_only=False)

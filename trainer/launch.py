@@ -214,6 +214,28 @@ class RankOutcome:
     """The process exit code (negative: killed by that signal)."""
 
 
+RANKS_PER_CPU = 16
+"""Local ranks per CPU core this launcher starts at most (gloo ranks mostly wait on each other)."""
+BYTES_PER_RANK = 256 << 20
+"""Memory one local rank needs at least (torch and Megatron imported: ~250 MB resident)."""
+
+
+def check_local_capacity(world_size: int) -> None:
+    """Raise ValueError, before any process starts, when this machine cannot run ``world_size`` local ranks
+    (more than ``RANKS_PER_CPU`` per core, or than the available memory holds at ``BYTES_PER_RANK``)."""
+    import psutil
+
+    cpus = os.cpu_count() or 1
+    free = int(psutil.virtual_memory().available)
+    limit = max(1, min(cpus * RANKS_PER_CPU, free // BYTES_PER_RANK))
+    if world_size > limit:
+        raise ValueError(
+            f"world_size={world_size}: this machine can run at most {limit} local ranks ({cpus} CPUs x "
+            f"{RANKS_PER_CPU}, {free / 2**30:.1f} GiB available / {BYTES_PER_RANK >> 20} MiB per rank); ask for fewer "
+            "ranks, or launch them over several machines (torchrun)"
+        )
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -239,6 +261,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
+    check_local_capacity(world_size)
     try:
         payload = pickle.dumps((fn, args))
     except Exception as exc:

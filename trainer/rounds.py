@@ -40,7 +40,7 @@ import contextlib
 import datetime
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,8 @@ from hdp.checksum import agree_step
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, local_meta, pack
 from hdp.groups import LayoutGroups
-from hdp.guard import DomainStepError, DomainUnreachableError, StepGuard, describe, is_input_error
+from hdp.alarm import Alarm, is_transport_error
+from hdp.guard import DomainStepError, DomainUnreachableError, RankFailedError, StepGuard, describe, is_input_error
 from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 
@@ -159,11 +160,13 @@ class RoundCore:
     (passed to the pipeline schedules); ``chunks``: this rank's DDP model chunks (one, or one per
     virtual stage); ``pad_token_id``: the token padding runs; ``cp_algorithm``: ring everywhere, or
     all-gather on aligned power-of-two groups; ``timeout_s``: quoted in errors; ``optimizer``: Megatron's
-    optimizer over ``chunks`` (``None`` for a forward-only engine).
+    optimizer over ``chunks`` (``None`` for a forward-only engine); ``abort_groups``: every process group
+    the engine communicates on (aborted when a rank fails inside a phase, :mod:`hdp.alarm`).
     """
 
     def __init__(self, *, groups: LayoutGroups, megatron_groups: Any, chunks: Sequence[Any], device: torch.device,
-                 pad_token_id: int, cp_algorithm: CPAlgorithm, timeout_s: float, optimizer: Any = None) -> None:
+                 pad_token_id: int, cp_algorithm: CPAlgorithm, timeout_s: float, optimizer: Any = None,
+                 abort_groups: Callable[[], Iterable[dist.ProcessGroup]] | None = None) -> None:
         self.groups = groups
         self.optimizer = optimizer
         self.megatron_groups = megatron_groups
@@ -180,6 +183,8 @@ class RoundCore:
         self.guard = StepGuard(group=groups.world, rank=groups.world_rank, size=groups.world_size,
                                device=self.collective_device, timeout_s=self.timeout_s, label="world rank")
         self.broken: str | None = None
+        self.alarm = Alarm.for_job(groups.world, groups.world_rank, abort_groups or (lambda: ()))
+        self.alarm.start()
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
         self._chunk_index = {id(m): i for i, m in enumerate(self.chunks)}
         self._holds_loss = any(_post_process(m) for m in self.chunks)
@@ -196,7 +201,9 @@ class RoundCore:
         return dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=float(timeout_s)))
 
     def close(self) -> None:
-        """Remove the core's hooks and drop its references (the engine destroys the groups)."""
+        """Stop the alarm's watcher, remove the core's hooks and drop its references (the engine destroys
+        the groups)."""
+        self.alarm.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks, self.chunks, self._chunk_index, self._p2p, self._state = [], [], {}, None, None
@@ -216,10 +223,14 @@ class RoundCore:
     def collectives(self, phase: str, step: int) -> Iterator[None]:
         """Run a phase whose collectives cannot be abandoned on one rank alone (rounds, optimizer, save).
 
-        An exception here (a peer died or hangs and the group's timeout expired, or this rank
-        failed in the middle of the phase's collectives) leaves the job's groups out of step: the
-        core marks itself unusable and raises :class:`~hdp.guard.DomainUnreachableError` naming the
-        step, the phase and the timeout.  Errors the step guard already agreed on pass through.
+        An exception here leaves the job's groups out of step, and the core marks itself unusable.
+        When it is this rank's own error (not a broken collective), the rank tells every rank at once
+        (:mod:`hdp.alarm`: the store, then an abort of its groups) and every rank raises
+        :class:`~hdp.guard.RankFailedError` naming it and its error within seconds.  When a
+        collective broke and no rank published a failure (a peer died or hangs: the group's timeout
+        expired), this rank raises :class:`~hdp.guard.DomainUnreachableError` naming the step, the
+        phase and the timeout, and releases the others the same way.  Errors the step guard already
+        agreed on pass through.
         """
         try:
             yield
@@ -228,6 +239,28 @@ class RoundCore:
         except BaseException as exc:
             where = f"step {step}, phase {phase!r}"
             self.broken = f"{where} ({describe(exc)})"
+            me, world = self.groups.world_rank, self.groups.world_size
+            own = not (is_transport_error(exc) or isinstance(exc, DomainUnreachableError) or self.alarm.tripped.is_set())
+            if own:
+                self.alarm.raise_alarm(f"error|{where}: {describe(exc)}")
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise RankFailedError(
+                    f"{where}: world rank {me} failed: {describe(exc)}; every rank was told and stops this step "
+                    "(nothing was applied). The engine is no longer usable: restart the job and load the last checkpoint",
+                    step=step, phase=phase, failures={me: f"{where}: {describe(exc)}"},
+                ) from exc
+            failures = {r: m.split("|", 1)[1] for r, m in self.alarm.failures(world, wait_s=3.0).items()
+                        if m.startswith("error|")}
+            if failures:
+                self.alarm.trip()
+                detail = "; ".join(f"world rank {r}: {m}" for r, m in sorted(failures.items()))
+                raise RankFailedError(
+                    f"{where}: world rank {me} stopped because {detail}. Nothing was applied this step; the engine is "
+                    "no longer usable: restart the job and load the last checkpoint",
+                    step=step, phase=phase, failures=failures,
+                ) from exc
+            self.alarm.raise_alarm(f"lost|{where}: world rank {me} saw {describe(exc)}")  # release the others
             if isinstance(exc, (KeyboardInterrupt, SystemExit, DomainUnreachableError)):
                 raise
             raise DomainUnreachableError(
@@ -238,6 +271,26 @@ class RoundCore:
                 "the last checkpoint",
                 step=step, phase=phase,
             ) from exc
+
+    @contextlib.contextmanager
+    def checkpoint_collectives(self) -> Iterator[None]:
+        """Make ``group=None`` collectives (Megatron's and verl's checkpoint code) run on a group of the
+        whole job made for this one save or load (`hdp.megatron_compat.default_group`): they get the
+        engine's timeout and are released by its alarm; when this rank fails inside them it aborts
+        the group, so the peers leave them at once and reach the step guard's agreement instead of
+        waiting.  The group is destroyed afterwards, on every rank alike."""
+        group = self.job_group(self.groups.world_size, self.timeout_s)
+        try:
+            with mc.default_group(group):
+                yield
+        except BaseException:
+            group.abort()
+            raise
+        finally:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - already aborted: nothing left to release
+                pass
 
     # -- phase 1: agree --
 
@@ -252,19 +305,30 @@ class RoundCore:
             plan, digest = work()
         except Exception as exc:  # every type: one rank's failure must reach every rank
             error, plan = exc, None
-        bad = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest,
-                         device=self.collective_device, domain_size=self.groups.domain.size, label="world rank")
-        if bad:
+        mismatch: ValueError | None = None  # a plan or data mismatch: raised alike on every rank
+        with self.collectives("validate", step):  # a peer lost here: DomainUnreachableError, engine unusable
             try:
-                self.guard.agree(f"{what}: validate", step, error)
-            except DomainStepError as agreed:
+                bad = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest,
+                                 device=self.collective_device, domain_size=self.groups.domain.size, label="world rank")
+            except ValueError as exc:
+                bad, mismatch = [], exc
+            agreed: DomainStepError | None = None
+            if bad:
+                try:
+                    self.guard.agree(f"{what}: validate", step, error)
+                except DomainStepError as exc:
+                    agreed = exc
+        if mismatch is not None:
+            raise mismatch
+        if bad:
+            if agreed is not None:
                 if error is not None and is_input_error(error):
                     me = self.groups.world_rank
                     others = [r for r in agreed.ranks if r != me]
                     also = f" (invalid input on world ranks {others} too)" if others else ""
                     raise type(error)(f"{what} (step {step}, world rank {me} = domain rank "
                                       f"{self.groups.domain.domain_rank}): {error}{also}") from error
-                raise
+                raise agreed
             raise RuntimeError(f"{what} (step {step}): world ranks {bad} reported a failure the agreement did not carry")
         assert plan is not None
         return plan

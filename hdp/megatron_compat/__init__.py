@@ -52,6 +52,7 @@ from hdp.megatron_compat.p2p import HdpP2PCommunicator, interleaved_schedule
 from hdp.megatron_compat.runtime import (
     MegatronRuntime,
     checkpoint_writers_die_with_parent,
+    default_group,
     destroy_megatron,
     initialize_megatron,
     manual_seed,
@@ -62,5 +63,5 @@ from hdp.megatron_compat.runtime import (
 
 __all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "HdpP2PCommunicator",
            "interleaved_schedule", "MegatronRuntime", "checkpoint_writers_die_with_parent", "destroy_megatron",
-           "initialize_megatron", "manual_seed", "megatron_groups", "release_ddp", "stop_checkpoint_writer",
+           "initialize_megatron", "manual_seed", "default_group", "megatron_groups", "release_ddp", "stop_checkpoint_writer",
            "_PROXIED_MODULES"]

@@ -4,9 +4,10 @@ writer's helper process)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -14,7 +15,7 @@ from hdp.megatron_compat.cpu_shim import CpuShim, apply_cpu_shim
 from hdp.megatron_compat.names import ProcessGroupCollection, parallel_state, tensor_parallel
 
 __all__ = ["MegatronRuntime", "initialize_megatron", "checkpoint_writers_die_with_parent", "release_ddp",
-           "stop_checkpoint_writer", "megatron_groups", "manual_seed", "destroy_megatron"]
+           "stop_checkpoint_writer", "megatron_groups", "manual_seed", "destroy_megatron", "default_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,3 +198,27 @@ def destroy_megatron() -> None:
         parallel_state.destroy_model_parallel()
 
 
+
+
+@contextlib.contextmanager
+def default_group(group: "torch.distributed.ProcessGroup") -> Iterator[None]:
+    """While active, ``group=None`` collectives run on ``group`` (a group over the whole world, ranks in
+    order) instead of the default group.
+
+    megatron-core 0.16.1's ``dist_checkpointing.save`` / ``load`` run ``gather_object``, ``barrier``
+    and friends on the default group, whose timeout is torch's (10-30 min) rather than the
+    engine's: a rank interrupted mid-save left its peers blocked there for that long.  With the
+    engine's job group as the default for the call, every collective of the checkpoint code has the
+    engine's timeout and is released by its alarm (:mod:`hdp.alarm`).  Restored on exit.  Can go when
+    Megatron's checkpoint functions take a process group.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if torch.distributed.get_world_size(group) != torch.distributed.get_world_size():
+        raise ValueError("default_group: the group must span the whole world")
+    old = c10d._world.default_pg
+    c10d._update_default_pg(group)
+    try:
+        yield
+    finally:
+        c10d._update_default_pg(old)

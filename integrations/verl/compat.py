@@ -16,6 +16,7 @@ checked in one place.  Private upstream state used here, and why:
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 from typing import Any, Iterator
 
@@ -49,6 +50,7 @@ __all__ = [
     "engine_registry",
     "tensordict_utils",
     "maybe_fix_3d_position_ids",
+    "mkdir_locks_removed",
     "mpu",
     "unwrap_model",
     "causal_mask_type",
@@ -175,3 +177,32 @@ def as_nested(tensors: list[Any]) -> Any:
     import torch
 
     return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+
+@contextlib.contextmanager
+def mkdir_locks_removed() -> Iterator[None]:
+    """While active, the lock files verl's ``local_mkdir_safe`` leaves in the temporary directory are
+    removed after each checkpoint save (verl 0.9.1 ``verl/utils/fs.py``: ``ckpt_<hash>.lock`` per
+    directory, never deleted).  Wraps the name ``megatron_checkpoint_manager`` imported.  Can go when
+    verl removes its lock files."""
+    import tempfile
+
+    import verl.utils.checkpoint.megatron_checkpoint_manager as manager
+
+    orig = manager.local_mkdir_safe
+    made: list[str] = []
+
+    def local_mkdir_safe(path: Any) -> Any:
+        out = orig(path)
+        made.append(str(path if os.path.isabs(str(path)) else os.path.join(os.getcwd(), str(path))))
+        return out
+
+    manager.local_mkdir_safe = local_mkdir_safe
+    try:
+        yield
+    finally:
+        manager.local_mkdir_safe = orig
+        for path in made:  # the name verl computes (hash of the path: this process's hash seed)
+            lock = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(path) & 0xFFFFFFFF:08x}.lock")
+            with contextlib.suppress(OSError):
+                os.remove(lock)

@@ -204,7 +204,8 @@ class HdpMegatronEngine(_MegatronLM):
         dev = next(self.module[0].parameters()).device
         self.core = RoundCore(groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, device=dev,
                               pad_token_id=self.pad_token_id, cp_algorithm=opts.cp_algorithm,
-                              timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None))
+                              timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None),
+                              abort_groups=self._groups_to_abort)
 
         def auto() -> Any:
             hf = getattr(self.model_config, "hf_config", None)
@@ -225,6 +226,13 @@ class HdpMegatronEngine(_MegatronLM):
                                                          pipeline_stages=dom.layout.pp_size),
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
                                      records_path=records)
+
+    def _groups_to_abort(self) -> list[dist.ProcessGroup]:
+        """Every group a step of this engine communicates on: hdp's, and Megatron's (not verl's WORLD)."""
+        dom = self.domain
+        groups = [dom.layout.world, dom.verl_dp_group, *dom.layout.domain.blocks.values()]
+        groups += [g for g in vars(dom.megatron).values() if isinstance(g, dist.ProcessGroup)]
+        return list({id(g): g for g in groups if g is not dist.group.WORLD}.values())
 
     @property
     def domain(self) -> _Domain:
@@ -292,13 +300,19 @@ class HdpMegatronEngine(_MegatronLM):
 
             opt.load_state_dict = capture  # this instance, for this call only
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.core.collectives("load", self.step), self.core.checkpoint_collectives():
                 super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
         finally:
             if opt is not None:
                 del opt.load_state_dict
         if opt is not None and loaded:
             restore_adam_steps(opt, loaded[-1])
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """verl's Megatron checkpoint save, its collectives on a group with hdp's timeout and alarm, and
+        the lock files verl's ``local_mkdir_safe`` leaves in the temporary directory removed."""
+        with self.core.collectives("save", self.step), self.core.checkpoint_collectives(), compat.mkdir_locks_removed():
+            return super().save_checkpoint(*args, **kwargs)
 
     # -- steps --
 

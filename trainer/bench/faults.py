@@ -41,12 +41,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["SCENARIOS", "run_faults"]
 
-SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save", "verl")
+SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save",
+             "own-error-in-round", "sigint-during-dist-checkpoint", "sigstop-during-validation",
+             "calibration-log-full-disk", "verl")
+OWN_ERROR_TIMEOUT_S = 300.0
+"""The collective timeout of the own-error rows: every rank must raise within seconds, long before it."""
 SLACK_S = 15.0
 """Seconds allowed beyond the collective timeout for a rank to notice and raise (process start-up excluded)."""
 _B = 32
@@ -367,6 +372,21 @@ def _arm_kill_during_write(workdir: str, fmt: str) -> None:
     dist_checkpointing.save = save_and_die
 
 
+def _load_previous_dist(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    """A fresh job loads the dist checkpoint an interrupted save or load left: step 1, bit for bit."""
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    root = Path(workdir)
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD)
+    engine.load_checkpoint(root / "ckpt")
+    saved = torch.load(root / "step1.pt")
+    got = _params(engine)
+    out = {"equal": all(torch.equal(got[k], saved[k]) for k in saved), "step": engine.step}
+    engine.train_step(_batch(1), nll_loss)
+    engine.close()
+    return out
+
+
 def _load_previous(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
     """A fresh job loads what the killed saves left: the step-1 checkpoints, bit for bit."""
     from hdp import megatron_compat as mc
@@ -383,6 +403,104 @@ def _load_previous(rank: int, world: int, workdir: str, timeout_s: float) -> dic
     engine.train_step(_batch(1), nll_loss)
     mc.destroy_megatron()
     return out
+
+
+# ---- a rank's own error inside the rounds, interrupts in checkpoints, a stopped peer, a full disk ----------
+
+
+def _own_error(rank: int, world: int, workdir: str, timeout_s: float, where: str) -> dict[str, Any]:
+    """Rank 1 raises RuntimeError in round 2's forward (the shape an out-of-memory takes) or in a CP
+    backward; the collective timeout is OWN_ERROR_TIMEOUT_S, so only the alarm makes this fast."""
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    engine = HdpEngine.build(_config(OWN_ERROR_TIMEOUT_S), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    if rank == 1 and where == "forward":
+        calls = {"n": 0}
+
+        def hook(module: Any, args: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected: out of memory in the forward of round 2 on rank 1")
+
+        engine.model_chunks[0].module.decoder.layers[1].register_forward_pre_hook(hook)
+    if rank == 1 and where == "cp-backward":
+        import hdp.cp.ring as ring
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise RuntimeError("injected: CP ring backward failed on rank 1")
+
+        ring.ring_backward = broken
+    res = _attempt(engine, lambda: engine.train_step(_batch(1), nll_loss))
+    res["t_exit"] = time.time()
+    res["next_call"] = _first_line(_error_of(lambda: engine.train_step(_batch(2), nll_loss)))
+    return res
+
+
+def _interrupt_checkpoint(rank: int, world: int, workdir: str, timeout_s: float, op: str) -> dict[str, Any]:
+    """Rank 1 gets SIGINT inside Megatron's dist save (or load); the previous checkpoint must stay loadable."""
+    from hdp.megatron_compat import dist_checkpointing
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    root = Path(workdir)
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    engine.save_checkpoint(root / "ckpt", format="dist")
+    if rank == 0:
+        torch.save(_params(engine), root / "step1.pt")
+    engine.train_step(_batch(1), nll_loss)
+    if rank == 1:
+        name = "save" if op == "save" else "load"
+        real = getattr(dist_checkpointing, name)
+
+        def interrupted(*a: Any, **k: Any) -> Any:
+            _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid()})
+            os.kill(os.getpid(), signal.SIGINT)  # lands in the middle of Megatron's collectives below
+            return real(*a, **k)
+
+        setattr(dist_checkpointing, name, interrupted)
+    call = (lambda: engine.save_checkpoint(root / "ckpt", format="dist")) if op == "save" else (
+        lambda: engine.load_checkpoint(root / "ckpt"))
+    res = _attempt(engine, call)
+    res["t_exit"] = time.time()
+    return res
+
+
+def _stopped_in_validation(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    """Rank 2 stops (SIGSTOP) in its validation, before the agreement; rank 0 kills it afterwards."""
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    engine = HdpEngine.build(_config(timeout_s), dist.group.WORLD, init_fn=_init)
+    engine.train_step(_batch(0), nll_loss)
+    if rank == 2:
+        real = engine._validate
+
+        def stop(batch: Any) -> None:
+            _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid()})
+            os.kill(os.getpid(), signal.SIGSTOP)
+            real(batch)
+
+        engine._validate = stop
+    res = _attempt(engine, lambda: engine.train_step(_batch(1), nll_loss))
+    res["t_exit"] = time.time()
+    if rank == 0:
+        os.kill(json.loads(Path(workdir, "injected").read_text())["pid"], signal.SIGKILL)
+    res["next_call"] = _first_line(_error_of(lambda: engine.train_step(_batch(2), nll_loss)))
+    return res
+
+
+def _full_disk(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
+    """Calibration records to /dev/full (every write fails with ENOSPC) with auto-calibration off."""
+    import dataclasses
+
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    cfg = dataclasses.replace(_config(timeout_s), calibration_path="/dev/full")
+    engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=_init)
+    before = _state_digest(engine)
+    m = engine.train_step(_batch(0), nll_loss)
+    return {"ok": bool(np.isfinite(m["loss"])), "write_failed": m.get("hdp/records_write_failed"),
+            "applied": _state_digest(engine) != before, "step": engine.step}
 
 
 # ---- the report -------------------------------------------------------------------------------------------
@@ -465,6 +583,44 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         checks["previous-checkpoint-loads-after-killed-save"] = all(
             v[f]["equal"] and v[f]["step"] == 1 for v in loaded for f in ("per-rank", "dist"))
         checks["no-orphan-writers"] = not orphans
+    if "own-error-in-round" in chosen:
+        for where in ("forward", "cp-backward"):
+            d = work / f"own-{where}"
+            d.mkdir(parents=True, exist_ok=True)
+            res = spawn(_own_error, 4, str(d), timeout_s, where, timeout=limit)
+            row = _row(f"own-error-in-round-{where}", 4, dict(enumerate(res)), [], OWN_ERROR_TIMEOUT_S)
+            row["collective_timeout_s"] = OWN_ERROR_TIMEOUT_S
+            row["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
+                                              for v in res)
+            row["next_call_refused"] = all("unusable" in (v.get("next_call") or "") for v in res)
+            row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= 5.0 and row["names_rank_and_error"])
+            rows.append(row)
+    if "sigint-during-dist-checkpoint" in chosen:
+        for op in ("save", "load"):
+            d = work / f"sigint-{op}"
+            d.mkdir(parents=True, exist_ok=True)
+            outcomes = spawn(_interrupt_checkpoint, 3, str(d), timeout_s, op, timeout=limit, collect=True)
+            inj = json.loads((d / "injected").read_text())
+            per = {o.rank: o.value for o in outcomes if o.ok}
+            died = [o.rank for o in outcomes if not o.ok]  # the interrupted rank ends with KeyboardInterrupt
+            rows.append(_row(f"sigint-during-dist-{op}", 3, per, died, timeout_s, t_inject=inj["t"]))
+            loaded = spawn(_load_previous_dist, 3, str(d), timeout_s, timeout=limit)
+            checks[f"previous-checkpoint-loads-after-sigint-during-{op}"] = all(v["equal"] and v["step"] == 1 for v in loaded)
+    if "sigstop-during-validation" in chosen:
+        d = work / "sigstop-validation"
+        d.mkdir(parents=True, exist_ok=True)
+        outcomes = spawn(_stopped_in_validation, 3, str(d), timeout_s, timeout=limit, collect=True)
+        inj = json.loads((d / "injected").read_text())
+        per = {o.rank: o.value for o in outcomes if o.ok}
+        row = _row("sigstop-during-validation", 3, per, [2], timeout_s, t_inject=inj["t"])
+        row["next_call_refused"] = all("unusable" in ((per.get(r) or {}).get("next_call") or "") for r in (0, 1))
+        row["names_phase"] = all("phase 'validate'" in ((per.get(r) or {}).get("error") or "") for r in (0, 1))
+        row["ok"] = bool(row["ok"] and row["next_call_refused"] and row["names_phase"])
+        rows.append(row)
+    if "calibration-log-full-disk" in chosen:
+        res = spawn(_full_disk, 2, str(work), timeout_s, timeout=limit)
+        checks["full-disk-records-step-succeeds-everywhere"] = all(v["ok"] and v["applied"] and v["step"] == 1 for v in res)
+        checks["full-disk-records-reported-on-every-rank"] = all(v["write_failed"] == 1.0 for v in res)
     if "verl" in chosen:
         from importlib.metadata import entry_points
 

@@ -109,6 +109,12 @@ def _bench_train(args: argparse.Namespace) -> int:
     baseline = _load_baseline(args.baseline, spec.policies) if args.baseline else None
     if args.output and Path(args.output).is_dir():
         raise CliError(f"--output={args.output!r} is a directory; name a file for the JSON result")
+    import os
+
+    if "LOCAL_RANK" not in os.environ:  # spawned here (not torchrun): can this machine run that many ranks?
+        from hdp.trainer.launch import check_local_capacity
+
+        check_local_capacity(spec.ranks)
     result = bench_train(spec)
     if not result:  # a non-zero rank under torchrun
         return 0

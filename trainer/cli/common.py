@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import logging
 import sys
@@ -68,7 +69,8 @@ def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--lengths", metavar="FILE", help="text file with one sample length per line")
     src.add_argument("--workload", metavar="NAME", help="built-in workload generator (see --help-workloads)")
-    p.add_argument("--samples", type=int, default=1024, help="samples to draw with --workload (default 1024)")
+    p.add_argument("--samples", type=_sample_count, default=1024,
+                   help=f"samples to draw with --workload (default 1024, at most {MAX_SAMPLES:,})")
     p.add_argument("--seed", type=int, default=0, help="seed of --workload (default 0)")
 
 
@@ -98,6 +100,37 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
+
+
+MAX_SAMPLES = 10_000_000
+"""Most samples --workload draws (a batch of a million samples plans in seconds; ten billion needs 75 GB)."""
+
+
+def _sample_count(text: str) -> int:
+    """argparse type of --samples: an integer (``1e4`` notation accepted) in [1, MAX_SAMPLES]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of samples") from None
+    if not value.is_integer() or not 1 <= value <= MAX_SAMPLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass a whole number of samples in [1, {MAX_SAMPLES:,}]")
+    return int(value)
+
+
+def check_output_file(flag: str, value: str) -> None:
+    """An output path must name a file in an existing folder (CliError otherwise)."""
+    p = Path(value)
+    if p.is_dir():
+        raise CliError(f"{flag}={value!r} is a directory; name a file (e.g. plan.png)")
+    if not p.parent.is_dir():
+        raise CliError(f"{flag}={value!r}: the folder {str(p.parent)!r} does not exist; create it first")
+
+
+def check_output_dir(flag: str, value: str) -> None:
+    """An output folder may not be an existing file (CliError otherwise)."""
+    p = Path(value)
+    if p.exists() and not p.is_dir():
+        raise CliError(f"{flag}={value!r} is a file; name a folder (it is created when missing)")
 
 
 def _check_domain_args(args: argparse.Namespace) -> None:

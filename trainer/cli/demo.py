@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 from hdp.trainer.cli.bench import _print_train_table
-from hdp.trainer.cli.common import _console
+from hdp.trainer.cli.common import _console, check_output_dir
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    check_output_dir("--out", args.out)  # before the run, not after it
     if args.verl:
         return _verl_demo(args)
     from hdp.packing.cost import CostModel

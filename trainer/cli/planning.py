@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hdp.trainer.cli.common import ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
+from hdp.trainer.cli.common import check_output_file, ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -18,6 +18,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hdp.packing.simulate import simulate
 
     _check_domain_args(args)
+    if args.plot:
+        check_output_file("--plot", args.plot)
     cost = _cost(args)
     lengths = _load_lengths(args)
     p = make_plan(lengths, _config(args, args.policy, cost))
