@@ -238,8 +238,8 @@ def resolve_cost(value: object, field_name: str, *, auto: "Callable[[], CostMode
         except ValueError as exc:
             raise ValueError(f"{field_name}={text!r}: {exc}") from exc
     if not Path(text).exists():
-        raise ValueError(f"{field_name}={text!r} is neither a preset 'MODEL@PROFILE' nor an existing cost-model file; "
-                         f"pass {forms}")
+        raise ValueError(f"{field_name}: cost-model file {text!r}: cannot read it (no such file), and it is not a "
+                         f"preset 'MODEL@PROFILE'; pass {forms}")
     try:
         return load_cost_model(text)
     except ValueError as exc:

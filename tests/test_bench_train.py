@@ -57,6 +57,7 @@ def test_bench_train_small_run_contract_and_regression_check(tmp_path):
     assert "hdp_vs_static-cp" in res["speedup"]
     assert res["environment"]["ranks"] == 2 and res["environment"]["pp"] == 2 and res["environment"]["torch"]
     assert "predicted_over_measured" in res["calibration"], res["calibration"]
+    assert res["calibration"]["model"], res["calibration"]  # which model produced the ratios
     # a baseline twice as fast is a regression; the result itself is not
     faster = {"results": {p: {"tokens_per_s": 2 * r["tokens_per_s"]} for p, r in res["results"].items()},
               "speedup": res["speedup"]}

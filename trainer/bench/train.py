@@ -196,7 +196,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         m = _timed_step(engines[p], batches[0])
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
         engines[p].train_step(batches[0], nll_loss, plan=mixed)
-    cost = _fitted_cost(spec, records_dir, rank, engines[spec.policies[0]].planner.cost)
+    cost, source = _fitted_cost(spec, records_dir, rank, engines[spec.policies[0]].planner.cost)
     steps = range(1, spec.steps)
     if spec.alternate:
         order = [(s, p) for s in steps for p in (spec.policies if s % 2 else spec.policies[::-1])]
@@ -215,7 +215,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         engine.close()
     if dist.is_initialized():
         dist.barrier(group=dist.group.WORLD)
-    return {"history": history, "plans": plans} if rank == 0 else {}
+    return {"history": history, "plans": plans, "cost": asdict(cost), "cost_source": source} if rank == 0 else {}
 
 
 def _timed_step(engine: Any, batch: Any, plan: Any = None) -> dict[str, Any]:
@@ -233,14 +233,16 @@ def _timed_step(engine: Any, batch: Any, plan: Any = None) -> dict[str, Any]:
     return {**m, "perf/cpu_time": float(cpu)}
 
 
-def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "CostModel") -> "CostModel":
-    """The cost model fitted on rank 0 to the warm-up records, broadcast over the world.
+def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "CostModel"
+                 ) -> tuple["CostModel", str]:
+    """The cost model fitted on rank 0 to the warm-up records, broadcast over the world, and where it
+    comes from.
 
     Falls back to ``default`` (the engines' own ``auto`` model) when the records cannot be fitted.
     """
     from hdp.packing.calibrate import calibrate, load_records
 
-    fitted: list[Any] = [None]
+    fitted: list[Any] = [None, "the engines' auto model"]
     if rank == 0:
         records = []
         for p in spec.policies:
@@ -250,11 +252,13 @@ def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "Co
         try:
             # [cost model] what the warm-up cannot determine comes from the engine's default preset
             fitted[0] = asdict(calibrate(records, base=default).cost)
+            fitted[1] = "fitted to the warm-up records"
         except ValueError as exc:
             logger.warning("bench train: cost model not fitted (%s); planning with the default", exc)
+            fitted[1] = f"the engines' auto model; the warm-up fit was refused: {exc}"
     if dist.is_initialized():
         dist.broadcast_object_list(fitted, src=0, group=dist.group.WORLD)
-    return CostModel(**fitted[0]) if fitted[0] else default
+    return (CostModel(**fitted[0]) if fitted[0] else default), str(fitted[1])
 
 
 def _environment(spec: TrainBenchSpec) -> dict[str, Any]:
@@ -309,12 +313,15 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
         "loss_match": loss_diff <= 1e-4, "loss_max_rel_diff": loss_diff,
         "environment": _environment(spec), "plans": out["plans"],
     }
-    result["calibration"] = _calibration(spec, hist, records_dir)
+    result["calibration"] = _calibration(spec, hist, records_dir, out["cost"], out["cost_source"])
     return result
 
 
-def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], records_dir: str) -> dict[str, Any]:
-    """Fit the cost model to all policies' records; simulated / measured step time per policy."""
+def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], records_dir: str,
+                 planned_cost: dict[str, Any], cost_source: str) -> dict[str, Any]:
+    """Fit the cost model to all policies' records; simulated / measured step time per policy, with
+    the fitted model, or when the fit is refused with ``planned_cost`` (the model the timed steps were
+    planned with); ``model`` says which."""
     from hdp.packing import PlannerConfig, plan, simulate
     from hdp.packing.calibrate import calibrate, load_records
     records: list[Any] = []
@@ -324,21 +331,27 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
             records.extend(load_records(path))
     if not records:
         return {"error": "no calibration records were written"}
+    planned_with = CostModel(**planned_cost)
     try:
-        fit = calibrate(records, base=_engine_config(spec, spec.policies[0], None).planning.cost)  # base: the engines' auto model
+        fit = calibrate(records, base=planned_with)  # what the records cannot determine: the model the bench planned with
+        cost = fit.cost
+        out = fit.to_dict() if hasattr(fit, "to_dict") else {"r2": fit.r2}
+        out["model"] = "fitted to every policy's records"
     except ValueError as exc:
-        return {"error": f"calibrate: {exc}"}
+        # a refused fit (too few or too noisy records) is reported; the ratios then say how well the
+        # model the bench planned with predicted the steps
+        cost = planned_with
+        out = {"fit_error": f"calibrate: {exc}", "model": f"the model the bench planned with ({cost_source})"}
     ratios = {}
     for p, steps in hist.items():
         predicted = []
         for s in range(1, len(steps)):
             lengths = train_batch_lengths(spec, s)
             cfg = PlannerConfig(num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank,
-                                policy=p, cost=fit.cost)
-            predicted.append(simulate(plan(lengths, cfg), fit.cost).step_time_s)
+                                policy=p, cost=cost)
+            predicted.append(simulate(plan(lengths, cfg), cost).step_time_s)
         measured = statistics.median(m["perf/step_time"] for m in steps[1:])
         ratios[p] = statistics.median(predicted) / measured
-    out = fit.to_dict() if hasattr(fit, "to_dict") else {"r2": fit.r2}
     out["predicted_over_measured"] = ratios
     return out
 
