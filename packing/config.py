@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar
 
+import numpy as np
+
 from hdp.packing.cost import CostModel
+from hdp.packing.memory import MemoryBudget, MemoryModel
 from hdp.packing.profiles import cost_model
 
 __all__ = [
@@ -213,21 +217,30 @@ class PlannerConfig(PlannerOptions):
 
     num_ranks: int
     """N: ranks in the domain (Megatron's DP x CP ranks of one TP/PP coordinate)."""
-    max_tokens_per_rank: int
-    """B: token budget of one rank in one round (activation memory is linear in tokens)."""
+    max_tokens_per_rank: int | None
+    """B: token budget of one rank in one round.  With ``memory_limit`` it is an upper bound on the
+    budget the memory model derives (``None``: only the derived one)."""
     cost: CostModel = field(default_factory=cost_model)
     """Cost model (a, beta, CP overheads); default: deepseek-v3 on the h100-nvlink profile."""
     pipeline_stages: int = 1
     """PP: pipeline stages every domain rank's model is split over (given by the engine, like N).  A
     step then costs about the sum of round times plus (PP - 1) times the longest round (the
     pipeline's fill and drain), so more, smaller rounds can be cheaper; 1: no pipeline."""
+    memory_limit: float | None = None
+    """Bytes per device every rank's predicted peak must stay within (`hdp.packing.memory`); the token
+    budget is then derived from ``memory_model`` (`token_budget`).  ``None``: plan to B only."""
+    memory_model: MemoryModel | None = None
+    """The per-rank memory model of the job's model and layout (needed with ``memory_limit``; given
+    alone, plans still carry its predicted peaks)."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
         n = self.num_ranks
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"config.num_ranks={n!r}: the domain needs at least 1 rank; pass an integer N >= 1")
-        check_token_budget(self.max_tokens_per_rank, "config.max_tokens_per_rank")
+        check_token_budget(self.max_tokens_per_rank, "config.max_tokens_per_rank",
+                           none_means="the budget derived from memory_limit" if self.memory_limit is not None else None)
+        self._check_memory()
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"config.cost={self.cost!r}: must be a hdp.packing.CostModel")
         pp = self.pipeline_stages
@@ -240,3 +253,34 @@ class PlannerConfig(PlannerOptions):
                 f"config.static_cp_size={self.static_cp_size}: must be in [1, num_ranks={n}] or None "
                 "(smallest power of two fitting the longest sample)"
             )
+
+    def _check_memory(self) -> None:
+        lim, mm = self.memory_limit, self.memory_model
+        if lim is not None:
+            if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
+                raise ValueError(f"config.memory_limit={lim!r}: pass bytes per device > 0 (e.g. 64 * 2**30) or None")
+            if mm is None:
+                raise ValueError("config.memory_limit needs config.memory_model: the model and layout that price a "
+                                 "round's bytes (hdp.packing.memory.model_for(...))")
+        if mm is None:
+            return
+        if not isinstance(mm, MemoryModel):
+            raise ValueError(f"config.memory_model={mm!r}: pass a hdp.packing.memory.MemoryModel")
+        if mm.layout.domain != self.num_ranks:
+            raise ValueError(f"config.memory_model.layout.domain={mm.layout.domain} but num_ranks={self.num_ranks}: "
+                             "build the memory model for this domain (MemoryLayout(domain=N))")
+        if mm.layout.pp != self.pipeline_stages:
+            raise ValueError(f"config.memory_model.layout.pp={mm.layout.pp} but pipeline_stages={self.pipeline_stages}: "
+                             "give the memory model the job's PP")
+
+    def budget(self, lengths: np.ndarray) -> int:
+        """The token budget B of a batch: ``max_tokens_per_rank``, or with ``memory_limit`` the largest
+        that keeps every round's predicted peak within it (at most ``max_tokens_per_rank``).  ValueError
+        naming the limit, the figure needed and the fix when the static memory or a sample does not fit."""
+        if self.memory_limit is None:
+            assert self.max_tokens_per_rank is not None
+            return self.max_tokens_per_rank
+        assert self.memory_model is not None
+        b = MemoryBudget(model=self.memory_model, limit_bytes=float(self.memory_limit)).check(
+            self.num_ranks, np.asarray(lengths), "memory_limit")
+        return b if self.max_tokens_per_rank is None else min(b, self.max_tokens_per_rank)

@@ -137,13 +137,13 @@ class ModelShape:
         text = get("text_config", None)
         if text is not None:
             return cls.from_hf_config(text, dtype=dtype, name=name)
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
-        experts = int(get("num_experts", None) or get("num_local_experts", None) or get("n_routed_experts", None) or 0)
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
                    if get(k, None) is None]
         if missing:
             raise ValueError(f"model config: fields {missing} are missing; pass a Hugging Face causal-LM config")
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        experts = int(get("num_experts", None) or get("num_local_experts", None) or get("n_routed_experts", None) or 0)
         return cls(
             name=name or str(get("model_type", "hf")),
             num_layers=int(get("num_hidden_layers")),

@@ -114,6 +114,11 @@ class PlanStats:
     asked for (``simulate(..., tight=True)``)."""
     efficiency_tight: float | None = None
     """T*_tight / T (``None`` unless asked for)."""
+    token_budget: int = 0
+    """B the plan was made with (tokens per rank per round; derived from the memory limit when one is set)."""
+    memory: dict[str, Any] | None = None
+    """Predicted memory of the plan when the planner has a memory model (`hdp.packing.memory.memory_stats`:
+    ``peak_bytes``, ``round_peak_bytes``, ``limit_bytes``, ``token_budget``, ...); ``None`` without."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (arrays reduced to scalars)."""
@@ -137,6 +142,8 @@ class PlanStats:
                 self.lower_bound_tight * self.step_time_s / self.step_time if self.step_time else 0.0),
             "lower_bound_tight_units": self.lower_bound_tight,
             "efficiency_tight": self.efficiency_tight,
+            "token_budget": self.token_budget,
+            "memory": self.memory,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Sequence
@@ -12,7 +13,8 @@ from hdp.packing.config import PlannerConfig, Policy
 from hdp.packing.plan import Plan
 from hdp.packing.simulate import simulate
 from hdp.packing.single_rank import pack_rounds
-from hdp.packing.validate import validate_lengths
+from hdp.packing.memory import memory_stats
+from hdp.packing.validate import MAX_LENGTH, validate_lengths
 
 __all__ = ["plan", "POLICY_MODULES"]
 
@@ -31,10 +33,17 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
     Pure and deterministic: the same (lengths, config) give an identical plan on every rank.  A
     domain of one rank is plain packing at the fewest rounds, whatever the policy
     (`hdp.packing.single_rank`).
+    With ``config.memory_limit`` the token budget B is derived from the memory model (the plan's
+    ``max_tokens_per_rank`` and ``stats.memory["token_budget"]``) and every round's predicted per-rank
+    peak stays within the limit (``stats.memory``).
     Raises ValueError for bad input (empty batch, non-positive or non-integer lengths, a sample
-    that does not fit N x B), and `hdp.packing.policies.common.TooLarge` (a ValueError) when a
+    that does not fit N x B, a memory limit below the layout's static memory), and `hdp.packing.policies.common.TooLarge` (a ValueError) when a
     baseline policy would take too long on a batch this large.
     """
+    if config.memory_limit is not None:  # B derived from the memory model (errors name the limit)
+        budget = config.budget(validate_lengths(lengths, config.num_ranks, MAX_LENGTH))
+        if budget != config.max_tokens_per_rank:
+            config = dataclasses.replace(config, max_tokens_per_rank=budget)
     arr = validate_lengths(lengths, config.num_ranks, config.max_tokens_per_rank)
     if config.num_ranks == 1:  # no groups to choose: plain packing at the fewest rounds (every policy)
         t0 = time.perf_counter()
@@ -57,4 +66,8 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
         group_start=a.group_start,
         group_size=a.group_size,
     )
-    return p.with_stats(simulate(p, config.cost, planner_ms, config.pipeline_stages))
+    stats = simulate(p, config.cost, planner_ms, config.pipeline_stages)
+    if config.memory_model is not None:
+        stats = dataclasses.replace(stats, memory=memory_stats(p, stats.tokens_per_rank, config.memory_model,
+                                                               config.memory_limit))
+    return p.with_stats(stats)

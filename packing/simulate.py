@@ -315,4 +315,5 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
         pipeline_fill=fill,
         lower_bound_tight=tight_lb,
         efficiency_tight=None if tight_lb is None else (tight_lb / total if total > 0 else 1.0),
+        token_budget=int(plan.max_tokens_per_rank),
     )
