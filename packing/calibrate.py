@@ -18,6 +18,17 @@ Record schema (one JSON object per line of a ``.jsonl`` file):
   the wall time of one whole round in which the listed groups ran side by side; ``t - max over
   groups of the group time`` is the per-round cost beta.
 
+* **memory** record (the per-rank memory model, `hdp.packing.memory.fit_memory`; the cost fit
+  ignores them)::
+
+      {"kind": "memory", "features": [activation, expert, cp, logits], "static_bytes": S,
+       "peak_bytes": M, "tokens": T, "group_size": k, "stage": s, "window_tokens": W,
+       "step": i, "round": r, "rank": j}
+
+  one rank's measured peak ``M`` bytes in one round (``S`` of them static), the analytic bytes of each
+  fitted term (`hdp.packing.memory.memory_features`), its local tokens, group size, pipeline stage
+  and the local tokens of the rounds in flight with it; ``step``/``round``/``rank`` are optional.
+
 Any record may carry ``"weight"``: how much it counts in the fit, a number > 0 (default 1; the
 engine's self-calibration gives older rounds less, so the fit follows a machine that drifts).
 Other extra keys (``"note"``, ``"rank"``, ...) are ignored.  Lengths are
@@ -67,10 +78,11 @@ from typing import Any
 import numpy as np
 
 from hdp.packing.cost import PARAMETERS, CostModel, padded_float
+from hdp.packing.memory import _FEATURES as _MEMORY_FEATURES  # one list of the memory model's fitted terms
 from hdp.packing.validate import MAX_LENGTH
 
 __all__ = [
-    "calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds",
+    "calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds", "MEMORY_FEATURES",
     "MAX_LENGTH", "MAX_GROUP_SIZE", "MIN_SECONDS", "MAX_SECONDS", "MAX_WEIGHT", "FIT_ORDER",
 ]
 
@@ -197,11 +209,53 @@ def _weight(rec: Mapping[str, Any], where: str) -> float:
     return float(w)
 
 
+MEMORY_FEATURES: tuple[str, ...] = _MEMORY_FEATURES
+"""The terms of a memory record's ``features``, in order (`hdp.packing.memory.memory_features`)."""
+
+
+def _number(rec: Mapping[str, Any], name: str, where: str, what: str, *, integer: bool = False,
+            optional: bool = False) -> None:
+    """``rec[name]`` must be a finite number >= 0 (an integer with ``integer``); ValueError naming it."""
+    if optional and name not in rec:
+        return
+    v = rec.get(name)
+    ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
+    if not ok or not np.isfinite(v) or v < 0:
+        raise ValueError(f"{where}.{name}={v!r}: expected {what}, {'an integer' if integer else 'a number'} >= 0")
+
+
+def _memory_fields(rec: Mapping[str, Any], where: str) -> None:
+    """Check a ``"kind": "memory"`` record (see the module docstring)."""
+    f = rec.get("features")
+    if (not isinstance(f, (list, tuple)) or len(f) != len(MEMORY_FEATURES)
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not np.isfinite(x) or x < 0 for x in f)):
+        raise ValueError(f"{where}.features={f!r}: expected the bytes of the {len(MEMORY_FEATURES)} terms "
+                         f"[{', '.join(MEMORY_FEATURES)}], finite numbers >= 0 (hdp.packing.memory.memory_features)")
+    _number(rec, "static_bytes", where, "the rank's static bytes (parameters, gradients, optimizer shard)")
+    _number(rec, "peak_bytes", where, "the measured peak bytes of the rank in the round")
+    if not rec["peak_bytes"] > rec["static_bytes"]:
+        raise ValueError(f"{where}.peak_bytes={rec['peak_bytes']!r}: must exceed static_bytes={rec['static_bytes']!r} "
+                         "(the peak includes the static part)")
+    _number(rec, "tokens", where, "the rank's local tokens in the round")
+    _number(rec, "window_tokens", where, "the local tokens of the rounds in flight with it")
+    _number(rec, "stage", where, "the pipeline stage", integer=True)
+    k = rec.get("group_size")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_GROUP_SIZE:
+        raise ValueError(f"{where}.group_size={k!r}: expected the size of the rank's group, an integer in "
+                         f"[1, {MAX_GROUP_SIZE}]")
+    for name in ("step", "round", "rank"):
+        _number(rec, name, where, f"the {name} index", integer=True, optional=True)
+
+
 def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
     """Check one record against the schema; return it normalised (``kind`` filled in)."""
     if not isinstance(rec, Mapping):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     kind = rec.get("kind", "group")
+    if kind == "memory":
+        _memory_fields(rec, where)
+        _weight(rec, where)
+        return {**rec, "kind": kind}
     if kind == "group":
         _group_fields(rec, where)
     elif kind == "round":
@@ -213,7 +267,7 @@ def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
                 raise ValueError(f"{where}.groups[{i}]: expected an object with lengths and group_size")
             _group_fields(g, f"{where}.groups[{i}]")
     else:
-        raise ValueError(f"{where}.kind={kind!r} is unknown; use 'group' or 'round'")
+        raise ValueError(f"{where}.kind={kind!r} is unknown; use 'group', 'round' or 'memory'")
     _seconds(rec, where)
     _weight(rec, where)
     return {**rec, "kind": kind}
@@ -566,7 +620,9 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
     cannot determine (see the module docstring: no k >= 2 records, one group size only, comm
     always hidden, no round records, too few records); the result names them and why.  Raises
     ValueError when there is no group record, a record is malformed, or the times fall as the
-    work grows, and when the fit explains nothing (R² <= 0).  ``warn=False`` logs the result's warnings
+    work grows, and when the fit explains nothing (R² <= 0).  Memory records (``"kind": "memory"``) are
+    validated and left out (`hdp.packing.memory.fit_memory` fits them; record numbers in later messages
+    count the group and round records only).  ``warn=False`` logs the result's warnings
     at INFO instead of WARNING (for fits that run again and again, like the engine's self-calibration).
 
     Robust to bad records: records whose time per unit of work is ``SCREEN_FACTOR`` off the median
@@ -576,6 +632,7 @@ def calibrate(records: Iterable[Mapping[str, Any]], base: CostModel | None = Non
     """
     base = base if base is not None else CostModel()
     recs = [validate_record(r, f"records[{i}]") for i, r in enumerate(records)]
+    recs = [r for r in recs if r["kind"] != "memory"]  # the memory model's (hdp.packing.memory.fit_memory)
     if not any(r["kind"] == "group" for r in recs):
         raise ValueError(
             "calibrate: records hold no group records ({'lengths', 'group_size', 'seconds'}); the unit "

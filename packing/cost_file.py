@@ -26,6 +26,13 @@ key documents where the numbers come from)::
         "n_records": ..., "n_group_records": ..., "n_round_records": ...,
         "reasons": {"cp_per_token": "..."},   # why each from_base parameter was not fitted
         "warnings": [...]              #   e.g. too few records, a poor fit
+      },
+      "memory": {                      # optional: the per-rank memory model's fit (hdp.packing.memory)
+        "coefficients": {              #   MemoryCoefficients: multipliers of the analytic terms
+          "activation": ..., "expert": ..., "cp": ..., "logits": ...,   # dimensionless (1: as written)
+          "headroom_bytes": ...        #   bytes added to every peak
+        },
+        "fit": {"median_rel_err": ..., "max_rel_err": ..., "n_records": ...}   # or null
       }
     }
 
@@ -33,7 +40,9 @@ Units are the token² units of `hdp.packing.cost` (one unit: ``6 * n_layers * d_
 attention).  ``parameters`` must hold exactly the fields of `CostModel`; a missing or unknown field
 is an error naming it, as is a file of another format or version.  Version 1 files (written before
 the per-token ring terms existed) are read with ``merge_per_token = cp_per_token = 0``, which is
-exactly the model they describe.
+exactly the model they describe.  The ``memory`` section is optional (absent or null: no fitted
+memory model; `load_memory_coefficients` returns None); when present it is checked on load like
+``parameters``: exactly the five coefficients, each a finite number >= 0.
 """
 
 from __future__ import annotations
@@ -46,8 +55,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hdp.packing.cost import CostModel
+from hdp.packing.memory import MemoryCoefficients
 
-__all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_model", "load_cost_model", "read_cost_file", "resolve_cost", "AUTO"]
+__all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_model", "load_cost_model", "read_cost_file",
+           "resolve_cost", "AUTO", "memory_section", "load_memory_coefficients"]
 
 FORMAT = "hdp-cost-model"
 """Value of the ``format`` key of a cost-model file."""
@@ -102,11 +113,21 @@ def read_bounded_text(path: Path, limit: int, what: str, fix: str) -> str:
         raise ValueError(f"{what} {str(path)!r}: not a text file; {fix}") from None
 
 
-def cost_document(cost: CostModel, *, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def memory_section(coef: MemoryCoefficients, fit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``memory`` section of a cost-model file: the coefficients and the fit quality (NaN -> null)."""
+    if not isinstance(coef, MemoryCoefficients):
+        raise TypeError(f"memory coefficients are {type(coef).__name__}; pass a hdp.packing.memory.MemoryCoefficients")
+    return {"coefficients": coef.to_dict(), "fit": None if fit is None else _finite_or_none(dict(fit))}
+
+
+def cost_document(cost: CostModel, *, metadata: Mapping[str, Any] | None = None,
+                  memory: MemoryCoefficients | None = None, memory_fit: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
     """The JSON document of a cost-model file for ``cost`` (what `save_cost_model` writes).
 
     ``metadata`` may set ``fitted``, ``from_base``, ``base`` and ``fit`` (`METADATA_KEYS`); NaN
-    and infinite numbers in it become null.
+    and infinite numbers in it become null.  ``memory`` (with its ``memory_fit`` quality) adds the
+    optional ``memory`` section.
     """
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost is {type(cost).__name__}; pass a hdp.packing.CostModel")
@@ -126,12 +147,15 @@ def cost_document(cost: CostModel, *, metadata: Mapping[str, Any] | None = None)
         "base": None,
         "fit": None,
         **{k: _finite_or_none(v) for k, v in meta.items()},
+        **({"memory": memory_section(memory, memory_fit)} if memory is not None else {}),
     }
 
 
-def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write ``cost`` to ``path`` as a cost-model file; ``metadata`` adds ``fitted``/``from_base``/``base``/``fit``."""
-    doc = cost_document(cost, metadata=metadata)
+def save_cost_model(cost: CostModel, path: str | os.PathLike[str], *, metadata: Mapping[str, Any] | None = None,
+                    memory: MemoryCoefficients | None = None, memory_fit: Mapping[str, Any] | None = None) -> Path:
+    """Write ``cost`` to ``path`` as a cost-model file; ``metadata`` adds ``fitted``/``from_base``/``base``/``fit``,
+    ``memory`` (and ``memory_fit``) the memory section."""
+    doc = cost_document(cost, metadata=metadata, memory=memory, memory_fit=memory_fit)
     out = Path(path)
     if out.is_dir():
         raise ValueError(f"cost-model file {str(out)!r} is a directory; pass a file path such as cost.json")
@@ -191,7 +215,32 @@ def read_cost_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         CostModel(**{n: float(params[n]) for n in names})
     except ValueError as exc:
         raise ValueError(f"cost-model file {str(p)!r}: {exc}") from exc
+    _check_memory_section(doc.get("memory"), p)
     return doc
+
+
+def _check_memory_section(section: Any, p: Path) -> MemoryCoefficients | None:
+    """The coefficients of a ``memory`` section (None when absent); ValueError naming the file and field."""
+    if section is None:
+        return None
+    where = f"cost-model file {str(p)!r}: memory"
+    if not isinstance(section, dict):
+        raise ValueError(f"{where} must be an object {{'coefficients': {{...}}, 'fit': ...}} or null, got "
+                         f"{type(section).__name__}; re-run hdp calibrate to rewrite it")
+    unknown = sorted(set(section) - {"coefficients", "fit"})
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; the section holds 'coefficients' and 'fit'")
+    fit = section.get("fit")
+    if fit is not None and not isinstance(fit, dict):
+        raise ValueError(f"{where}.fit must be an object or null, got {type(fit).__name__}")
+    return MemoryCoefficients.from_dict(section.get("coefficients"), f"{where}.coefficients")
+
+
+def load_memory_coefficients(path: str | os.PathLike[str]) -> MemoryCoefficients | None:
+    """The `MemoryCoefficients` of a cost-model file's ``memory`` section, or None when it has none
+    (ValueError naming the file and the field on bad input)."""
+    doc = read_cost_file(path)
+    return _check_memory_section(doc.get("memory"), Path(path))
 
 
 def load_cost_model(path: str | os.PathLike[str]) -> CostModel:

@@ -132,6 +132,25 @@ class MemoryCoefficients:
     def to_dict(self) -> dict[str, float]:
         return {n: float(getattr(self, n)) for n in (*_FEATURES, "headroom_bytes")}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "memory coefficients") -> "MemoryCoefficients":
+        """The coefficients of `to_dict`'s form (exactly its five keys, numbers >= 0); ValueError naming
+        ``where``, the field, the value and the fix."""
+        names = (*_FEATURES, "headroom_bytes")
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: expected an object with {', '.join(names)}, got {type(d).__name__}")
+        missing = [n for n in names if n not in d]
+        unknown = sorted(set(map(str, d)) - set(names))
+        if missing or unknown:
+            raise ValueError(f"{where}: {'missing ' + str(missing) if missing else ''}"
+                             f"{'; ' if missing and unknown else ''}{'unknown ' + str(unknown) if unknown else ''}; "
+                             f"memory coefficients are exactly {', '.join(names)}")
+        for n in names:
+            v = d[n]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{where}.{n}={v!r}: pass a finite number >= 0 (re-run hdp calibrate to rewrite it)")
+        return cls(**{n: float(d[n]) for n in names})
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryModel:

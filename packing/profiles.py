@@ -248,16 +248,21 @@ def get_profile(name: str | HardwareProfile) -> HardwareProfile:
 
 
 def get_model(name: str | ModelPreset) -> ModelPreset:
-    """Look up a model preset by name; raise ValueError naming the known ones."""
+    """Look up a model preset by name: `MODELS`, else the preset derived from a model shape of
+    `hdp.packing.model_shape.SHAPES` (`ModelShape.cost_preset`), so that one ``--model`` name serves
+    the cost and the memory model; raise ValueError naming the known ones."""
     if isinstance(name, ModelPreset):
         return name
-    try:
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ValueError(
-            f"model={name!r} is unknown; choose one of: {', '.join(sorted(MODELS))} "
-            "(or pass a number as the linear coefficient)"
-        ) from None
+    from hdp.packing.model_shape import SHAPES
+
+    if name in SHAPES:
+        return SHAPES[name].cost_preset()
+    raise ValueError(
+        f"model={name!r} is unknown; choose one of: {', '.join(sorted(set(MODELS) | set(SHAPES)))} "
+        "(or pass a number as the linear coefficient)"
+    )
 
 
 def cost_model(
