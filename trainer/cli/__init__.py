@@ -2,7 +2,8 @@
 
 Human output uses rich tables; ``--json`` prints exactly one JSON object on stdout (logs and
 progress go to stderr).  User errors print ``error: <message>`` to stderr and exit with code 2.
-Subcommands live in :mod:`.planning`, :mod:`.bench` and :mod:`.demo`; shared helpers in :mod:`.common`.
+Subcommands live in :mod:`.planning` (with the memory options of :mod:`.memory`), :mod:`.calibrate`,
+:mod:`.bench` and :mod:`.demo`; shared helpers in :mod:`.common`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Sequence
 from hdp.trainer.cli.bench import _cmd_bench
 from hdp.trainer.cli.common import ALL_POLICIES, CliError, _add_batch_args, _add_domain_args
 from hdp.trainer.cli.demo import _cmd_demo
-from hdp.trainer.cli.planning import _cmd_calibrate, _cmd_plan, _cmd_simulate
+from hdp.trainer.cli.memory import add_memory_args
+from hdp.trainer.cli.calibrate import _cmd_calibrate
+from hdp.trainer.cli.planning import _cmd_plan, _cmd_simulate
 
 
 __all__ = ["main", "build_parser", "CliError"]
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="hdp", help="packing policy (default hdp)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="also write a Gantt chart")
+    add_memory_args(p)
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser("simulate", help="compare policies on a batch, or run the built-in suite",
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also plan with the token budget MoE zero-memory recomputation frees")
     s.add_argument("--moe-shape", default="qwen3-235b-a22b",
                    help="MoE layer shape for --moe-zero-memory (qwen3-235b-a22b, deepseek-v3)")
+    add_memory_args(s)
     s.set_defaults(func=_cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine, "
@@ -100,13 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="out/demo", help="folder for the Gantt chart and the JSON result")
     d.set_defaults(func=_cmd_demo)
 
-    c = sub.add_parser("calibrate", help="fit the cost model to measured records (JSON lines)")
+    c = sub.add_parser("calibrate", help="fit the cost model (and the memory model, from memory records) to measured "
+                                         "records (JSON lines)")
     c.add_argument("--records", required=True, metavar="FILE.jsonl", help="measured records")
     c.add_argument("--out", metavar="COST.json", default=None,
                    help="write the cost-model file (hdp plan / simulate --cost-model read it)")
     c.add_argument("--profile", default=None,
                    help="base profile for parameters the records cannot determine (default h100-nvlink)")
     c.add_argument("--model", default=None, help="base model preset (default deepseek-v3)")
+    c.add_argument("--memory-cover", action="store_true", dest="memory_cover",
+                   help="memory records: scale the fitted dynamic part up until no record's peak is under-predicted")
     c.add_argument("--json", action="store_true", help="print the cost-model file's JSON document")
     c.set_defaults(func=_cmd_calibrate)
     return parser

@@ -77,8 +77,8 @@ def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
 def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     p.add_argument("--ranks", "-N", type=int, required=required, help="N: ranks in the domain")
     p.add_argument(
-        "--max-tokens-per-rank", "-B", type=int, required=required, dest="max_tokens_per_rank",
-        help="B: per-rank token budget of one round",
+        "--max-tokens-per-rank", "-B", type=int, default=None, dest="max_tokens_per_rank",
+        help="B: per-rank token budget of one round (required unless --memory-gb derives it; then a cap on it)",
     )
     p.add_argument("--group-shape", default="any", help="any (contiguous ranges) or pow2 (aligned blocks)")
     _add_cost_args(p)
@@ -87,8 +87,9 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
     p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
                    help="hdp: work it may spend beyond its first plan (hdp.packing.SearchBudget): 'default', "
                         "'off' (no local search) or pools, e.g. construct=20000,search=3000000,rivals=65536")
-    p.add_argument("--pp", type=int, default=1, dest="pp", metavar="P",
-                   help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it (default 1)")
+    p.add_argument("--pp", type=int, default=None, dest="pp", metavar="P",
+                   help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it "
+                        "(default 1, or the PP of --layout)")
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +163,10 @@ def _cost(args: argparse.Namespace):  # noqa: ANN202
     from hdp.packing.cost_file import resolve_cost
 
     if getattr(args, "cost_model", None):
-        given = [f for f, v in (("--profile", args.profile), ("--model", args.model),
+        from hdp.trainer.cli.memory import memory_requested
+
+        shape_only = memory_requested(args)  # then --model names the memory model's shape only
+        given = [f for f, v in (("--profile", args.profile), ("--model", None if shape_only else args.model),
                                 ("--linear-coef", args.linear_coef)) if v is not None]
         if given:
             raise CliError(
@@ -177,11 +181,15 @@ def _cost(args: argparse.Namespace):  # noqa: ANN202
     return cost_model(model, args.profile or "h100-nvlink")
 
 
-def _config(args: argparse.Namespace, policy: str, cost: Any = None):  # noqa: ANN202
+def _config(args: argparse.Namespace, policy: str, cost: Any = None, memory: Any = None):  # noqa: ANN202
+    """The `PlannerConfig` of the options for ``policy``; ``memory`` (a `hdp.trainer.cli.memory.MemorySetup`)
+    adds the memory limit and model (B is then derived, ``-B`` caps it)."""
     from hdp.packing import PlannerConfig
 
     shape = "pow2" if policy == "hdp-pow2" else args.group_shape  # hdp-pow2: hdp on power-of-two groups
+    mem = {} if memory is None else {"memory_limit": memory.limit_bytes, "memory_model": memory.model}
     return PlannerConfig(
+        **mem,
         num_ranks=args.ranks,
         max_tokens_per_rank=args.max_tokens_per_rank,
         policy="hdp" if policy == "hdp-pow2" else policy,

@@ -1,8 +1,10 @@
-"""``hdp plan``, ``hdp simulate`` (and ``--suite``), ``hdp calibrate``: the planner on the command line."""
+"""``hdp plan`` and ``hdp simulate`` (and ``--suite``): the planner on the command line (``hdp calibrate``:
+:mod:`.calibrate`; the memory options: :mod:`.memory`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,7 +12,18 @@ from typing import Any
 
 import numpy as np
 
+from hdp.trainer.cli.memory import derive_budget, gib, layout_text, memory_setup, print_whatif, whatif
 from hdp.trainer.cli.common import check_output_file, ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
+
+
+def _memory_and_budget(args: argparse.Namespace, command: str) -> Any:
+    """The memory setup of the options (None without them); CliError when -B is missing and no
+    --memory-gb derives it."""
+    setup = memory_setup(args)
+    if args.max_tokens_per_rank is None and (setup is None or setup.limit_bytes is None):
+        raise CliError(f"{command}: pass --max-tokens-per-rank/-B (the per-rank token budget of a round), or "
+                       "--memory-gb G --model NAME --layout SPEC to derive it from the memory per device")
+    return setup
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -18,19 +31,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hdp.packing.simulate import simulate
 
     _check_domain_args(args)
+    setup = _memory_and_budget(args, "plan")
     if args.plot:
         check_output_file("--plot", args.plot)
     cost = _cost(args)
     lengths = _load_lengths(args)
-    p = make_plan(lengths, _config(args, args.policy, cost))
-    p = p.with_stats(simulate(p, cost, p.stats.planner_ms, p.stats.pipeline_stages, tight=True))
+    if setup is not None:
+        derive_budget(setup, lengths, args.ranks, args.max_tokens_per_rank)  # errors name --memory-gb
+    config = _config(args, args.policy, cost, setup)
+    p = make_plan(lengths, config)
+    tight = simulate(p, cost, p.stats.planner_ms, p.stats.pipeline_stages, tight=True)
+    p = p.with_stats(dataclasses.replace(tight, memory=p.stats.memory))  # the planner's predicted peaks
+    w = whatif(lengths, p, config, setup, args.static_cp) if setup is not None else None
     if args.plot:
         from hdp.trainer.cli.gantt import plot_gantt
 
         plot_gantt(p, cost, args.plot)
         logger.info("wrote %s", args.plot)
     if args.json:
-        _emit_json(p.to_dict())
+        _emit_json({**p.to_dict(), **({"whatif": w} if w is not None else {})})
         return 0
     from rich.table import Table
 
@@ -55,8 +74,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     loads = rank_loads(p, cost) * cost.unit_time_s
     tokens = p.stats.tokens_per_rank
-    rounds = Table(title="rounds")
-    for col in ("round", "groups", "samples", "max tokens/rank", "round time", "idle ranks"):
+    rounds = Table(title="rounds" + (" (peak: predicted bytes per rank, hdp.packing.memory)" if w else ""))
+    peak_cols = ("peak (worst rank)", "peak (least rank)") if w else ()
+    for col in ("round", "groups", "samples", "max tokens/rank", "round time", "idle ranks", *peak_cols):
         rounds.add_column(col, justify="right" if col != "groups" else "left")
     shown = p.rounds[:50]
     for rnd in shown:
@@ -71,10 +91,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             str(int(tokens[rnd.index].max())),
             _fmt_s(float(loads[rnd.index].max())),
             str(p.num_ranks - covered),
+            *((gib(w["rounds"][rnd.index]["peak_bytes_max"]), gib(w["rounds"][rnd.index]["peak_bytes_min"])) if w else ()),
         )
     con.print(rounds)
     if len(p.rounds) > len(shown):
         con.print(f"... {len(p.rounds) - len(shown)} more rounds (use --json for all)")
+    if w is not None:
+        print_whatif(con, w, _fmt_s)
     if args.plot:
         con.print(f"Gantt chart: {args.plot}")
     return 0
@@ -112,14 +135,19 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
 def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.suite:
         given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
-                                ("--model", args.model), ("--linear-coef", args.linear_coef)) if v is not None]
+                                ("--model", args.model), ("--linear-coef", args.linear_coef),
+                                ("--memory-gb", args.memory_gb), ("--layout", args.layout)) if v is not None]
         if given:
             raise CliError(f"--suite plans every case with its own model and profile; drop {' '.join(given)}")
         return _cmd_suite(args)
     if args.lengths is None and args.workload is None:
         raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
-    if args.ranks is None or args.max_tokens_per_rank is None:
-        raise CliError("simulate: --ranks and --max-tokens-per-rank are required (or use --suite)")
+    if args.ranks is None:
+        raise CliError("simulate: --ranks is required (or use --suite)")
+    setup = _memory_and_budget(args, "simulate")
+    if setup is not None and args.moe_zero_memory != "none":
+        raise CliError("--moe-zero-memory scales a given -B; with --memory-gb/--layout pass --zero-memory "
+                       f"{args.moe_zero_memory} instead (the memory model prices the level)")
     from hdp.packing import Policy
     from hdp.packing import plan as make_plan
 
@@ -135,6 +163,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise CliError(f"--plot-dir={args.plot_dir!r} is an existing file; name a directory for the Gantt charts")
     cost = _cost(args)
     lengths = _load_lengths(args)
+    budget = args.max_tokens_per_rank if setup is None else derive_budget(setup, lengths, args.ranks,
+                                                                            args.max_tokens_per_rank)
+    fixed = argparse.Namespace(**{**vars(args), "max_tokens_per_rank": budget})  # B as planned, no memory model
     cases: list[dict[str, Any]] = []
     notes: list[str] = []
     plans = {}
@@ -155,7 +186,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         runs.append((f"+{args.moe_zero_memory}", argparse.Namespace(**{**vars(args), "max_tokens_per_rank": b_zm})))
     for suffix, run_args in runs:
         for name in policies:
-            config = _config(run_args, name, cost)
+            config = _config(run_args, name, cost, setup if suffix == "" else None)
             try:
                 p = make_plan(lengths, config)
             except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
@@ -169,21 +200,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             plans[name + suffix] = p
             entry = _entry(p, cost)
             entry["policy"] = name + suffix
-            entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+            entry["max_tokens_per_rank"] = p.max_tokens_per_rank
+            if p.stats.memory is not None:
+                entry["peak_bytes"] = p.stats.memory["peak_bytes"]
+                entry["within_limit"] = p.stats.memory.get("within_limit")
             cases.append(entry)
             if name == "hdp" and run_args.pp > 1:
                 # the plan made without the pipeline, scored with it: what knowing PP buys
                 from hdp.packing.simulate import simulate
 
-                flat = make_plan(lengths, _config(argparse.Namespace(**{**vars(run_args), "pp": 1}), name, cost))
+                flat_args = fixed if suffix == "" else run_args
+                flat = make_plan(lengths, _config(argparse.Namespace(**{**vars(flat_args), "pp": 1}), name, cost))
                 flat = flat.with_stats(simulate(flat, cost, flat.stats.planner_ms, run_args.pp))
                 plans["hdp-no-pp" + suffix] = flat
                 entry = _entry(flat, cost)
                 entry["policy"] = "hdp-no-pp" + suffix
-                entry["max_tokens_per_rank"] = run_args.max_tokens_per_rank
+                entry["max_tokens_per_rank"] = flat.max_tokens_per_rank
                 cases.append(entry)
     if not args.no_peers:
-        peer, note = _peer_entry(lengths, _config(args, policies[0], cost))
+        peer, note = _peer_entry(lengths, _config(fixed, policies[0], cost))
         if peer is not None:
             cases.append(peer)
         if note:
@@ -198,7 +233,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             plot_gantt(p, cost, out / f"gantt_{name}.png")
         logger.info("wrote %d Gantt charts to %s", len(plans), out)
     if args.json:
-        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp}
+        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp, "token_budget": budget}
+        if setup is not None:
+            obj["memory"] = {"limit_bytes": setup.limit_bytes, "model": setup.model.shape.name,
+                             "layout": layout_text(setup.model.layout), "static_bytes": setup.model.worst_static(),
+                             "coefficients": setup.model.coef.to_dict(),
+                             "coefficients_source": setup.coefficients_source}
         if notes:
             obj["notes"] = notes
         _emit_json(obj)
@@ -207,13 +247,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     t_ref = next((c["step_time"] for c in cases if c["policy"] == "hdp" and "error" not in c), None)
     pp = f", PP={args.pp} (T counts {args.pp - 1} x the longest round more)" if args.pp > 1 else ""
-    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={args.max_tokens_per_rank}{pp}")
+    mem = "" if setup is None or setup.limit_bytes is None else f" (derived from {args.memory_gb:g} GiB per device)"
+    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={budget}{mem}{pp}")
+    peak_col = ("peak (worst rank)",) if setup is not None else ()
     for col in ("policy", "rounds", "T", "T*", "efficiency", "eff. (tight T*)", "T/T(hdp)", "max idle", "CP degrees",
-                "planner"):
+                "planner", *peak_col):
         table.add_column(col, justify="left" if col in ("policy", "CP degrees") else "right")
     for c in cases:
         if "error" in c:
-            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "-", "skipped (see note)", "-")
+            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "-", "skipped (see note)", "-", *("-" for _ in peak_col))
             continue
         ratio = f"{c['step_time'] / t_ref:.3f}" if t_ref else "-"
         tight = c.get("efficiency_tight")
@@ -221,9 +263,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             c["policy"], str(c["rounds"]), _fmt_s(c["step_time"]), _fmt_s(c["lower_bound"]),
             f"{c['efficiency']:.2%}", f"{tight:.2%}" if tight is not None else "-", ratio, f"{c['max_idle_ratio']:.1%}",
             _hist_text(c["cp_degree_hist"]), f"{c['planner_ms']:.1f} ms",
+            *((gib(c.get("peak_bytes")),) if peak_col else ()),
         )
     con = _console()
     con.print(table)
+    if setup is not None:
+        con.print(f"memory: {setup.model.shape.name} on {layout_text(setup.model.layout)}; coefficients "
+                  f"{setup.coefficients_source}; peak: predicted bytes of the worst rank (hdp.packing.memory)")
     for n in notes:
         con.print(f"[dim]note: {n}[/dim]")
     return 0
@@ -356,51 +402,3 @@ def _cmd_suite(args: argparse.Namespace) -> int:
             mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
             con.print(f"{mark} {c['name']} — {c['detail']}")
     return 1 if (failed and args.strict) else 0
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    """Fit the cost model to measured records; print it and write the cost-model file (--out)."""
-    from hdp.packing import cost_model
-    from hdp.packing.calibrate import calibrate, load_records
-    from hdp.packing.cost import PARAMETERS
-    from hdp.packing.cost_file import cost_document, save_cost_model
-
-    model, profile = args.model or "deepseek-v3", args.profile or "h100-nvlink"
-    base = cost_model(model, profile)
-    base_name = f"{model}@{profile}"
-    if args.out is not None:
-        out = Path(args.out)
-        if out.is_dir():
-            raise CliError(f"--out={args.out!r} is a directory; pass a file path such as cost.json")
-        if not out.parent.is_dir():
-            raise CliError(f"--out={args.out!r}: the folder {str(out.parent)!r} does not exist")
-    result = calibrate(load_records(args.records), base=base)
-    meta = result.metadata(base_name)
-    if args.out is not None:
-        save_cost_model(result.cost, args.out, metadata=meta)
-        logger.info("wrote %s", args.out)
-    doc = cost_document(result.cost, metadata=meta)
-    if args.json:
-        _emit_json(doc)
-        return 0
-    from rich.table import Table
-
-    c = result.cost
-    table = Table(title=f"calibrated cost model ({result.n_records} records; base {base_name})")
-    for col in ("parameter", "value", "seconds", "source"):
-        table.add_column(col, justify="left" if col in ("parameter", "source") else "right")
-    per_unit = {"linear_coef": None, "unit_time_s": None}
-    for n in PARAMETERS:
-        v = float(getattr(c, n))
-        secs = "-" if n in per_unit else _fmt_s(v * c.unit_time_s) + ("/token" if n.endswith("per_token") else "")
-        src = "fitted" if n in result.fitted else f"base ({result.reasons.get(n, '')})"
-        table.add_row(n, f"{v:.6g}", secs, src)
-    con = _console()
-    con.print(table)
-    con.print(f"R² {result.r2:.4f}; relative error median {result.median_rel_err:.2%}, p90 "
-              f"{result.rel_err_p90:.2%}, max {result.max_rel_err:.2%}")
-    for w in result.warnings:
-        con.print(f"[yellow]warning:[/yellow] {w}")
-    if args.out is not None:
-        con.print(f"cost-model file: {args.out} (hdp plan / hdp simulate --cost-model {args.out})")
-    return 0
