@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "lognormal", "rl_prompt_response", "bimodal", "short_tail", "wikipedia", "read_lengths",
+    "lognormal", "rl_prompt_response", "bimodal", "short_tail", "short_reasoning", "pareto", "rl_grouped",
+    "wikipedia", "read_lengths",
     "WORKLOADS", "get_workload", "WIKIPEDIA_ENV",
 ]
 
@@ -123,6 +124,62 @@ def short_tail(
     out = _as_lengths(np.where(rng.random(n) < tail_frac, tail, bulk), max_len)
     out[int(rng.integers(n))] = max_len
     return out
+
+
+def short_reasoning(
+    n: int,
+    median: float = 1105.0,
+    tail_frac: float = 0.03,
+    max_len: int = 32_768,
+    seed: int = 0,
+    *,
+    sigma: float = 0.7,
+) -> np.ndarray:
+    """Short reasoning traces with a long tail: a lognormal bulk of median ``median`` and a fraction
+    ``tail_frac`` log-uniform in [4 * median, max_len] (chains of thought that ran long).  At the
+    defaults a 1,024-sample batch spans ~100 to ~32K tokens with a median near 1.1K."""
+    rng = _check(n, seed, median=median, max_len=max_len, sigma=sigma)
+    if not 0.0 <= tail_frac <= 1.0:
+        raise ValueError(f"workload tail_frac={tail_frac!r}: must be in [0, 1]")
+    bulk = rng.lognormal(np.log(median), sigma, n)
+    lo = min(4.0 * median, float(max_len))
+    tail = np.exp(rng.uniform(np.log(lo), np.log(max_len), n))
+    return _as_lengths(np.where(rng.random(n) < tail_frac, tail, bulk), max_len)
+
+
+def pareto(n: int, scale: float = 512.0, alpha: float = 1.3, max_len: int = 32_768, seed: int = 0) -> np.ndarray:
+    """Pareto lengths: ``scale * U**(-1 / alpha)`` (the shortest is ``scale``), clipped to ``max_len``;
+    alpha near 1 puts most of the attention work in the few longest samples."""
+    rng = _check(n, seed, scale=scale, alpha=alpha, max_len=max_len)
+    return _as_lengths(scale * (1.0 - rng.random(n)) ** (-1.0 / alpha), max_len)
+
+
+def rl_grouped(
+    n: int,
+    group: int = 16,
+    prompt_mean: float = 512.0,
+    response_median: float = 2048.0,
+    max_len: int = 32_768,
+    seed: int = 0,
+    *,
+    difficulty_sigma: float = 0.7,
+    response_sigma: float = 0.5,
+    tail_alpha: float = 4.0,
+) -> np.ndarray:
+    """RL rollouts with ``group`` responses per prompt (GRPO-style): every response of a prompt
+    shares its prompt length (lognormal) and a per-prompt difficulty (lognormal, sigma
+    ``difficulty_sigma``) that scales its response lengths; each response is then lognormal
+    (``response_sigma``) times a Pareto(``tail_alpha``) factor -- a heavy tail of runaway responses
+    -- clipped to ``max_len`` with its prompt."""
+    rng = _check(n, seed, group=group, prompt_mean=prompt_mean, response_median=response_median,
+                 max_len=max_len, difficulty_sigma=difficulty_sigma, response_sigma=response_sigma,
+                 tail_alpha=tail_alpha)
+    prompts = -(-n // int(group))
+    prompt = _as_lengths(_lognormal_draw(rng, prompt_mean, 0.6, prompts), 4096)
+    difficulty = rng.lognormal(0.0, difficulty_sigma, prompts)
+    response = (response_median * np.repeat(difficulty, group)[:n] * rng.lognormal(0.0, response_sigma, n)
+                * (1.0 - rng.random(n)) ** (-1.0 / tail_alpha))
+    return _as_lengths(np.repeat(prompt, group)[:n] + response, max_len)
 
 
 def _default_wikipedia_path() -> Path:
@@ -231,6 +288,9 @@ WORKLOADS: dict[str, Callable[..., np.ndarray]] = {
     "rl-32k": functools.partial(rl_prompt_response, response_mean=12_288.0, response_cap=32_768),
     "bimodal": bimodal,
     "ascend-short-tail": short_tail,
+    "short-reasoning": short_reasoning,
+    "pareto": pareto,
+    "rl-grouped": rl_grouped,
     "wikipedia": wikipedia,
 }
 """Command-line name -> generator; call as ``WORKLOADS[name](n=..., seed=..., **overrides)``."""

@@ -60,10 +60,15 @@ def test_search_budget_flag(capsys):
 
 
 def test_bench_planner_json(capsys):
-    rc = main(["bench", "planner", "--small-only", "--repeats", "1", "--json"])
+    rc = main(["bench", "planner", "--small-only", "--repeats", "1", "--families", "rl-grouped-16,wikipedia",
+               "--no-peers", "--json"])
     assert rc == 0
     d = _json_out(capsys)
-    assert [r["samples"] for r in d["planner"]] == [1024, 8192]
+    assert [(r["family"], r["samples"], r["ranks"]) for r in d["planner"]] == [
+        ("rl-grouped-16", 1024, 64), ("rl-grouped-16", 8192, 512), ("wikipedia", 1024, 64), ("wikipedia", 8192, 512)]
     assert d["search_budget"] == {"construct": 20000, "search": 3000000, "rivals": 65536}
     for r in d["planner"]:
-        assert r["median_ms"] > 0 and r["median_cpu_ms"] > 0 and 0.9 < r["efficiency"] <= 1.0
+        assert r["median_ms"] > 0 and r["median_cpu_ms"] > 0 and 0.8 < r["efficiency"] <= 1.0
+        assert r["target_ms"] == (100.0 if r["ranks"] == 64 else 50.0) and "megatron_core" not in r
+    assert main(["bench", "planner", "--families", "nope", "--json"]) == 2
+    assert "--families" in capsys.readouterr().err

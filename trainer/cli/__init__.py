@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 64- and 512-rank cases")
     b.add_argument("--large-repeats", type=int, default=2, help="planner: repeats of the 8192-rank case")
     b.add_argument("--small-only", action="store_true", help="planner: skip the 8192-rank case")
+    b.add_argument("--families", default=None, metavar="A,B",
+                   help="planner: batch families to time (default all: the suite's distributions, short-reasoning, "
+                        "pareto, rl-grouped-16)")
+    b.add_argument("--no-peers", action="store_true", dest="no_peers",
+                   help="planner: skip megatron-core's scheduler and the megatron-dcp port")
     b.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
                    help="planner: hdp's search budget ('default', 'off' or key=value pairs)")
     b.add_argument("--seed", type=int, default=0, help="planner / exact: workload seed")

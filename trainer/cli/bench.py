@@ -212,55 +212,54 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def _bench_planner(args: argparse.Namespace) -> int:
-    from hdp.packing import PlannerConfig
-    from hdp.packing import plan as make_plan
-    from hdp.packing.workloads import lognormal
+    from dataclasses import replace
 
     from hdp.packing import SearchBudget
+    from hdp.trainer.bench.planner import FAMILIES, bench_planner
 
     budget = SearchBudget.parse(args.search_budget, "--search-budget")
-    runs = [
-        ("1024 samples / 64 ranks", 1_024, 64, args.repeats, 100.0),
-        ("8192 samples / 512 ranks", 8_192, 512, args.repeats, 50.0),
-        ("131072 samples / 8192 ranks", 131_072, 8_192, args.large_repeats, 1000.0),
-    ]
-    if args.small_only:
-        runs = runs[:2]
-    out: list[dict[str, Any]] = []
-    for label, s, n, repeats, target in runs:
-        lengths = lognormal(s, mean=2048.0, sigma=1.2, max_len=32_768, seed=args.seed)
-        config = PlannerConfig(num_ranks=n, max_tokens_per_rank=4_096, policy=args.policy, search_budget=budget)
-        walls, cpus, policy_ms = [], [], []
-        make_plan(lengths[: min(s, 256)], config)  # warm-up: imports, caches
-        for _ in range(max(1, repeats)):
-            t0, c0 = time.perf_counter(), time.process_time()
-            p = make_plan(lengths, config)
-            walls.append((time.perf_counter() - t0) * 1e3)
-            cpus.append((time.process_time() - c0) * 1e3)
-            policy_ms.append(p.stats.planner_ms)
-        med = statistics.median(walls)
-        out.append({
-            "name": label, "samples": s, "ranks": n, "policy": args.policy, "repeats": len(walls),
-            "median_ms": med, "median_cpu_ms": statistics.median(cpus),
-            "policy_median_ms": statistics.median(policy_ms), "target_ms": target,
-            "passed": med <= target, "efficiency": p.stats.efficiency,
-        })
-        logger.info("%s: median %.1f ms", label, med)
-    meta = {"search_budget": dataclasses.asdict(budget),
-            "cost_model": "deepseek-v3 on h100-nvlink (PlannerConfig default)", "lengths": "lognormal mean 2048, sigma 1.2, max 32768, B=4096"}
+    by_name = {f.name: f for f in FAMILIES}
+    wanted = [s.strip() for s in (args.families or "").split(",") if s.strip()] or list(by_name)
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise CliError(f"--families: {', '.join(map(repr, unknown))} unknown; choose from: {', '.join(by_name)}")
+    families = [by_name[w] for w in wanted]
+    result = bench_planner(families, repeats=args.repeats, seed=args.seed, policy=args.policy,
+                           search_budget=budget, peers=not args.no_peers)
+    if not args.small_only:  # the large lognormal batch of the earlier benchmark: 131,072 samples on 8,192 ranks
+        large = replace(by_name["lognormal"], name="lognormal-large", budgets=((8_192, 4_096),))
+        more = bench_planner([large], ((8_192, 1_000.0),), repeats=args.large_repeats, seed=args.seed,
+                             policy=args.policy, search_budget=budget, peers=False)
+        result["planner"] += more["planner"]
+        result["passed"] = result["passed"] and more["passed"]
+    logger.info("planner bench: %d batches, passed=%s", len(result["planner"]), result["passed"])
     if args.json:
-        _emit_json({"planner": out, "passed": all(r["passed"] for r in out), **meta})
+        _emit_json(result)
         return 0
     from rich.table import Table
 
-    table = Table(title=f"planner speed (policy {args.policy}, lognormal lengths, B=4096, search budget {budget})")
-    for col in ("case", "repeats", "median plan() ms", "median CPU ms", "policy ms", "target ms", "efficiency", "result"):
-        table.add_column(col, justify="left" if col == "case" else "right")
-    for r in out:
+    def peer(r: dict[str, Any], key: str) -> list[str]:
+        p = r.get(key)
+        if p is None:
+            return ["-", "-", "-"]
+        if "error" in p:
+            return ["n/a", "n/a", p["error"][:40]]
+        eff = f"{p['efficiency']:.3f}" + ("" if p["budget_ok"] else " (>B)")
+        return [f"{p['median_ms']:.1f}", f"{p['median_cpu_ms']:.1f}", eff]
+
+    table = Table(title=f"planner speed (policy {args.policy}, search budget {budget}); "
+                        f"peer: {result['megatron_core']['note']}")
+    for col in ("family", "N", "samples", "ms", "CPU ms", "eff.", "target", "result",
+                "mcore ms", "mcore CPU", "mcore eff.", "dcp-port ms", "dcp-port CPU", "dcp-port eff."):
+        table.add_column(col, justify="left" if col == "family" else "right")
+    for r in result["planner"]:
         table.add_row(
-            r["name"], str(r["repeats"]), f"{r['median_ms']:.1f}", f"{r['median_cpu_ms']:.1f}",
-            f"{r['policy_median_ms']:.1f}", f"{r['target_ms']:.0f}", f"{r['efficiency']:.3f}",
-            "[green]PASS[/green]" if r["passed"] else "[red]FAIL[/red]",
+            r["family"], str(r["ranks"]), str(r["samples"]), f"{r['median_ms']:.1f}", f"{r['median_cpu_ms']:.1f}",
+            f"{r['efficiency']:.3f}", f"{r['target_ms']:.0f}", "[green]PASS[/green]" if r["passed"] else "[red]FAIL[/red]",
+            *peer(r, "megatron_core"), *peer(r, "megatron_dcp_port"),
         )
-    _console().print(table)
+    con = _console()
+    con.print(table)
+    for note in result["notes"]:
+        con.print(f"note: {note}")
     return 0
