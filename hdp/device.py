@@ -25,6 +25,8 @@ __all__ = [
     "RoundTimer",
     "synchronize",
     "memory_stats",
+    "reset_peak_memory",
+    "total_memory",
     "npu_available",
     "cuda_available",
     "is_cuda",
@@ -190,6 +192,10 @@ class RoundTimer:
         ev.record()
         self._open[key] = ev
 
+    def open_keys(self) -> list[Any]:
+        """Keys whose span is open now."""
+        return list(self._open)
+
     def stop(self, key: Any) -> None:
         """Close the open span of ``key``."""
         begin = self._open.pop(key, None)
@@ -237,3 +243,19 @@ def memory_stats(device: torch.device) -> dict[str, int]:
     except OSError:
         pass
     return {"allocated_bytes": int(current), "peak_bytes": int(max(peak, current))}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the allocator's peak of ``device`` at its current allocation (no-op on CPU)."""
+    mod = _module_for(device)
+    if mod is not None:
+        mod.reset_peak_memory_stats(torch.device(device))
+
+
+def total_memory(device: torch.device) -> int | None:
+    """Bytes of memory of accelerator ``device`` (``None`` on CPU: no device memory to plan to)."""
+    mod = _module_for(device)
+    if mod is None:
+        return None
+    dev = torch.device(device)
+    return int(mod.get_device_properties(dev.index if dev.index is not None else mod.current_device()).total_memory)

@@ -232,6 +232,9 @@ class PlannerConfig(PlannerOptions):
     memory_model: MemoryModel | None = None
     """The per-rank memory model of the job's model and layout (needed with ``memory_limit``; given
     alone, plans still carry its predicted peaks)."""
+    memory_limit_name: str = "memory_limit"
+    """The setting the limit came from, as errors name it (``PlanningConfig.max_memory_gb``, verl's
+    ``actor_rollout_ref.actor.hdp.max_memory_gb``, ``--memory-gb``)."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -282,5 +285,5 @@ class PlannerConfig(PlannerOptions):
             return self.max_tokens_per_rank
         assert self.memory_model is not None
         b = MemoryBudget(model=self.memory_model, limit_bytes=float(self.memory_limit)).check(
-            self.num_ranks, np.asarray(lengths), "memory_limit")
+            self.num_ranks, np.asarray(lengths), self.memory_limit_name)
         return b if self.max_tokens_per_rank is None else min(b, self.max_tokens_per_rank)

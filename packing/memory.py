@@ -31,7 +31,7 @@ the domain size, recompute mode, MoE zero-memory level, CP algorithm) and a few 
   ``T · (Q + heads) · 4``, and in backward the travelling fp32 dK/dV ``T · 2K · 4``; all-gather — the
   group's gathered K/V ``k · T · 2K · b`` and their fp32 gradients;
 * **logits** (last stage): the logits ``T · V/TP · b`` and their gradient, plus one fp32 vocabulary
-  chunk ``T · 4096 · 4`` (`hdp.logprobs`);
+  chunk ``T · min(4096, V/TP) · 4`` (`hdp.logprobs`);
 * **headroom** — a fitted constant: allocator fragmentation, workspaces, communication buffers.
 
 The analytic terms are multiplied by fitted coefficients (``activation``, ``expert``, ``cp``,
@@ -56,9 +56,14 @@ from hdp.packing.model_shape import ModelShape, get_shape
 from hdp.packing.moe_memory import ActivationMemoryModel, MoEShape, ZeroMemoryLevel
 
 __all__ = ["MemoryLayout", "MemoryCoefficients", "MemoryModel", "MemoryBudget", "fit_memory", "RECOMPUTE",
-           "GB", "memory_features", "window_tokens", "plan_memory", "memory_stats", "rank_group_sizes", "model_for"]
+           "GB", "memory_features", "window_tokens", "rerun_tokens", "plan_memory", "memory_stats", "rank_group_sizes", "model_for"]
 
 GB = 1 << 30
+
+
+def _gb(nbytes: float) -> str:
+    """``nbytes`` as GB with three significant digits (``"79.5 GB"``, ``"0.0267 GB"``)."""
+    return f"{nbytes / GB:.3g} GB"
 RECOMPUTE = ("none", "selective", "full")
 _LOGIT_CHUNK = 4096
 _FEATURES = ("activation", "expert", "cp", "logits")
@@ -268,24 +273,29 @@ class MemoryModel:
         chunks = (lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1
         return float(chunks * layers / lay.vpp)
 
-    def features(self, tokens: float, group_size: int, *, stage: int = 0, window_tokens: float | None = None
-                 ) -> dict[str, float]:
+    def features(self, tokens: float, group_size: int, *, stage: int = 0, window_tokens: float | None = None,
+                 window_max: float | None = None) -> dict[str, float]:
         """The analytic bytes of each fitted term for a round of ``tokens`` local tokens on a group of
         ``group_size`` ranks; ``window_tokens``: the local tokens of the rounds in flight together (default
-        the round's own, for every in-flight micro-batch)."""
+        the round's own, for every in-flight micro-batch); ``window_max``: the local tokens of the round
+        whose layer a backward recomputes while this round is the newest (`rerun_tokens`; default
+        ``tokens``): under full recompute the whole layer, under MoE zero-memory its expert path."""
         lay, s = self.layout, self.shape
         act, expert = self.per_token_layer()
         layers = self.layers(stage)
         flight = self.in_flight_layers(stage)
         held = window_tokens if window_tokens is not None else tokens * flight / max(layers, 1)
+        rerun = tokens if window_max is None else window_max
         a = act * layers * held
+        plain = replace(self, layout=replace(lay, recompute="none", zero_memory="none"))
+        fa, fe = plain.per_token_layer()  # one layer's activations with nothing freed
         if lay.recompute == "full":  # one layer's full activations during its recompute in backward
-            full = replace(self, layout=replace(lay, recompute="none"))
-            fa, fe = full.per_token_layer()
-            a += fa * tokens
-            e = fe * tokens
+            a += fa * rerun
+            e = fe * rerun
         else:
             e = expert * layers * held
+            if lay.zero_memory != "none" and s.is_moe:  # the expert path one backward re-materialises
+                e += max(fe - expert, 0.0) * rerun
         b, kv = lay.activation_bytes, 2 * s.num_kv_heads * s.head_dim / lay.tp
         cp = 0.0
         if group_size > 1:
@@ -295,7 +305,8 @@ class MemoryModel:
                 cp = group_size * tokens * kv * (b + 4)
         logits = 0.0
         if stage == lay.pp - 1:
-            logits = tokens * (2 * s.vocab_size / lay.tp * lay.activation_bytes + _LOGIT_CHUNK * 4)
+            vl = s.vocab_size / lay.tp
+            logits = tokens * (2 * vl * lay.activation_bytes + min(_LOGIT_CHUNK, vl) * 4)
         return {"activation": a, "expert": e, "cp": cp, "logits": logits}
 
     def dynamic_bytes(self, tokens: float, group_size: int, **kwargs: Any) -> float:
@@ -336,7 +347,7 @@ class MemoryModel:
         p = (dense + expert) * lay.param_bytes
         g = (dense + expert) * 4
         o = dense * opt / lay.domain + expert * opt / expert_dp
-        return f"{p / GB:.1f} GB parameters + {g / GB:.1f} GB gradients + {o / GB:.1f} GB optimizer shard"
+        return f"{_gb(p)} parameters + {_gb(g)} gradients + {_gb(o)} optimizer shard"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,18 +378,24 @@ class MemoryBudget:
                 k = k2
         return b
 
-    def check(self, num_ranks: int, lengths: np.ndarray, field_name: str = "memory_limit") -> int:
-        """The derived token budget, or ValueError naming the limit, the figure needed and the fix."""
+    def check_static(self, field_name: str = "memory_limit") -> None:
+        """ValueError naming the limit, the static memory and the fix when the limit does not hold the
+        layout's static memory and the headroom."""
         m = self.model
         static = m.worst_static()
         if static + m.coef.headroom_bytes >= self.limit_bytes:
             raise ValueError(
-                f"{field_name}={self.limit_bytes / GB:.1f} GB per device is below the static memory of {m.shape.name} "
-                f"on this layout ({static / GB:.1f} GB: {m.describe_static()}, + {m.coef.headroom_bytes / GB:.1f} GB "
+                f"{field_name}={_gb(self.limit_bytes)} per device is below the static memory of {m.shape.name} "
+                f"on this layout ({_gb(static)}: {m.describe_static()}, + {_gb(m.coef.headroom_bytes)} "
                 "headroom); raise the limit or shard more (a larger PP, EP, TP or domain)")
+
+    def check(self, num_ranks: int, lengths: np.ndarray, field_name: str = "memory_limit") -> int:
+        """The derived token budget, or ValueError naming the limit, the figure needed and the fix."""
+        m = self.model
+        self.check_static(field_name)
         b = self.token_budget(num_ranks, int(lengths.max(initial=1)))
         if b < 1:
-            raise ValueError(f"{field_name}={self.limit_bytes / GB:.1f} GB leaves no room for one token per round on "
+            raise ValueError(f"{field_name}={_gb(self.limit_bytes)} leaves no room for one token per round on "
                              f"{m.shape.name}; raise the limit")
         k_min = min_group_size(np.asarray(lengths, dtype=np.int64), b, num_ranks)
         too_long = np.flatnonzero(k_min > num_ranks)
@@ -389,23 +406,24 @@ class MemoryBudget:
             need = m.peak_bytes(per, num_ranks)
             raise ValueError(
                 f"lengths[{i}]={longest} tokens fits no group of the domain: on all {num_ranks} ranks each holds "
-                f"about {per} tokens and needs {need / GB:.1f} GB > {field_name}={self.limit_bytes / GB:.1f} GB "
+                f"about {per} tokens and needs {_gb(need)} > {field_name}={_gb(self.limit_bytes)} "
                 f"(the budget there is {b} tokens per rank); raise the limit, recompute (full) or MoE zero-memory, "
                 "add ranks, or truncate the sample")
         return b
 
 
-def memory_features(model: MemoryModel, tokens: float, group_size: int, stage: int, window_tokens: float
-                    ) -> list[float]:
+def memory_features(model: MemoryModel, tokens: float, group_size: int, stage: int, window_tokens: float,
+                    window_max: float | None = None) -> list[float]:
     """The design row of one measured round: the analytic bytes of each fitted term (`_FEATURES` order)."""
-    f = model.features(tokens, group_size, stage=stage, window_tokens=window_tokens)
+    f = model.features(tokens, group_size, stage=stage, window_tokens=window_tokens, window_max=window_max)
     return [f[n] for n in _FEATURES]
 
 
-_PRIOR_WEIGHT = 1e-8
-"""Weight of the pull toward the base coefficients, relative to a unit-norm column: it only decides
-what the records leave undetermined (collinear terms, e.g. activation and expert bytes within one
-layout: both grow with the tokens in flight), and moves determined ones by ~1e-8."""
+_PRIOR_WEIGHT = 1e-6
+"""Weight of the pull toward the base coefficients, relative to a unit-norm column: it decides what
+the records leave undetermined or nearly so (collinear terms, e.g. activation and expert bytes within
+one layout: both grow with the tokens in flight), and moves well-determined ones by ~1e-6 (a term
+that adds little to any record, more)."""
 
 
 def _nnls(a: np.ndarray, y: np.ndarray, prior: np.ndarray) -> np.ndarray:
@@ -492,6 +510,33 @@ def window_tokens(tokens: np.ndarray, model: MemoryModel, stage: int) -> np.ndar
     return (csum[r + 1] - csum[lo]) * (flight / span)
 
 
+def rerun_tokens(tokens: np.ndarray, model: MemoryModel, stage: int) -> np.ndarray:
+    """[R] for each round r, the local tokens of the round whose layer full recompute reruns in a backward
+    while r is the newest round in flight on stage ``stage`` (``tokens`` [R]).  Megatron's 1F1B runs
+    w = PP - 1 - s warm-up forwards, then forward r / backward r - w, then the cool-down backwards after
+    the last forward: so none while r < w, round r - w in the steady state, and the largest of the
+    rounds still in flight after the last one.  Without pipelining a round reruns its own layers; under
+    the interleaved schedule the largest round in flight (an upper bound)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    r_ = tokens.size
+    lay = model.layout
+    if r_ == 0 or lay.pp == 1:
+        return tokens.copy()
+    layers = max(model.layers(stage), 1)
+    span = max(1, int(math.ceil(model.in_flight_layers(stage) / layers - 1e-9)))
+    if lay.vpp > 1:
+        out = tokens.copy()
+        for lag in range(1, span):
+            out[lag:] = np.maximum(out[lag:], tokens[:-lag])
+        return out
+    w = min(span - 1, r_)
+    out = np.zeros(r_)
+    idx = np.arange(w, r_)
+    out[idx] = tokens[idx - w]
+    out[-1] = tokens[max(0, r_ - 1 - w):].max()
+    return out
+
+
 def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np.ndarray:
     """[R, N] predicted peak bytes of each domain rank in each round, the worst over its pipeline stages;
     ``tokens`` [R, N] local tokens (`hdp.packing.Plan.tokens_per_rank`), ``sizes`` [R, N] the size of each
@@ -502,14 +547,17 @@ def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np
         static = model.static_bytes(st)
         win = np.stack([window_tokens(tokens[:, j], model, st) for j in range(tokens.shape[1])], axis=1) \
             if tokens.size else tokens
+        wmax = np.stack([rerun_tokens(tokens[:, j], model, st) for j in range(tokens.shape[1])], axis=1) \
+            if tokens.size else tokens
         for k in np.unique(sizes):
             sel = sizes == k
-            f1 = model.features(1.0, int(k), stage=st, window_tokens=0.0)  # per round token (no window)
-            fw = model.features(0.0, int(k), stage=st, window_tokens=1.0)  # per window token
+            # the features are linear in the round's tokens, the window's sum and the window's largest round
+            f1 = model.features(1.0, int(k), stage=st, window_tokens=0.0, window_max=0.0)
+            fw = model.features(0.0, int(k), stage=st, window_tokens=1.0, window_max=0.0)
+            fm = model.features(0.0, int(k), stage=st, window_tokens=0.0, window_max=1.0)
             c = model.coef
-            per_t = sum(getattr(c, n) * f1[n] for n in _FEATURES)
-            per_w = sum(getattr(c, n) * fw[n] for n in _FEATURES)
-            peak = static + c.headroom_bytes + per_t * tokens[sel] + per_w * win[sel]
+            per_t, per_w, per_m = (sum(getattr(c, n) * f[n] for n in _FEATURES) for f in (f1, fw, fm))
+            peak = static + c.headroom_bytes + per_t * tokens[sel] + per_w * win[sel] + per_m * wmax[sel]
             out[sel] = np.maximum(out[sel], peak)
     return out
 

@@ -23,6 +23,8 @@ from hdp.packing import CostModel, PlannerConfig
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
 from hdp.packing.cost_file import AUTO, resolve_cost
+from hdp.packing.memory import MemoryCoefficients, MemoryModel
+from hdp.trainer.memory import check_max_memory_gb
 from hdp.trainer.model import ModelConfig, OptimConfig
 from hdp.trainer.parallel import ParallelConfig
 
@@ -36,8 +38,20 @@ class PlanningConfig(PlannerOptions):
 
     _FIELD_PREFIX: ClassVar[str] = "PlanningConfig"
 
-    max_tokens_per_rank: int = 4096
-    """B: tokens one rank may hold in one round (activation memory is linear in tokens)."""
+    max_tokens_per_rank: int | None = 4096
+    """B: tokens one rank may hold in one round.  With a memory limit (``max_memory_gb``) it caps the
+    budget the memory model derives; ``None``: only the derived one (needs a limit)."""
+    max_memory_gb: float | str | None = "auto"
+    """GB per device every round's predicted peak stays within (`hdp.packing.memory`: the job's model on
+    its layout, calibrated from measured peaks).  ``"auto"`` (default): the device's memory ×
+    `hdp.trainer.memory.DEVICE_MEMORY_FRACTION` on CUDA/NPU, none on CPU; ``None``: plan to the token
+    budget only."""
+    memory_coefficients: MemoryCoefficients | None = None
+    """The memory model's fitted coefficients (`hdp.packing.memory.fit_memory`, ``hdp calibrate``);
+    ``None``: the formulas as written, refined by self-calibration."""
+    measure_memory: bool = True
+    """Measure each round's peak memory (allocator peaks on CUDA/NPU; on CPU the bytes autograd saves
+    and hdp's CP buffers, `hdp.memory_meter`), record it and calibrate the memory model from it."""
     cost_model: CostModel | str | os.PathLike[str] = AUTO
     """Where the planner's cost model comes from (the one meaning of ``cost_model`` in every door,
     `hdp.packing.cost_file.resolve_cost`): a ``hdp.packing.CostModel``, ``"auto"`` (default: the
@@ -56,7 +70,17 @@ class PlanningConfig(PlannerOptions):
         object.__setattr__(
             self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, "PlanningConfig.cp_algorithm")
         )
-        check_token_budget(self.max_tokens_per_rank, "PlanningConfig.max_tokens_per_rank")
+        check_token_budget(self.max_tokens_per_rank, "PlanningConfig.max_tokens_per_rank",
+                           none_means="the budget derived from max_memory_gb")
+        check_max_memory_gb(self.max_memory_gb, "PlanningConfig.max_memory_gb")
+        if self.max_tokens_per_rank is None and self.max_memory_gb is None:
+            raise ValueError("PlanningConfig.max_tokens_per_rank=None needs a memory limit to derive the budget from; "
+                             "set max_memory_gb (GB per device, or 'auto' on CUDA/NPU) or a max_tokens_per_rank")
+        if self.memory_coefficients is not None and not isinstance(self.memory_coefficients, MemoryCoefficients):
+            raise ValueError(f"PlanningConfig.memory_coefficients={self.memory_coefficients!r}: pass a "
+                             "hdp.packing.memory.MemoryCoefficients (fitted by hdp calibrate) or None")
+        if not isinstance(self.measure_memory, bool):
+            raise ValueError(f"PlanningConfig.measure_memory={self.measure_memory!r}: pass True or False")
         if self.cost_model != AUTO:
             object.__setattr__(self, "cost_model", resolve_cost(self.cost_model, "PlanningConfig.cost_model"))
         object.__setattr__(self, "auto_calibrate", auto_calibrate_config(self.auto_calibrate, "PlanningConfig.auto_calibrate"))
@@ -69,14 +93,22 @@ class PlanningConfig(PlannerOptions):
                              "the device); pass a CostModel, a preset 'MODEL@PROFILE' or a cost-model file here")
         return self.cost_model
 
-    def planner_config(self, num_ranks: int, pipeline_stages: int = 1) -> PlannerConfig:
+    def planner_config(self, num_ranks: int, pipeline_stages: int = 1, *, memory_model: MemoryModel | None = None,
+                       memory_limit: float | None = None, memory_limit_name: str = "memory_limit") -> PlannerConfig:
         """The planner's config for a domain of ``num_ranks`` ranks whose model runs in
-        ``pipeline_stages`` pipeline stages (the engine knows both)."""
+        ``pipeline_stages`` pipeline stages (the engine knows both), with the job's memory model and
+        the resolved limit in bytes (`hdp.trainer.memory.resolve_memory_limit`)."""
+        if memory_limit is None and self.max_tokens_per_rank is None:
+            raise ValueError("PlanningConfig.max_tokens_per_rank=None: this device has no memory limit to derive the "
+                             "budget from (max_memory_gb='auto' is none on CPU); set max_tokens_per_rank or max_memory_gb")
         return PlannerConfig(
             num_ranks=num_ranks,
             max_tokens_per_rank=self.max_tokens_per_rank,
             cost=self.cost,
             pipeline_stages=pipeline_stages,
+            memory_limit=memory_limit,
+            memory_model=memory_model,
+            memory_limit_name=memory_limit_name,
             **self.planner_options(),
         )
 

@@ -83,6 +83,15 @@ from hdp.trainer.optim_state import (
     to_device,
     to_host,
 )
+from hdp.memory_meter import MemoryMeter
+from hdp.trainer.memory import (
+    MemoryCalibration,
+    check_static_fits,
+    engine_memory_model,
+    resolve_memory_limit,
+    static_bytes,
+)
+from hdp.trainer.optim_state import optimizers as _optimizers
 from hdp.trainer.planning import DomainPlanner
 from hdp.trainer.rounds import NonFiniteLossError, RoundCore, RoundInput, next_token_targets
 
@@ -241,6 +250,23 @@ class _LossAdapter:
 # ---- the engine ------------------------------------------------------------------------------------
 
 
+def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tuple[Any, float | None]:
+    """The job's memory model (`hdp.trainer.memory.engine_memory_model`) and the resolved limit in bytes;
+    ValueError naming ``PlanningConfig.max_memory_gb`` when the limit is below the layout's static memory
+    (pure: raised alike on every rank before any collective)."""
+    par = config.parallel
+    model = engine_memory_model(
+        config.model.shape(), tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.expert_tp, domain=domain,
+        recompute=config.model.recompute, zero_memory=config.moe_zero_memory.value,
+        cp_algorithm=config.planning.cp_algorithm.value, param_bytes=4 if config.model.params_dtype == "float32" else 2,
+        coef=config.planning.memory_coefficients)
+    limit = resolve_memory_limit(config.planning.max_memory_gb, device)
+    if limit is not None:
+        check_static_fits(model, limit, "PlanningConfig.max_memory_gb")
+    return model, limit
+
+
+
 class HdpEngine:
     """A Megatron GPT with DDP and the distributed optimizer, trained under HDP plans.
 
@@ -270,10 +296,16 @@ class HdpEngine:
                               pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
                               timeout_s=config.collective_timeout_s, optimizer=optimizer,
                               abort_groups=ledger.created if ledger is not None else None)
-        self.planner = DomainPlanner(config.planning.planner_config(self.num_ranks, pipeline_stages=config.parallel.pp),
-                                     config.planning.auto_calibrate, groups,
-                                     collective_device=self.core.collective_device,
-                                     records_path=config.calibration_path)
+        par = config.parallel
+        self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
+        """The job's per-rank memory model and the bytes per device the plans stay within (``None``: the
+        token budget only)."""
+        self.planner = DomainPlanner(
+            config.planning.planner_config(self.num_ranks, pipeline_stages=par.pp, memory_model=self.memory_model,
+                                           memory_limit=self.memory_limit,
+                                           memory_limit_name="PlanningConfig.max_memory_gb"),
+            config.planning.auto_calibrate, groups, collective_device=self.core.collective_device,
+            records_path=config.calibration_path, memory=MemoryCalibration())
         self._closed = False
         self._ledger = ledger  # the groups close() destroys (build() makes it)
 
@@ -324,6 +356,7 @@ class HdpEngine:
         par = config.parallel
         par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
+        _memory_setup(config, device, world // (par.tp * par.pp))  # a limit below the static memory: ValueError
         timeout_s = float(config.collective_timeout_s)
         ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
         try:
@@ -406,7 +439,8 @@ class HdpEngine:
         if len(toks) == 0:
             raise ValueError("Batch.tokens is empty: a step needs at least one sample; skip empty batches")
         vocab = self.config.model.vocab_size
-        cap = self.num_ranks * self.config.planning.max_tokens_per_rank
+        budget = self.config.planning.max_tokens_per_rank
+        cap = self.num_ranks * budget if budget is not None else None  # else the planner's memory check
         for i, t in enumerate(toks):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Batch.tokens[{i}] is {type(t).__name__}; pass a 1-D integer torch.Tensor")
@@ -417,7 +451,7 @@ class HdpEngine:
             n = int(t.shape[0])
             if n == 0:
                 raise ValueError(f"Batch.tokens[{i}] is empty (0 tokens); drop empty samples from the batch")
-            if n > cap:
+            if cap is not None and n > cap:
                 raise ValueError(
                     f"Batch.tokens[{i}] has {n} tokens but the domain holds at most {self.num_ranks} ranks x "
                     f"PlanningConfig.max_tokens_per_rank={self.config.planning.max_tokens_per_rank} = {cap} tokens "
@@ -526,7 +560,9 @@ class HdpEngine:
         core = self.core
         with core.collectives("rounds", self.step):
             core.skip_update()  # zero the grad buffers and the optimizer's grads
-            state = core.run(prep.plan, prep.tokens, _LossAdapter(prep, loss_fn, self.groups.tp, self.device), train=True)
+            meter, static = self._memory_meter()
+            state = core.run(prep.plan, prep.tokens, _LossAdapter(prep, loss_fn, self.groups.tp, self.device), train=True,
+                             meter=meter)
             red = core.reduce(state)
         self.round_seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "loss_fn")
@@ -539,9 +575,32 @@ class HdpEngine:
         if not ok:
             raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
         with core.collectives("calibrate", self.step):
-            cal = self.planner.observe(prep.plan, self.round_seconds, step=self.step)
+            cal = self.planner.observe(prep.plan, self.round_seconds, step=self.step,
+                                       memory_row=self._memory_row(prep.plan, meter, static))
         step_s = time.perf_counter() - t_start
         return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal}
+
+    def _memory_meter(self) -> tuple[MemoryMeter | None, int]:
+        """A meter for this step's rounds and the static bytes it adds to (CPU: the engine's tensors;
+        accelerators: allocated when the rounds begin), or ``(None, 0)`` when not measuring."""
+        if not self.config.planning.measure_memory:
+            return None, 0
+        if self.device.type == "cpu":
+            return MemoryMeter(self.device, exclude=self._held_tensors()), static_bytes(
+                self.model_chunks, _optimizers(self.optimizer))
+        return MemoryMeter(self.device), _device.memory_stats(self.device)["allocated_bytes"]
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        return [p for chunk in self.model_chunks for p in chunk.parameters()]
+
+    def _memory_row(self, plan: Plan, meter: MemoryMeter | None, static: int) -> list[float] | None:
+        """This rank's measured peak bytes per round and its static bytes (`MemoryCalibration.row`)."""
+        if meter is None:
+            return None
+        peaks = meter.finish()
+        if meter.counting:  # CPU: the meter counted what the step added on top of the static bytes
+            peaks = {r: static + v for r, v in peaks.items()}
+        return MemoryCalibration.row(plan, peaks, static)
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:

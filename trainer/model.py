@@ -98,6 +98,11 @@ class ModelConfig:
     activation: Literal["gelu", "swiglu"] = "gelu"
     """MLP (dense and expert) activation: ``gelu`` (plain fc1 -> gelu -> fc2) or ``swiglu`` (gated:
     fc1 is 2 × ffn wide, silu(first half) · second half, as in Llama / Qwen3)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (Megatron's): ``none``; ``selective`` (core attention recomputed in
+    backward: ``recompute_modules=['core_attn']``); ``full`` (every layer keeps only its input and
+    reruns its forward in backward: ``recompute_granularity='full'``, uniform, one layer per unit).
+    The memory model (`hdp.packing.memory`) prices each mode."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -112,6 +117,8 @@ class ModelConfig:
             )
         if self.activation not in ("gelu", "swiglu"):
             raise ValueError(f"ModelConfig.activation={self.activation!r}: choose 'gelu' or 'swiglu'")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"ModelConfig.recompute={self.recompute!r}: choose 'none', 'selective' or 'full'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.params_dtype={self.params_dtype!r}: choose one of {list(_DTYPES)}")
         if self.num_moe_experts is not None and not 1 <= self.moe_router_topk <= self.num_moe_experts:
@@ -230,6 +237,10 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    if cfg.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     if cfg.is_moe:
         kwargs.update(
             num_moe_experts=cfg.num_moe_experts,

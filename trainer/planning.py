@@ -45,7 +45,9 @@ from hdp.packing import plan as make_plan
 from hdp.packing.autocal import AutoCalibrate, CostWindow, Refit, explore_model, refit
 from hdp.packing.cost import PARAMETERS
 from hdp.packing.model_shape import ModelShape
+from hdp.packing.memory import GB
 from hdp.packing.profiles import cost_model as preset_cost
+from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
 
 __all__ = ["DomainPlanner", "auto_cost_model", "PROFILE_OF_DEVICE"]
 
@@ -70,7 +72,8 @@ class DomainPlanner:
     """
 
     def __init__(self, config: PlannerConfig, settings: AutoCalibrate, groups: LayoutGroups, *,
-                 collective_device: torch.device, records_path: str | None = None) -> None:
+                 collective_device: torch.device, records_path: str | None = None,
+                 memory: MemoryCalibration | None = None) -> None:
         if not isinstance(settings, AutoCalibrate):
             raise TypeError(f"settings is {type(settings).__name__}; pass a hdp.packing.autocal.AutoCalibrate")
         self.config = config
@@ -85,6 +88,9 @@ class DomainPlanner:
         self.last: Refit | None = None
         self._exploring = False
         self._plan_cost = config.cost  # the model the next plans use (an exploration variant for one step)
+        self._memory_vec: np.ndarray | None = None
+        self.memory = memory if config.memory_model is not None else None
+        """Memory records, tightening and refits (`hdp.trainer.memory`), when the config has a memory model."""
 
     @property
     def cost(self) -> CostModel:
@@ -104,10 +110,16 @@ class DomainPlanner:
 
     # -- after a training step: records, calibration, metrics ---------------------------------------
 
-    def observe(self, plan: Plan, round_seconds: Sequence[float], *, step: int) -> dict[str, Any]:
-        """Feed one training step's round times (collective over the job; see the module docstring)."""
-        table = self._gather(plan, round_seconds)  # [W, R + 2]
-        times, dom, stage = table[:, :-2], table[:, -2].astype(int), table[:, -1].astype(int)
+    def observe(self, plan: Plan, round_seconds: Sequence[float], *, step: int,
+                memory_row: Sequence[float] | None = None) -> dict[str, Any]:
+        """Feed one training step's round times and, when measured, this rank's peak memory per round
+        (``memory_row``: `MemoryCalibration.row`) — one collective over the job (see the module docstring)."""
+        r_ = plan.num_rounds
+        self._memory_vec = None
+        mem = list(memory_row) if memory_row is not None and len(memory_row) == r_ + 1 else [math.nan] * (r_ + 1)
+        table = self._gather(plan, list(round_seconds), mem)  # [W, R + (R + 1) + 2]
+        times, dom, stage = table[:, :r_], table[:, -2].astype(int), table[:, -1].astype(int)
+        mem_peaks, mem_static = table[:, r_:2 * r_], table[:, 2 * r_]
         n = plan.num_ranks
         per_rank = np.full((n, plan.num_rounds), 0.0)  # [N, R]: slowest TP rank / stage of each domain rank
         for d in range(n):
@@ -118,9 +130,10 @@ class DomainPlanner:
         predicted = simulate(plan, self._plan_cost).step_time_s  # the model this step was planned with
         busy = float(per_rank.sum())
         idle = 1.0 - busy / (n * measured) if measured > 0 else math.nan
+        mem_out, mem_records = self._observe_memory(plan, mem_peaks, mem_static, dom, stage, step)
         write_failed = 0.0
         if self.records_path is not None and self.groups.world_rank == 0:
-            write_failed = 0.0 if self._write(plan, times, dom, stage, step) else 1.0
+            write_failed = 0.0 if self._write(plan, times, dom, stage, step, mem_records) else 1.0
         if self.settings.enabled and self.steps >= self.settings.warmup_steps:
             self.window.add_step(plan, per_rank, step=self.steps)
         self.steps += 1
@@ -133,6 +146,11 @@ class DomainPlanner:
             decision = None
         if exploring_done:  # back to the model in use after one exploration step
             self._exploring, self._plan_cost = False, self.config.cost
+        if decision is not None and self.memory is not None and self._memory_vec is not None:
+            fitted = self.memory.adopt(self.config.memory_model, self._memory_vec)
+            if fitted is not None:
+                self.config = dataclasses.replace(self.config, memory_model=fitted)
+                logger.info("memory calibration: model v%d adopted (%s)", self.memory.version, fitted.coef.to_dict())
         if decision is not None:
             self.window.mark()  # every rank alike: the next refit is judged on the rounds after this one
             self.last, self.r2 = decision, decision.r2
@@ -160,27 +178,68 @@ class DomainPlanner:
             out.update({"hdp/cost_model_version": self.version, "hdp/cost_fit_r2": self.r2})
         if self.records_path is not None:
             out["hdp/records_write_failed"] = write_failed
+        out.update(mem_out)
         return out
 
-    def _gather(self, plan: Plan, round_seconds: Sequence[float]) -> np.ndarray:
-        """[W, R + 2]: every rank's seconds per round, its domain rank and stage (one all-gather over the job)."""
+    def _observe_memory(self, plan: Plan, peaks: np.ndarray, static: np.ndarray, dom: np.ndarray, stage: np.ndarray,
+                        step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Memory records of the step, the prediction they are judged against, tightening at once, metrics."""
+        mm = self.config.memory_model
+        out: dict[str, Any] = {}
+        if mm is None:
+            return out, []
+        limit = self.config.memory_limit
+        out["hdp/token_budget"] = float(plan.max_tokens_per_rank)
+        if limit is not None:
+            out["hdp/memory_limit_gb"] = limit / GB
+        mem = plan.stats.memory if plan.stats is not None and plan.stats.memory else None
+        if mem is not None:
+            out["hdp/memory_predicted_gb"] = mem["peak_bytes"] / GB
+        if self.memory is None or not np.isfinite(peaks).any():
+            return out, []
+        held = float(np.nanmax(static)) if np.isfinite(static).any() else math.nan
+        if math.isfinite(held) and (mm.measured_static is None or held > mm.measured_static):
+            # the static bytes as measured (the most any rank holds) replace the formula's, alike on every rank
+            mm = dataclasses.replace(mm, measured_static=held)
+            self.config = dataclasses.replace(self.config, memory_model=mm)
+        recs = self.memory.records_of(plan, mm, peaks, static, dom, stage, step)
+        measured = float(np.nanmax(peaks))
+        out["hdp/memory_peak_gb"] = measured / GB
+        if recs:
+            pred = [self.memory.predicted(mm, r) for r in recs]
+            out["hdp/memory_over_predicted"] = max(r["peak_bytes"] / p for r, p in zip(recs, pred))
+            self.memory.records.extend(recs)
+            tighter = self.memory.tighten(mm, recs)  # alike on every rank: the same gathered table
+            if tighter is not None:
+                self.config = dataclasses.replace(self.config, memory_model=tighter)
+                logger.info("memory: a measured peak exceeded the prediction by x%.3f; model v%d tightened",
+                            self.memory.last_ratio, self.memory.version)
+        out["hdp/memory_model_version"] = float(self.memory.version)
+        return out, recs
+
+    def _gather(self, plan: Plan, round_seconds: Sequence[float], memory_row: Sequence[float]) -> np.ndarray:
+        """[W, R + (R + 1) + 2]: every rank's seconds per round, its peak bytes per round and static bytes
+        (NaN: not measured), its domain rank and stage (one all-gather over the job)."""
         mine = np.asarray(list(round_seconds), dtype=np.float64)
         if mine.shape != (plan.num_rounds,):
             mine = np.full(plan.num_rounds, math.nan)  # a caller bug must not change the collective's size
-        row = np.concatenate([mine, [float(self.groups.domain.domain_rank), float(self.groups.pp_rank)]])
-        local = torch.from_numpy(row).to(self.device)  # [R + 2]
+        row = np.concatenate([mine, np.asarray(memory_row, dtype=np.float64),
+                              [float(self.groups.domain.domain_rank), float(self.groups.pp_rank)]])
+        local = torch.from_numpy(row).to(self.device)  # [2R + 3]
         table = [torch.empty_like(local) for _ in range(self.groups.world_size)]  # W x [R + 2]
         dist.all_gather(table, local, group=self.groups.world)
         return torch.stack(table).cpu().numpy()
 
     def _decide(self, due: bool, write_failed: float) -> tuple[Refit | None, float]:
         """World rank 0 refits (when due) and broadcasts [write failed, decided, decision...] (fixed size)."""
-        size = 2 + Refit.VECTOR_SIZE + len(PARAMETERS)
-        vec = np.zeros(size, dtype=np.float64)
+        base = 2 + Refit.VECTOR_SIZE + len(PARAMETERS)
+        vec = np.zeros(base + 1 + len(COEF_NAMES), dtype=np.float64)  # + the memory refit
         if self.groups.world_rank == 0:
             vec[0] = write_failed
             if due:
                 vec[1] = 1.0
+                if self.memory is not None and self.config.memory_model is not None:
+                    vec[base:] = self.memory.refit(self.config.memory_model)
                 try:
                     vec[2:] = refit(self.window, self.config.cost, self.settings).to_vector(self.config.cost)
                 except Exception as exc:  # noqa: BLE001 - rank 0 must still broadcast, or the job hangs
@@ -192,10 +251,12 @@ class DomainPlanner:
         src = dist.get_global_rank(self.groups.world, 0)
         dist.broadcast(buf, src=src, group=self.groups.world)
         got = buf.cpu().numpy()
-        return (Refit.from_vector(got[2:]) if got[1] > 0 else None), float(got[0])
+        self._memory_vec = got[base:] if got[1] > 0 else None
+        return (Refit.from_vector(got[2:base]) if got[1] > 0 else None), float(got[0])
 
-    def _write(self, plan: Plan, times: np.ndarray, dom: np.ndarray, stage: np.ndarray, step: int) -> bool:
-        """Append this step's records (world rank 0); False (logged) when the write failed."""
+    def _write(self, plan: Plan, times: np.ndarray, dom: np.ndarray, stage: np.ndarray, step: int,
+               memory_records: Sequence[dict[str, Any]] = ()) -> bool:
+        """Append this step's timing and memory records (world rank 0); False (logged) when the write failed."""
         pp = self.groups.pp_size
         lines = []
         for rnd in plan.rounds:
@@ -211,6 +272,7 @@ class DomainPlanner:
             lines.append({"kind": "round", "seconds": max(per_stage), "groups": groups, "step": step,
                           "round": rnd.index, "policy": plan.policy, "pp": pp, "tp": self.groups.tp_size,
                           "stage_seconds": per_stage})
+        lines.extend(memory_records)
         text = "".join(json.dumps(rec) + "\n" for rec in lines)
         try:
             assert self.records_path is not None

@@ -53,6 +53,7 @@ from hdp.dispatch import LocalMeta, local_meta, pack
 from hdp.groups import LayoutGroups
 from hdp.alarm import Alarm, is_transport_error
 from hdp.guard import DomainStepError, DomainUnreachableError, RankFailedError, StepGuard, describe, is_input_error
+from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 
@@ -127,6 +128,10 @@ class StepState:
     """The first error the adapter raised on this rank."""
     timer_round: int = -1
     inputs: dict[int, RoundInput] = field(default_factory=dict)
+    marked: set[tuple[int, int]] = field(default_factory=set)
+    """(round, chunk) whose first layer's input carries the backward span's stop mark."""
+    meter: MemoryMeter | None = None
+    """Measures each round's peak memory (`hdp.memory_meter`), when the engine asked for it."""
 
 
 class _SpanMark(torch.autograd.Function):
@@ -375,12 +380,22 @@ class RoundCore:
         return RoundInput(index=r, meta=meta, tokens=torch.cat([real, pad]).to(self.device), psp=psp)  # [T]
 
     def _mark_stage_input(self, chunk: int, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Forward pre-hook of a chunk's first layer: its input's backward closes the round's backward span."""
+        """Forward pre-hook of a chunk's first layer: its input's backward closes the round's backward span.
+        Once per round and chunk, where autograd records it: full recompute runs the first forward
+        without grad and the layer's forward again inside the backward."""
         state = self._state
         hidden = kwargs.get("hidden_states")
-        if state is None or not state.train or hidden is None or not hidden.requires_grad:
+        if (state is None or not state.train or hidden is None or not hidden.requires_grad
+                or not torch.is_grad_enabled()):
             return None
-        kwargs["hidden_states"] = _SpanMark.apply(hidden, state.timer, ("b", state.timer_round, chunk), "stop")
+        # inside a backward (full recompute) the round is the one whose backward span of this chunk is
+        # open (a rank runs one backward at a time); in a forward none is open
+        running = [k[1] for k in state.timer.open_keys() if k[0] == "b" and k[2] == chunk]
+        r = running[0] if running else state.timer_round
+        if (r, chunk) in state.marked:
+            return None
+        state.marked.add((r, chunk))
+        kwargs["hidden_states"] = _SpanMark.apply(hidden, state.timer, ("b", r, chunk), "stop")
         return args, kwargs
 
     def _forward_step(self, state: StepState, data_iterator: Iterator[int], model: Any) -> tuple[torch.Tensor, Callable]:
@@ -391,6 +406,8 @@ class RoundCore:
         key = ("f", r, chunk)
         state.timer.start(key)
         state.timer_round = r
+        if state.meter is not None:
+            state.meter.begin_round(r)
         out = model(input_ids=inp.tokens[None, :], position_ids=None, attention_mask=None,
                     packed_seq_params=inp.psp)  # [1, T, Vl] (last stage) or [T/TP?, 1, H]
         if state.train:
@@ -437,14 +454,16 @@ class RoundCore:
         count = torch.zeros if self.per_token_loss else torch.ones
         return loss, count((), dtype=torch.int, device=logits.device), {}
 
-    def run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool) -> StepState:
-        """Phase 2: every round through Megatron's schedule (one micro-batch per round)."""
+    def run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool,
+            meter: MemoryMeter | None = None) -> StepState:
+        """Phase 2: every round through Megatron's schedule (one micro-batch per round); ``meter``
+        measures each round's peak memory (read it with ``meter.finish()`` afterwards)."""
         dev = self.device
         m = self.num_microbatches(plan)
         state = StepState(plan=plan, train=train, adapter=adapter if self._holds_loss else None,
                           num_microbatches=m, loss_sum=torch.zeros((), dtype=torch.float64, device=dev),
                           bad=torch.zeros(plan.num_samples, dtype=torch.float64, device=dev),
-                          timer=_device.RoundTimer(dev))
+                          timer=_device.RoundTimer(dev), meter=meter)
         # every round's inputs go to the device before the first round (no host-device copy, so no
         # synchronisation, between rounds)
         for r in range(m):
@@ -466,16 +485,12 @@ class RoundCore:
                 p2p.expect_interleaved_shapes(shapes, len(chunks), self._vp_group(), forward_only=not train)
         self._state = state
         try:
-            if self.groups.pp_size == 1:
-                mc.forward_backward_no_pipelining(data_iterator=iter(range(m)), model=chunks[0], **kwargs)
-            elif len(chunks) == 1:
-                mc.forward_backward_pipelining_without_interleaving(
-                    data_iterator=iter(range(m)), model=chunks[0], p2p_communicator=p2p,
-                    pg_collection=self.megatron_groups, **kwargs)
-            else:
-                mc.forward_backward_pipelining_with_interleaving(
-                    data_iterator=[iter(range(m)) for _ in chunks], model=chunks, p2p_communicator=p2p,
-                    pg_collection=self.megatron_groups, **kwargs)
+            with contextlib.ExitStack() as scope:
+                if meter is not None:
+                    scope.enter_context(meter.activate())
+                if dev.type == "cpu":  # Megatron's recompute (ModelConfig.recompute) saves a CUDA RNG state
+                    scope.enter_context(mc.cpu_checkpoint_rng())
+                self._schedule(chunks, m, p2p, kwargs)
         finally:
             self._state = None
             left = p2p.unused_shapes() if p2p is not None else 0
@@ -484,6 +499,19 @@ class RoundCore:
         if left:
             raise RuntimeError(f"pipeline schedule of {m} micro-batches ended with {left} expected messages not received")
         return state
+
+    def _schedule(self, chunks: Sequence[Any], m: int, p2p: Any, kwargs: dict[str, Any]) -> None:
+        """Megatron's schedule for this layout: no pipelining, 1F1B, or interleaved."""
+        if self.groups.pp_size == 1:
+            mc.forward_backward_no_pipelining(data_iterator=iter(range(m)), model=chunks[0], **kwargs)
+        elif len(chunks) == 1:
+            mc.forward_backward_pipelining_without_interleaving(
+                data_iterator=iter(range(m)), model=chunks[0], p2p_communicator=p2p,
+                pg_collection=self.megatron_groups, **kwargs)
+        else:
+            mc.forward_backward_pipelining_with_interleaving(
+                data_iterator=[iter(range(m)) for _ in chunks], model=chunks, p2p_communicator=p2p,
+                pg_collection=self.megatron_groups, **kwargs)
 
     # -- phase 3: reduce --
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hdp.cp.autograd import CPAttentionFunction
 from hdp.cp.metadata import AllGatherIndex
 from hdp.kernels import AttentionKernel
+from hdp.memory_meter import track
 
 __all__ = ["allgather_forward", "allgather_backward", "allgather_attention"]
 
@@ -41,6 +42,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index
     buf[: k.shape[0], 0] = k
     buf[: k.shape[0], 1] = v
     gathered = torch.empty((size * index.pad,) + tuple(buf.shape[1:]), dtype=k.dtype, device=k.device)
+    track(buf, gathered)
     _all_gather_single(gathered, buf, group=group)  # [k·P, 2, Hkv, D]
     return gathered
 
@@ -73,6 +75,7 @@ def allgather_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather CP forward on the block ``group``: returns ``(out [T, Hq, D], lse [Hq, T])``."""
     keys = _keys(_gather_kv(k, v, group, index), index)  # [Tk', 2, Hkv, D]
+    track(keys)
     return kernel.fwd(q, keys[:, 0], keys[:, 1], index.cu_q, index.cu_k, True, scale)
 
 
@@ -94,6 +97,7 @@ def allgather_backward(
     dq, dkp, dvp = kernel.bwd(dout, q, keys[:, 0], keys[:, 1], out, lse, index.cu_q, index.cu_k, True, scale)
     acc_t = _acc_dtype(k.dtype)
     full = torch.zeros((size * index.pad, 2) + tuple(k.shape[1:]), dtype=acc_t, device=k.device)  # [k·P, 2, Hkv, D]
+    track(full)
     dkv = torch.stack([dkp, dvp], dim=1).to(acc_t)  # [Tk', 2, Hkv, D]
     full.index_add_(0, index.key_index.to(k.device), dkv)
     mine = _reduce_scatter(full, group)[: k.shape[0]]  # [T, 2, Hkv, D]

@@ -33,6 +33,7 @@ from hdp.cp.autograd import CPAttentionFunction
 from hdp.cp.metadata import RankLayout, StepCase, ring_schedule
 from hdp.groups import RingSpec
 from hdp.kernels import AttentionKernel
+from hdp.memory_meter import track
 
 __all__ = ["ring_forward", "ring_backward", "ring_attention", "merge_lse_"]
 
@@ -125,11 +126,13 @@ def ring_forward(
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_t, device=dev)  # [Hq, T]
     back_idx = lay.back_index.to(dev)
     q_back = q.index_select(0, back_idx)  # [T_back, Hq, D]
+    track(kv, out, lse, q_back)
     for step in ring_schedule(n, j):
         works: list[Any] = []
         if step.step < n - 1:
             nxt = layouts[(j - step.step - 1) % n]
             recv = torch.empty((2, nxt.num_tokens) + tuple(kv.shape[2:]), dtype=kv.dtype, device=dev)
+            track(recv)
             works = _exchange(kv, recv, ring, _TAG_KV)  # next step's K/V, overlapped with this one
         src = layouts[step.source]
         if step.case is StepCase.LOCAL_CAUSAL:
@@ -175,6 +178,7 @@ def ring_backward(
     dout_back = dout.index_select(0, back_idx)  # [T_back, Hq, D]
     out_back = out.index_select(0, back_idx)  # [T_back, Hq, D]
     lse_back = lse.index_select(1, back_idx)  # [Hq, T_back]
+    track(kv, dq, q_back, dout_back, out_back, lse_back)
 
     dkv_recv: torch.Tensor | None = None  # accumulator of this step's source, coming from prev
     dkv_works: list[Any] = []  # pending send/recv of accumulators
@@ -183,6 +187,7 @@ def ring_backward(
         if step.step < n - 1:
             nxt = layouts[(j - step.step - 1) % n]
             kv_recv = torch.empty((2, nxt.num_tokens) + kv_shape, dtype=kv.dtype, device=dev)
+            track(kv_recv)
             kv_works = _exchange(kv, kv_recv, ring, _TAG_KV)
         src = layouts[step.source]
         if step.case is StepCase.LOCAL_CAUSAL:
@@ -216,6 +221,7 @@ def ring_backward(
         # send this source's accumulator on; receive the next one (after the last step: our own)
         nxt_src = layouts[(j - step.step - 1) % n]
         dkv_recv = torch.empty((2, nxt_src.num_tokens) + kv_shape, dtype=acc_t, device=dev)
+        track(dkv, dkv_recv)
         dkv_works = _exchange(dkv, dkv_recv, ring, _TAG_DKV)
         dkv_sent = dkv  # keep the send buffer alive until its work completes
         if step.step < n - 1:

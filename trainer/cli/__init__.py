@@ -64,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine, "
                                          "training throughput, fault injection")
-    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train", "faults"))
+    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train", "faults", "memory"))
     b.add_argument("--only", default=None, metavar="A,B",
                    help="faults: scenarios to run (in-process, other-world, sigkill-mid-step, sigstop-mid-step, "
-                        "sigkill-during-save, verl; default all)")
+                        "sigkill-during-save, verl; default all); memory: cases to run (their names, or 'limit')")
     b.add_argument("--timeout", type=float, default=10.0, help="faults: the engines' collective timeout in s (default 10)")
     b.add_argument("--policies", default="static-cp,hdp", help="train: policies compared side by side")
     b.add_argument("--workload", default="short-tail", help="train: short-tail or long-response")

@@ -47,9 +47,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.what == "exact":
         return _bench_exact(args)
+    if args.what == "memory":
+        return _bench_memory(args)
     if args.what == "faults":
         return _bench_faults(args)
     return _bench_planner(args)
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    """``hdp bench memory``: predicted vs measured peak per configuration, and a run to a memory limit."""
+    from hdp.trainer.bench.memory import CASES, bench_limit, bench_memory, summary
+
+    only = tuple(s.strip() for s in (args.only or "").split(",") if s.strip())
+    names = {c.name for c in CASES} | {"limit"}
+    for name in only:
+        if name not in names:
+            raise CliError(f"--only={name!r}: memory cases are {', '.join(sorted(names))}")
+    cases = tuple(c for c in CASES if not only or c.name in only)
+    result = summary(bench_memory(cases)) if cases else {"cases": [], "passed": True}
+    if not only or "limit" in only:
+        result["limit"] = bench_limit()
+        result["passed"] = result["passed"] and result["limit"]["passed"]
+    if args.json:
+        _emit_json(result)
+        return 0
+    from rich.table import Table
+
+    table = Table(title="memory model: each round's predicted vs measured peak after calibration (held-out rounds)")
+    for col in ("case", "group sizes", "predicted MB", "measured MB", "max rel err", "max err beyond static", "ok"):
+        table.add_column(col)
+    for c in result["cases"]:
+        table.add_row(c["name"], ",".join(map(str, c["group_sizes"])), f"{c['predicted_bytes'] / 1e6:.3f}",
+                      f"{c['measured_bytes'] / 1e6:.3f}", f"{c['max_rel_err']:.1%}", f"{c['max_dynamic_rel_err']:.1%}",
+                      "yes" if c["passed"] else "NO")
+    _console().print(table)
+    lim = result.get("limit")
+    if lim:
+        _console().print(
+            f"limit {lim['limit_gb'] * 1e3:.1f} MB: token-budget plan peaked at "
+            f"{lim['token_budget_run']['max_peak_gb'] * 1e3:.1f} MB, memory-aware plan at "
+            f"{lim['memory_limit_run']['max_peak_gb'] * 1e3:.1f} MB; losses equal: {lim['losses_equal']}; "
+            f"step time x{lim['step_time_cost']:.2f}")
+    return 0
 
 
 def _bench_faults(args: argparse.Namespace) -> int:
