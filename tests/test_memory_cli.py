@@ -6,6 +6,7 @@ fits the memory coefficients into the cost-model file that plan reads back, and 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,8 @@ def test_issue_command_names_the_memory_the_longest_sample_needs_and_plans_with_
     # needs 67 GB per device even on all 16 ranks: one line naming the setting, the figure and the fixes
     assert main(ISSUE) == 2
     line = _error_line(capsys)
-    assert "18682 tokens fits no group of the domain" in line and "67.0 GB > --memory-gb=64.0 GB" in line
-    assert "zero-memory" in line and "recompute" in line
+    assert "18682 tokens fits no group of the domain" in line and "--memory-gb=64" in line
+    assert re.search(r"needs 67(\.0)? GB", line) and "zero-memory" in line and "recompute" in line
     # the same job with MoE zero-memory level1 (or selective recompute) plans within 64 GiB
     for extra in (["--zero-memory", "level1"], ["--recompute", "selective"]):
         assert main(ISSUE + extra) == 0
@@ -325,8 +326,8 @@ def test_a_bad_memory_section_names_the_file_and_field(tmp_path):
 _PLAN = ["plan", "--workload", "rl", "--samples", "32", "-N", "16"]
 BAD = [
     (_PLAN + ["--memory-gb", "16", "--model", QWEN, "--layout", "tp1,pp8,ep16"],
-     "--memory-gb=16.0 GB per device is below the static memory of qwen3-235b-a22b"),
-    (ISSUE, "fits no group of the domain"),
+     ("--memory-gb=16", "is below the static memory of qwen3-235b-a22b", "raise the limit")),
+    (ISSUE, ("--memory-gb=64", "fits no group of the domain")),
     (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,cp4"], "--layout='tp1,cp4': layout 'tp1,cp4': 'cp4'"),
     (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep3"], "does not fit --model='qwen3-235b-a22b'"),
     (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep16,dp8"], "dp8 but -N 16"),
@@ -356,4 +357,6 @@ def test_bad_memory_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     save_cost_model(cost_model("dense-8b"), plain)
     files = {"plain": str(plain), "missing": str(tmp_path / "missing.json")}
     assert main([a.format(**files) for a in argv]) == 2
-    assert needle in _error_line(capsys)
+    line = _error_line(capsys)
+    for n in (needle,) if isinstance(needle, str) else needle:
+        assert n in line, n
