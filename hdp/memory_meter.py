@@ -14,7 +14,8 @@ On CPU there is no allocator to ask (the process RSS never shrinks), so the mete
 * the buffers hdp's CP attention allocates for the ring or the all-gather (received K/V, the fp32
   output and log-sum-exp accumulators, the travelling dK/dV), registered with `track` and counted
   while they are alive;
-* not counted: temporaries inside an op, gradients in flight during backward, the optimizer step.
+* not counted: temporaries inside an op, gradients in flight during backward, the optimizer step,
+  and tensors without a plain storage (subclasses, nested tensors).
 
 A round's measured peak is then ``static + the most of those bytes alive at once`` while it was the
 newest round; ``static`` (parameters, fp32 gradient buffers, the distributed optimizer's shard) is
@@ -84,8 +85,11 @@ class MemoryMeter:
             self._peak = self.live
 
     def _pack(self, t: torch.Tensor) -> Any:
-        storage = t.untyped_storage()
-        key = int(storage.data_ptr())
+        try:
+            storage = t.untyped_storage()
+            key = int(storage.data_ptr())
+        except (RuntimeError, NotImplementedError):  # no plain storage (a tensor subclass, nested, meta)
+            return t
         if key == 0 or key in self._exclude:
             return t
         entry = self._saved.get(key)
@@ -110,7 +114,10 @@ class MemoryMeter:
             self.live -= entry[1]
 
     def _hold(self, t: torch.Tensor) -> None:
-        nbytes = int(t.untyped_storage().nbytes())
+        try:
+            nbytes = int(t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            return
         self._add(nbytes)
         weakref.finalize(t, self._drop, nbytes)
 

@@ -273,18 +273,19 @@ def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
     return {**rec, "kind": kind}
 
 
+MAX_RECORDS_BYTES = 2 << 30
+"""Largest records file read (a regular file: ``/dev/zero`` or a directory is refused before any read;
+10^6 records of ~200 bytes are ~200 MB)."""
+
+
 def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read and validate JSON-lines records; errors name the file and line."""
+    """Read and validate JSON-lines records (a regular file of at most `MAX_RECORDS_BYTES`); errors name
+    the file and line."""
+    from hdp.packing.cost_file import read_bounded_text
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"records file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"records file {str(p)!r}: not a text file (byte {exc.start} is not UTF-8); pass the JSON-lines "
-            "records written by the engine (EngineConfig.calibration_path)"
-        ) from exc
+    text = read_bounded_text(p, MAX_RECORDS_BYTES, "records file",
+                             "pass the JSON-lines records written by the engine (EngineConfig.calibration_path)")
     out: list[dict[str, Any]] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):

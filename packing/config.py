@@ -232,9 +232,10 @@ class PlannerConfig(PlannerOptions):
     memory_model: MemoryModel | None = None
     """The per-rank memory model of the job's model and layout (needed with ``memory_limit``; given
     alone, plans still carry its predicted peaks)."""
-    memory_limit_name: str = "memory_limit"
+    memory_limit_name: str = field(default="memory_limit", compare=False)
     """The setting the limit came from, as errors name it (``PlanningConfig.max_memory_gb``, verl's
-    ``actor_rollout_ref.actor.hdp.max_memory_gb``, ``--memory-gb``)."""
+    ``actor_rollout_ref.actor.hdp.max_memory_gb``, ``--memory-gb``); a label, not part of the plan's
+    inputs (configs differing only here are equal)."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()

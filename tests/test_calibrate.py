@@ -464,3 +464,14 @@ def test_a_long_jobs_records_are_subsampled():
     assert res.n_group_records <= MAX_FIT_RECORDS and res.n_round_records <= MAX_FIT_RECORDS
     assert any("subsampled" in w for w in res.warnings)
     assert abs(res.cost.unit_time_s / true.unit_time_s - 1) < 0.08
+
+
+def test_records_that_are_not_a_bounded_regular_file_are_refused_before_reading(tmp_path, capsys):
+    from hdp.trainer.cli import main
+
+    for bad, why in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is not a regular file")):
+        with pytest.raises(ValueError, match=rf"records file '{bad}' {why}"):
+            load_records(bad)
+        assert main(["calibrate", "--records", bad, "--out", str(tmp_path / "c.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and err.count("\n") == 1, err

@@ -102,6 +102,37 @@ def test_a_peak_above_the_prediction_tightens_the_next_plans(tmp_path):
     assert all(r["peak_bytes"] > r["static_bytes"] > 0 and len(r["features"]) == 4 for r in mem)
 
 
+def _refit_worker(rank: int, world: int) -> list[dict]:
+    from hdp.packing.autocal import AutoCalibrate
+    from hdp.packing.memory import MemoryCoefficients
+    from hdp.trainer.engine import Batch, HdpEngine, nll_loss
+
+    # coefficients that over-predict three-fold (no tightening); the refit with the cost model brings
+    # the prediction down to the measured peaks, and the budget the limit allows grows
+    high = MemoryCoefficients(activation=3.0, logits=3.0)
+    auto = AutoCalibrate(every_steps=2, min_rounds=2, warmup_steps=0)
+    engine = HdpEngine.build(_config(max_tokens_per_rank=None, max_memory_gb=0.03, memory_coefficients=high,
+                                     auto_calibrate=auto),
+                             dist.group.WORLD, init_fn=_init)
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(6):
+        tokens = [torch.randint(0, 256, (n,), generator=g) for n in (300, 200, 260, 90, 250, 120, 50, 33) * 2]
+        m = engine.train_step(Batch(tokens=tokens), nll_loss)
+        out.append({k: m[k] for k in ("hdp/memory_over_predicted", "hdp/memory_model_version", "hdp/token_budget")})
+    engine.close()
+    return out
+
+
+def test_the_memory_model_is_refit_with_the_cost_model():
+    a, b = run_distributed(_refit_worker, 2, timeout=300)
+    assert a == b
+    assert a[0]["hdp/memory_over_predicted"] < 0.6 and a[0]["hdp/memory_model_version"] == 0, a
+    assert a[-1]["hdp/memory_model_version"] >= 1, a  # adopted at a refit (every 2 steps, >= 8 records)
+    assert 0.9 <= a[-1]["hdp/memory_over_predicted"] <= 1.0 + 1e-9, a  # covers the window, no more
+    assert a[-1]["hdp/token_budget"] > a[0]["hdp/token_budget"], a
+
+
 def _bad_limit_worker(rank: int, world: int) -> str:
     from hdp.trainer.engine import HdpEngine
 

@@ -6,6 +6,7 @@ the main test run skips this module.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -453,3 +454,61 @@ def test_zero_memory_under_tp_needs_expert_tp_1():
     ok = _compose("ppo_trainer", common + ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
     assert omega_conf_to_dataclass(ok.actor_rollout_ref.actor).engine.expert_tensor_parallel_size == 1
     assert _ref_config(ok).engine.expert_tensor_parallel_size == 1  # the ref follows the actor
+
+
+def test_memory_limit_options_name_the_verl_key(monkeypatch):
+    """``hdp.max_memory_gb``: bad values at configuration time; a limit below the layout's static memory
+    when the engine is constructed, before verl's constructor (Megatron, collectives)."""
+    from types import SimpleNamespace
+
+    from hdp.integrations.verl import engine as E
+
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.max_memory_gb=-2: pass GB per device"):
+        HdpOptions(max_memory_gb=-2)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.measure_memory='yes'"):
+        HdpOptions(measure_memory="yes")
+    called = []
+    monkeypatch.setattr(E._MegatronLM, "__init__", lambda self, *a, **k: called.append(1))
+    qwen3 = SimpleNamespace(vision_config=None, model_type="qwen3", num_hidden_layers=28, hidden_size=1024,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                            vocab_size=151936, hidden_act="silu")
+    model = SimpleNamespace(mtp=SimpleNamespace(enable=False), hf_config=qwen3, use_remove_padding=True)
+    eng = HdpEngineConfig(hdp=HdpOptions(max_memory_gb=0.5))
+    object.__setattr__(eng, "max_token_len_per_gpu", 64)
+    object.__setattr__(eng, "infer_max_token_len_per_gpu", 64)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.hdp\.max_memory_gb=0\.5 GB per device is below "
+                                         r"the static memory of qwen3.*raise the limit or shard more"):
+        E.HdpMegatronEngine(model_config=model, engine_config=eng, optimizer_config=None, checkpoint_config=None)
+    assert not called
+    from hdp.integrations.verl.memory import verl_memory
+
+    mm, limit = verl_memory(model, dataclasses.replace(eng, hdp=HdpOptions(max_memory_gb=80)), world=8,
+                            device=torch.device("cpu"))
+    assert limit == 80 * 2**30 and mm.layout.domain == 8 and mm.shape.num_layers == 28
+    assert mm.token_budget(limit) > 1000  # a 0.6B-parameter model leaves room on 80 GB
+
+
+def test_megatron_groups_of_the_verl_engine_get_hdps_timeout(monkeypatch):
+    """verl initialises Megatron without a timeout (torch's 30 minutes); the hdp engine's device mesh is
+    built with ``hdp.collective_timeout_s`` instead, and the patch is scoped."""
+    from megatron.core import parallel_state
+
+    from hdp.integrations.verl import compat
+    from hdp.integrations.verl import engine as E
+
+    seen = []
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda *a, **k: seen.append(k))
+    recorder = parallel_state.initialize_model_parallel
+
+    def parent_mesh(self):  # what verl's _init_device_mesh does, reduced to the call that makes the groups
+        compat.mpu().initialize_model_parallel(tensor_model_parallel_size=1)
+
+    monkeypatch.setattr(E._MegatronLM, "_init_device_mesh", parent_mesh)
+    monkeypatch.setattr(E._Domain, "build", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda *a, **k: None)
+    monkeypatch.setattr(E.mc, "megatron_groups", lambda: None)
+    eng = E.HdpMegatronEngine.__new__(E.HdpMegatronEngine)
+    eng.hdp_config = HdpEngineConfig(hdp=HdpOptions(collective_timeout_s=45))
+    eng._init_device_mesh()
+    assert seen == [{"tensor_model_parallel_size": 1, "distributed_timeout_minutes": 0.75}]
+    assert parallel_state.initialize_model_parallel is recorder  # restored

@@ -26,6 +26,7 @@ CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``hdp
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -417,10 +418,13 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
         out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=n))
         if out is not None:
             m = verl_reduce_metrics(tu.get(out, "metrics"))
-            history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version")})
+            history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version",
+                                               "hdp/memory_peak_gb", "hdp/memory_over_predicted", "hdp/token_budget")})
     last = engine._make_plan(probe).stats.cp_degree_hist
-    return {"history": history, "first": first, "last": last, "records": os.path.getsize(os.path.join(tmp, "records", "actor.jsonl"))
-            if rank == 0 else 0}
+    path = os.path.join(tmp, "records", "actor.jsonl")
+    kinds = sorted({json.loads(line)["kind"] for line in open(path)}) if rank == 0 else []
+    return {"history": history, "first": first, "last": last, "records": os.path.getsize(path) if rank == 0 else 0,
+            "kinds": kinds}
 
 
 @pytest.mark.slow
@@ -440,3 +444,6 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     assert abs(med - 1.0) <= 0.25, (med, ratios)
     assert src["first"] != src["last"], (src["first"], src["last"])
     assert res[0]["records"] > 0
+    # the same door measures each round's peak memory and records it for the memory model
+    assert res[0]["kinds"] == ["group", "memory", "round"], res[0]["kinds"]
+    assert all(h["hdp/memory_peak_gb"] > 0 and h["hdp/memory_over_predicted"] > 0 for h in src["history"])

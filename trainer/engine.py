@@ -83,15 +83,14 @@ from hdp.trainer.optim_state import (
     to_device,
     to_host,
 )
-from hdp.memory_meter import MemoryMeter
 from hdp.trainer.memory import (
     MemoryCalibration,
     check_static_fits,
     engine_memory_model,
+    measured_row,
     resolve_memory_limit,
-    static_bytes,
+    start_measure,
 )
-from hdp.trainer.optim_state import optimizers as _optimizers
 from hdp.trainer.planning import DomainPlanner
 from hdp.trainer.rounds import NonFiniteLossError, RoundCore, RoundInput, next_token_targets
 
@@ -560,7 +559,8 @@ class HdpEngine:
         core = self.core
         with core.collectives("rounds", self.step):
             core.skip_update()  # zero the grad buffers and the optimizer's grads
-            meter, static = self._memory_meter()
+            meter, static = start_measure(self.device, self.model_chunks, self.optimizer,
+                                          self.config.planning.measure_memory)
             state = core.run(prep.plan, prep.tokens, _LossAdapter(prep, loss_fn, self.groups.tp, self.device), train=True,
                              meter=meter)
             red = core.reduce(state)
@@ -576,31 +576,9 @@ class HdpEngine:
             raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
         with core.collectives("calibrate", self.step):
             cal = self.planner.observe(prep.plan, self.round_seconds, step=self.step,
-                                       memory_row=self._memory_row(prep.plan, meter, static))
+                                       memory_row=measured_row(prep.plan, meter, static))
         step_s = time.perf_counter() - t_start
         return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal}
-
-    def _memory_meter(self) -> tuple[MemoryMeter | None, int]:
-        """A meter for this step's rounds and the static bytes it adds to (CPU: the engine's tensors;
-        accelerators: allocated when the rounds begin), or ``(None, 0)`` when not measuring."""
-        if not self.config.planning.measure_memory:
-            return None, 0
-        if self.device.type == "cpu":
-            return MemoryMeter(self.device, exclude=self._held_tensors()), static_bytes(
-                self.model_chunks, _optimizers(self.optimizer))
-        return MemoryMeter(self.device), _device.memory_stats(self.device)["allocated_bytes"]
-
-    def _held_tensors(self) -> list[torch.Tensor]:
-        return [p for chunk in self.model_chunks for p in chunk.parameters()]
-
-    def _memory_row(self, plan: Plan, meter: MemoryMeter | None, static: int) -> list[float] | None:
-        """This rank's measured peak bytes per round and its static bytes (`MemoryCalibration.row`)."""
-        if meter is None:
-            return None
-        peaks = meter.finish()
-        if meter.counting:  # CPU: the meter counted what the step added on top of the static bytes
-            peaks = {r: static + v for r, v in peaks.items()}
-        return MemoryCalibration.row(plan, peaks, static)
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from hdp import device as _device
+from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
 from hdp.packing.memory import (
     GB,
@@ -47,9 +48,11 @@ from hdp.packing.memory import (
     window_tokens,
 )
 from hdp.packing.model_shape import ModelShape
+from hdp.trainer.optim_state import optimizers
 
 __all__ = ["DEVICE_MEMORY_FRACTION", "AUTO", "engine_memory_model", "resolve_memory_limit", "check_max_memory_gb",
-           "static_bytes", "MemoryCalibration", "COEF_NAMES", "check_static_fits"]
+           "static_bytes", "MemoryCalibration", "COEF_NAMES", "check_static_fits",
+           "start_measure", "measured_row"]
 
 DEVICE_MEMORY_FRACTION = 0.9
 """Share of an accelerator's memory the ``auto`` limit plans to (the rest: the framework, the
@@ -147,6 +150,30 @@ def static_bytes(chunks: Sequence[Any], optimizers: Iterable[Any]) -> int:
         if ptr:
             seen[ptr] = int(st.nbytes())
     return int(sum(seen.values())) + pending
+
+
+def start_measure(device: torch.device, chunks: Sequence[Any], optimizer: Any, enabled: bool = True
+                  ) -> tuple[MemoryMeter | None, int]:
+    """A meter for one step's rounds and the static bytes its peaks add to (CPU: `static_bytes` of the
+    engine's tensors; accelerators: allocated when the rounds begin), or ``(None, 0)`` when not measuring."""
+    if not enabled:
+        return None, 0
+    device = torch.device(device)
+    if device.type == "cpu":
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        return MemoryMeter(device, exclude=params), static_bytes(chunks, optimizers(optimizer) if optimizer else [])
+    return MemoryMeter(device), _device.memory_stats(device)["allocated_bytes"]
+
+
+def measured_row(plan: Plan, meter: MemoryMeter | None, static: int) -> list[float] | None:
+    """This rank's measured peak bytes per round and its static bytes (`MemoryCalibration.row`), after the
+    step's rounds; ``None`` without a meter."""
+    if meter is None:
+        return None
+    peaks = meter.finish()
+    if meter.counting:  # CPU: the meter counted what the step added on top of the static bytes
+        peaks = {r: static + v for r, v in peaks.items()}
+    return MemoryCalibration.row(plan, peaks, static)
 
 
 class MemoryCalibration:

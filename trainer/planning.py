@@ -241,11 +241,11 @@ class DomainPlanner:
                 if self.memory is not None and self.config.memory_model is not None:
                     vec[base:] = self.memory.refit(self.config.memory_model)
                 try:
-                    vec[2:] = refit(self.window, self.config.cost, self.settings).to_vector(self.config.cost)
+                    vec[2:base] = refit(self.window, self.config.cost, self.settings).to_vector(self.config.cost)
                 except Exception as exc:  # noqa: BLE001 - rank 0 must still broadcast, or the job hangs
                     logger.warning("auto-calibration: refit raised %s: %s; keeping the current cost model",
                                    type(exc).__name__, exc)
-                    vec[2:] = Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
+                    vec[2:base] = Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
                                     r2=math.nan, reason=f"refit raised {type(exc).__name__}").to_vector(self.config.cost)
         buf = torch.from_numpy(vec).to(self.device)
         src = dist.get_global_rank(self.groups.world, 0)

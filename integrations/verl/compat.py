@@ -158,6 +158,26 @@ def mpu() -> Any:
     return parallel_state
 
 
+@contextlib.contextmanager
+def megatron_group_timeout(seconds: float) -> Iterator[None]:
+    """While active, Megatron's ``initialize_model_parallel`` (which verl calls without a timeout, so its
+    groups wait torch's default 30 minutes) builds every group with ``seconds``: then Megatron's and hdp's
+    collectives of the verl engine — the gradient reduce, the domain's exchanges and CP rings — give up
+    after ``hdp.collective_timeout_s`` like the library engine's.  Scoped: the original comes back on exit."""
+    ps = mpu()
+    orig = ps.initialize_model_parallel
+
+    def with_timeout(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("distributed_timeout_minutes", float(seconds) / 60.0)
+        return orig(*args, **kwargs)
+
+    ps.initialize_model_parallel = with_timeout
+    try:
+        yield
+    finally:
+        ps.initialize_model_parallel = orig
+
+
 def unwrap_model(chunk: Any) -> Any:
     """The bare GPTModel inside verl's DDP/Float16 wrappers (``verl.utils.megatron_utils.unwrap_model``)."""
     from verl.utils.megatron_utils import unwrap_model as _unwrap

@@ -41,6 +41,8 @@ from hdp.packing import CostModel, PlannerConfig
 from hdp.packing.autocal import auto_calibrate_config
 from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.cost_file import AUTO, resolve_cost
+from hdp.packing.memory import MemoryModel
+from hdp.trainer.memory import check_max_memory_gb
 
 __all__ = [
     "HDP_STRATEGY",
@@ -93,6 +95,13 @@ class HdpOptions(PlannerOptions):
     collective_timeout_s: float = 600.0
     """Seconds hdp's own collectives (agreement, CP groups, the whole-sample exchange) may wait before
     every rank raises naming the step and phase."""
+    max_memory_gb: Any = "auto"
+    """GB per device every round's predicted peak stays within (`hdp.packing.memory`: this model on this
+    layout, calibrated from measured peaks); ``auto``: the device's memory ×
+    `hdp.trainer.memory.DEVICE_MEMORY_FRACTION` (none on CPU); null: the token budget only.  The token
+    budget (``max_tokens_per_rank`` or verl's per-GPU one) still caps the derived budget."""
+    measure_memory: bool = True
+    """Measure each round's peak memory (allocator peaks on CUDA/NPU), record it and calibrate the model."""
 
     def __post_init__(self) -> None:
         self._check_planner_options()
@@ -115,6 +124,9 @@ class HdpOptions(PlannerOptions):
             raise ValueError(f"{_KEY}.hdp.collective_timeout_s={t!r}: pass seconds in [1, 86400]")
         if self.cost_model != AUTO:
             self.cost(None)  # a bad preset or file fails at configuration time, naming the key
+        check_max_memory_gb(self.max_memory_gb, f"{_KEY}.hdp.max_memory_gb")
+        if not isinstance(self.measure_memory, bool):
+            raise ValueError(f"{_KEY}.hdp.measure_memory={self.measure_memory!r}: pass true or false")
 
     def cost(self, auto: Any) -> CostModel:
         """The planner's cost model (read once, by the engine); ``auto()`` builds the ``auto`` model."""
@@ -131,11 +143,14 @@ class HdpOptions(PlannerOptions):
                 "(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu): set one of them")
         return int(train or infer), int(infer or train)
 
-    def planner_config(self, num_ranks: int, budget: int, cost: CostModel, *, pipeline_stages: int = 1) -> PlannerConfig:
+    def planner_config(self, num_ranks: int, budget: int, cost: CostModel, *, pipeline_stages: int = 1,
+                       memory_model: MemoryModel | None = None, memory_limit: float | None = None) -> PlannerConfig:
         """The planner config for a domain of ``num_ranks`` under ``pipeline_stages`` (PP) with token budget
-        ``budget`` (``max_tokens_per_rank``, or verl's per-GPU budget when it is null: the engine resolves it)."""
+        ``budget`` (``max_tokens_per_rank``, or verl's per-GPU budget when it is null: the engine resolves it)
+        and the job's memory model and limit in bytes (`hdp.trainer.memory.resolve_memory_limit`)."""
         return PlannerConfig(num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=cost,
-                             pipeline_stages=pipeline_stages, **self.planner_options())
+                             pipeline_stages=pipeline_stages, memory_model=memory_model, memory_limit=memory_limit,
+                             memory_limit_name=f"{_KEY}.hdp.max_memory_gb", **self.planner_options())
 
 
 @dataclass

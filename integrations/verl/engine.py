@@ -67,6 +67,9 @@ from hdp.integrations.verl.data import (
 from hdp.logprobs import logprobs_entropy
 from hdp.packing import Plan
 from hdp.packing.model_shape import ModelShape
+from hdp.device import select_device
+from hdp.integrations.verl.memory import verl_memory
+from hdp.trainer.memory import MemoryCalibration, measured_row, start_measure
 from hdp.trainer.optim_state import restore_adam_steps
 from hdp.trainer.planning import DomainPlanner, auto_cost_model
 from hdp.trainer.rounds import RoundCore, RoundInput, next_token_targets
@@ -158,6 +161,8 @@ class HdpMegatronEngine(_MegatronLM):
         engine_config = to_hdp_engine_config(engine_config)
         reject_unsupported(model_config, engine_config)  # before any collective: every rank raises alike
         check_engine_settings(model_config, engine_config)
+        verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
+                    device=select_device(None), check_only=True)  # a limit below the static memory: ValueError
         self.hdp_config: HdpEngineConfig = engine_config
         self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
         self.core: RoundCore | None = None  # built once the model exists (initialize)
@@ -190,7 +195,8 @@ class HdpMegatronEngine(_MegatronLM):
     # -- Megatron groups, verl's DP view, the core --
 
     def _init_device_mesh(self) -> None:
-        super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
+        with compat.megatron_group_timeout(self.hdp_config.hdp.collective_timeout_s):
+            super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
         self._domain = _Domain.build(compat.mpu().get_data_parallel_group(), mc.megatron_groups(),
                                      self.hdp_config.hdp.collective_timeout_s)
 
@@ -222,10 +228,12 @@ class HdpMegatronEngine(_MegatronLM):
             logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
         else:
             records = None
-        self.planner = DomainPlanner(opts.planner_config(dom.size, budget, opts.cost(auto),
-                                                         pipeline_stages=dom.layout.pp_size),
+        mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev,
+                                 vpp=len(self.module))
+        self.planner = DomainPlanner(opts.planner_config(dom.size, budget, opts.cost(auto), pipeline_stages=dom.layout.pp_size,
+                                                         memory_model=mem, memory_limit=limit),
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
-                                     records_path=records)
+                                     records_path=records, memory=MemoryCalibration())
 
     def _groups_to_abort(self) -> list[dist.ProcessGroup]:
         """Every group a step of this engine communicates on: hdp's, and Megatron's (not verl's WORLD)."""
@@ -366,7 +374,9 @@ class HdpMegatronEngine(_MegatronLM):
         adapter = _VerlLoss(self, plan, data, loss_function, train=True)
         with core.collectives("rounds", self.step):
             core.skip_update()
-            state = core.run(plan, list(data["input_ids"].unbind()), adapter, train=True)
+            meter, static = start_measure(core.device, self.module, getattr(self, "optimizer", None),
+                                          self.hdp_config.hdp.measure_memory and self.planner.memory is not None)
+            state = core.run(plan, list(data["input_ids"].unbind()), adapter, train=True, meter=meter)
             red = core.reduce(state)
         seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "verl loss function")
@@ -383,7 +393,8 @@ class HdpMegatronEngine(_MegatronLM):
             if not ok:
                 raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
             with core.collectives("calibrate", self.step):
-                extra.update({k: [v] for k, v in self.planner.observe(plan, seconds, step=self.step).items()})
+                cal = self.planner.observe(plan, seconds, step=self.step, memory_row=measured_row(plan, meter, static))
+                extra.update({k: [v] for k, v in cal.items()})
         out = self._collect(plan, adapter, extra)
         if self.is_mp_src_rank_with_outputs():
             out["metrics"]["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
