@@ -58,6 +58,8 @@ def test_bench_train_small_run_contract_and_regression_check(tmp_path):
     assert res["environment"]["ranks"] == 2 and res["environment"]["pp"] == 2 and res["environment"]["torch"]
     assert "predicted_over_measured" in res["calibration"], res["calibration"]
     assert res["calibration"]["model"], res["calibration"]  # which model produced the ratios
+    ahead = res["plan_ahead"]  # the timed batches again as one step of several mini-batches
+    assert ahead["mini_batches"] == 1 and len(ahead["planner_ms"]) == len(ahead["planner_ms_exposed"]) == 1
     # a baseline twice as fast is a regression; the result itself is not
     faster = {"results": {p: {"tokens_per_s": 2 * r["tokens_per_s"]} for p, r in res["results"].items()},
               "speedup": res["speedup"]}

@@ -421,17 +421,25 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
             history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version",
                                                "hdp/memory_peak_gb", "hdp/memory_over_predicted", "hdp/token_budget")})
     last = engine._make_plan(probe).stats.cp_degree_hist
+    # ppo_epochs 2 x 2 mini-batches: verl's loop announces each next mini-batch, planned while one trains
+    out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=n // 2, epochs=2))
+    ahead = {}
+    if out is not None:
+        raw = tu.get(out, "metrics")
+        flat = lambda v: [float(x) for y in v for x in (y if isinstance(y, list) else [y])]  # noqa: E731
+        ahead = {"ms": flat(raw["hdp/planner_ms"]), "exposed": flat(raw["hdp/planner_ms_exposed"])}
     path = os.path.join(tmp, "records", "actor.jsonl")
     kinds = sorted({json.loads(line)["kind"] for line in open(path)}) if rank == 0 else []
     return {"history": history, "first": first, "last": last, "records": os.path.getsize(path) if rank == 0 else 0,
-            "kinds": kinds}
+            "kinds": kinds, "ahead": ahead}
 
 
 @pytest.mark.slow
 def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     """Auto-calibration on the verl door (on by default; here from a CP-free cost-model file, emulated slow CP
     link as in the library's test): predicted/measured moves to 1 +- 0.25, the adopted model changes the plans,
-    and the calibration records land where the option says."""
+    and the calibration records land where the option says; memory is measured and recorded; an update
+    of ppo_epochs 2 x 2 mini-batches plans each mini-batch after the first while the one before it trains."""
     import statistics
 
     res = run_distributed(_autocal_worker, 4, str(tmp_path), timeout=600)
@@ -447,3 +455,7 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     # the same door measures each round's peak memory and records it for the memory model
     assert res[0]["kinds"] == ["group", "memory", "round"], res[0]["kinds"]
     assert all(h["hdp/memory_peak_gb"] > 0 and h["hdp/memory_over_predicted"] > 0 for h in src["history"])
+    # planning ahead: every mini-batch after the first waited for at most a tenth of its planning
+    ahead = src["ahead"]
+    assert len(ahead["ms"]) == len(ahead["exposed"]) == 4, ahead
+    assert all(e <= 0.1 * m + 0.5 for m, e in zip(ahead["ms"][1:], ahead["exposed"][1:])), ahead

@@ -90,6 +90,7 @@ from hdp.trainer.memory import (
     measured_row,
     resolve_memory_limit,
     start_measure,
+    static_bytes,
 )
 from hdp.trainer.planning import DomainPlanner
 from hdp.trainer.rounds import NonFiniteLossError, RoundCore, RoundInput, next_token_targets
@@ -213,6 +214,7 @@ class _Prepared:
     weights: list[torch.Tensor]  # S x [L_i] float32 loss weights (target aligned)
     extras: dict[str, list[torch.Tensor]]  # name -> S x [L_i, ...] (target aligned)
     planner_ms: float
+    planner_exposed_ms: float = 0.0
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
@@ -393,6 +395,7 @@ class HdpEngine:
             groups = LayoutGroups(world=job, domain=DomainGroups.build(pgc.dp, timeout_s=timeout_s), tp=pgc.tp,
                                   pp=pgc.pp, ep=pgc.ep)
             engine = cls(config, groups, runtime, ddp, optimizer, device, ledger)
+            engine.planner.measure_static(static_bytes(ddp, optimizers(optimizer)))  # the job's most, one all-reduce
         except BaseException:
             runtime.close()
             ledger.release()
@@ -408,6 +411,7 @@ class HdpEngine:
         if self._closed:
             return
         self._closed = True
+        self.planner.close()  # the plan-ahead thread
         self.core.close()
         for chunk in self.model_chunks:
             mc.release_ddp(chunk)
@@ -514,13 +518,15 @@ class HdpEngine:
         def work() -> tuple[Plan, int]:
             self._validate(batch)
             t0 = time.perf_counter()
-            if given is None:
-                plan = self.planner.plan(batch.lengths)
+            if given is None:  # planned ahead (train_steps / plan_ahead) or in line
+                taken = self.planner.take(batch.lengths)
+                plan, ms, exposed = taken.plan, taken.planner_ms, taken.exposed_ms
             else:
                 self._check_given_plan(given, batch)
                 plan = given if given.stats is not None else given.with_stats(simulate(given, self.planner.cost, 0.0))
-            ms = (time.perf_counter() - t0) * 1e3 if given is None or given.stats is None else given.stats.planner_ms
-            box.append(self._shifted(batch, plan, ms))
+                exposed = (time.perf_counter() - t0) * 1e3
+                ms = exposed if given.stats is None else given.stats.planner_ms
+            box.append(dataclasses.replace(self._shifted(batch, plan, ms), planner_exposed_ms=exposed))
             return plan, batch_digest(batch.tokens, batch.loss_mask, batch.extras)
 
         self.core.agree(what, self.step + 1, work)
@@ -580,6 +586,19 @@ class HdpEngine:
         step_s = time.perf_counter() - t_start
         return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal}
 
+    def plan_ahead(self, batches: Sequence[Batch]) -> None:
+        """Announce the next mini-batches (in the order ``train_step`` will get them): each one's plan is
+        made on a background thread while the one before it trains (`hdp.trainer.plan_ahead`; the
+        same plans as in line).  ``hdp/planner_ms_exposed`` then reports what a step still waited."""
+        self._usable("plan_ahead")
+        self.planner.announce([b.lengths for b in batches])
+
+    def train_steps(self, batches: Sequence[Batch], loss_fn: LossFn = nll_loss) -> list[dict[str, Any]]:
+        """One :meth:`train_step` (one optimizer step) per mini-batch, each planned while the one before
+        it runs (:meth:`plan_ahead`); returns each step's metrics.  Errors as :meth:`train_step`."""
+        self.plan_ahead(batches)
+        return [self.train_step(b, loss_fn) for b in batches]
+
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:
         """Per-token log-probs and entropies of ``batch`` (no grad), in the caller's sample order.
@@ -629,6 +648,7 @@ class HdpEngine:
             "hdp/idle_ratio_max": float(stats.max_idle_ratio) if stats else float("nan"),
             "hdp/cp_degree_hist": {int(k): int(v) for k, v in sorted(stats.cp_degree_hist.items())} if stats else {},
             "hdp/planner_ms": prep.planner_ms,
+            "hdp/planner_ms_exposed": prep.planner_exposed_ms,
             "hdp/step": self.step,
         }
 

@@ -15,7 +15,7 @@ metrics and self-calibration built on them.
   training step's per-round peaks travel with the round times in the planner's one all-gather; world
   rank 0 writes ``"kind": "memory"`` records (`hdp.packing.memory.fit_memory`'s schema) next to the
   timing records, and
-  - **at once**: when a measured peak exceeds the prediction, the dynamic coefficients are scaled by
+  - **at once**, when planning to a limit: when a measured peak exceeds the prediction, the dynamic coefficients are scaled by
     the largest measured/predicted ratio of the step and `TIGHTEN_MARGIN` more (computed alike on
     every rank from the gathered table), so the next plans are tighter;
   - **every refit**: world rank 0 fits the window of records (`fit_memory`, ``cover=True``: no record

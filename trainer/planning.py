@@ -48,10 +48,14 @@ from hdp.packing.model_shape import ModelShape
 from hdp.packing.memory import GB
 from hdp.packing.profiles import cost_model as preset_cost
 from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
+from hdp.trainer.plan_ahead import PlanAhead, Taken
 
 __all__ = ["DomainPlanner", "auto_cost_model", "PROFILE_OF_DEVICE"]
 
 logger = logging.getLogger(__name__)
+
+STATIC_SLACK = 0.01
+"""Growth of the measured static bytes (a fraction) below which the memory model keeps its figure."""
 
 PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
 """Hardware profile the ``auto`` cost model takes for each device kind."""
@@ -88,6 +92,8 @@ class DomainPlanner:
         self.last: Refit | None = None
         self._exploring = False
         self._plan_cost = config.cost  # the model the next plans use (an exploration variant for one step)
+        self.ahead = PlanAhead(make_plan)
+        """Plans announced mini-batches on a background thread, one ahead."""
         self._memory_vec: np.ndarray | None = None
         self.memory = memory if config.memory_model is not None else None
         """Memory records, tightening and refits (`hdp.trainer.memory`), when the config has a memory model."""
@@ -107,6 +113,35 @@ class DomainPlanner:
     def plan(self, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> Plan:
         """The plan of ``lengths`` (pure; identical on every rank); its stats carry ``planner_ms``."""
         return make_plan(lengths, self.planner_config(max_tokens_per_rank))
+
+    def announce(self, batches: Sequence[Sequence[int]], budgets: Sequence[int | None] | None = None, *,
+                 extend: bool = False) -> None:
+        """The lengths of the next mini-batches (and each one's budget override): planned one ahead on a
+        background thread (`hdp.trainer.plan_ahead.PlanAhead`); ``extend``: after those announced before."""
+        config_of = lambda i: self.planner_config(budgets[i] if budgets else None)  # noqa: E731
+        (self.ahead.extend if extend else self.ahead.announce)(batches, config_of)
+
+    def take(self, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> Taken:
+        """The plan of the mini-batch about to run: made ahead when it was announced and the config is
+        unchanged, else in line (the same plan either way); with the planning and the exposed time."""
+        return self.ahead.take(lengths, self.planner_config(max_tokens_per_rank))
+
+    def close(self) -> None:
+        """Stop the plan-ahead thread (idempotent)."""
+        self.ahead.close()
+
+    def measure_static(self, local_bytes: float) -> None:
+        """Set the memory model's static bytes to the most any rank of the job holds (one all-reduce over
+        the job; the engines call it once built, with `hdp.trainer.memory.static_bytes`).  Later steps
+        re-measure them and replace the figure only when it grows by more than `STATIC_SLACK`, so plans
+        made ahead stay valid (`hdp.trainer.plan_ahead`)."""
+        mm = self.config.memory_model
+        if mm is None:
+            return
+        buf = torch.tensor([float(local_bytes)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.groups.world)
+        self.config = dataclasses.replace(self.config, memory_model=dataclasses.replace(
+            mm, measured_static=float(buf.item())))
 
     # -- after a training step: records, calibration, metrics ---------------------------------------
 
@@ -198,7 +233,7 @@ class DomainPlanner:
         if self.memory is None or not np.isfinite(peaks).any():
             return out, []
         held = float(np.nanmax(static)) if np.isfinite(static).any() else math.nan
-        if math.isfinite(held) and (mm.measured_static is None or held > mm.measured_static):
+        if math.isfinite(held) and (mm.measured_static is None or held > mm.measured_static * (1 + STATIC_SLACK)):
             # the static bytes as measured (the most any rank holds) replace the formula's, alike on every rank
             mm = dataclasses.replace(mm, measured_static=held)
             self.config = dataclasses.replace(self.config, memory_model=mm)
@@ -209,7 +244,9 @@ class DomainPlanner:
             pred = [self.memory.predicted(mm, r) for r in recs]
             out["hdp/memory_over_predicted"] = max(r["peak_bytes"] / p for r, p in zip(recs, pred))
             self.memory.records.extend(recs)
-            tighter = self.memory.tighten(mm, recs)  # alike on every rank: the same gathered table
+            # planning to a limit: tightened at once, alike on every rank (the same gathered table); without
+            # one the model only predicts, and is refit with the cost model
+            tighter = self.memory.tighten(mm, recs) if limit is not None else None
             if tighter is not None:
                 self.config = dataclasses.replace(self.config, memory_model=tighter)
                 logger.info("memory: a measured peak exceeded the prediction by x%.3f; model v%d tightened",

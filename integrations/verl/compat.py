@@ -16,8 +16,9 @@ checked in one place.  Private upstream state used here, and why:
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
+import os
+import weakref
 from typing import Any, Iterator
 
 import verl
@@ -176,6 +177,44 @@ def megatron_group_timeout(seconds: float) -> Iterator[None]:
         yield
     finally:
         ps.initialize_model_parallel = orig
+
+
+_AHEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""hdp training engines of this process that verl's mini-batch iterator announces to."""
+
+
+def plan_ahead_iterators(engine: Any) -> None:
+    """Make verl's mini-batch loop (``TrainingWorker.train_mini_batch`` iterates
+    ``tensordict_utils.make_iterator``, its only caller) announce each next mini-batch to ``engine``
+    before handing out the current one, so hdp plans it on a background thread while the current one
+    trains (`hdp.trainer.plan_ahead`).  The iterator yields the same mini-batches in the same order; it
+    holds one mini-batch ahead.  Installed once per process; engines are held weakly."""
+    _AHEAD.add(engine)
+    tu = tensordict_utils()
+    if getattr(tu.make_iterator, "_hdp_ahead", False):
+        return
+    orig = tu.make_iterator
+
+    def make_iterator(*args: Any, **kwargs: Any) -> Any:
+        return _one_ahead(orig(*args, **kwargs))
+
+    make_iterator._hdp_ahead = True  # type: ignore[attr-defined]
+    tu.make_iterator = make_iterator
+
+
+def _one_ahead(it: Any) -> Iterator[Any]:
+    it = iter(it)
+    cur = next(it, None)
+    if cur is None:
+        return
+    for engine in list(_AHEAD):
+        engine.announce([cur])
+    for nxt in it:
+        for engine in list(_AHEAD):
+            engine.announce([nxt], extend=True)
+        yield cur
+        cur = nxt
+    yield cur
 
 
 def unwrap_model(chunk: Any) -> Any:

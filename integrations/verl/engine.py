@@ -23,15 +23,13 @@ verl's:
   domain sum of gradients is the single-process gradient for every ``loss_agg_mode`` whose
   normalisers are global;
 * **its outputs**: log-probs / entropies gathered to verl's collect rank (TP rank 0 of the last
-  stage, domain rank 0) in verl's sample order; verl's metrics reduced over the groups; hdp's metrics
-  (``hdp/rounds``, ``hdp/planner_ms``, ``hdp/efficiency_planned``, ``hdp/predicted_over_measured``,
-  ``hdp/cost_model_version``, ``hdp/idle_fraction_measured``, tokens per rank) added.
+  stage, domain rank 0) in verl's sample order; verl's metrics reduced over the groups; hdp's
+  (``hdp/rounds``, ``hdp/planner_ms[_exposed]``, ``hdp/predicted_over_measured``, ``hdp/memory_*``, ...) added.
 * **verl's semantics on a non-finite loss**: as verl's FSDP engine, the update is skipped on every
   rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1); Megatron's own optimizer would have
   applied it (its NaN check is off outside FSDP).
 
-Legend: S samples of the mini-batch (verl's order), L_i their lengths, T a rank's tokens of one
-round, N domain size (Megatron's DP world), R rounds.
+Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
 
 Status: on CPU (gloo) driven by verl's own ``ActorRolloutRefWorker`` (tests/test_verl_worker_path.py)
 and ``main_ppo`` (``hdp demo --verl``); not run on any GPU/NPU, nor with Megatron-Bridge model
@@ -43,9 +41,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,8 +66,8 @@ from hdp.packing import Plan
 from hdp.packing.model_shape import ModelShape
 from hdp.device import select_device
 from hdp.integrations.verl.memory import verl_memory
-from hdp.trainer.memory import MemoryCalibration, measured_row, start_measure
-from hdp.trainer.optim_state import restore_adam_steps
+from hdp.trainer.memory import MemoryCalibration, measured_row, start_measure, static_bytes
+from hdp.trainer.optim_state import optimizers, restore_adam_steps
 from hdp.trainer.planning import DomainPlanner, auto_cost_model
 from hdp.trainer.rounds import RoundCore, RoundInput, next_token_targets
 
@@ -203,6 +200,8 @@ class HdpMegatronEngine(_MegatronLM):
     def initialize(self) -> None:
         super().initialize()
         self._build_core(None)
+        if not getattr(self.engine_config, "forward_only", False):  # verl's mini-batch loop announces the next one
+            compat.plan_ahead_iterators(self)
 
     def _build_core(self, shape: ModelShape | None) -> None:
         """The round core and the one planner of this engine (settings resolved once, here)."""
@@ -228,12 +227,12 @@ class HdpMegatronEngine(_MegatronLM):
             logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
         else:
             records = None
-        mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev,
-                                 vpp=len(self.module))
+        mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev, vpp=len(self.module))
         self.planner = DomainPlanner(opts.planner_config(dom.size, budget, opts.cost(auto), pipeline_stages=dom.layout.pp_size,
                                                          memory_model=mem, memory_limit=limit),
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
                                      records_path=records, memory=MemoryCalibration())
+        self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
 
     def _groups_to_abort(self) -> list[dist.ProcessGroup]:
         """Every group a step of this engine communicates on: hdp's, and Megatron's (not verl's WORLD)."""
@@ -324,14 +323,15 @@ class HdpMegatronEngine(_MegatronLM):
 
     # -- steps --
 
-    def _agreed_plan(self, data: Any, what: str, train: bool) -> tuple[Plan, float]:
-        """Plan the mini-batch inside the core's agreement (any error on any rank raises on every rank)."""
-        t0 = time.perf_counter()
-        box: list[float] = []
+    def _agreed_plan(self, data: Any, what: str, train: bool) -> tuple[Plan, dict[str, list[float]]]:
+        """Plan the mini-batch inside the core's agreement (any error on any rank raises on every rank);
+        made ahead when announced (`announce`); returns the plan and its ``hdp/planner_ms*`` metrics."""
+        box: list[dict[str, list[float]]] = []
 
         def work() -> tuple[Plan, int]:
-            plan = self._make_plan(data, train)
-            box.append((time.perf_counter() - t0) * 1e3)
+            taken = self.planner.take(sample_lengths(data), None if train else self._infer_budget)
+            plan = taken.plan
+            box.append({"hdp/planner_ms": [taken.planner_ms], "hdp/planner_ms_exposed": [taken.exposed_ms]})
             mask = data["loss_mask"]
             return plan, batch_digest(list(data["input_ids"].unbind()), None,
                                       {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
@@ -344,6 +344,10 @@ class HdpMegatronEngine(_MegatronLM):
         log-prob passes' own."""
         return self.planner.plan(sample_lengths(data), None if train else self._infer_budget)
 
+    def announce(self, batches: Sequence[Any], extend: bool = False) -> None:
+        """The next training mini-batches, in order: each is planned while the one before it trains."""
+        self.planner.announce([sample_lengths(b) for b in batches], extend=extend)
+
     def _prepare_data(self, data: Any) -> None:
         tu = compat.tensordict_utils()
         mask = data["loss_mask"]
@@ -352,8 +356,8 @@ class HdpMegatronEngine(_MegatronLM):
 
     def forward_backward_batch(self, data: Any, loss_function: Callable | None, forward_only: bool = False) -> Any:
         """verl's forward (log-prob passes, ``forward_only``) or forward + backward without the optimizer step."""
-        plan, planner_ms = self._agreed_plan(data, "hdp infer_batch" if forward_only else "hdp forward_backward",
-                                             train=not forward_only)
+        plan, planner = self._agreed_plan(data, "hdp infer_batch" if forward_only else "hdp forward_backward",
+                                          train=not forward_only)
         self._prepare_data(data)
         adapter = _VerlLoss(self, plan, data, loss_function, train=not forward_only)
         with self.core.collectives("rounds", self.step):
@@ -361,14 +365,14 @@ class HdpMegatronEngine(_MegatronLM):
             red = self.core.reduce(state)
         self.core.raise_adapter_error(state, red, self.step, "verl loss function")
         self._last = (plan, state, red)
-        return self._collect(plan, adapter, {"hdp/planner_ms": [planner_ms]})
+        return self._collect(plan, adapter, planner)
 
     def train_batch(self, data: Any, loss_function: Callable) -> Any:
         """One mini-batch update: the round core's step (verl's ``grad_norm`` in the metrics; a non-finite
         loss skips the update on every rank with ``grad_norm`` NaN, as verl's FSDP engine does)."""
         compat.maybe_fix_3d_position_ids(data)
         core = self.core
-        plan, planner_ms = self._agreed_plan(data, "hdp train_batch", train=True)
+        plan, planner = self._agreed_plan(data, "hdp train_batch", train=True)
         self.step += 1
         self._prepare_data(data)
         adapter = _VerlLoss(self, plan, data, loss_function, train=True)
@@ -381,7 +385,7 @@ class HdpMegatronEngine(_MegatronLM):
         seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "verl loss function")
         bad = core.nonfinite(state, red)
-        extra: dict[str, Any] = {"hdp/planner_ms": [planner_ms], "hdp/nonfinite_skipped": [float(bool(bad))]}
+        extra: dict[str, Any] = {**planner, "hdp/nonfinite_skipped": [float(bool(bad))]}
         if bad or not torch.isfinite(red[0]):
             core.skip_update()
             logger.warning("hdp engine: step %d: non-finite loss on samples %s; update skipped on every rank",

@@ -12,8 +12,10 @@ layout and plans over the domain of ``ranks / (tp · pp)`` ranks.
 Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
 step time per policy,
 the planned efficiency, the losses of every step (they must agree across policies: the update is
-exact whatever the plan), the environment, and — from the calibration records the engines write —
-a cost model fitted to this machine with the ratio of simulated to measured step time per policy.
+exact whatever the plan), the environment, — from the calibration records the engines write — a
+cost model fitted to this machine with the ratio of simulated to measured step time per policy, and
+``plan_ahead``: the timed batches once more as one step of several mini-batches planned ahead
+(`HdpEngine.train_steps`), each mini-batch's ``hdp/planner_ms`` and ``hdp/planner_ms_exposed``.
 
 Works under ``torchrun`` (any device): every rank runs the worker directly; otherwise ranks are
 spawned locally with gloo.
@@ -211,11 +213,30 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
             plans[p] = plan.to_dict()
         m = _timed_step(engines[p], batches[s], plan)
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
+    ahead = _plan_ahead_steps(engines[spec.policies[-1]], batches[1:])
     for engine in engines.values():
         engine.close()
     if dist.is_initialized():
         dist.barrier(group=dist.group.WORLD)
-    return {"history": history, "plans": plans, "cost": asdict(cost), "cost_source": source} if rank == 0 else {}
+    return ({"history": history, "plans": plans, "cost": asdict(cost), "cost_source": source, "plan_ahead": ahead}
+            if rank == 0 else {})
+
+
+def _plan_ahead_steps(engine: Any, batches: list[Any]) -> dict[str, Any]:
+    """After the timed comparison: the timed batches once more as one step of several mini-batches
+    (`HdpEngine.train_steps`, each planned while the one before it trains, the engine's own planner):
+    each mini-batch's planning and exposed milliseconds."""
+    from hdp.trainer.engine import nll_loss
+
+    ms, exposed = [], []
+    for m in engine.train_steps(batches, nll_loss):
+        ms.append(float(m["hdp/planner_ms"]))
+        exposed.append(float(m["hdp/planner_ms_exposed"]))
+    later = sum(ms[1:])
+    return {"mini_batches": len(batches), "planner_ms": ms, "planner_ms_exposed": exposed,
+            "policy": engine.config.planning.policy,
+            "exposed_share_after_first": sum(exposed[1:]) / later if later > 0 else 0.0,
+            "exposed_share": sum(exposed) / sum(ms) if sum(ms) > 0 else 0.0}
 
 
 def _timed_step(engine: Any, batch: Any, plan: Any = None) -> dict[str, Any]:
@@ -314,6 +335,7 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
         "environment": _environment(spec), "plans": out["plans"],
     }
     result["calibration"] = _calibration(spec, hist, records_dir, out["cost"], out["cost_source"])
+    result["plan_ahead"] = out["plan_ahead"]
     return result
 
 

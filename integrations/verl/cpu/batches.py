@@ -70,8 +70,9 @@ def old_logp_batch(padded: dict[str, torch.Tensor], temperature: float = 1.0) ->
 
 
 def update_batch(padded: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], *, mini_batch_size: int,
-                 temperature: float = 1.0, calculate_entropy: bool = False, seed: int = 0) -> Any:
-    """``_update_actor``'s TensorDict: ``extra`` holds padded ``old_log_probs``, ``advantages``, ``ref_log_prob``."""
+                 temperature: float = 1.0, calculate_entropy: bool = False, seed: int = 0, epochs: int = 1) -> Any:
+    """``_update_actor``'s TensorDict: ``extra`` holds padded ``old_log_probs``, ``advantages``, ``ref_log_prob``;
+    ``epochs`` × (batch / ``mini_batch_size``) mini-batches (verl's ``ppo_epochs``)."""
     return _td(
         {**padded, **extra},
         temperature=temperature,
@@ -80,7 +81,7 @@ def update_batch(padded: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
         distillation_only=False,
         global_batch_size=mini_batch_size,
         mini_batch_size=mini_batch_size,
-        epochs=1,
+        epochs=epochs,
         seed=seed,
         dataloader_kwargs={"shuffle": False},
         compute_loss=True,

@@ -1,0 +1,100 @@
+"""Planning ahead (`hdp.trainer.plan_ahead`): the same plans as in line, a stale plan dropped when the
+config changed, errors raised in line, the thread gone after close; and through the engine's
+`train_steps`, the exposed planning time of every mini-batch after the first is a small share."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hdp.packing import PlannerConfig, plan
+from hdp.packing.workloads import get_workload
+from hdp.trainer.plan_ahead import PlanAhead
+
+
+def _batches(n: int, size: int = 256) -> list[list[int]]:
+    return [[int(x) for x in get_workload("rl")(n=size, seed=100 + i)] for i in range(n)]
+
+
+def test_plans_made_ahead_equal_plans_made_in_line():
+    cfg = PlannerConfig(num_ranks=16, max_tokens_per_rank=16384)
+    batches = _batches(4)
+    ahead = PlanAhead(plan)
+    ahead.announce(batches, lambda i: cfg)
+    for lengths in batches:
+        time.sleep(0.05)  # "training": the next plan is made meanwhile
+        got = ahead.take(lengths, cfg)
+        assert got.ahead and got.plan.checksum() == plan(lengths, cfg).checksum()
+        assert got.exposed_ms <= got.planner_ms + 50.0
+    assert ahead.pending() == 0 and ahead.discarded == 0
+    ahead.close()
+
+
+def test_a_changed_config_or_an_unannounced_batch_is_planned_in_line():
+    cfg = PlannerConfig(num_ranks=16, max_tokens_per_rank=16384)
+    other = PlannerConfig(num_ranks=16, max_tokens_per_rank=16384, max_extra_rounds=0)
+    batches = _batches(3)
+    ahead = PlanAhead(plan)
+    ahead.announce(batches, lambda i: cfg)
+    got = ahead.take(batches[0], other)  # a refit changed the config after the plan was made
+    assert not got.ahead and got.plan.checksum() == plan(batches[0], other).checksum() and ahead.discarded == 1
+    got = ahead.take(_batches(1, 100)[0], cfg)  # not the announced batch: the rest is forgotten
+    assert not got.ahead and ahead.pending() == 0 and ahead.discarded == 2
+    ahead.close()
+
+
+def test_an_error_is_raised_in_line_and_close_stops_the_thread():
+    before = threading.active_count()
+    cfg = PlannerConfig(num_ranks=2, max_tokens_per_rank=64)
+    ahead = PlanAhead(plan)
+    ahead.announce([[10, 500], [10, 20]], lambda i: cfg)  # 500 tokens fit no group of 2 x 64
+    with pytest.raises(ValueError, match="500"):
+        ahead.take([10, 500], cfg)
+    assert ahead.take([10, 20], cfg).ahead
+    assert threading.active_count() == before + 1
+    ahead.close()
+    assert threading.active_count() == before
+
+
+def _steps_worker(rank: int, world: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.engine import Batch, HdpEngine
+    from hdp.trainer.model import ModelConfig, OptimConfig
+
+    cfg = EngineConfig(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128),
+                       optim=OptimConfig(lr=1e-3),
+                       planning=PlanningConfig(max_tokens_per_rank=256, auto_calibrate=False, cost_model="cpu-tiny@cpu-gloo"))
+    engine = HdpEngine.build(cfg, dist.group.WORLD)
+    g = torch.Generator().manual_seed(1)
+    batches = [Batch(tokens=[torch.randint(0, 128, (int(n),), generator=g) for n in get_workload("rl")(
+        n=48, seed=s, prompt_mean=8.0, prompt_cap=12, response_mean=120.0, response_cap=500)]) for s in range(4)]
+    inline = [engine.plan(b).checksum() for b in batches]
+    taken, take = [], engine.planner.take
+
+    def record(*args, **kwargs):
+        t = take(*args, **kwargs)
+        taken.append((t.plan.checksum(), t.ahead))
+        return t
+
+    engine.planner.take = record
+    metrics = engine.train_steps(batches)
+    engine.close()
+    return [{"ms": m["hdp/planner_ms"], "exposed": m["hdp/planner_ms_exposed"], "inline": c, "taken": t[0],
+             "ahead": t[1]} for m, c, t in zip(metrics, inline, taken)]
+
+
+@pytest.mark.dist
+def test_train_steps_plan_each_next_mini_batch_while_the_current_one_trains():
+    from dist_helper import run_distributed
+
+    a, b = run_distributed(_steps_worker, 2, timeout=300)
+    for rank in (a, b):
+        assert all(x["ahead"] and x["taken"] == x["inline"] for x in rank), rank  # the same plans as in line
+    after_first = a[1:]
+    assert all(x["exposed"] <= 0.1 * x["ms"] + 1.0 for x in after_first), a  # hidden behind the previous step
+    assert all(x["exposed"] >= 0 for x in a)
