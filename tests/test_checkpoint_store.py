@@ -193,3 +193,102 @@ def test_a_second_writer_is_refused_and_the_lock_file_removed(tmp_path) -> None:
     out = run_distributed(_save_while_locked, WORLD, str(root), timeout=240)
     assert all(o["error"] is None for o in out), out
     assert (root / "manifest.json").is_file() and not lock.exists()
+
+
+def _racing_saver(rank: int, world: int, root: str, job: str, value: float) -> dict:
+    """One of two jobs saving per-rank checkpoints to one path at once.  Job A holds its save open (rank 0
+    waits inside its write) until job B has tried; job B starts once A is writing."""
+    root = Path(root)
+    marks = root.parent
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 120
+        while not (marks / name).exists():
+            assert time.monotonic() < deadline, f"job {job} rank {rank}: {name} never appeared"
+            time.sleep(0.05)
+
+    def write(slot: Path) -> None:
+        torch.save({"w": torch.full((1000,), value), "step": 1}, slot / f"rank_{rank}.pt")
+        if job == "A" and rank == 0:
+            (marks / "A-writing").write_text(f"pid {os.getpid()} on {os.uname().nodename}")
+            wait_for("B-done")
+
+    if job == "B":
+        wait_for("A-writing")
+    try:
+        save_slots(root, guard=_guard(rank), group=dist.group.WORLD, rank=rank, size=WORLD, step=1,
+                   format="per-rank", meta={**META, "job": job}, write=write)
+        out = {"error": None}
+    except (CheckpointError, DomainStepError) as exc:
+        out = {"error": str(exc)}
+    if job == "B":
+        dist.barrier(group=dist.group.WORLD)
+        if rank == 0:
+            (marks / "B-done").write_text("")
+    return out
+
+
+def test_two_jobs_saving_to_one_path_at_once_one_wins_the_other_is_told(tmp_path) -> None:
+    """Two real jobs (3 ranks each) save per-rank checkpoints to one path at the same time: exactly one
+    succeeds, every rank of the other raises naming the path and the winner's process, and the manifest and
+    the files are the winner's; no lock file is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path / "ckpt"
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {job: pool.submit(run_distributed, _racing_saver, WORLD, str(root), job, value, timeout=240)
+                for job, value in (("A", 1.0), ("B", 2.0))}
+        out = {job: f.result() for job, f in jobs.items()}
+    winner = (tmp_path / "A-writing").read_text()
+    assert [o["error"] for o in out["A"]] == [None] * WORLD, out
+    for o in out["B"]:
+        assert o["error"] and f"is being saved by another writer ({winner})" in o["error"], out
+    manifest = read_manifest(root)
+    assert manifest.meta["job"] == "A" and manifest.step == 1
+    assert run_distributed(_worker_load_previous, WORLD, str(root), timeout=120) == [1.0] * WORLD
+    assert not (root / ".hdp-save.lock").exists()
+
+
+def test_a_waiter_that_locks_the_released_lock_file_retries(tmp_path, monkeypatch) -> None:
+    """The flock + unlink race, step by step: B opens the lock file while A holds it; A releases (unlinks,
+    closes); C creates and locks a new file under the name; only then does B's flock run, and succeeds on the
+    unlinked inode.  B must notice (fstat of its descriptor vs stat of the path), re-open, and be refused
+    because C holds the lock; without C, B retries and holds the file at the path."""
+    import fcntl
+
+    from hdp.trainer.checkpoint import _SaveLock
+
+    real_flock = fcntl.flock
+    root = tmp_path / "ckpt"
+    a, b, c = _SaveLock(root), _SaveLock(root), _SaveLock(root)
+    a.acquire()
+    steps: list[str] = []
+
+    def flock_after_release(fd: int, op: int) -> None:
+        if not steps:  # B's first flock: A releases and C locks in between B's open and its flock
+            steps.append("A released, C locked")
+            a.release()
+            c.acquire()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_release)
+    with pytest.raises(CheckpointError, match=rf"is being saved by another writer \(pid {os.getpid()} on "):
+        b.acquire()
+    assert steps == ["A released, C locked"] and b.fd is None and c.fd is not None
+    c.release()
+    # without a third writer: B's first flock lands on the unlinked file, its retry holds the file at the path
+    a.acquire()
+    steps.clear()
+
+    def flock_after_unlink(fd: int, op: int) -> None:
+        if not steps:
+            steps.append("A released")
+            a.release()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_unlink)
+    b.acquire()
+    assert steps == ["A released"] and b.fd is not None
+    assert os.fstat(b.fd).st_ino == os.stat(root / ".hdp-save.lock").st_ino
+    b.release()
+    assert not (root / ".hdp-save.lock").exists()

@@ -228,18 +228,43 @@ def save_slots(
 
 
 class _SaveLock:
-    """An exclusive ``flock`` on ``root/.hdp-save.lock`` (taken by :meth:`acquire`, file removed on release)."""
+    """An exclusive ``flock`` on ``root/.hdp-save.lock`` (taken by :meth:`acquire`, file removed on release).
+
+    Release unlinks the file while holding the lock.  A writer that opened the file before the unlink
+    may get the lock on that unlinked inode once it is released, while a third writer creates and locks
+    a new file under the same name: both would hold "the" lock.  So :meth:`acquire` checks after
+    ``flock`` that its descriptor is still the file at the path (same device and inode) and starts
+    again when it is not.
+    """
 
     NAME = ".hdp-save.lock"
+    ATTEMPTS = 100
+    """Re-opens after losing the race to a releasing writer before giving up (each needs a whole save to pass)."""
 
     def __init__(self, root: Path) -> None:
         self.path = root / self.NAME
         self.fd: int | None = None
 
     def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(self.ATTEMPTS):
+            fd = self._lock_once()
+            if fd is not None:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+                self.fd = fd
+                return
+        raise CheckpointError(
+            f"checkpoint {str(self.path.parent)!r}: the save lock {self.NAME} was replaced {self.ATTEMPTS} times "
+            "while this job waited for it: other jobs keep saving to this path; give each job its own checkpoint "
+            "directory"
+        )
+
+    def _lock_once(self) -> int | None:
+        """The locked descriptor of the file now at the path, ``None`` when it was unlinked or replaced
+        between our open and our flock; :class:`CheckpointError` when another writer holds it."""
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -255,9 +280,15 @@ class _SaveLock:
                 "jobs must not save to one path (one job's checkpoints would be silently lost); give each job its own "
                 "checkpoint directory"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self.fd = fd
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # we locked a file its releaser had already unlinked: that lock protects nothing
+        return None
 
     def release(self) -> None:
         if self.fd is None:
