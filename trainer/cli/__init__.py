@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse usage errors (already printed) and --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-    from hdp.trainer.launch import quiet_third_party_warnings
+    from hdp.trainer.quiet import quiet_third_party_warnings  # not hdp.trainer.launch: plan needs no torch
 
     quiet_third_party_warnings()  # the known Megatron / torch fallback and deprecation warnings
     root = logging.getLogger()
