@@ -4,7 +4,8 @@ Each script's ``main_ppo`` overrides are read from the file (environment default
 with verl 0.9.1's ``ppo_trainer`` through Hydra, and turned into verl's actor and ref dataclasses — the
 step where every combination hdp cannot run (zero-memory with grouped GEMM, all-gather CP with
 ``group_shape=any``, fused kernels, CP > 1, ...) raises naming the verl key.  Also checked: the layout the
-README names (PP and EP), and that each combination the scripts avoid is indeed rejected.  Nothing here
+README names (PP and EP), that actor and ref build the model through ``vanilla_mbridge`` (the path the CPU
+tests run), and that each combination the scripts avoid is indeed rejected.  Nothing here
 runs a model: the scripts are "not run on hardware".
 """
 
@@ -71,6 +72,8 @@ def test_example_composes_and_names_its_layout(name, pp, ep, zero_memory, algo):
     assert (eng.tensor_model_parallel_size, eng.pipeline_model_parallel_size, eng.expert_model_parallel_size) == (1, pp, ep)
     assert eng.hdp.zero_memory.value == zero_memory and eng.hdp.cp_algorithm.value == algo
     assert ref.engine.pipeline_model_parallel_size == pp and ref.engine.expert_model_parallel_size == ep
+    # the model is built by mbridge (the path the CPU tests run), not verl's default Megatron-Bridge
+    assert eng.vanilla_mbridge is True and ref.engine.vanilla_mbridge is True
     assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 64
     # what the script avoids fails at config time, naming the verl key
     swap = {"moe_grouped_gemm=False": "moe_grouped_gemm=True"}

@@ -10,8 +10,11 @@
 # expert path's activations (so a 32K response fits a smaller CP group); it needs SequentialMLP experts
 # (moe_grouped_gemm=False; hdp rejects the combination naming the key otherwise).
 #
-# Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, Megatron-Bridge or
-# mbridge, TransformerEngine, vLLM, and hdp with its verl extra from a checkout or a built wheel:
+# Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
+# Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
+#
+# Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, PyPI mbridge,
+# TransformerEngine, vLLM, and hdp with its verl extra from a checkout or a built wheel:
 #   pip install -e '.[verl]'     or     pip install 'dist/hdp_engine-0.1.0-py3-none-any.whl[verl]'
 set -xeuo pipefail
 
@@ -55,6 +58,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
     actor_rollout_ref.actor.megatron.param_offload=True \
+    actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=11 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=11 \
@@ -72,6 +76,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.ref.megatron.param_offload=True \
+    actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=$TOKENS_PER_GPU \
     actor_rollout_ref.rollout.name=vllm \

@@ -13,8 +13,11 @@
 # unrun) — expect slow attention.  All-gather CP on aligned power-of-two groups (HCCS full mesh);
 # zero-memory level0 with SequentialMLP experts (grouped GEMM is rejected with zero-memory).
 #
+# Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
+# Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
+#
 # Needs: CANN + torch_npu matching torch, MindSpeed (core_r0.16-compatible branch), verl==0.9.1 without
-# [megatron], megatron-core 0.16.x, vLLM + vllm-ascend, and hdp from a checkout or a built wheel:
+# [megatron], megatron-core 0.16.x, PyPI mbridge, vLLM + vllm-ascend, and hdp from a checkout or a built wheel:
 #   pip install -e '.[verl,npu]'
 set -xeuo pipefail
 
@@ -66,6 +69,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
     actor_rollout_ref.actor.megatron.param_offload=True \
+    actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=23 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=23 \
@@ -82,6 +86,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.ref.megatron.param_offload=True \
+    actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=$TOKENS_PER_NPU \
     actor_rollout_ref.rollout.name=vllm \
