@@ -1,0 +1,986 @@
+"""Compiled kernels of the hdp planner's inner loops (numba, ``nopython``): the one module that imports numba.
+
+The polish pass's search (`polish_search`), the gap filling into wide groups (`fill_wide_gaps`) and
+the shelf layout (`shelf_layout`) are sequential loops over small arrays: in numpy every step is
+dozens of calls of a microsecond or more each, in compiled code a few hundred nanoseconds.  The
+kernels do the same arithmetic as the numpy formulas they replace, operation for operation:
+`_padded` is `cost.padded_float`, `_tokens` `cost.max_rank_tokens`, `_group_cost`
+`CostModel.group_cost`, `_pairwise_sum` numpy's pairwise summation of a float64 vector.  So plans
+are the numpy passes' own, bit for bit.
+
+Determinism: IEEE double arithmetic only -- no ``fastmath`` (no reassociation, no fused
+multiply-add: numba emits plain ``fmul``/``fadd``, which LLVM does not contract), no parallel
+reductions, ties broken by index with stable sorts.  The same inputs give the same plan in every
+process and on every x86-64 or aarch64 CPU.
+
+Compilation: ``cache=True`` keeps the machine code in ``__pycache__`` beside this file, or, where
+that is read-only (a wheel in a system site-packages), in numba's per-user cache
+(``$NUMBA_CACHE_DIR``, else ``~/.cache/numba``); a process with a warm cache loads the kernels in
+well under a second, one with a cold cache compiles them once, for a few seconds
+(`warm_up` does it up front; ``hdp bench planner`` reports both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["cost_params", "int_array", "polish_search", "fill_wide_gaps", "shelf_layout", "warm_up"]
+
+_TOL = 1e-9  # relative: a roof drop smaller than this is no drop (polish's own)
+_WORK, _LEN, _SQ, _TOK = 0, 1, 2, 3  # the per-column sums: padded work, length, length**2, busiest-rank tokens
+# `cost_params` order
+_A, _STEP_OVERHEAD, _STEP_LATENCY, _COMM, _MERGE, _CP = range(6)
+
+
+def cost_params(cost) -> np.ndarray:
+    """[6] float64: the `CostModel` fields the kernels price groups with (``linear_coef``,
+    ``step_overhead``, ``step_latency``, ``comm_per_token``, ``merge_per_token``, ``cp_per_token``)."""
+    return np.array([cost.linear_coef, cost.step_overhead, cost.step_latency, cost.comm_per_token,
+                     cost.merge_per_token, cost.cp_per_token], dtype=np.float64)
+
+
+def int_array(a) -> np.ndarray:
+    """``a`` as a writable, contiguous int64 array (a copy): one argument type per kernel, so one
+    compilation (numba compiles a read-only array argument separately)."""
+    return np.array(a, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------- the cost model
+
+
+@njit(cache=True, nogil=True)
+def _padded(length, k):
+    """`cost.padded_float` of one sample: L rounded up to a multiple of 2k for k >= 2, as float64."""
+    lf = float(length)
+    if k > 1:
+        two_k = 2.0 * float(k)
+        return np.ceil(lf / two_k) * two_k
+    return lf
+
+
+@njit(cache=True, nogil=True)
+def _tokens(length, k):
+    """`cost.max_rank_tokens` of one sample: the busiest rank's tokens of L on k ranks (zigzag)."""
+    if k <= 1:
+        return length
+    two_k = 2 * k
+    q = length // two_k
+    r = length - q * two_k
+    if r == 0:
+        return 2 * q
+    if r > 2 and two_k % r != 0:
+        return 2 * q + 2
+    return 2 * q + 1
+
+
+@njit(cache=True, nogil=True)
+def _group_cost(p, sum_work, sum_len, sum_sq, k):
+    """`CostModel.group_cost` of one group of k ranks from its sums (the same operations, in order;
+    for k = 1 ``sum_work / 1.0 + 0.0``, which is ``sum_work``)."""
+    if k == 1:
+        return sum_work
+    kf = float(k)
+    local = sum_len / kf
+    comm = p[_STEP_LATENCY] + p[_COMM] * local
+    hidden = sum_sq / (kf * kf)
+    d = comm - hidden
+    per_step = p[_STEP_OVERHEAD] + (d if d > 0.0 else 0.0)
+    if p[_MERGE] != 0.0:
+        per_step = per_step + p[_MERGE] * local
+    ring = (kf - 1.0) * per_step
+    if p[_CP] != 0.0:
+        ring = ring + p[_CP] * local
+    return sum_work / kf + (ring if k > 1 else 0.0)
+
+
+@njit(cache=True, nogil=True)
+def _vals(p, length, k, out):
+    """``out[:4]`` = padded work, padded length, its square and busiest-rank tokens of one sample on k
+    ranks (`polish._State.vals`)."""
+    lp = _padded(length, k)
+    out[0] = p[_A] * lp + lp * lp
+    out[1] = lp
+    out[2] = lp * lp
+    out[3] = float(_tokens(length, k))
+
+
+@njit(cache=True, nogil=True)
+def _ensure(tab, row_of, n_rows, p, lengths, k):
+    """``tab`` [rows, n, 4] with a row of every sample's `_vals` on k ranks (made on first use,
+    ``row_of[k]`` its row; ``n_rows[0]`` rows made); no table (``n`` = 0 columns) on large batches."""
+    if tab.shape[1] == 0 or row_of[k] >= 0:
+        return tab
+    if n_rows[0] == tab.shape[0]:  # full: double the rows
+        more = np.zeros((2 * tab.shape[0], tab.shape[1], 4))
+        for r in range(tab.shape[0]):
+            for i in range(tab.shape[1]):
+                for q in range(4):
+                    more[r, i, q] = tab[r, i, q]
+        tab = more
+    r = n_rows[0]
+    v = np.empty(4)
+    for i in range(tab.shape[1]):
+        _vals(p, lengths[i], k, v)
+        for q in range(4):
+            tab[r, i, q] = v[q]
+    row_of[k] = r
+    n_rows[0] = r + 1
+    return tab
+
+
+@njit(cache=True, nogil=True)
+def _val(tab, row_of, p, lengths, i, k, out):
+    """`_vals` of sample i on k ranks: from the table when there is one (`_ensure`), else computed."""
+    if tab.shape[1] == 0:
+        _vals(p, lengths[i], k, out)
+    else:
+        r = row_of[k]
+        for q in range(4):
+            out[q] = tab[r, i, q]
+
+
+@njit(cache=True, nogil=True)
+def _sample_cost(p, length, k):
+    """`CostModel.sample_cost` of one sample alone on k ranks."""
+    lp = _padded(length, k)
+    return _group_cost(p, p[_A] * lp + lp * lp, lp, lp * lp, k)
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(a, lo, n):
+    """numpy's pairwise summation of a block of at most 128 values: eight running sums, then the rest."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r = np.empty(8)
+    for j in range(8):
+        r[j] = a[lo + j]
+    i = 8
+    while i < n - (n % 8):
+        for j in range(8):
+            r[j] += a[lo + i + j]
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True, nogil=True)
+def _pairwise_sum(a, lo, n):
+    """numpy's pairwise summation of ``a[lo:lo + n]`` (what ``a.sum()`` returns for a float64 vector):
+    blocks of up to 128 values, halves (rounded to multiples of 8) added.  Iterative: numba's cache
+    cannot hold a recursive function (numba/numba#6061: a segmentation fault on loading it)."""
+    los = np.empty(64, dtype=np.int64)  # a stack of halves: 2**64 values never come
+    ns = np.empty(64, dtype=np.int64)
+    stage = np.zeros(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: add them
+    left = np.empty(64)
+    los[0], ns[0], stage[0] = lo, n, 0
+    top = 0
+    ret = 0.0
+    while top >= 0:
+        m = ns[top]
+        if m <= 128:
+            ret = _block_sum(a, los[top], m)
+            top -= 1
+            continue
+        n2 = m // 2
+        n2 -= n2 % 8
+        if stage[top] == 0:
+            stage[top] = 1
+            los[top + 1], ns[top + 1], stage[top + 1] = los[top], n2, 0
+            top += 1
+        elif stage[top] == 1:
+            left[top] = ret
+            stage[top] = 2
+            los[top + 1], ns[top + 1], stage[top + 1] = los[top] + n2, m - n2, 0
+            top += 1
+        else:
+            ret = left[top] + ret
+            top -= 1
+    return ret
+
+
+# ---------------------------------------------------------------------------------- small helpers
+
+
+@njit(cache=True, nogil=True)
+def _stable_by_round(items, key_round, n_rounds):
+    """``items`` stably regrouped by ``key_round[item]`` (a counting sort): round order, then the
+    items' own order."""
+    count = np.zeros(n_rounds + 1, dtype=np.int64)
+    for x in items:
+        count[key_round[x] + 1] += 1
+    for r in range(n_rounds):
+        count[r + 1] += count[r]
+    out = np.empty(items.size, dtype=np.int64)
+    for x in items:
+        r = key_round[x]
+        out[count[r]] = x
+        count[r] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _argsort_stable(keys):
+    """``np.argsort(keys, kind="stable")`` of a float64 vector: insertion-sorted runs of 16, merged
+    bottom-up (equal keys keep their order).  Written out: numba's own sorts bring seconds of compilation with them."""
+    n = keys.size
+    a = np.arange(n)
+    b = np.empty(n, dtype=np.int64)
+    width = 16  # runs of 16 by insertion sort, then merges
+    for lo in range(0, n, width):
+        for j in range(lo + 1, min(lo + width, n)):
+            x = a[j]
+            i = j - 1
+            while i >= lo and keys[x] < keys[a[i]]:
+                a[i + 1] = a[i]
+                i -= 1
+            a[i + 1] = x
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                if keys[a[j]] < keys[a[i]]:  # strictly less: the left run's equal keys go first
+                    b[k] = a[j]
+                    j += 1
+                else:
+                    b[k] = a[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                b[k] = a[i]
+                i += 1
+                k += 1
+            while j < hi:
+                b[k] = a[j]
+                j += 1
+                k += 1
+        a, b = b, a
+        width *= 2
+    return a
+
+
+@njit(cache=True, nogil=True)
+def _grow_i(a, fill):
+    out = np.full(2 * a.size, fill, dtype=a.dtype)
+    out[: a.size] = a
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _grow_f(a):
+    out = np.zeros(2 * a.size, dtype=a.dtype)
+    out[: a.size] = a
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _grow_b(a):
+    out = np.zeros(2 * a.size, dtype=np.bool_)
+    out[: a.size] = a
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _grow_2(a):
+    out = np.zeros((2 * a.shape[0], a.shape[1]))
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            out[i, j] = a[i, j]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _good_buffers(n):
+    """Buffers of good steps: [3, n] floats (d_obj, added, d_phi) and [6, n] ints (flat index, source
+    round, target round, source column, target column -- -1 - r for a new group of round r --, depth)."""
+    return np.empty((3, max(n, 1))), np.empty((6, max(n, 1)), dtype=np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _grow_good(fb, ib):
+    """`_good_buffers` of twice the size, holding ``fb`` and ``ib``."""
+    fb2, ib2 = _good_buffers(2 * fb.shape[1])
+    for q in range(3):
+        for j in range(fb.shape[1]):
+            fb2[q, j] = fb[q, j]
+    for q in range(6):
+        for j in range(ib.shape[1]):
+            ib2[q, j] = ib[q, j]
+    return fb2, ib2
+
+
+@njit(cache=True, nogil=True)
+def _pick(n_good, fb, ib, scale, n_rounds, cap):
+    """`polish._pick` on the ``n_good`` good steps (`_good_buffers`): the steps taken together, best
+    first, as positions into the buffers."""
+    d_obj, added, d_phi = fb[0], fb[1], fb[2]
+    a_round, b_round, c1, c2, dep = ib[1], ib[2], ib[3], ib[4], ib[5]
+    q = max(_TOL * scale, 1e-300)
+    k_obj = np.empty(n_good)
+    k_add = np.empty(n_good)
+    k_phi = np.empty(n_good)
+    for g in range(n_good):
+        k_obj[g] = np.rint(d_obj[g] / q)
+        k_add[g] = np.rint(added[g] / q)
+        k_phi[g] = d_phi[g]
+    # np.lexsort((j, d_phi, rint(added / q), rint(d_obj / q))): stable sorts from the last key up
+    # (good_j ascends, so the index tie-break is the starting order)
+    o = _argsort_stable(k_phi)
+    o = o[_argsort_stable(k_add[o])]
+    o = o[_argsort_stable(k_obj[o])]
+    gives = np.full(n_rounds, -1, dtype=np.int64)  # giving round -> steps it took (-1: none)
+    receives = np.zeros(n_rounds, dtype=np.bool_)
+    changed = np.zeros(cap, dtype=np.bool_)  # columns changed
+    changed_new = np.zeros(n_rounds, dtype=np.bool_)  # a new group of the round opened
+    out = np.empty(n_good, dtype=np.int64)
+    n_out = 0
+    for g in o:
+        a, b, x, y, d = a_round[g], b_round[g], c1[g], c2[g], dep[g]
+        if changed[x] or (changed_new[-1 - y] if y < 0 else changed[y]):
+            continue
+        if (gives[a] if gives[a] >= 0 else 0) != d or receives[a] or (b != a and gives[b] >= 0):
+            continue
+        out[n_out] = g
+        n_out += 1
+        gives[a] = d + 1
+        if b != a:
+            receives[b] = True
+        changed[x] = True
+        if y < 0:
+            changed_new[-1 - y] = True
+        else:
+            changed[y] = True
+    return out[:n_out]
+
+
+# ---------------------------------------------------------------------------------- the polish search
+
+
+@njit(cache=True, nogil=True)
+def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, rnd0, width0, n_rounds,
+                  spent, stop_at, patience, call_units, n_targets, n_sources, trade_columns, trade_movers,
+                  windows, progress, table_samples):
+    """The polish pass's search (`hdp.packing.policies.hdp.polish`, module docstring) on a compact
+    plan: ``col_of`` [n] column of every sample, ``rnd0`` / ``width0`` [C] round and width of every
+    column, ``n_rounds`` rounds; ``spent`` units of the search pool spent so far, ``stop_at`` the most
+    it may reach.  Returns (col_of [n], round [cap], width [cap], alive [cap], steps taken, spent):
+    the searched plan's columns (``alive`` marks those left) -- from the same start and pool the
+    numpy search's plan exactly, with the same units charged.  Batches of up to ``table_samples``
+    samples keep every sample's values per group size in a table (a gather is cheaper than the
+    padding arithmetic)."""
+    n = lengths.size
+    N, B = num_ranks, budget
+    R = n_rounds
+    n_cols = rnd0.size
+    cap = 2 * n_cols + R + 8
+    col_of = col_of.copy()
+    rnd = np.zeros(cap, dtype=np.int64)
+    rnd[:n_cols] = rnd0
+    width = np.ones(cap, dtype=np.int64)
+    width[:n_cols] = width0
+    alive = np.zeros(cap, dtype=np.bool_)
+    alive[:n_cols] = True
+    opened = n_cols
+    work1 = np.empty(n)
+    for i in range(n):
+        lf = float(lengths[i])
+        work1[i] = p[_A] * lf + lf * lf
+    v = np.empty(4)
+    v2 = np.empty(4)
+    tab = np.zeros((4, n if n <= table_samples else 0, 4))
+    row_of = np.full(N + 2, -1, dtype=np.int64)
+    n_rows = np.zeros(1, dtype=np.int64)
+    for c in range(n_cols):
+        tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
+    for i in range(n):
+        tab = _ensure(tab, row_of, n_rows, p, lengths, k_min[i])
+    sums = np.zeros((cap, 4))
+    count = np.zeros(cap, dtype=np.int64)
+    for i in range(n):  # np.bincount(col_of, weights=...): in sample order
+        c = col_of[i]
+        _val(tab, row_of, p, lengths, i, width[c], v)
+        for q in range(4):
+            sums[c, q] += v[q]
+        count[c] += 1
+    h = np.zeros(cap)
+    for c in range(n_cols):
+        h[c] = _group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c])
+    free = np.full(R, N, dtype=np.int64)
+    for c in range(n_cols):
+        free[rnd[c]] -= width[c]
+    roof = np.zeros(R)
+    second = np.zeros(R)
+    at_roof = np.zeros(cap, dtype=np.bool_)
+    source = np.zeros(cap, dtype=np.bool_)
+    depth = np.zeros(cap, dtype=np.int64)
+    below = np.zeros(cap)
+    steps = 0
+    stale = 0
+    mark = -1.0
+    mark_units = spent
+    window = max(1, (stop_at - spent) // windows)
+    order = np.empty(0, dtype=np.int64)  # the live columns at the last survey, sorted
+    surveyed = 0  # columns opened at the last survey
+    while True:
+        units = n // 8 + opened  # the step's bookkeeping: roof samples, columns
+        if spent + units > stop_at:
+            break
+        spent += units
+        if opened + R + 1 >= cap:
+            rnd = _grow_i(rnd, 0)
+            width = _grow_i(width, 1)
+            alive = _grow_b(alive)
+            h = _grow_f(h)
+            count = _grow_i(count, 0)
+            at_roof = _grow_b(at_roof)
+            source = _grow_b(source)
+            depth = _grow_i(depth, 0)
+            below = _grow_f(below)
+            sums = _grow_2(sums)
+            cap = rnd.size
+        order = _survey(order, surveyed, opened, alive, rnd, h, R, roof, second, at_roof, source, depth, below,
+                        n_sources)
+        surveyed = opened
+        if mark < 0.0:
+            mark = _pairwise_sum(roof, 0, R)
+        n_movers = 0
+        for i in range(n):
+            if source[col_of[i]]:
+                n_movers += 1
+        if n_movers == 0:
+            break
+        movers = np.empty(n_movers, dtype=np.int64)
+        n_movers = 0
+        for i in range(n):
+            if source[col_of[i]]:
+                movers[n_movers] = i
+                n_movers += 1
+        targets = _roomiest(order, opened, rnd, width, h, roof, R, n_targets)
+        found, spent, ok, opened = _best_move(lengths, k_min, p, N, B, stages, movers, targets, col_of, rnd, width,
+                                              h, sums, count, free, roof, below, depth, alive, R, spent, stop_at,
+                                              call_units, opened, cap, v, tab, row_of)
+        if not ok:
+            break
+        if found == 0:
+            n_roof = 0
+            for m in range(movers.size):
+                if at_roof[col_of[movers[m]]]:
+                    n_roof += 1
+            roof_movers = np.empty(n_roof, dtype=np.int64)
+            n_roof = 0
+            for m in range(movers.size):
+                if at_roof[col_of[movers[m]]]:
+                    roof_movers[n_roof] = movers[m]
+                    n_roof += 1
+            roomy = _roomiest(order, opened, rnd, width, h, roof, R, trade_columns)
+            found, spent, ok = _best_trade(lengths, k_min, p, B, stages, roof_movers, roomy, work1, col_of, rnd,
+                                           width, h, sums, count, free, roof, below, depth, alive, R, spent,
+                                           stop_at, call_units, trade_movers, cap, v, v2, tab, row_of)
+            if not ok:
+                break
+        if found == 0:
+            found, spent = _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof, second,
+                                  at_roof, alive, opened, spent, stop_at, call_units, v)
+            for c in range(opened):  # the table's rows of the new widths
+                if alive[c]:
+                    tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
+        if found == 0:
+            break
+        steps += found
+        stale += found
+        if stale > patience or spent - mark_units > window:
+            # a window of steps or of work: stop once the roofs barely came down over it
+            order = _survey(order, surveyed, opened, alive, rnd, h, R, roof, second, at_roof, source, depth, below, 1)
+            surveyed = opened
+            now = _pairwise_sum(roof, 0, R)
+            if now > mark * (1 - progress):
+                break
+            mark, stale, mark_units = now, 0, spent
+    return col_of, rnd, width, alive, opened, steps, spent
+
+
+@njit(cache=True, nogil=True)
+def _before(a, b, rnd, h):
+    """Column a sorts before column b: by round, then height, then index (``np.lexsort((h, r))``
+    over the live columns)."""
+    if rnd[a] != rnd[b]:
+        return rnd[a] < rnd[b]
+    if h[a] != h[b]:
+        return h[a] < h[b]
+    return a < b
+
+
+@njit(cache=True, nogil=True)
+def _order_columns(prev, prev_opened, opened, alive, rnd, h, R):
+    """The live columns by round, then height, then index.  From scratch (``prev`` empty: a stable
+    sort by height, regrouped by round) or from the last survey's order ``prev`` (of the columns
+    opened before ``prev_opened``): its live columns, then those opened since, insertion-sorted --
+    a step changes a few heights, so they move a few places (O(columns + places moved))."""
+    if prev.size == 0:
+        n_live = 0
+        for c in range(opened):
+            if alive[c]:
+                n_live += 1
+        live = np.empty(n_live, dtype=np.int64)
+        hl = np.empty(n_live)
+        n_live = 0
+        for c in range(opened):
+            if alive[c]:
+                live[n_live] = c
+                hl[n_live] = h[c]
+                n_live += 1
+        return _stable_by_round(live[_argsort_stable(hl)], rnd, R)
+    n_live = 0
+    for c in prev:
+        if alive[c]:
+            n_live += 1
+    for c in range(prev_opened, opened):
+        if alive[c]:
+            n_live += 1
+    order = np.empty(n_live, dtype=np.int64)
+    j = 0
+    for c in prev:
+        if alive[c]:
+            order[j] = c
+            j += 1
+    for c in range(prev_opened, opened):
+        if alive[c]:
+            order[j] = c
+            j += 1
+    for j in range(1, n_live):
+        c = order[j]
+        i = j - 1
+        while i >= 0 and _before(c, order[i], rnd, h):
+            order[i + 1] = order[i]
+            i -= 1
+        order[i + 1] = c
+    return order
+
+
+@njit(cache=True, nogil=True)
+def _survey(prev, prev_opened, opened, alive, rnd, h, R, roof, second, at_roof, source, depth, below, k_source):
+    """`polish._State.survey`: roofs, second-tallest columns, roof and source columns, depths and the
+    next lower column of every live column; returns the live columns by round, then height, then
+    index (`_order_columns`, from the last survey's order ``prev`` of the columns opened before
+    ``prev_opened``)."""
+    order = _order_columns(prev, prev_opened, opened, alive, rnd, h, R)
+    roof[:] = 0.0
+    second[:] = 0.0
+    nl = order.size
+    for j in range(nl):
+        c = order[j]
+        r = rnd[c]
+        if j == nl - 1 or rnd[order[j + 1]] != r:  # the tallest column of its round
+            roof[r] = h[c]
+            if j > 0 and rnd[order[j - 1]] == r:
+                second[r] = h[order[j - 1]]
+    for c in range(opened):
+        at_roof[c] = False
+        source[c] = False
+    run_end = nl - 1
+    for j in range(nl - 1, -1, -1):
+        c = order[j]
+        r = rnd[c]
+        if j == nl - 1 or rnd[order[j + 1]] != r:
+            run_end = j
+        d = run_end - j  # 0 for the tallest column of its round
+        depth[c] = d
+        below[c] = h[order[j - 1]] if j > 0 and rnd[order[j - 1]] == r else 0.0
+        at_roof[c] = h[c] >= roof[r] * (1 - _TOL)
+        source[c] = at_roof[c] or d < k_source
+    return order
+
+
+@njit(cache=True, nogil=True)
+def _roomiest(order, opened, rnd, width, h, roof, R, k):
+    """`polish._State.roomiest`: in every round the k single-rank columns with the most room and the k
+    multi-rank ones with the most room times width, ascending."""
+    take = np.zeros(opened, dtype=np.bool_)
+    taken = np.zeros(R, dtype=np.int64)
+    n_multi = 0
+    for c in order:  # ascending height within each round
+        if width[c] == 1:
+            if taken[rnd[c]] < k:
+                take[c] = True
+                taken[rnd[c]] += 1
+        else:
+            n_multi += 1
+    if n_multi:
+        multi = np.empty(n_multi, dtype=np.int64)
+        neg_gap = np.empty(n_multi)
+        live = np.zeros(opened, dtype=np.bool_)
+        for c in order:
+            live[c] = True
+        j = 0
+        for c in range(opened):  # the multi-rank live columns in column order (lexsort's last tie-break)
+            if live[c] and width[c] > 1:
+                multi[j] = c
+                neg_gap[j] = -((roof[rnd[c]] - h[c]) * width[c])
+                j += 1
+        mo = _stable_by_round(multi[_argsort_stable(neg_gap)], rnd, R)
+        taken[:] = 0
+        for c in mo:
+            if taken[rnd[c]] < k:
+                take[c] = True
+                taken[rnd[c]] += 1
+    n_take = 0
+    for c in range(opened):
+        if take[c]:
+            n_take += 1
+    out = np.empty(n_take, dtype=np.int64)
+    n_take = 0
+    for c in range(opened):
+        if take[c]:
+            out[n_take] = c
+            n_take += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _pipeline_gain(stages, roof, R, r, new_roof):
+    """`polish._State.pipeline_gain` of one step."""
+    if stages == 1 or R == 0:
+        return 0.0
+    top = 0
+    for j in range(1, R):
+        if roof[j] > roof[top]:
+            top = j
+    gmax = roof[top]
+    sec = 0.0
+    for j in range(R):
+        if j != top and roof[j] > sec:
+            sec = roof[j]
+    d = (max(new_roof, sec) - gmax) if r == top else 0.0
+    return float(stages - 1) * min(d, 0.0)
+
+
+@njit(cache=True, nogil=True)
+def _max_roof(roof, R):
+    out = roof[0]
+    for j in range(1, R):
+        if roof[j] > out:
+            out = roof[j]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _move(p, lengths, i, src, dst, width, sums, count, col_of, v, tab, row_of):
+    """`polish._State.move`: sample i leaves column ``src`` for ``dst``."""
+    _val(tab, row_of, p, lengths, i, width[src], v)
+    for q in range(4):
+        sums[src, q] -= v[q]
+    _val(tab, row_of, p, lengths, i, width[dst], v)
+    for q in range(4):
+        sums[dst, q] += v[q]
+    count[src] -= 1
+    count[dst] += 1
+    col_of[i] = dst
+
+
+@njit(cache=True, nogil=True)
+def _settle(p, c, rnd, width, h, sums, count, alive, free):
+    """`polish._State.settle` of one column (an emptied one closes, freeing its ranks)."""
+    if count[c] == 0 and alive[c]:
+        alive[c] = False
+        free[rnd[c]] += width[c]
+    h[c] = _group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c]) if count[c] > 0 else 0.0
+
+
+@njit(cache=True, nogil=True)
+def _best_move(lengths, k_min, p, N, B, stages, movers, cols, col_of, rnd, width, h, sums, count, free, roof,
+               below, depth, alive, R, spent, stop_at, call_units, opened, cap, v, tab, row_of):
+    """`polish._best_move`, evaluated and applied: (steps taken, spent, whether the budget covered it,
+    columns opened so far)."""
+    M, C = movers.size, cols.size
+    units = M * (C + R) + call_units
+    if spent + units > stop_at:
+        return 0, spent, False, opened
+    spent += units
+    src = np.empty(M, dtype=np.int64)
+    h_src = np.empty(M)
+    base = np.empty(M)
+    k0_min = N + 1
+    for m in range(M):
+        i = movers[m]
+        c = col_of[i]
+        src[m] = c
+        _val(tab, row_of, p, lengths, i, width[c], v)
+        hs = _group_cost(p, sums[c, 0] - v[0], sums[c, 1] - v[1], sums[c, 2] - v[2], width[c])
+        h_src[m] = hs if count[c] > 1 else 0.0
+        base[m] = max(below[c], h_src[m])
+        k0_min = min(k0_min, k_min[i])
+    free_max = 0
+    for r in range(R):
+        free_max = max(free_max, free[r])
+    rows = C + R if free_max >= k0_min else C
+    scale = _max_roof(roof, R)
+    n_pairs = rows * M
+    fb, ib = _good_buffers(min(n_pairs, 256))  # the good steps' figures, grown as they come
+    n_good = 0
+    h0 = np.empty(M)
+    if rows > C:
+        for m in range(M):
+            h0[m] = _sample_cost(p, lengths[movers[m]], k_min[movers[m]])
+    r_src_m = np.empty(M, dtype=np.int64)  # per mover: its column's round, width, height, its fewest ranks
+    w_s_m = np.empty(M, dtype=np.int64)
+    h_s_m = np.empty(M)
+    k0_m = np.empty(M, dtype=np.int64)
+    for m in range(M):
+        r_src_m[m], w_s_m[m], h_s_m[m], k0_m[m] = rnd[src[m]], width[src[m]], h[src[m]], k_min[movers[m]]
+    for t in range(rows):
+        for m in range(M):
+            i = movers[m]
+            s = src[m]
+            r_src, w_s, h_s = r_src_m[m], w_s_m[m], h_s_m[m]
+            k0 = k0_m[m]
+            if t < C:
+                col = cols[t]
+                w_c = width[col]
+                if w_c < k0 or col == s:
+                    continue
+                _val(tab, row_of, p, lengths, i, w_c, v)
+                if not (sums[col, 3] + v[3] <= B):
+                    continue
+                h_new = _group_cost(p, sums[col, 0] + v[0], sums[col, 1] + v[1], sums[col, 2] + v[2], w_c)
+                r_c = rnd[col]
+                same = r_c == r_src
+                lim = h_s * (1 - _TOL) if same else roof[r_c]
+                ok = h_new <= lim
+                h_prev = h[col]
+                tgt = col
+            else:
+                r_c = t - C
+                w_c = k0
+                h_new = h0[m]
+                same = r_c == r_src
+                lim = h_s * (1 - _TOL) if same else roof[r_c]
+                ok = free[r_c] >= k0 and h_new <= lim and _tokens(lengths[i], k0) <= B
+                h_prev = 0.0
+                tgt = -1 - r_c
+            if not ok:
+                continue
+            hs_new = h_src[m]
+            roof_r = max(base[m], h_new) if same else base[m]
+            gain = _pipeline_gain(stages, roof, R, r_src, roof_r) if depth[s] == 0 else 0.0
+            do = roof_r - h_s + gain
+            dp = float(w_s) * (hs_new * hs_new - h_s * h_s) + float(w_c) * (h_new * h_new - h_prev * h_prev)
+            if not (do < -_TOL * scale or dp < -_TOL * scale * scale):
+                continue
+            if n_good == fb.shape[1]:
+                fb, ib = _grow_good(fb, ib)
+            fb[0, n_good] = do
+            fb[1, n_good] = float(w_c) * (h_new - h_prev) - float(w_s) * (h_s - hs_new)
+            fb[2, n_good] = dp
+            ib[0, n_good] = t * M + m
+            ib[1, n_good] = r_src
+            ib[2, n_good] = r_c
+            ib[3, n_good] = s
+            ib[4, n_good] = tgt
+            ib[5, n_good] = depth[s]
+            n_good += 1
+    if n_good == 0:
+        return 0, spent, True, opened
+    chosen = _pick(n_good, fb, ib, scale, R, cap)
+    good_j = ib[0]
+    for g in chosen:
+        t, m = divmod(good_j[g], M)
+        i = movers[m]
+        s = src[m]
+        if t < C:
+            tgt = cols[t]
+        else:  # a new group of the sample's fewest ranks on free ranks of round t - C
+            tgt = opened
+            opened += 1
+            rnd[tgt], width[tgt], alive[tgt] = t - C, k_min[i], True
+            free[t - C] -= k_min[i]
+        _move(p, lengths, i, s, tgt, width, sums, count, col_of, v, tab, row_of)
+        _settle(p, s, rnd, width, h, sums, count, alive, free)
+        _settle(p, tgt, rnd, width, h, sums, count, alive, free)
+    return chosen.size, spent, True, opened
+
+
+@njit(cache=True, nogil=True)
+def _best_trade(lengths, k_min, p, B, stages, movers, roomy_cols, work1, col_of, rnd, width, h, sums, count, free,
+                roof, below, depth, alive, R, spent, stop_at, call_units, trade_movers, cap, v, v2, tab, row_of):
+    """`polish._best_trade`, evaluated and applied: (steps taken, spent, whether the budget covered it)."""
+    if movers.size > trade_movers:  # the longest samples of the roof columns (longest first, then index)
+        neg = np.empty(movers.size)
+        for m in range(movers.size):
+            neg[m] = -float(lengths[movers[m]])  # exact below 2**53 tokens
+        movers = movers[_argsort_stable(neg)[:trade_movers]]
+    M = movers.size
+    roomy = np.zeros(cap, dtype=np.bool_)
+    for c in roomy_cols:
+        roomy[c] = True
+    l_max = 0
+    w_min = np.inf
+    for m in range(M):
+        l_max = max(l_max, lengths[movers[m]])
+        w_min = min(w_min, work1[movers[m]])
+    n = lengths.size
+    J = 0
+    cand = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        if roomy[col_of[i]] and lengths[i] < l_max:
+            c = col_of[i]
+            room = 2.0 * (roof[rnd[c]] - h[c]) * width[c]
+            if work1[i] >= w_min - room:
+                cand[J] = i
+                J += 1
+    if J == 0:
+        return 0, spent, True
+    units = M * J + call_units
+    if spent + units > stop_at:
+        return 0, spent, False
+    spent += units
+    scale = _max_roof(roof, R)
+    n_pairs = J * M
+    fb, ib = _good_buffers(min(n_pairs, 256))  # the good steps' figures, grown as they come
+    # c loses i and gains j (on c's width): its sums without i, per mover
+    rest1 = np.empty((M, 4))
+    src = np.empty(M, dtype=np.int64)  # per mover: its column, its length, its fewest ranks
+    l_m = np.empty(M, dtype=np.int64)
+    k_m = np.empty(M, dtype=np.int64)
+    for m in range(M):
+        i = movers[m]
+        c = col_of[i]
+        src[m], l_m[m], k_m[m] = c, lengths[i], k_min[i]
+        _val(tab, row_of, p, lengths, i, width[c], v)
+        for q in range(4):
+            rest1[m, q] = sums[c, q] - v[q]
+    n_good = 0
+    for t in range(J):
+        j = cand[t]
+        c2 = col_of[j]
+        w2 = width[c2]
+        l_j, k_j = lengths[j], k_min[j]
+        _val(tab, row_of, p, lengths, j, w2, v)
+        r0, r1, r2, r3 = sums[c2, 0] - v[0], sums[c2, 1] - v[1], sums[c2, 2] - v[2], sums[c2, 3] - v[3]
+        hc2 = h[c2]
+        for m in range(M):  # the cheap tests first: each failed one rules the pair out
+            c = src[m]
+            if not (l_j < l_m[m]) or c2 == c:
+                continue
+            w1 = width[c]
+            if not (k_j <= w1) or not (k_m[m] <= w2):
+                continue
+            _val(tab, row_of, p, lengths, j, w1, v)
+            if not (rest1[m, 3] + v[3] <= B):
+                continue
+            hc = h[c]
+            h_c = _group_cost(p, rest1[m, 0] + v[0], rest1[m, 1] + v[1], rest1[m, 2] + v[2], w1)
+            if not (h_c < hc * (1 - _TOL)):
+                continue
+            _val(tab, row_of, p, lengths, movers[m], w2, v2)
+            if not (r3 + v2[3] <= B):
+                continue
+            h_c2 = _group_cost(p, r0 + v2[0], r1 + v2[1], r2 + v2[2], w2)
+            same = rnd[c2] == rnd[c]
+            lim = hc * (1 - _TOL) if same else roof[rnd[c2]]
+            if not (h_c2 <= lim):
+                continue
+            base = max(below[c], h_c)
+            roof_r = max(base, h_c2) if same else base
+            gain = _pipeline_gain(stages, roof, R, rnd[c], roof_r) if depth[c] == 0 else 0.0
+            do = roof_r - hc + gain
+            dp = float(w1) * (h_c * h_c - hc * hc) + float(w2) * (h_c2 * h_c2 - hc2 * hc2)
+            if not (do < -_TOL * scale or dp < -_TOL * scale * scale):
+                continue
+            if n_good == fb.shape[1]:
+                fb, ib = _grow_good(fb, ib)
+            fb[0, n_good] = do
+            fb[1, n_good] = float(w1) * (h_c - hc) + float(w2) * (h_c2 - hc2)
+            fb[2, n_good] = dp
+            ib[0, n_good] = t * M + m
+            ib[1, n_good] = rnd[c]
+            ib[2, n_good] = rnd[c2]
+            ib[3, n_good] = c
+            ib[4, n_good] = c2
+            ib[5, n_good] = depth[c]
+            n_good += 1
+    if n_good == 0:
+        return 0, spent, True
+    chosen = _pick(n_good, fb, ib, scale, R, cap)
+    good_j, c1, c2s = ib[0], ib[3], ib[4]
+    for g in chosen:
+        t, m = divmod(good_j[g], M)
+        i, j = movers[m], cand[t]
+        c, cc = c1[g], c2s[g]
+        _move(p, lengths, i, c, cc, width, sums, count, col_of, v, tab, row_of)
+        _move(p, lengths, j, cc, c, width, sums, count, col_of, v, tab, row_of)
+        _settle(p, c, rnd, width, h, sums, count, alive, free)
+        _settle(p, cc, rnd, width, h, sums, count, alive, free)
+    return chosen.size, spent, True
+
+
+@njit(cache=True, nogil=True)
+def _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof, second, at_roof, alive, opened,
+           spent, stop_at, call_units, v):
+    """`polish._widen`, evaluated and applied: (steps taken, spent)."""
+    n = lengths.size
+    R = roof.size
+    done = np.zeros(R, dtype=np.bool_)
+    n_steps = 0
+    step_col = np.empty(R, dtype=np.int64)
+    step_w = np.empty(R, dtype=np.int64)
+    step_v = np.empty((R, 4))
+    acc = np.empty(4)
+    best_v = np.empty(4)
+    for c in range(opened):
+        if not at_roof[c]:
+            continue
+        r, w = rnd[c], width[c]
+        other = second[r]  # `others`: a roof column's round's tallest other column
+        if done[r] or free[r] <= 0 or other >= roof[r] * (1 - _TOL):
+            continue
+        n_wider = 0
+        for w2 in sizes:
+            if w2 > w and w2 <= w + free[r]:
+                n_wider += 1
+        units = n_wider * count[c] + n // 8 + call_units // 4
+        if spent + units > stop_at:
+            break
+        spent += units
+        found = False
+        best_top, best_rank, best_w = 0.0, 0.0, 0
+        for w2 in sizes:
+            if not (w2 > w and w2 <= w + free[r]):
+                continue
+            acc[:] = 0.0
+            for i in range(n):  # the column's sums at width w2, in sample order
+                if col_of[i] == c:
+                    _vals(p, lengths[i], w2, v)
+                    for q in range(4):
+                        acc[q] += v[q]
+            h2 = _group_cost(p, acc[0], acc[1], acc[2], w2)
+            top = max(other, h2)
+            if acc[3] <= B and top < roof[r] * (1 - _TOL):
+                key0 = np.rint(top / (_TOL * roof[r]))
+                key1 = w2 * h2
+                if (not found or key0 < best_top or (key0 == best_top and key1 < best_rank)
+                        or (key0 == best_top and key1 == best_rank and w2 < best_w)):
+                    found, best_top, best_rank, best_w = True, key0, key1, w2
+                    best_v[:] = acc
+        if not found:
+            continue
+        done[r] = True
+        step_col[n_steps] = c
+        step_w[n_steps] = best_w
+        step_v[n_steps] = best_v
+        n_steps += 1
+    for s in range(n_steps):
+        c = step_col[s]
+        r = rnd[c]
+        free[r] -= step_w[s] - width[c]
+        width[c] = step_w[s]
+        sums[c] = step_v[s]
+        _settle(p, c, rnd, width, h, sums, count, alive, free)
+    return n_steps, spent
