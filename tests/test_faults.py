@@ -105,25 +105,41 @@ def test_verl_engine_faults_through_the_cli() -> None:
 @pytest.mark.slow
 def test_own_errors_interrupts_a_stopped_peer_and_a_full_disk(tmp_path) -> None:
     """A rank's own RuntimeError in a round's forward and in a CP backward (collective timeout 300 s): every
-    rank raises within 5 s naming the rank and its error; SIGINT on one rank in a dist save and in a dist
-    load: every rank exits at once and the previous checkpoint loads bit for bit; a peer stopped during the
+    rank raises within 5 s naming the rank and its error; SIGINT on one rank while it is blocked inside the
+    first collective of a dist save and of a dist load (the peers enter it 1 s late; the interrupted rank
+    lives on): the interrupted rank raises KeyboardInterrupt once the collective returns, every rank exits
+    within the timeout + 15 s and the previous checkpoint loads bit for bit; a peer stopped during the
     validation agreement: DomainUnreachableError naming the phase, later calls refused; calibration records
-    on a full disk: the step succeeds on every rank and the metric reports the failed write."""
-    from hdp.trainer.bench.faults import run_faults
+    on a full disk: a row of its own, the step succeeds on every rank and the metric reports the failed write
+    on every rank."""
+    from hdp.trainer.bench.faults import PEERS_LATE_S, SIGNAL_AFTER_S, run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("own-error-in-round", "sigint-during-dist-checkpoint",
                                                    "sigstop-during-validation", "calibration-log-full-disk"),
                         workdir=str(tmp_path))
     rows = {r["fault"]: r for r in report["faults"]}
     assert set(rows) == {"own-error-in-round-forward", "own-error-in-round-cp-backward", "sigint-during-dist-save",
-                         "sigint-during-dist-load", "sigstop-during-validation"}, sorted(rows)
+                         "sigint-during-dist-load", "sigstop-during-validation", "calibration-log-full-disk"}, sorted(rows)
     for name in ("own-error-in-round-forward", "own-error-in-round-cp-backward"):
         r = rows[name]
         assert r["ok"] and r["seconds_to_exit"] <= 5.0 and r["names_rank_and_error"] and r["next_call_refused"], r
         assert r["ranks_raised"] == [0, 1, 2, 3] and r["state_unchanged"], r
     for name in ("sigint-during-dist-save", "sigint-during-dist-load"):
         r = rows[name]
-        assert r["ok"] and r["ranks_raised"] == [0, 1, 2] and r["seconds_to_exit"] <= 5.0, r
+        # ok: every rank left within the timeout + 15 s.  Not within 5 s: the interrupted rank lives on, and on
+        # gloo neither its abort nor the peers' releases a collective already blocked, so the peers leave after
+        # Megatron's collective and then the step guard's agreement time out (~2 x TIMEOUT_S; docs/results.md)
+        assert r["ok"] and r["ranks_raised"] == [0, 1, 2] and r["ranks_died"] == [], r
+        # the signal reached rank 1 inside one of the checkpoint's collectives, and Python ran its handler only
+        # when that call returned: when the late peers arrived, not at once and not at the timeout
+        assert r["blocked_when_signalled"] and r["interrupted_in"], r
+        assert 0.5 * (PEERS_LATE_S - SIGNAL_AFTER_S) <= r["seconds_blocked_after_signal"] < TIMEOUT_S, r
+        assert r["interrupted_rank_error"].startswith("KeyboardInterrupt"), r
+        assert r["previous_checkpoint_intact"] and r["state_unchanged"], r
     r = rows["sigstop-during-validation"]
-    assert r["ok"] and r["names_phase"] and r["next_call_refused"], r
-    assert all(report["checks"].values()) and len(report["checks"]) == 4, report["checks"]
+    assert r["ok"] and r["names_phase"] and r["next_call_refused"] and r["raises_domain_unreachable"], r
+    assert all(e.startswith("DomainUnreachableError:") for e in r["errors"].values()), r
+    r = rows["calibration-log-full-disk"]
+    assert r["ok"] and r["ranks_raised"] == [] and r["step_succeeded"] == {"0": True, "1": True}, r
+    assert r["write_failed"] == {"0": 1.0, "1": 1.0}, r
+    assert report["checks"] == {} and report["ok"], report["checks"]

@@ -26,20 +26,30 @@ Megatron itself fails half-way and the engine must roll back); ``other-world`` (
 (3 ranks, both formats, then a fresh job loads the previous checkpoint); ``verl`` (2 ranks of verl's
 own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank;
 found through the ``hdp.faults`` entry point (the verl plugin's ``faults`` module); skipped, with a
-check saying so, where verl is not installed).
+check saying so, where verl is not installed); ``own-error-in-round`` (4 ranks, collective timeout
+300 s); ``sigint-during-dist-checkpoint`` (3 ranks: SIGINT reaches rank 1 while it is blocked inside
+the first collective of Megatron's dist save / load, and lives on until the others have left; the row
+adds ``interrupted_in``, ``blocked_when_signalled``, ``seconds_blocked_after_signal``: how long Python
+deferred the handler, until the collective returned, ``interrupted_rank_error``,
+``within_collective_timeout`` and ``previous_checkpoint_intact``);
+``sigstop-during-validation`` (3 ranks; adds ``raises_domain_unreachable``, ``names_phase``,
+``next_call_refused``); ``calibration-log-full-disk`` (2 ranks, records on ``/dev/full``: a row whose
+``ok`` means no rank raised, ``step_succeeded`` and ``write_failed`` = 1.0 on every rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import signal
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -437,8 +447,57 @@ def _own_error(rank: int, world: int, workdir: str, timeout_s: float, where: str
     return res
 
 
+_CHECKPOINT_COLLECTIVES = ("barrier", "gather_object", "all_gather_object", "broadcast_object_list", "all_reduce",
+                           "all_gather", "broadcast", "scatter_object_list")
+"""The ``torch.distributed`` functions Megatron's (and torch's) dist checkpoint code calls, by module attribute."""
+SIGNAL_AFTER_S = 0.2
+"""How long the interrupted rank is inside the checkpoint's first collective when SIGINT reaches it."""
+PEERS_LATE_S = 1.0
+"""How late the other ranks enter that collective, so that the interrupted rank is blocked in it then."""
+
+
+@contextlib.contextmanager
+def _first_checkpoint_collective(on_enter: Callable[[str], None], seen: dict[str, Any]) -> Iterator[None]:
+    """While active, the first call of a :data:`_CHECKPOINT_COLLECTIVES` function runs ``on_enter(name)``
+    just before entering it; ``seen`` gets its name and the times it was entered, returned or raised."""
+    real = {name: getattr(dist, name) for name in _CHECKPOINT_COLLECTIVES}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            if "collective" in seen:
+                return real[name](*a, **k)
+            seen["collective"] = name
+            on_enter(name)
+            seen["t_enter"] = time.time()
+            try:
+                out = real[name](*a, **k)
+            except BaseException as exc:  # noqa: BLE001 - recorded, re-raised
+                seen["t_raised"], seen["raised"] = time.time(), type(exc).__name__
+                raise
+            seen["t_returned"] = time.time()
+            return out
+        return call
+
+    for name in _CHECKPOINT_COLLECTIVES:
+        setattr(dist, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 def _interrupt_checkpoint(rank: int, world: int, workdir: str, timeout_s: float, op: str) -> dict[str, Any]:
-    """Rank 1 gets SIGINT inside Megatron's dist save (or load); the previous checkpoint must stay loadable."""
+    """Rank 1 gets SIGINT while it is blocked inside the first collective of Megatron's dist save (or load).
+
+    The other ranks enter that collective :data:`PEERS_LATE_S` late, and a timer thread on rank 1 sends
+    SIGINT to its own process :data:`SIGNAL_AFTER_S` after rank 1 entered it, so the signal arrives while
+    rank 1's main thread waits inside the C++ collective.  Python runs its handler only when that call
+    returns (here: when the late peers arrive; a collective that never completes returns at the group's
+    timeout); then ``KeyboardInterrupt`` aborts the save's group and publishes the alarm.  Rank 1 then lives
+    on until the peers have left, so its exit (which closes its gloo connections) does not release them: on
+    gloo an abort does not end a collective already blocked, on this rank or on the peers, so they leave at
+    their collective timeouts.  The previous checkpoint must stay loadable."""
     from hdp.megatron_compat import dist_checkpointing
     from hdp.trainer.engine import HdpEngine, nll_loss
 
@@ -449,20 +508,40 @@ def _interrupt_checkpoint(rank: int, world: int, workdir: str, timeout_s: float,
     if rank == 0:
         torch.save(_params(engine), root / "step1.pt")
     engine.train_step(_batch(1), nll_loss)
-    if rank == 1:
-        name = "save" if op == "save" else "load"
-        real = getattr(dist_checkpointing, name)
+    seen: dict[str, Any] = {}
 
-        def interrupted(*a: Any, **k: Any) -> Any:
-            _mark(workdir, "injected", {"t": time.time(), "pid": os.getpid()})
-            os.kill(os.getpid(), signal.SIGINT)  # lands in the middle of Megatron's collectives below
+    def on_enter(name: str) -> None:
+        if rank != 1:
+            time.sleep(PEERS_LATE_S)
+            return
+
+        def fire() -> None:
+            seen["t_signal"] = time.time()
+            _mark(workdir, "injected", {"t": seen["t_signal"], "pid": os.getpid(), "collective": name})
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Timer(SIGNAL_AFTER_S, fire).start()
+
+    name = "save" if op == "save" else "load"
+    real = getattr(dist_checkpointing, name)
+
+    def interrupted(*a: Any, **k: Any) -> Any:  # only Megatron's checkpoint code runs inside
+        with _first_checkpoint_collective(on_enter, seen):
             return real(*a, **k)
 
-        setattr(dist_checkpointing, name, interrupted)
+    setattr(dist_checkpointing, name, interrupted)
     call = (lambda: engine.save_checkpoint(root / "ckpt", format="dist")) if op == "save" else (
         lambda: engine.load_checkpoint(root / "ckpt"))
     res = _attempt(engine, call)
     res["t_exit"] = time.time()
+    res["collective"] = seen
+    if rank != 1:
+        _mark(workdir, f"exited-{rank}", res["t_exit"])
+    else:  # lives on (as a process that catches KeyboardInterrupt does) until the peers have left, so that its
+        # exit, which closes its gloo connections, is not what releases them
+        deadline = time.time() + 3 * timeout_s + SLACK_S
+        while time.time() < deadline and not all(Path(workdir, f"exited-{r}").exists() for r in range(world) if r != 1):
+            time.sleep(0.1)
     return res
 
 
@@ -498,9 +577,11 @@ def _full_disk(rank: int, world: int, workdir: str, timeout_s: float) -> dict[st
     cfg = dataclasses.replace(_config(timeout_s), calibration_path="/dev/full")
     engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=_init)
     before = _state_digest(engine)
-    m = engine.train_step(_batch(0), nll_loss)
-    return {"ok": bool(np.isfinite(m["loss"])), "write_failed": m.get("hdp/records_write_failed"),
-            "applied": _state_digest(engine) != before, "step": engine.step}
+    metrics: dict[str, Any] = {}
+    error = _error_of(lambda: metrics.update(engine.train_step(_batch(0), nll_loss)))
+    return {"error": _first_line(error), "finite_loss": bool(np.isfinite(metrics.get("loss", math.nan))),
+            "write_failed": metrics.get("hdp/records_write_failed"), "applied": _state_digest(engine) != before,
+            "step": engine.step}
 
 
 # ---- the report -------------------------------------------------------------------------------------------
@@ -602,10 +683,21 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
             outcomes = spawn(_interrupt_checkpoint, 3, str(d), timeout_s, op, timeout=limit, collect=True)
             inj = json.loads((d / "injected").read_text())
             per = {o.rank: o.value for o in outcomes if o.ok}
-            died = [o.rank for o in outcomes if not o.ok]  # the interrupted rank ends with KeyboardInterrupt
-            rows.append(_row(f"sigint-during-dist-{op}", 3, per, died, timeout_s, t_inject=inj["t"]))
+            died = [o.rank for o in outcomes if not o.ok]
+            row = _row(f"sigint-during-dist-{op}", 3, per, died, timeout_s, t_inject=inj["t"])
+            seen = (per.get(1) or {}).get("collective") or {}
+            left = seen.get("t_returned", seen.get("t_raised", float("nan")))
+            # the signal reached rank 1 inside the C++ collective; its handler ran once the call returned
+            row["interrupted_in"] = seen.get("collective")
+            row["blocked_when_signalled"] = bool(seen.get("t_enter", math.inf) <= seen.get("t_signal", -math.inf) < left)
+            row["seconds_blocked_after_signal"] = round(left - seen.get("t_signal", math.nan), 3)
+            row["interrupted_rank_error"] = row["errors"].get("1")
+            row["within_collective_timeout"] = bool(row["seconds_to_exit"] <= timeout_s)
             loaded = spawn(_load_previous_dist, 3, str(d), timeout_s, timeout=limit)
-            checks[f"previous-checkpoint-loads-after-sigint-during-{op}"] = all(v["equal"] and v["step"] == 1 for v in loaded)
+            row["previous_checkpoint_intact"] = all(v["equal"] and v["step"] == 1 for v in loaded)
+            row["ok"] = bool(row["ok"] and row["blocked_when_signalled"] and row["previous_checkpoint_intact"]
+                             and (row["interrupted_rank_error"] or "").startswith("KeyboardInterrupt"))
+            rows.append(row)
     if "sigstop-during-validation" in chosen:
         d = work / "sigstop-validation"
         d.mkdir(parents=True, exist_ok=True)
@@ -615,12 +707,20 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         row = _row("sigstop-during-validation", 3, per, [2], timeout_s, t_inject=inj["t"])
         row["next_call_refused"] = all("unusable" in ((per.get(r) or {}).get("next_call") or "") for r in (0, 1))
         row["names_phase"] = all("phase 'validate'" in ((per.get(r) or {}).get("error") or "") for r in (0, 1))
-        row["ok"] = bool(row["ok"] and row["next_call_refused"] and row["names_phase"])
+        row["raises_domain_unreachable"] = all(((per.get(r) or {}).get("error") or "").startswith("DomainUnreachableError:")
+                                               for r in (0, 1))
+        row["ok"] = bool(row["ok"] and row["next_call_refused"] and row["names_phase"] and row["raises_domain_unreachable"])
         rows.append(row)
     if "calibration-log-full-disk" in chosen:
         res = spawn(_full_disk, 2, str(work), timeout_s, timeout=limit)
-        checks["full-disk-records-step-succeeds-everywhere"] = all(v["ok"] and v["applied"] and v["step"] == 1 for v in res)
-        checks["full-disk-records-reported-on-every-rank"] = all(v["write_failed"] == 1.0 for v in res)
+        row = {"fault": "calibration-log-full-disk", "ranks": 2, "ranks_died": [],
+               "ranks_raised": [r for r, v in enumerate(res) if v["error"]],
+               "errors": {str(r): v["error"] for r, v in enumerate(res)},
+               "step_succeeded": {str(r): bool(v["error"] is None and v["finite_loss"] and v["applied"] and v["step"] == 1)
+                                  for r, v in enumerate(res)},
+               "write_failed": {str(r): v["write_failed"] for r, v in enumerate(res)}}
+        row["ok"] = bool(all(row["step_succeeded"].values()) and all(v == 1.0 for v in row["write_failed"].values()))
+        rows.append(row)
     if "verl" in chosen:
         from importlib.metadata import entry_points
 
