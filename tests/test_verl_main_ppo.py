@@ -38,8 +38,9 @@ def test_hdp_demo_verl_runs_grpo_steps_on_hdp(tmp_path):
     for line in steps:
         for key in ("actor/pg_loss", "actor/hdp/rounds", "actor/hdp/planner_ms", "actor/hdp/efficiency_planned",
                     "actor/hdp/predicted_over_measured", "actor/hdp/cost_model_version",
-                    "actor/hdp/idle_fraction_measured", "actor/hdp/max_tokens_per_rank"):
+                    "actor/hdp/idle_fraction_measured", "actor/hdp/max_tokens_per_rank", "actor/hdp/planner_ms_exposed",
+                    "actor/hdp/memory_peak_gb", "actor/hdp/token_budget"):
             assert key in line, (key, line[:3000])
     assert "step 2: actor/hdp/" in out.stdout  # the demo's own summary
     records = [json.loads(x) for x in (tmp_path / "hdp_calibration" / "actor.jsonl").read_text().splitlines()]
-    assert {r["kind"] for r in records} == {"group", "round"}
+    assert {r["kind"] for r in records} == {"group", "round", "memory"}

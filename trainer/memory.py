@@ -122,9 +122,8 @@ def static_bytes(chunks: Sequence[Any], optimizers: Iterable[Any]) -> int:
         tensors.extend(chunk.parameters())
         tensors.extend(torch.nn.Module.buffers(chunk))
         for name in ("buffers", "expert_parallel_buffers"):  # Megatron DDP's contiguous param/grad buffers
-            for buf in getattr(chunk, name, None) or []:
-                if isinstance(buf, torch.nn.Module):
-                    continue
+            bufs = getattr(chunk, name, None)
+            for buf in bufs if isinstance(bufs, (list, tuple)) else ():
                 for attr in ("param_data", "grad_data"):
                     t = getattr(buf, attr, None)
                     if isinstance(t, torch.Tensor):
