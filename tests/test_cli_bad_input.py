@@ -4,6 +4,9 @@ a traceback, never a run that is then lost, never a success that checked nothing
 from __future__ import annotations
 
 import json
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -92,6 +95,8 @@ CASES = [
     (["demo", "--out", "{a-file}"], "is a file; name a folder"),
     (["bench", "train", "--ranks", "10000"], "local ranks"),
     (["calibrate", "--records", "{noise}"], "the fit explains nothing"),
+    (["calibrate", "--records", "/dev/zero"], "records file '/dev/zero' is not a regular file"),
+    (["calibrate", "--records", "{dir}"], "is not a regular file (a directory or a device)"),
 ]
 
 
@@ -100,7 +105,39 @@ def test_bad_input_is_one_clear_line_before_any_run(argv, needle, tmp_path, caps
     files = _files(tmp_path)
     rc = main([a.format(**files) for a in argv])
     captured = capsys.readouterr()
-    assert rc != 0, captured
-    assert "Traceback" not in captured.err and "Traceback" not in captured.out
-    assert needle in captured.err, captured.err
+    assert rc == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err  # one line, no traceback
+    assert needle in lines[0], captured.err
     assert captured.out == "" or json.loads(captured.out) is not None  # nothing half-printed on stdout
+
+
+def test_calibrate_rejects_a_huge_outlier_by_name_and_fits_the_rest(tmp_path) -> None:
+    """One record of length 10^12 among 400 (issue 22.4): ``hdp calibrate`` exits 0 with one warning line
+    naming records[399], and the fitted model equals the fit of the 399 other records alone."""
+    from hdp.packing import cost_model
+    from hdp.packing.calibrate import group_seconds
+
+    machine = cost_model("cpu-tiny", "cpu-gloo")
+    rng = random.Random(0)
+    records = []
+    for _ in range(399):
+        k = rng.choice([1, 1, 2, 4])
+        lengths = [rng.randint(200, 8000) for _ in range(rng.randint(1, 3))]
+        seconds = group_seconds(machine, lengths, k) * (1 + rng.uniform(-0.02, 0.02))
+        records.append({"kind": "group", "lengths": lengths, "group_size": k, "seconds": seconds})
+    outlier = {"kind": "group", "lengths": [10**12], "group_size": 1, "seconds": 0.5}
+    fits = {}
+    for name, recs in (("clean", records), ("outlier", records + [outlier])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        out = subprocess.run([sys.executable, "-m", "hdp.trainer", "calibrate", "--records", str(path), "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        fits[name] = (json.loads(out.stdout), out.stderr.strip().splitlines())
+    doc, err = fits["outlier"]
+    assert len(err) == 1 and "rejected 1 record(s)" in err[0] and "records[399]" in err[0], err
+    assert "lengths [1000000000000]" in err[0] and doc["fit"]["warnings"] == [err[0].split(": ", 1)[1]], (err, doc)
+    assert fits["clean"][1] == [], fits["clean"][1]
+    assert doc["fit"]["n_records"] == 399 and doc["fit"]["r2"] > 0.99, doc["fit"]
+    assert doc["parameters"] == fits["clean"][0]["parameters"]

@@ -24,11 +24,18 @@ from hdp.trainer.cli.planning import _cmd_plan, _cmd_simulate
 __all__ = ["main", "build_parser", "CliError"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (``error: hdp plan: argument --samples: ...``), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``hdp`` command."""
     from hdp.packing.workloads import WORKLOADS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hdp", description="Sequence-length-aware hybrid data/context parallel planner.",
         epilog=f"workloads: {', '.join(WORKLOADS)}",
     )
