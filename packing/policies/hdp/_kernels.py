@@ -984,3 +984,80 @@ def _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof,
         sums[c] = step_v[s]
         _settle(p, c, rnd, width, h, sums, count, alive, free)
     return n_steps, spent
+
+
+# ---------------------------------------------------------------------------------- construction
+
+
+@njit(cache=True, nogil=True)
+def fill_gaps(movers, height, tokens, gap, room, cand, col_of, heights):
+    """`level._fill_gaps`'s placement: ``movers`` (tallest first) each to the single-rank column of
+    ``cand`` with the least gap that holds its height and tokens (best fit; ties: the first);
+    ``col_of``, ``heights``, ``gap`` and ``room`` in place."""
+    for i in movers:
+        best = -1
+        for j in range(cand.size):
+            if gap[j] >= height[i] and room[j] >= tokens[i] and (best < 0 or gap[j] < gap[best]):
+                best = j
+        if best < 0:
+            continue
+        heights[col_of[i]] -= height[i]
+        col_of[i] = cand[best]
+        heights[cand[best]] += height[i]
+        gap[best] -= height[i]
+        room[best] -= tokens[i]
+
+
+@njit(cache=True, nogil=True)
+def fill_wide_gaps(p, budget, lengths, widths, sw, sl, sq, tok, roof, chosen, new_h):
+    """`level._fill_wide_gaps`'s placement: movers of ``lengths`` (longest first) each join the group
+    of ``widths`` -- its sums ``sw``, ``sl``, ``sq`` and busiest-rank tokens ``tok``, in place --
+    whose exact cost with it (split over the group) stays under its round's ``roof`` and every rank
+    within ``budget`` tokens, leaving the least room (best fit; ties: the first).  ``chosen[m]``: the
+    group mover m joined (-1: none); ``new_h[g]``: group g's height after the last join."""
+    a = p[_A]
+    for m in range(lengths.size):
+        length = lengths[m]
+        best, best_gap, best_h = -1, 0.0, 0.0
+        for j in range(widths.size):
+            w = widths[j]
+            if not (tok[j] + _tokens(length, w) <= budget):
+                continue
+            lp = _padded(length, w)
+            h = _group_cost(p, sw[j] + (a * lp + lp * lp), sl[j] + lp, sq[j] + lp * lp, w)
+            if h <= roof[j] and (best < 0 or roof[j] - h < best_gap):
+                best, best_gap, best_h = j, roof[j] - h, h
+        chosen[m] = best
+        if best < 0:
+            continue
+        w = widths[best]
+        lp = _padded(length, w)
+        sw[best] += a * lp + lp * lp
+        sl[best] += lp
+        sq[best] += lp * lp
+        tok[best] += _tokens(length, w)
+        new_h[best] = best_h
+
+
+@njit(cache=True, nogil=True)
+def shelf_layout(widths, num_ranks, max_width):
+    """`bins.layout`'s first-fit decreasing over columns of ``widths`` (already tallest first): the
+    round of each, a new round when none has room; one pointer per width to the first round that may
+    still hold it (free ranks only fall)."""
+    n = widths.size
+    placed = np.empty(n, dtype=np.int64)
+    free = np.empty(n + 1, dtype=np.int64)  # free ranks of every round opened so far (at most one per column)
+    n_rounds = 0
+    first_fit = np.zeros(max_width + 1, dtype=np.int64)
+    for j in range(n):
+        w = widths[j]
+        r = first_fit[w]
+        while r < n_rounds and free[r] < w:
+            r += 1
+        first_fit[w] = r
+        if r == n_rounds:
+            free[n_rounds] = num_ranks
+            n_rounds += 1
+        free[r] -= w
+        placed[j] = r
+    return placed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from hdp.packing.policies.common import left_starts
+from hdp.packing.policies.hdp import _kernels
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 
@@ -172,19 +173,8 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
     if n == 0:
         return rnd, rnd.copy()
     order = np.lexsort((np.arange(n), -widths, -heights))  # tallest first, wider first among equals
-    fl: list[int] = []  # free ranks of every round opened so far
-    first_fit: dict[int, int] = {}  # width -> no round before this one has room for it (free ranks only fall)
-    placed = [0] * n
-    for j, wj in enumerate(widths[order].tolist()):
-        r = first_fit.get(wj, 0)
-        while r < len(fl) and fl[r] < wj:
-            r += 1
-        first_fit[wj] = r
-        if r == len(fl):
-            fl.append(num_ranks)
-        fl[r] -= wj
-        placed[j] = r
-    rnd[order] = placed
+    w = np.array(widths[order], dtype=np.int64)
+    rnd[order] = _kernels.shelf_layout(w, num_ranks, int(w.max()))
     return rnd, left_starts(rnd, widths)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from hdp.packing.cost import max_rank_tokens, padded_float
 from hdp.packing.policies.common import Assignment, pow2_ceil
-from hdp.packing.policies.hdp import bins
+from hdp.packing.policies.hdp import _kernels, bins
 from hdp.packing.policies.hdp.bins import Infeasible, partition
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.sizes import grow_sizes
@@ -158,17 +158,9 @@ def _fill_gaps(
     meter.charge("construct", units)
     gap = round_max[col_round[cand]] - heights[cand]  # [c] room under each round's maximum
     room = budget - col_tok[cand]
-    for i in movers[np.lexsort((movers, -height[movers]))].tolist():
-        ok = np.flatnonzero((gap >= height[i]) & (room >= tokens[i]))
-        if ok.size == 0:
-            continue
-        j = ok[np.argmin(gap[ok])]  # best fit: keep large gaps for large samples
-        src = col_of[i]
-        heights[src] -= height[i]
-        col_of[i] = cand[j]
-        heights[cand[j]] += height[i]
-        gap[j] -= height[i]
-        room[j] -= tokens[i]
+    # tallest first, each to the least gap that holds it (best fit: keep large gaps for large samples)
+    _kernels.fill_gaps(movers[np.lexsort((movers, -height[movers]))], np.asarray(height, dtype=np.float64),
+                       _kernels.int_array(tokens), gap, room, cand, col_of, heights)
     return col_of
 
 
@@ -200,30 +192,19 @@ def _fill_wide_gaps(
     round_max = np.zeros(last + 1)
     np.maximum.at(round_max, col_round, heights)
     roof = round_max[col_round[cand]]  # [c]
-    w = widths[cand]
     col_of, k = col_of.copy(), k.copy()
     movers = movers[np.lexsort((movers, -lengths[movers]))]
-    lm = lengths[movers][:, None]  # [M, 1]
-    lp_all = padded_float(lm, w[None, :])  # [M, c] each mover split over each group
-    work_all = cost.work(lp_all)
-    tok_all = max_rank_tokens(np.broadcast_to(lm, lp_all.shape).ravel(),
-                              np.broadcast_to(w[None, :], lp_all.shape).ravel()).reshape(lp_all.shape)
-    own_work = cost.work(lengths[movers].astype(np.float64))  # [M] on its single rank
-    for m, i in enumerate(movers.tolist()):
-        lp = lp_all[m]
-        new_h = cost.group_cost(sw + work_all[m], sl + lp, sq + lp * lp, w)
-        ok = np.flatnonzero((new_h <= roof) & (tok + tok_all[m] <= B))
-        if ok.size == 0:
-            continue
-        j = ok[np.argmin(roof[ok] - new_h[ok])]  # best fit
-        heights[col_of[i]] -= own_work[m]  # a single-rank column: its work
-        c = cand[j]
-        col_of[i], k[i] = c, w[j]
-        sw[j] += work_all[m, j]
-        sl[j] += lp[j]
-        sq[j] += lp[j] * lp[j]
-        tok[j] += tok_all[m, j]
-        heights[c] = new_h[j]
+    chosen = np.full(movers.size, -1, dtype=np.int64)  # [M] group each mover joins (-1: none)
+    new_h = np.full(cand.size, np.nan)  # [c] each group's height after its last join
+    _kernels.fill_wide_gaps(_kernels.cost_params(cost), B, _kernels.int_array(lengths[movers]),
+                            _kernels.int_array(widths[cand]), sw, sl, sq, tok, roof, chosen, new_h)
+    moved = chosen >= 0
+    # a single-rank column's height is its work: the movers' own work leaves it, in their order
+    np.subtract.at(heights, col_of[movers[moved]], cost.work(lengths[movers[moved]].astype(np.float64)))
+    col_of[movers[moved]] = cand[chosen[moved]]
+    k[movers[moved]] = widths[cand[chosen[moved]]]
+    joined = ~np.isnan(new_h)
+    heights[cand[joined]] = new_h[joined]
     return col_of, k
 
 
