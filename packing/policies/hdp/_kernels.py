@@ -614,23 +614,30 @@ def _roomiest(order, opened, rnd, width, h, roof, R, k):
         else:
             n_multi += 1
     if n_multi:
-        multi = np.empty(n_multi, dtype=np.int64)
-        neg_gap = np.empty(n_multi)
+        # per round the k multi-rank columns of most room x width, ties to the lower index: one pass
+        # over the live columns in index order, each round's best k kept sorted (``top``, ``top_gap``)
         live = np.zeros(opened, dtype=np.bool_)
         for c in order:
             live[c] = True
-        j = 0
-        for c in range(opened):  # the multi-rank live columns in column order (lexsort's last tie-break)
-            if live[c] and width[c] > 1:
-                multi[j] = c
-                neg_gap[j] = -((roof[rnd[c]] - h[c]) * width[c])
-                j += 1
-        mo = _stable_by_round(multi[_argsort_stable(neg_gap)], rnd, R)
-        taken[:] = 0
-        for c in mo:
-            if taken[rnd[c]] < k:
-                take[c] = True
-                taken[rnd[c]] += 1
+        top = np.full((R, k), -1, dtype=np.int64)
+        top_gap = np.empty((R, k))
+        for c in range(opened):
+            if not live[c] or width[c] <= 1:
+                continue
+            r = rnd[c]
+            gap = (roof[r] - h[c]) * width[c]
+            j = k  # the place c takes among its round's best so far: after every one at least as roomy
+            while j > 0 and (top[r, j - 1] < 0 or gap > top_gap[r, j - 1]):
+                j -= 1
+            if j == k:
+                continue
+            for q in range(k - 1, j, -1):
+                top[r, q], top_gap[r, q] = top[r, q - 1], top_gap[r, q - 1]
+            top[r, j], top_gap[r, j] = c, gap
+        for r in range(R):
+            for j in range(k):
+                if top[r, j] >= 0:
+                    take[top[r, j]] = True
     n_take = 0
     for c in range(opened):
         if take[c]:
@@ -1061,3 +1068,35 @@ def shelf_layout(widths, num_ranks, max_width):
         free[r] -= w
         placed[j] = r
     return placed
+
+
+@njit(cache=True, nogil=True)
+def best_sizes(p, num_ranks, lengths, k0, cand, reach, out_k, out_h):
+    """`sizes._best_sizes`: per sample the size of ``cand`` (ascending) >= ``k0`` of least
+    ``k h(k) + (N - k) max(0, h(k) - reach)`` (the first among equals) and its height, into ``out_k``
+    and ``out_h``.  A size whose lower bound ``work(L) + [k >= 2] ((k - 1) k step_overhead +
+    ((k - 1) merge + cp) L)`` (`CostModel.group_cost`'s terms, padding aside) exceeds the best
+    score so far ends the scan: the bound grows with k."""
+    a = p[_A]
+    for s in range(lengths.size):
+        length = lengths[s]
+        lf = float(length)
+        work = a * lf + lf * lf
+        best, best_k, best_h = np.inf, -1, 0.0
+        for j in range(cand.size):
+            k = cand[j]
+            if k < k0[s]:
+                continue
+            if best_k >= 0 and k >= 2:
+                kf = float(k)
+                floor = work + (kf - 1.0) * kf * p[_STEP_OVERHEAD] + ((kf - 1.0) * p[_MERGE] + p[_CP]) * lf
+                if floor > best * (1 + 1e-12):
+                    break
+            h = _sample_cost(p, length, k)
+            sc = float(k) * h + float(num_ranks - k) * max(0.0, h - reach)
+            if sc < best or best_k < 0:
+                best, best_k, best_h = sc, k, h
+        if best_k < 0:  # no size fits (never for `grow_sizes`'s candidates): the first, as numpy's argmin
+            best_k, best_h = cand[0], _sample_cost(p, length, cand[0])
+        out_k[s] = best_k
+        out_h[s] = best_h

@@ -11,6 +11,8 @@ import functools
 
 import numpy as np
 
+from hdp.packing.policies.hdp import _kernels
+
 __all__ = ["grow_sizes", "candidate_sizes"]
 
 
@@ -35,44 +37,18 @@ def grow_sizes(
     k[tall], height[tall] = best_k, best_h
 
 
-_FIRST = 12  # candidate sizes every tall sample scores; only those that may still gain score the rest
-
-
 def _best_sizes(
     lengths: np.ndarray, k0: np.ndarray, cand: np.ndarray, reach: float, cost, N: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per sample the candidate size >= k0 of least ``k h(k) + (N - k) max(0, h(k) - reach)`` (the
-    first among equals) and its height: the dense argmin over ``cand``, computed in two parts.
-
-    Every sample scores the first `_FIRST` sizes; a later size k can only win where its lower bound
-    ``k h(k) >= work(L) + [k >= 2] ((k - 1) k step_overhead + ((k - 1) merge + cp) L)`` (padding
-    only adds tokens, every other term of `CostModel.group_cost` is >= 0) is below the best score
-    so far -- that bound grows with k, so only those samples score the remaining sizes.
-    """
-    S = lengths.size
-    head, tail = cand[:_FIRST], cand[_FIRST:]
-
-    def scores(rows: np.ndarray, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        h = cost.sample_cost(lengths[rows][:, None], ks[None, :])  # [S', K']
-        sc = ks[None, :] * h + (N - ks[None, :]) * np.maximum(0.0, h - reach)
-        return np.where(ks[None, :] >= k0[rows][:, None], sc, np.inf), h  # only sizes >= the current one
-
-    rows = np.arange(S)
-    sc, h = scores(rows, head)
-    j = np.argmin(sc, axis=1)
-    best = sc[rows, j]
-    out_k, out_h = head[j], h[rows, j]
-    if tail.size:
-        L = lengths.astype(np.float64)
-        k1 = float(tail[0])
-        floor = cost.work(L) + (k1 >= 2) * (k1 - 1) * k1 * cost.step_overhead + cost.split_per_token(k1) * L
-        more = np.flatnonzero(~(floor > best * (1 + 1e-12)))  # a tail size may still win (or tie: none)
-        if more.size:
-            sc2, h2 = scores(more, tail)
-            j2 = np.argmin(sc2, axis=1)
-            win = sc2[np.arange(more.size), j2] < best[more]  # strictly better: the first among equals stays
-            w = more[win]
-            out_k[w], out_h[w] = tail[j2[win]], h2[np.flatnonzero(win), j2[win]]
+    first among equals) and its height (`_kernels.best_sizes`: a size k can only win where its lower
+    bound ``k h(k) >= work(L) + [k >= 2] ((k - 1) k step_overhead + ((k - 1) merge + cp) L)`` -- padding
+    only adds tokens, every other term of `CostModel.group_cost` is >= 0 -- is below the best score so
+    far; the bound grows with k, so a sample's scan ends at the first size past it)."""
+    out_k = np.empty(lengths.size, dtype=np.int64)
+    out_h = np.empty(lengths.size)
+    _kernels.best_sizes(_kernels.cost_params(cost), N, _kernels.int_array(lengths), _kernels.int_array(k0),
+                        _kernels.int_array(cand), float(reach), out_k, out_h)
     return out_k, out_h
 
 
