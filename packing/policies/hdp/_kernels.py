@@ -1100,3 +1100,149 @@ def best_sizes(p, num_ranks, lengths, k0, cand, reach, out_k, out_h):
             best_k, best_h = cand[0], _sample_cost(p, length, cand[0])
         out_k[s] = best_k
         out_h[s] = best_h
+
+
+@njit(cache=True, nogil=True)
+def _at(a, c):
+    """``a[c]`` with numpy's meaning of c = -1 (the last element): an idle rank's column in a grid."""
+    return a[c] if c >= 0 else a[a.size - 1]
+
+
+@njit(cache=True, nogil=True)
+def swap_rounds(col_round, col_start, widths, heights, num_ranks, pow2, max_swaps):
+    """`level._swap_rounds` (its docstring), ``col_round`` and ``col_start`` in place; returns the scans
+    for a trade it made (each is charged)."""
+    N = num_ranks
+    C = widths.size
+    n_rounds = 0
+    n_live = 0
+    for c in range(C):
+        if heights[c] >= 0:
+            n_live += 1
+            n_rounds = max(n_rounds, col_round[c] + 1)
+    if n_live == 0 or n_rounds < 2:
+        return 0
+    R = n_rounds
+    grid = np.full((R, N), -1, dtype=np.int64)  # [R, N] column on each rank (-1: idle)
+    for c in range(C):
+        if heights[c] >= 0:
+            for o in range(widths[c]):
+                grid[col_round[c], col_start[c] + o] = c
+    h_ext = np.empty(C + 1)  # index -1 -> idle, height 0
+    for c in range(C):
+        h_ext[c] = max(heights[c], 0.0)
+    h_ext[C] = 0.0
+    w_ext = np.empty(C + 1, dtype=np.int64)  # idle ranks trade like single-rank columns
+    w_ext[:C] = widths
+    w_ext[C] = 1
+    start_ext = np.empty(C + 1, dtype=np.int64)
+    start_ext[:C] = col_start
+    start_ext[C] = N
+    end_ext = np.empty(C + 1, dtype=np.int64)
+    for c in range(C):
+        end_ext[c] = col_start[c] + widths[c]
+    end_ext[C] = 0
+    hg = np.empty((R, N))
+    pre = np.empty((R, N + 1))
+    suf = np.empty((R, N + 1))
+    top = np.empty(R)
+    roof = np.empty(R, dtype=np.int64)
+    rest = np.empty(R)
+    outside = np.empty(R)
+    seen = np.zeros(C, dtype=np.bool_)
+    scans = 0
+    for _ in range(max_swaps):
+        scans += 1
+        for r in range(R):
+            best_j = 0
+            pre[r, 0] = 0.0
+            for j in range(N):
+                hg[r, j] = _at(h_ext, grid[r, j])
+                pre[r, j + 1] = max(pre[r, j], hg[r, j]) if j > 0 else hg[r, j]
+                if hg[r, j] > hg[r, best_j]:
+                    best_j = j
+            suf[r, N] = 0.0
+            for j in range(N - 1, -1, -1):
+                suf[r, j] = max(suf[r, j + 1], hg[r, j]) if j < N - 1 else hg[r, j]
+            top[r] = hg[r, best_j]
+            roof[r] = grid[r, best_j]
+        for r in range(R):
+            g = roof[r]
+            rest[r] = max(pre[r, _at(col_start, g)], suf[r, _at(col_start, g) + _at(widths, g)])
+        eps = 1e-9 * _pairwise_sum(top, 0, R)
+        gap = np.empty(R)
+        for r in range(R):
+            gap[r] = rest[r] - top[r]
+        found = False
+        tp = tg = ts = te = tq = ts2 = 0
+        for p in _argsort_stable(gap):  # tallest roof over the rest first
+            if top[p] - rest[p] <= eps:
+                break
+            g = roof[p]
+            w, s = widths[g], col_start[g]
+            e = s + w
+            for q in range(R):
+                outside[q] = max(pre[q, s], suf[q, e])
+            # (a) the same ranks of round q, when q's columns there stay inside [s, e)
+            best_gain, best_q, best_s = -np.inf, -1, s
+            for q in range(R):
+                gain = -np.inf
+                if q != p:
+                    inside = True
+                    hb = 0.0
+                    for j in range(s, e):
+                        cell = grid[q, j]
+                        if not (_at(start_ext, cell) >= s and _at(end_ext, cell) <= e):
+                            inside = False
+                            break
+                        hb = max(hb, _at(h_ext, cell)) if j > s else _at(h_ext, cell)
+                    if inside:
+                        gain = top[p] + top[q] - max(rest[p], hb) - max(outside[q], heights[g])
+                if best_q < 0 or gain > best_gain:
+                    best_gain, best_q = gain, q
+            # (b) w single-rank or idle ranks of round q anywhere (aligned under pow2)
+            if w > 1:
+                bgain, bq, bs = -np.inf, -1, 0
+                for q in range(R):
+                    if q == p:
+                        continue
+                    run = 0  # single-rank or idle ranks ending at j
+                    for j in range(N):
+                        run = run + 1 if _at(w_ext, grid[q, j]) == 1 else 0
+                        s2 = j - w + 1
+                        if run < w or (pow2 and s2 % w != 0):
+                            continue
+                        wmax = hg[q, s2]
+                        for o in range(s2 + 1, j + 1):
+                            wmax = max(wmax, hg[q, o])
+                        out_q = max(pre[q, s2], suf[q, s2 + w])
+                        gain = top[p] + top[q] - max(rest[p], wmax) - max(out_q, heights[g])
+                        if bq < 0 or gain > bgain or (gain == bgain and (q, s2) < (bq, bs)):
+                            bgain, bq, bs = gain, q, s2
+                if bq >= 0 and bgain > best_gain:
+                    best_gain, best_q, best_s = bgain, bq, bs
+            if best_gain > eps:
+                found = True
+                tp, tg, ts, te, tq, ts2 = p, g, s, e, best_q, best_s
+                break
+        if not found:
+            break
+        w = te - ts
+        a = grid[tp, ts:te].copy()  # G (one column)
+        b = grid[tq, ts2 : ts2 + w].copy()  # columns of q that trade places with G
+        grid[tp, ts:te] = b
+        grid[tq, ts2 : ts2 + w] = a
+        col_round[tg], col_start[tg] = tq, ts2
+        for c in b:  # every column once (a wide one covers several ranks)
+            if c >= 0 and not seen[c]:
+                seen[c] = True
+                col_round[c] = tp
+                col_start[c] += ts - ts2
+        for c in b:
+            if c >= 0:
+                seen[c] = False
+        for c in b:  # the moved columns' ranks, as the next scans see them
+            if c >= 0:
+                start_ext[c], end_ext[c] = col_start[c], col_start[c] + widths[c]
+        start_ext[tg], end_ext[tg] = col_start[tg], col_start[tg] + widths[tg]
+    return scans

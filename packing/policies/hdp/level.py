@@ -265,98 +265,17 @@ def _swap_rounds(
     stands above the rest, and the first round with a gain is taken (``charge()`` is called per
     scan).  Up to ``max_swaps``
     (default 4R + 32) trades.  ``heights`` < 0 marks unused columns.  Returns (round, start) of
-    every column.
+    every column.  The scans run compiled (`_kernels.swap_rounds`).
     """
-    live = np.flatnonzero(heights >= 0)
-    col_round, col_start = col_round.copy(), col_start.copy()
-    if live.size == 0:
-        return col_round, col_start
-    n_rounds = int(col_round[live].max()) + 1
-    if n_rounds < 2:
-        return col_round, col_start
-    grid = np.full((n_rounds, num_ranks), -1, dtype=np.int64)  # [R, N] column on each rank
-    span = np.repeat(live, widths[live])  # [sum w] column of every covered rank
-    offs = np.arange(span.size) - np.repeat(np.cumsum(widths[live]) - widths[live], widths[live])
-    grid[col_round[span], col_start[span] + offs] = span
-    h_ext = np.append(np.maximum(heights, 0.0), 0.0)  # index -1 -> idle, height 0
-    w_ext = np.append(widths, 1)  # idle ranks trade like single-rank columns
-    zeros = np.zeros((n_rounds, 1))
-    for _ in range(max_swaps if max_swaps is not None else 4 * n_rounds + 32):
-        if charge is not None:  # every scan for a trade counts, found or not
+    col_round, col_start = _kernels.int_array(col_round), _kernels.int_array(col_start)
+    if max_swaps is None:
+        max_swaps = 4 * (int(col_round[heights >= 0].max(initial=0)) + 1) + 32
+    scans = _kernels.swap_rounds(col_round, col_start, _kernels.int_array(widths),
+                                 np.asarray(heights, dtype=np.float64), num_ranks, pow2, max_swaps)
+    if charge is not None:  # every scan for a trade counts, found or not
+        for _ in range(scans):
             charge()
-        hg = h_ext[grid]  # [R, N]
-        pre = np.concatenate([zeros, np.maximum.accumulate(hg, axis=1)], axis=1)  # [R, N+1]
-        suf = np.concatenate([np.maximum.accumulate(hg[:, ::-1], axis=1)[:, ::-1], zeros], axis=1)
-        top = hg.max(axis=1)  # [R]
-        roof = grid[np.arange(n_rounds), np.argmax(hg, axis=1)]  # [R] roof column of each round
-        rest = np.maximum(pre[np.arange(n_rounds), col_start[roof]], suf[np.arange(n_rounds), col_start[roof] + widths[roof]])
-        eps = 1e-9 * float(top.sum())
-        trade = None
-        for p in np.argsort(rest - top, kind="stable").tolist():  # tallest roof over the rest first
-            if top[p] - rest[p] <= eps:
-                break
-            g = int(roof[p])
-            w, s = int(widths[g]), int(col_start[g])
-            e = s + w
-            outside = np.maximum(pre[:, s], suf[:, e])  # [R]
-            # (a) the same ranks of round q, when q's columns there stay inside [s, e)
-            block = grid[:, s:e]  # [R, w]
-            inside = ((np.append(col_start, num_ranks)[block] >= s)
-                      & (np.append(col_start + widths, 0)[block] <= e)).all(axis=1)
-            inside[p] = False
-            gain_a = np.where(
-                inside,
-                top[p] + top - np.maximum(rest[p], h_ext[block].max(axis=1))
-                - np.maximum(outside, heights[g]),
-                -np.inf,
-            )
-            best_q = int(np.argmax(gain_a))
-            best = (float(gain_a[best_q]), best_q, s)
-            # (b) w single-rank or idle ranks of round q anywhere (aligned under pow2)
-            if w > 1:
-                single = (w_ext[grid] == 1).astype(np.int64)  # [R, N]
-                csum = np.concatenate([np.zeros((n_rounds, 1), np.int64), np.cumsum(single, axis=1)], axis=1)
-                ok = (csum[:, w:] - csum[:, :-w]) == w  # [R, N-w+1] window of singles only
-                if pow2:
-                    ok[:, np.arange(ok.shape[1]) % w != 0] = False
-                ok[p] = False
-                if ok.any():
-                    wmax = _window_max(hg, w)  # [R, N-w+1]
-                    out_q = np.maximum(pre[:, : num_ranks - w + 1], suf[:, w:])
-                    gain_b = np.where(
-                        ok,
-                        top[p] + top[:, None] - np.maximum(rest[p], wmax) - np.maximum(out_q, heights[g]),
-                        -np.inf,
-                    )
-                    q, s2 = np.unravel_index(int(np.argmax(gain_b)), gain_b.shape)
-                    if gain_b[q, s2] > best[0]:
-                        best = (float(gain_b[q, s2]), int(q), int(s2))
-            if best[0] > eps:
-                trade = (p, g, s, e) + best[1:]
-                break
-        if trade is None:
-            break
-        p, g, s, e, q, s2 = trade
-        a = grid[p, s:e].copy()  # G (one column)
-        b = grid[q, s2 : s2 + (e - s)].copy()  # columns of q that trade places with G
-        grid[p, s:e] = b
-        grid[q, s2 : s2 + (e - s)] = a
-        col_round[g], col_start[g] = q, s2
-        bl = b[b >= 0]
-        col_round[bl] = p
-        col_start[bl] += s - s2  # same offsets inside the block
     return col_round, col_start
-
-
-def _window_max(hg: np.ndarray, w: int) -> np.ndarray:
-    """[R, N - w + 1]: max of every window of w consecutive ranks of each row (log-doubling)."""
-    out, span = hg, 1
-    while 2 * span <= w:
-        out = np.maximum(out[:, :-span], out[:, span:])
-        span *= 2
-    if span < w:  # two overlapping windows of ``span`` cover w
-        out = np.maximum(out[:, : hg.shape[1] - w + 1], out[:, w - span :])
-    return out[:, : hg.shape[1] - w + 1]
 
 
 def _with_tallest(floor: np.ndarray, slots: np.ndarray, tallest: float) -> np.ndarray:
