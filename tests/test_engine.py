@@ -452,13 +452,25 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _build_close(rank: int, world: int, ckpt: str) -> list[tuple[int, int]]:
+def _fds() -> list[str]:
+    """Open file descriptors of this process: what each points at (sockets and pipes of groups, files)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    return sorted(out)
+
+
+def _build_close(rank: int, world: int, ckpt: str) -> list[tuple[int, int, int]]:
     from torch.distributed import distributed_c10d
 
     from hdp.trainer.config import ParallelConfig
     from hdp.trainer.engine import HdpEngine, nll_loss
 
-    before = (_threads(), len(distributed_c10d._world.pg_map))
+    fds = _fds()
+    before = (_threads(), len(distributed_c10d._world.pg_map), len(fds))
     after, params = [], []
     for i in range(5):  # TP = PP = 1, then PP 2 (Megatron's pipeline groups), a dist checkpoint once
         cfg = dataclasses.replace(_engine_cfg(), parallel=ParallelConfig(pp=2)) if i % 2 else _engine_cfg()
@@ -470,10 +482,10 @@ def _build_close(rank: int, world: int, ckpt: str) -> list[tuple[int, int]]:
         if i == 2:
             engine.save_checkpoint(ckpt, format="dist")  # starts Megatron's writer helper process
         engine.close()
-        after.append((_threads(), len(distributed_c10d._world.pg_map)))
+        after.append((_threads(), len(distributed_c10d._world.pg_map), len(_fds())))
         with pytest.raises(RuntimeError, match=r"train_step: the engine is closed"):
             engine.train_step(_batch(0, [30, 20, 12, 25, 9]), nll_loss)
-    assert all(a == before for a in after), (before, after)
+    assert all(a == before for a in after), (before, after, sorted(set(_fds()) - set(fds)))
     for other in params[1:]:  # identical runs are bit-identical (no refit within 2 steps)
         assert all(torch.equal(other[k], v) for k, v in params[0].items())
     return after
@@ -481,7 +493,8 @@ def _build_close(rank: int, world: int, ckpt: str) -> list[tuple[int, int]]:
 
 def test_build_and_close_five_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
     """Each build made ~18 gloo groups (~54 threads) per rank that close() left alive: after 5 builds the
-    counts must equal those before the first (groups, and the OS threads their transports run)."""
+    counts must equal those before the first (groups, the OS threads their transports run, and the open file
+    descriptors: their sockets, pipes and files)."""
     run_distributed(_build_close, 2, str(tmp_path / "ckpt"), timeout=300)
 
 
