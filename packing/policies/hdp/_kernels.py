@@ -27,6 +27,16 @@ from numba import njit
 
 __all__ = ["cost_params", "int_array", "polish_search", "fill_wide_gaps", "shelf_layout", "warm_up"]
 
+def _kernel(fn):
+    """``fn`` compiled (nopython, no GIL held), its machine code cached on disk; where numba finds no
+    writable cache directory (``NUMBA_CACHE_DIR``, ``__pycache__`` beside this file, the per-user
+    cache) it raises at decoration -- then ``fn`` is compiled in every process instead."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return njit(nogil=True)(fn)
+
+
 _TOL = 1e-9  # relative: a roof drop smaller than this is no drop (polish's own)
 _WORK, _LEN, _SQ, _TOK = 0, 1, 2, 3  # the per-column sums: padded work, length, length**2, busiest-rank tokens
 # `cost_params` order
@@ -49,7 +59,7 @@ def int_array(a) -> np.ndarray:
 # ---------------------------------------------------------------------------------- the cost model
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _padded(length, k):
     """`cost.padded_float` of one sample: L rounded up to a multiple of 2k for k >= 2, as float64."""
     lf = float(length)
@@ -59,7 +69,7 @@ def _padded(length, k):
     return lf
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _tokens(length, k):
     """`cost.max_rank_tokens` of one sample: the busiest rank's tokens of L on k ranks (zigzag)."""
     if k <= 1:
@@ -74,7 +84,7 @@ def _tokens(length, k):
     return 2 * q + 1
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _group_cost(p, sum_work, sum_len, sum_sq, k):
     """`CostModel.group_cost` of one group of k ranks from its sums (the same operations, in order;
     for k = 1 ``sum_work / 1.0 + 0.0``, which is ``sum_work``)."""
@@ -94,7 +104,7 @@ def _group_cost(p, sum_work, sum_len, sum_sq, k):
     return sum_work / kf + (ring if k > 1 else 0.0)
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _vals(p, length, k, out):
     """``out[:4]`` = padded work, padded length, its square and busiest-rank tokens of one sample on k
     ranks (`polish._State.vals`)."""
@@ -105,7 +115,7 @@ def _vals(p, length, k, out):
     out[3] = float(_tokens(length, k))
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _ensure(tab, row_of, n_rows, p, lengths, k):
     """``tab`` [rows, n, 4] with a row of every sample's `_vals` on k ranks (made on first use,
     ``row_of[k]`` its row; ``n_rows[0]`` rows made); no table (``n`` = 0 columns) on large batches."""
@@ -129,7 +139,7 @@ def _ensure(tab, row_of, n_rows, p, lengths, k):
     return tab
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _val(tab, row_of, p, lengths, i, k, out):
     """`_vals` of sample i on k ranks: from the table when there is one (`_ensure`), else computed."""
     if tab.shape[1] == 0:
@@ -140,14 +150,14 @@ def _val(tab, row_of, p, lengths, i, k, out):
             out[q] = tab[r, i, q]
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _sample_cost(p, length, k):
     """`CostModel.sample_cost` of one sample alone on k ranks."""
     lp = _padded(length, k)
     return _group_cost(p, p[_A] * lp + lp * lp, lp, lp * lp, k)
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _block_sum(a, lo, n):
     """numpy's pairwise summation of a block of at most 128 values: eight running sums, then the rest."""
     if n < 8:
@@ -170,7 +180,7 @@ def _block_sum(a, lo, n):
     return res
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _pairwise_sum(a, lo, n):
     """numpy's pairwise summation of ``a[lo:lo + n]`` (what ``a.sum()`` returns for a float64 vector):
     blocks of up to 128 values, halves (rounded to multiples of 8) added.  Iterative: numba's cache
@@ -208,7 +218,7 @@ def _pairwise_sum(a, lo, n):
 # ---------------------------------------------------------------------------------- small helpers
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _stable_by_round(items, key_round, n_rounds):
     """``items`` stably regrouped by ``key_round[item]`` (a counting sort): round order, then the
     items' own order."""
@@ -225,7 +235,7 @@ def _stable_by_round(items, key_round, n_rounds):
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _argsort_stable(keys):
     """``np.argsort(keys, kind="stable")`` of a float64 vector: insertion-sorted runs of 16, merged
     bottom-up (equal keys keep their order).  Written out: numba's own sorts bring seconds of compilation with them."""
@@ -267,28 +277,28 @@ def _argsort_stable(keys):
     return a
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _grow_i(a, fill):
     out = np.full(2 * a.size, fill, dtype=a.dtype)
     out[: a.size] = a
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _grow_f(a):
     out = np.zeros(2 * a.size, dtype=a.dtype)
     out[: a.size] = a
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _grow_b(a):
     out = np.zeros(2 * a.size, dtype=np.bool_)
     out[: a.size] = a
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _grow_2(a):
     out = np.zeros((2 * a.shape[0], a.shape[1]))
     for i in range(a.shape[0]):
@@ -297,14 +307,14 @@ def _grow_2(a):
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _good_buffers(n):
     """Buffers of good steps: [3, n] floats (d_obj, added, d_phi) and [6, n] ints (flat index, source
     round, target round, source column, target column -- -1 - r for a new group of round r --, depth)."""
     return np.empty((3, max(n, 1))), np.empty((6, max(n, 1)), dtype=np.int64)
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _grow_good(fb, ib):
     """`_good_buffers` of twice the size, holding ``fb`` and ``ib``."""
     fb2, ib2 = _good_buffers(2 * fb.shape[1])
@@ -317,7 +327,7 @@ def _grow_good(fb, ib):
     return fb2, ib2
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _pick(n_good, fb, ib, scale, n_rounds, cap):
     """`polish._pick` on the ``n_good`` good steps (`_good_buffers`): the steps taken together, best
     first, as positions into the buffers."""
@@ -364,7 +374,7 @@ def _pick(n_good, fb, ib, scale, n_rounds, cap):
 # ---------------------------------------------------------------------------------- the polish search
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, rnd0, width0, n_rounds,
                   spent, stop_at, patience, call_units, n_targets, n_sources, trade_columns, trade_movers,
                   windows, progress, table_samples):
@@ -507,7 +517,7 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
     return col_of, rnd, width, alive, opened, steps, spent
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _before(a, b, rnd, h):
     """Column a sorts before column b: by round, then height, then index (``np.lexsort((h, r))``
     over the live columns)."""
@@ -518,7 +528,7 @@ def _before(a, b, rnd, h):
     return a < b
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _order_columns(prev, prev_opened, opened, alive, rnd, h, R):
     """The live columns by round, then height, then index.  From scratch (``prev`` empty: a stable
     sort by height, regrouped by round) or from the last survey's order ``prev`` (of the columns
@@ -565,7 +575,7 @@ def _order_columns(prev, prev_opened, opened, alive, rnd, h, R):
     return order
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _survey(prev, prev_opened, opened, alive, rnd, h, R, roof, second, at_roof, source, depth, below, k_source):
     """`polish._State.survey`: roofs, second-tallest columns, roof and source columns, depths and the
     next lower column of every live column; returns the live columns by round, then height, then
@@ -599,7 +609,7 @@ def _survey(prev, prev_opened, opened, alive, rnd, h, R, roof, second, at_roof, 
     return order
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _roomiest(order, opened, rnd, width, h, roof, R, k):
     """`polish._State.roomiest`: in every round the k single-rank columns with the most room and the k
     multi-rank ones with the most room times width, ascending."""
@@ -651,7 +661,7 @@ def _roomiest(order, opened, rnd, width, h, roof, R, k):
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _pipeline_gain(stages, roof, R, r, new_roof):
     """`polish._State.pipeline_gain` of one step."""
     if stages == 1 or R == 0:
@@ -669,7 +679,7 @@ def _pipeline_gain(stages, roof, R, r, new_roof):
     return float(stages - 1) * min(d, 0.0)
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _max_roof(roof, R):
     out = roof[0]
     for j in range(1, R):
@@ -678,7 +688,7 @@ def _max_roof(roof, R):
     return out
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _move(p, lengths, i, src, dst, width, sums, count, col_of, v, tab, row_of):
     """`polish._State.move`: sample i leaves column ``src`` for ``dst``."""
     _val(tab, row_of, p, lengths, i, width[src], v)
@@ -692,7 +702,7 @@ def _move(p, lengths, i, src, dst, width, sums, count, col_of, v, tab, row_of):
     col_of[i] = dst
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _settle(p, c, rnd, width, h, sums, count, alive, free):
     """`polish._State.settle` of one column (an emptied one closes, freeing its ranks)."""
     if count[c] == 0 and alive[c]:
@@ -701,7 +711,7 @@ def _settle(p, c, rnd, width, h, sums, count, alive, free):
     h[c] = _group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c]) if count[c] > 0 else 0.0
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _best_move(lengths, k_min, p, N, B, stages, movers, cols, col_of, rnd, width, h, sums, count, free, roof,
                below, depth, alive, R, spent, stop_at, call_units, opened, cap, v, tab, row_of):
     """`polish._best_move`, evaluated and applied: (steps taken, spent, whether the budget covered it,
@@ -814,7 +824,7 @@ def _best_move(lengths, k_min, p, N, B, stages, movers, cols, col_of, rnd, width
     return chosen.size, spent, True, opened
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _best_trade(lengths, k_min, p, B, stages, movers, roomy_cols, work1, col_of, rnd, width, h, sums, count, free,
                 roof, below, depth, alive, R, spent, stop_at, call_units, trade_movers, cap, v, v2, tab, row_of):
     """`polish._best_trade`, evaluated and applied: (steps taken, spent, whether the budget covered it)."""
@@ -928,7 +938,7 @@ def _best_trade(lengths, k_min, p, B, stages, movers, roomy_cols, work1, col_of,
     return chosen.size, spent, True
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof, second, at_roof, alive, opened,
            spent, stop_at, call_units, v):
     """`polish._widen`, evaluated and applied: (steps taken, spent)."""
@@ -996,7 +1006,7 @@ def _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof,
 # ---------------------------------------------------------------------------------- construction
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def fill_gaps(movers, height, tokens, gap, room, cand, col_of, heights):
     """`level._fill_gaps`'s placement: ``movers`` (tallest first) each to the single-rank column of
     ``cand`` with the least gap that holds its height and tokens (best fit; ties: the first);
@@ -1015,7 +1025,7 @@ def fill_gaps(movers, height, tokens, gap, room, cand, col_of, heights):
         room[best] -= tokens[i]
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def fill_wide_gaps(p, budget, lengths, widths, sw, sl, sq, tok, roof, chosen, new_h):
     """`level._fill_wide_gaps`'s placement: movers of ``lengths`` (longest first) each join the group
     of ``widths`` -- its sums ``sw``, ``sl``, ``sq`` and busiest-rank tokens ``tok``, in place --
@@ -1046,7 +1056,7 @@ def fill_wide_gaps(p, budget, lengths, widths, sw, sl, sq, tok, roof, chosen, ne
         new_h[best] = best_h
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def shelf_layout(widths, num_ranks, max_width):
     """`bins.layout`'s first-fit decreasing over columns of ``widths`` (already tallest first): the
     round of each, a new round when none has room; one pointer per width to the first round that may
@@ -1070,7 +1080,7 @@ def shelf_layout(widths, num_ranks, max_width):
     return placed
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def best_sizes(p, num_ranks, lengths, k0, cand, reach, out_k, out_h):
     """`sizes._best_sizes`: per sample the size of ``cand`` (ascending) >= ``k0`` of least
     ``k h(k) + (N - k) max(0, h(k) - reach)`` (the first among equals) and its height, into ``out_k``
@@ -1102,13 +1112,13 @@ def best_sizes(p, num_ranks, lengths, k0, cand, reach, out_k, out_h):
         out_h[s] = best_h
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def _at(a, c):
     """``a[c]`` with numpy's meaning of c = -1 (the last element): an idle rank's column in a grid."""
     return a[c] if c >= 0 else a[a.size - 1]
 
 
-@njit(cache=True, nogil=True)
+@_kernel
 def swap_rounds(col_round, col_start, widths, heights, num_ranks, pow2, max_swaps):
     """`level._swap_rounds` (its docstring), ``col_round`` and ``col_start`` in place; returns the scans
     for a trade it made (each is charged)."""
@@ -1246,3 +1256,58 @@ def swap_rounds(col_round, col_start, widths, heights, num_ranks, pow2, max_swap
                 start_ext[c], end_ext[c] = col_start[c], col_start[c] + widths[c]
         start_ext[tg], end_ext[tg] = col_start[tg], col_start[tg] + widths[tg]
     return scans
+
+
+# ---------------------------------------------------------------------------------- whole-batch figures
+
+
+@_kernel
+def sample_costs(p, lengths, k, out_cost, out_tokens):
+    """`CostModel.sample_cost` and `cost.max_rank_tokens` of every sample on ``k[i]`` ranks, into
+    ``out_cost`` and ``out_tokens``."""
+    for i in range(lengths.size):
+        out_cost[i] = _sample_cost(p, lengths[i], k[i])
+        out_tokens[i] = _tokens(lengths[i], k[i])
+
+
+@_kernel
+def rank_tokens(lengths, k):
+    """`cost.max_rank_tokens` of every sample on ``k[i]`` ranks."""
+    out = np.empty(lengths.size, dtype=np.int64)
+    for i in range(lengths.size):
+        out[i] = _tokens(lengths[i], k[i])
+    return out
+
+
+@_kernel
+def column_heights(p, lengths, col_of, width):
+    """`Problem.heights`: every column's exact per-rank time from its samples' sums (accumulated in
+    sample order, as ``np.bincount``), 0 for an empty column; samples with column -1 are left out."""
+    C = width.size
+    sums = np.zeros((C, 3))
+    count = np.zeros(C, dtype=np.int64)
+    for i in range(lengths.size):
+        c = col_of[i]
+        if c < 0:
+            continue
+        lp = _padded(lengths[i], width[c])
+        sums[c, 0] += p[_A] * lp + lp * lp
+        sums[c, 1] += lp
+        sums[c, 2] += lp * lp
+        count[c] += 1
+    out = np.zeros(C)
+    for c in range(C):
+        if count[c] > 0:
+            out[c] = _group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c])
+    return out
+
+
+@_kernel
+def column_tokens(lengths, col_of, width):
+    """`Problem.tokens`: every column's busiest-rank tokens (samples with column -1 left out)."""
+    out = np.zeros(width.size, dtype=np.int64)
+    for i in range(lengths.size):
+        c = col_of[i]
+        if c >= 0:
+            out[c] += _tokens(lengths[i], width[c])
+    return out

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hdp.packing.config import GroupShape, PlannerConfig, SearchBudget
-from hdp.packing.cost import CostModel, max_rank_tokens, min_group_size, padded_float
+from hdp.packing.cost import CostModel, min_group_size
 from hdp.packing.policies.common import allowed_sizes
+from hdp.packing.policies.hdp import _kernels
 from hdp.packing.policies.hdp.columns import Columns
 
 __all__ = ["Problem", "Meter", "POOLS"]
@@ -76,7 +77,7 @@ class Problem:
     ) -> Problem:
         """The problem of planning ``lengths`` under ``config``; ValueError when a sample needs more
         ranks than the largest power-of-two block under ``group_shape=pow2``."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = np.array(lengths, dtype=np.int64)  # a writable copy: one argument type for the kernels
         N, B = config.num_ranks, config.max_tokens_per_rank
         pow2 = config.group_shape is GroupShape.POW2
         k_min = min_group_size(lengths, B, N, pow2=pow2)
@@ -132,30 +133,20 @@ class Problem:
 
     def sample_costs(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([n] per-rank cost, [n] busiest-rank tokens) of every sample alone on k[i] ranks."""
-        return self.cost.sample_cost(self.lengths, k), max_rank_tokens(self.lengths, k)
+        k = _kernels.int_array(np.broadcast_to(k, self.lengths.shape))
+        cost, tokens = np.empty(self.n), np.empty(self.n, dtype=np.int64)
+        _kernels.sample_costs(_kernels.cost_params(self.cost), self.lengths, k, cost, tokens)
+        return cost, tokens
 
     def heights(self, cols: Columns) -> np.ndarray:
         """[C] exact per-rank time of every column (its samples share the ring steps,
         `CostModel.group_cost`); 0 for an empty column."""
-        C = cols.n_columns
-        sel = np.flatnonzero(cols.col_of >= 0)
-        col = cols.col_of[sel]
-        padded = padded_float(self.lengths[sel], cols.width[col])
-        cost = self.cost
-        h = cost.group_cost(
-            np.bincount(col, weights=cost.work(padded), minlength=C),
-            np.bincount(col, weights=padded, minlength=C),
-            np.bincount(col, weights=padded * padded, minlength=C),
-            cols.width,
-        )
-        return np.where(np.bincount(col, minlength=C) > 0, h, 0.0)
+        return _kernels.column_heights(_kernels.cost_params(self.cost), self.lengths, _kernels.int_array(cols.col_of),
+                                       _kernels.int_array(cols.width))
 
     def tokens(self, cols: Columns) -> np.ndarray:
         """[C] busiest-rank tokens of every column."""
-        sel = np.flatnonzero(cols.col_of >= 0)
-        col = cols.col_of[sel]
-        return np.bincount(col, weights=max_rank_tokens(self.lengths[sel], cols.width[col]),
-                           minlength=cols.n_columns).astype(np.int64)
+        return _kernels.column_tokens(self.lengths, _kernels.int_array(cols.col_of), _kernels.int_array(cols.width))
 
     def tops(self, cols: Columns, heights: np.ndarray | None = None) -> np.ndarray:
         """[R] height of every round (its tallest column); rounds without samples count 0."""
