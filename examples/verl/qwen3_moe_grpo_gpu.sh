@@ -12,6 +12,8 @@
 #
 # Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
 # Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
+# On GPUs mbridge 0.15 maps only TransformerEngine's grouped-expert weight names, so zero-memory's
+# SequentialMLP experts are expected to need that mapping (docs/verl.md, "Not run").
 #
 # Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, PyPI mbridge,
 # TransformerEngine, vLLM, and hdp with its verl extra from a checkout or a built wheel:
