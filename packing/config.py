@@ -84,19 +84,22 @@ class SearchBudget:
       whatever is left, so a huge batch still gets a plan; then candidates are built, likeliest
       first, while the pool lasts.
     * ``search`` -- *moves evaluated* by the local search (`polish`): every (sample, target column)
-      pair, trade pair and widening scored costs one unit, and every step its fixed bookkeeping
-      (samples + columns).  The starting plans of the tall-round pass take their short searches
-      from this pool too.
+      pair, trade pair and widening scored costs one unit, every evaluation a fixed 1,500, and every
+      step its bookkeeping (samples / 8 + columns).  The search runs compiled
+      (``hdp.packing.policies.hdp._kernels``), so a unit is bounded work: 15-30 ns of CPU on the
+      suite's and the bench's batches (a 2-core AMD EPYC), plus a fixed set-up of under 0.7 us per
+      sample -- the pool bounds the time as well as the plan (the default pool: at most ~0.1 s).
+      The starting plans of the tall-round pass take their short searches from this pool too.
     * ``rivals`` -- the plans the package's other policies (static-cp, verl-kk, megatron-dcp,
       ascend-hdp, and hdp with power-of-two groups) would build for the batch, taken as candidates
       so that hdp is never worse than any of them.  Each costs an estimate of its work (samples x
       (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
       estimates fit.
 
-    With the defaults ``plan()`` takes about 30 ms for 1,024 lognormal samples on 64 ranks and
-    about 50 ms for 8,192 on 512 (``hdp bench planner``; there the search stops on its own, well
-    inside the pool), and 0.05-0.3 s for the suite's 1,024-sample batches with tall samples, where
-    the pool binds and costs at most 0.12 efficiency points against an unbounded search.
+    With the defaults ``plan()`` takes 25-110 ms of CPU for 1,024 samples on 64 ranks and 45-65 ms
+    for 8,192 on 512 on every family of ``hdp bench planner``; the slowest 1,024-sample batches
+    (tall samples: ascend-short-tail, bimodal) are those where the search pool binds, which costs at
+    most 0.12 efficiency points against an unbounded search.
     """
 
     construct: int = 20_000
@@ -104,9 +107,10 @@ class SearchBudget:
     its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
     builds one candidate only."""
     search: int = 3_000_000
-    """Moves the local search may evaluate (sample x target pairs scored, plus per-step
-    bookkeeping) and the tall-round starts cost (built only when they take at most a quarter of
-    the pool); 0 turns the local search and the tall-round starts off."""
+    """Moves the local search may evaluate (sample x target pairs scored, plus per-evaluation and
+    per-step bookkeeping; each unit 15-30 ns of compiled work) and the tall-round starts cost (built
+    only when they take at most a quarter of the pool); 0 turns the local search and the tall-round
+    starts off."""
     rivals: int = 65_536
     """Estimated work (samples x (ranks + 32), four times that for hdp-pow2) of the other policies'
     plans taken as candidates; 0 takes none.  The default covers every rival up to about 128

@@ -384,8 +384,8 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
     it may reach.  Returns (col_of [n], round [cap], width [cap], alive [cap], steps taken, spent):
     the searched plan's columns (``alive`` marks those left) -- from the same start and pool the
     numpy search's plan exactly, with the same units charged.  Batches of up to ``table_samples``
-    samples keep every sample's values per group size in a table (a gather is cheaper than the
-    padding arithmetic)."""
+    samples keep every sample's values per group size in a table, a row made when an evaluation
+    first reads that size (a gather is cheaper than the padding arithmetic)."""
     n = lengths.size
     N, B = num_ranks, budget
     R = n_rounds
@@ -408,15 +408,11 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
     tab = np.zeros((4, n if n <= table_samples else 0, 4))
     row_of = np.full(N + 2, -1, dtype=np.int64)
     n_rows = np.zeros(1, dtype=np.int64)
-    for c in range(n_cols):
-        tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
-    for i in range(n):
-        tab = _ensure(tab, row_of, n_rows, p, lengths, k_min[i])
     sums = np.zeros((cap, 4))
     count = np.zeros(cap, dtype=np.int64)
     for i in range(n):  # np.bincount(col_of, weights=...): in sample order
         c = col_of[i]
-        _val(tab, row_of, p, lengths, i, width[c], v)
+        _vals(p, lengths[i], width[c], v)
         for q in range(4):
             sums[c, q] += v[q]
         count[c] += 1
@@ -474,6 +470,12 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
                 movers[n_movers] = i
                 n_movers += 1
         targets = _roomiest(order, opened, rnd, width, h, roof, R, n_targets)
+        # the table's rows the evaluation reads: the movers' and targets' widths, new groups' sizes
+        for m in range(n_movers):
+            tab = _ensure(tab, row_of, n_rows, p, lengths, width[col_of[movers[m]]])
+            tab = _ensure(tab, row_of, n_rows, p, lengths, k_min[movers[m]])
+        for c in targets:
+            tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
         found, spent, ok, opened = _best_move(lengths, k_min, p, N, B, stages, movers, targets, col_of, rnd, width,
                                               h, sums, count, free, roof, below, depth, alive, R, spent, stop_at,
                                               call_units, opened, cap, v, tab, row_of)
@@ -491,6 +493,8 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
                     roof_movers[n_roof] = movers[m]
                     n_roof += 1
             roomy = _roomiest(order, opened, rnd, width, h, roof, R, trade_columns)
+            for c in roomy:
+                tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
             found, spent, ok = _best_trade(lengths, k_min, p, B, stages, roof_movers, roomy, work1, col_of, rnd,
                                            width, h, sums, count, free, roof, below, depth, alive, R, spent,
                                            stop_at, call_units, trade_movers, cap, v, v2, tab, row_of)
@@ -499,9 +503,6 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
         if found == 0:
             found, spent = _widen(lengths, p, B, sizes, col_of, rnd, width, h, sums, count, free, roof, second,
                                   at_roof, alive, opened, spent, stop_at, call_units, v)
-            for c in range(opened):  # the table's rows of the new widths
-                if alive[c]:
-                    tab = _ensure(tab, row_of, n_rows, p, lengths, width[c])
         if found == 0:
             break
         steps += found
