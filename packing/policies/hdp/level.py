@@ -102,7 +102,7 @@ def _rebalance_singles(
     n_rounds = int(col_round.max()) + 1
     multi_max = np.zeros(n_rounds)
     wide = widths > 1
-    np.maximum.at(multi_max, col_round[wide], heights[wide])
+    _kernels.max_at(multi_max, col_round[wide], heights[wide])
     s_r = np.bincount(col_round[ones], minlength=n_rounds)
     multi_max = _with_tallest(multi_max, s_r, float(height[singles].max()))
     if not np.any(multi_max > 0) or n_rounds == 1:
@@ -115,11 +115,11 @@ def _rebalance_singles(
         return col_of  # the budget does not allow this spread: keep the balanced bins
     load = np.bincount(new_col, weights=height[singles], minlength=ones.size)
     old_max = np.zeros(n_rounds)
-    np.maximum.at(old_max, col_round, heights)
+    _kernels.max_at(old_max, col_round, heights)
     new_heights = heights.copy()
     new_heights[ones] = load
     new_max = np.zeros(n_rounds)
-    np.maximum.at(new_max, col_round, new_heights)
+    _kernels.max_at(new_max, col_round, new_heights)
     if new_max.sum() >= old_max.sum():
         return col_of
     heights[:] = new_heights
@@ -148,7 +148,7 @@ def _fill_gaps(
         return col_of
     n_rounds = last + 1
     round_max = np.zeros(n_rounds)
-    np.maximum.at(round_max, col_round, heights)
+    _kernels.max_at(round_max, col_round, heights)
     col_tok = np.bincount(col_of, weights=tokens, minlength=widths.size)
     target = (widths == 1) & (col_round != last)  # [C] columns that may receive samples
     cand = np.flatnonzero(target)
@@ -190,7 +190,7 @@ def _fill_wide_gaps(
     sq = np.bincount(col_of, weights=padded * padded, minlength=n_cols)[cand]
     tok = np.bincount(col_of, weights=max_rank_tokens(lengths, k), minlength=n_cols)[cand]
     round_max = np.zeros(last + 1)
-    np.maximum.at(round_max, col_round, heights)
+    _kernels.max_at(round_max, col_round, heights)
     roof = round_max[col_round[cand]]  # [c]
     col_of, k = col_of.copy(), k.copy()
     movers = movers[np.lexsort((movers, -lengths[movers]))]

@@ -153,7 +153,7 @@ class Problem:
         h = self.heights(cols) if heights is None else heights
         top = np.zeros(cols.num_rounds)
         used = cols.used()
-        np.maximum.at(top, cols.round[used], h[used])
+        _kernels.max_at(top, cols.round[used], h[used])
         return top
 
     def objective(self, tops: np.ndarray) -> float:
