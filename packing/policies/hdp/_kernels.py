@@ -335,6 +335,16 @@ def _grow_good(fb, ib):
 
 
 @_kernel
+def _push(fb, ib, n, d_obj, added, d_phi, flat, a_round, b_round, c1, c2, dep):
+    """Good step ``n`` into the buffers (`_good_buffers`, grown when full); returns them."""
+    if n == fb.shape[1]:
+        fb, ib = _grow_good(fb, ib)
+    fb[0, n], fb[1, n], fb[2, n] = d_obj, added, d_phi
+    ib[0, n], ib[1, n], ib[2, n], ib[3, n], ib[4, n], ib[5, n] = flat, a_round, b_round, c1, c2, dep
+    return fb, ib
+
+
+@_kernel
 def _pick(n_good, fb, ib, scale, n_rounds, cap):
     """`polish._pick` on the ``n_good`` good steps (`_good_buffers`): the steps taken together, best
     first, as positions into the buffers."""
@@ -799,17 +809,8 @@ def _best_move(lengths, k_min, p, N, B, stages, movers, cols, col_of, rnd, width
             dp = float(w_s) * (hs_new * hs_new - h_s * h_s) + float(w_c) * (h_new * h_new - h_prev * h_prev)
             if not (do < -_TOL * scale or dp < -_TOL * scale * scale):
                 continue
-            if n_good == fb.shape[1]:
-                fb, ib = _grow_good(fb, ib)
-            fb[0, n_good] = do
-            fb[1, n_good] = float(w_c) * (h_new - h_prev) - float(w_s) * (h_s - hs_new)
-            fb[2, n_good] = dp
-            ib[0, n_good] = t * M + m
-            ib[1, n_good] = r_src
-            ib[2, n_good] = r_c
-            ib[3, n_good] = s
-            ib[4, n_good] = tgt
-            ib[5, n_good] = depth[s]
+            fb, ib = _push(fb, ib, n_good, do, float(w_c) * (h_new - h_prev) - float(w_s) * (h_s - hs_new), dp,
+                           t * M + m, r_src, r_c, s, tgt, depth[s])
             n_good += 1
     if n_good == 0:
         return 0, spent, True, opened
@@ -919,17 +920,8 @@ def _best_trade(lengths, k_min, p, B, stages, movers, roomy_cols, work1, col_of,
             dp = float(w1) * (h_c * h_c - hc * hc) + float(w2) * (h_c2 * h_c2 - hc2 * hc2)
             if not (do < -_TOL * scale or dp < -_TOL * scale * scale):
                 continue
-            if n_good == fb.shape[1]:
-                fb, ib = _grow_good(fb, ib)
-            fb[0, n_good] = do
-            fb[1, n_good] = float(w1) * (h_c - hc) + float(w2) * (h_c2 - hc2)
-            fb[2, n_good] = dp
-            ib[0, n_good] = t * M + m
-            ib[1, n_good] = rnd[c]
-            ib[2, n_good] = rnd[c2]
-            ib[3, n_good] = c
-            ib[4, n_good] = c2
-            ib[5, n_good] = depth[c]
+            fb, ib = _push(fb, ib, n_good, do, float(w1) * (h_c - hc) + float(w2) * (h_c2 - hc2), dp,
+                           t * M + m, rnd[c], rnd[c2], c, c2, depth[c])
             n_good += 1
     if n_good == 0:
         return 0, spent, True
