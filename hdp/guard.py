@@ -39,6 +39,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from hdp.alarm import is_transport_error
+
 __all__ = ["MESSAGE_BYTES", "DomainStepError", "DomainInputError", "DomainUnreachableError", "RankFailedError",
            "StepGuard", "describe", "is_input_error"]
 
@@ -163,6 +165,11 @@ class StepGuard:
             self._deferred = None
             raise
         except BaseException as exc:  # every type: one rank's failure must reach all ranks
+            if is_transport_error(exc):
+                # a collective of the body broke (a peer failed in it and freed its groups, or died): the
+                # failed rank does not come to the agreement; the engine's alarm names it
+                self._deferred = None
+                raise
             error = exc
         if error is None:
             error = self._deferred

@@ -98,7 +98,9 @@ class MemoryMeter:
             self._add(int(storage.nbytes()))
         else:
             entry[0] += 1
-        return _Saved(t, key, self)
+        # detached (the same storage, no grad_fn): holding the tensor itself would tie a saved output to
+        # the node that saves it, a cycle through the C++ graph that outlives a backward that failed
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     def _unpack(obj: Any) -> torch.Tensor:

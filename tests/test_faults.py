@@ -86,8 +86,8 @@ def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(t
 @pytest.mark.slow
 def test_verl_engine_faults_through_the_cli() -> None:
     """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
-    raising loss function) or its loss is NaN; every rank raises (NaN: every rank skips the update, grad_norm
-    NaN), the state is unchanged, within 5 s."""
+    raising loss function, an error inside a round with its process alive) or its loss is NaN; every rank
+    raises (NaN: every rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
     out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "faults", "--only", "verl", "--json",
@@ -95,11 +95,17 @@ def test_verl_engine_faults_through_the_cli() -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout)
     rows = {r["fault"]: r for r in report["faults"]}
-    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss"}, rows
+    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss",
+                         "verl-own-error-in-round"}, rows
     for name, row in rows.items():
-        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
+        limit = TIMEOUT_S + 5.0 if name == "verl-own-error-in-round" else 5.0
+        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= limit, row
     assert rows["verl-nan-loss"]["skipped_with_nan_grad_norm"] and rows["verl-nan-loss"]["usable_after"]
     assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]
+    # a rank's own error inside a round, its process alive (a Ray actor): every rank raises naming it and its
+    # error (within the collective timeout: Megatron's groups stay held by verl's model and optimizer)
+    own = rows["verl-own-error-in-round"]
+    assert own["ranks_raised"] == [0, 1] and own["names_rank_and_error"]
 
 
 @pytest.mark.slow

@@ -296,7 +296,7 @@ class HdpEngine:
         self.core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self.model_chunks, device=device,
                               pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
                               timeout_s=config.collective_timeout_s, optimizer=optimizer,
-                              abort_groups=ledger.created if ledger is not None else None)
+                              abort_groups=ledger.created if ledger is not None else None, on_broken=self.close)
         par = config.parallel
         self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
         """The job's per-rank memory model and the bytes per device the plans stay within (``None``: the
@@ -427,10 +427,10 @@ class HdpEngine:
         self.core.groups = self.core.guard = self.core.megatron_groups = None  # type: ignore[assignment]
 
     def _usable(self, what: str) -> None:
+        self.core.usable(f"HdpEngine.{what}")  # broke off in a phase (its groups were released then)
         if self._closed:
             raise RuntimeError(f"HdpEngine.{what}: the engine is closed (close() released its process groups); "
                                "build a new engine")
-        self.core.usable(f"HdpEngine.{what}")
 
     # -- validation and planning --
 

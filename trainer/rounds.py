@@ -39,6 +39,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
+import logging
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -166,12 +169,15 @@ class RoundCore:
     virtual stage); ``pad_token_id``: the token padding runs; ``cp_algorithm``: ring everywhere, or
     all-gather on aligned power-of-two groups; ``timeout_s``: quoted in errors; ``optimizer``: Megatron's
     optimizer over ``chunks`` (``None`` for a forward-only engine); ``abort_groups``: every process group
-    the engine communicates on (aborted when a rank fails inside a phase, :mod:`hdp.alarm`).
+    the engine communicates on (aborted when a rank fails inside a phase, :mod:`hdp.alarm`);
+    ``on_broken``: called when a phase breaks off inside its collectives, to free every group the engine
+    holds (see :meth:`collectives`).
     """
 
     def __init__(self, *, groups: LayoutGroups, megatron_groups: Any, chunks: Sequence[Any], device: torch.device,
                  pad_token_id: int, cp_algorithm: CPAlgorithm, timeout_s: float, optimizer: Any = None,
-                 abort_groups: Callable[[], Iterable[dist.ProcessGroup]] | None = None) -> None:
+                 abort_groups: Callable[[], Iterable[dist.ProcessGroup]] | None = None,
+                 on_broken: Callable[[], None] | None = None) -> None:
         self.groups = groups
         self.optimizer = optimizer
         self.megatron_groups = megatron_groups
@@ -188,6 +194,7 @@ class RoundCore:
         self.guard = StepGuard(group=groups.world, rank=groups.world_rank, size=groups.world_size,
                                device=self.collective_device, timeout_s=self.timeout_s, label="world rank")
         self.broken: str | None = None
+        self._on_broken = on_broken
         self.alarm = Alarm.for_job(groups.world, groups.world_rank, abort_groups or (lambda: ()))
         self.alarm.start()
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
@@ -230,8 +237,10 @@ class RoundCore:
 
         An exception here leaves the job's groups out of step, and the core marks itself unusable.
         When it is this rank's own error (not a broken collective), the rank tells every rank at once
-        (:mod:`hdp.alarm`: the store, then an abort of its groups) and every rank raises
-        :class:`~hdp.guard.RankFailedError` naming it and its error within seconds.  When a
+        (:mod:`hdp.alarm`: the store, then an abort of its groups) and frees every group it holds
+        (``on_broken``: on gloo only closing its connections ends a peer's blocked collective), and every
+        rank raises :class:`~hdp.guard.RankFailedError` naming it and its error within seconds; each
+        rank freed the same way releases those blocked on it in turn.  When a
         collective broke and no rank published a failure (a peer died or hangs: the group's timeout
         expired), this rank raises :class:`~hdp.guard.DomainUnreachableError` naming the step, the
         phase and the timeout, and releases the others the same way.  Errors the step guard already
@@ -248,6 +257,7 @@ class RoundCore:
             own = not (is_transport_error(exc) or isinstance(exc, DomainUnreachableError) or self.alarm.tripped.is_set())
             if own:
                 self.alarm.raise_alarm(f"error|{where}: {describe(exc)}")
+                self._release(exc)
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 raise RankFailedError(
@@ -255,10 +265,12 @@ class RoundCore:
                     "(nothing was applied). The engine is no longer usable: restart the job and load the last checkpoint",
                     step=step, phase=phase, failures={me: f"{where}: {describe(exc)}"},
                 ) from exc
+            dom = self.groups.domain.domain_rank
             failures = {r: m.split("|", 1)[1] for r, m in self.alarm.failures(world, wait_s=3.0).items()
                         if m.startswith("error|")}
             if failures:
                 self.alarm.trip()
+                self._release(exc)  # a rank still blocked on this one is released in turn
                 detail = "; ".join(f"world rank {r}: {m}" for r, m in sorted(failures.items()))
                 raise RankFailedError(
                     f"{where}: world rank {me} stopped because {detail}. Nothing was applied this step; the engine is "
@@ -266,16 +278,32 @@ class RoundCore:
                     step=step, phase=phase, failures=failures,
                 ) from exc
             self.alarm.raise_alarm(f"lost|{where}: world rank {me} saw {describe(exc)}")  # release the others
+            self._release(exc)
             if isinstance(exc, (KeyboardInterrupt, SystemExit, DomainUnreachableError)):
                 raise
             raise DomainUnreachableError(
-                f"{where}: world rank {self.groups.world_rank} (domain rank {self.groups.domain.domain_rank}) stopped "
+                f"{where}: world rank {me} (domain rank {dom}) stopped "
                 f"in the middle of the phase's collectives: {describe(exc)}. Either a peer died or hangs (each rank "
                 f"gives up after the collective timeout, {self.timeout_s:g} s) or this rank failed there, and then "
                 "the other ranks fail within that timeout. The engine is no longer usable: restart the job and load "
                 "the last checkpoint",
                 step=step, phase=phase,
             ) from exc
+
+    def _release(self, exc: BaseException) -> None:
+        """Free every group this rank holds (``on_broken``, once): on gloo an abort does not end a
+        collective a peer is blocked in, but closing this rank's connections does — the peer's call
+        then fails at once and it releases its own groups in turn.  The finished frames of ``exc``'s
+        traceback are cleared first: they hold the groups the failed collectives were called with."""
+        release, self._on_broken = self._on_broken, None
+        if release is None:
+            return
+        traceback.clear_frames(exc.__traceback__)
+        try:
+            release()
+        except Exception as err:  # noqa: BLE001 - the original error is the one to report
+            logging.getLogger(__name__).warning("releasing the engine's groups after %s failed: %s", self.broken, err)
+        gc.collect()
 
     @contextlib.contextmanager
     def checkpoint_collectives(self) -> Iterator[None]:

@@ -217,6 +217,28 @@ def _one_ahead(it: Any) -> Iterator[Any]:
     yield cur
 
 
+def release_engine(engine: Any) -> None:
+    """After a phase of ``engine`` broke off inside its collectives (it refuses every later call), free the
+    process groups hdp made for it (its agreement group and the domain's CP blocks): on gloo only a freed
+    group closes this rank's connections, which is what ends a peer's blocked collective (an abort does
+    not).  Megatron's groups stay: verl's worker holds the model and optimizer that use them (a peer
+    blocked on one of those waits ``hdp.collective_timeout_s``, which they were built with)."""
+    import torch.distributed as dist
+
+    megatron = {id(g) for g in vars(engine.domain.megatron).values() if isinstance(g, dist.ProcessGroup)}
+    ours = [g for g in engine._groups_to_abort() if id(g) not in megatron and g is not engine.domain.verl_dp_group]
+    engine.core.close()
+    for g in ours:
+        try:
+            dist.destroy_process_group(g)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    engine.domain.layout.domain.blocks.clear()
+    engine._domain = None  # the layout holds the agreement group (the step's reduce waits on it)
+    engine.core.groups = engine.core.guard = engine.core.megatron_groups = None
+    del ours
+
+
 def unwrap_model(chunk: Any) -> Any:
     """The bare GPTModel inside verl's DDP/Float16 wrappers (``verl.utils.megatron_utils.unwrap_model``)."""
     from verl.utils.megatron_utils import unwrap_model as _unwrap

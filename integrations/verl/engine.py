@@ -210,7 +210,7 @@ class HdpMegatronEngine(_MegatronLM):
         self.core = RoundCore(groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, device=dev,
                               pad_token_id=self.pad_token_id, cp_algorithm=opts.cp_algorithm,
                               timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None),
-                              abort_groups=self._groups_to_abort)
+                              abort_groups=self._groups_to_abort, on_broken=lambda: compat.release_engine(self))
 
         def auto() -> Any:
             hf = getattr(self.model_config, "hf_config", None)

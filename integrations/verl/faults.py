@@ -7,7 +7,11 @@ and, on rank 1 only, inject:
 * ``verl-planning-runtime-error``: planning raises ``RuntimeError`` (not an input error);
 * ``verl-loss-fn-raises``: verl's loss function raises in a round;
 * ``verl-nan-loss``: verl's loss is NaN on rank 1's groups — as verl's FSDP engine, the update is skipped
-  on every rank and ``grad_norm`` is NaN (nothing raises; ``ok`` also needs both).
+  on every rank and ``grad_norm`` is NaN (nothing raises; ``ok`` also needs both);
+* ``verl-own-error-in-round`` (last: the engine is unusable after it): rank 1 raises inside a round's
+  forward and its process lives on, as a Ray actor does; every rank raises naming it — a peer blocked on
+  one of Megatron's groups after ``hdp.collective_timeout_s`` (verl's worker holds the model and optimizer
+  that hold those groups, so hdp cannot free them; the ones hdp made are freed at once).
 
 Each row is :func:`hdp.trainer.bench.faults._row`'s, with ``state_unchanged`` from a sha256 of every
 parameter and optimizer-state tensor before and after the call.
@@ -31,18 +35,21 @@ _LENGTHS = [(5, 9), (3, 60), (7, 12), (4, 20), (6, 4), (2, 30)]
 _BUDGET = 48
 
 
-def _digest(engine: Any) -> str:
-    h = hashlib.sha256()
-    for chunk in engine.module:
-        for name, p in chunk.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+def _held(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and optimizer-state tensor of this rank (held by the caller: readable after a
+    failure released the engine's model and groups)."""
+    out = [(name, p) for chunk in engine.module for name, p in chunk.named_parameters()]
     for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        for entry in opt.optimizer.state.values():
-            for key in sorted(entry):
-                v = entry[key]
-                if isinstance(v, torch.Tensor):
-                    h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
+        for i, entry in enumerate(opt.optimizer.state.values()):
+            out += [(f"{i}.{k}", v) for k, v in sorted(entry.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _digest(held: list[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, v in held:
+        h.update(name.encode())
+        h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -94,15 +101,27 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     def inject(kind: str) -> Callable[[], None]:
         def undo() -> None:
-            engine.__dict__.pop("_make_plan", None)
+            engine.planner.__dict__.pop("take", None)
             engine.__dict__.pop("train_batch", None)
 
         if rank != 1:
             return undo
-        if kind == "planning":
-            def broken(data: Any, train: bool = True) -> Any:
+        if kind == "forward":
+            calls = {"n": 0}
+
+            def hook(module: Any, args: Any) -> None:
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("injected: out of memory in a round's forward on rank 1")
+
+            from hdp.integrations.verl import compat
+
+            compat.unwrap_model(engine.module[0]).decoder.layers[0].register_forward_pre_hook(hook)
+            return undo
+        if kind == "planning":  # the step's planning (made ahead or in line: DomainPlanner.take)
+            def broken(*a: Any, **k: Any) -> Any:
                 raise RuntimeError("injected: planning crashed on rank 1")
-            engine._make_plan = broken
+            engine.planner.take = broken
             return undo
         real = type(engine).train_batch.__get__(engine)
 
@@ -117,11 +136,10 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
         engine.train_batch = train_batch
         return undo
 
-    out: dict[str, Any] = {}
-    for name, kind in (("verl-planning-runtime-error", "planning"), ("verl-loss-fn-raises", "raises"),
-                       ("verl-nan-loss", "nan")):
+    def attempt(kind: str) -> dict[str, Any]:
         undo = inject(kind)
-        before = _digest(engine)
+        held = _held(engine)
+        before = _digest(held)
         t0 = time.time()
         err, metrics = None, None
         try:
@@ -130,12 +148,24 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
             err = exc
         finally:
             undo()
-        out[name] = {"raised": err is not None, "seconds": time.time() - t0, "unchanged": _digest(engine) == before,
-                     "error": None if err is None else f"{type(err).__name__}: {err}".splitlines()[0][:300],
-                     "grad_norm": None if metrics is None else float(metrics.get("grad_norm", math.nan)),
-                     "skipped": None if metrics is None else float(metrics.get("hdp/nonfinite_skipped", 0.0))}
+        return {"raised": err is not None, "seconds": time.time() - t0, "unchanged": _digest(held) == before,
+                "error": None if err is None else f"{type(err).__name__}: {err}".splitlines()[0][:300],
+                "grad_norm": None if metrics is None else float(metrics.get("grad_norm", math.nan)),
+                "skipped": None if metrics is None else float(metrics.get("hdp/nonfinite_skipped", 0.0))}
+
+    out: dict[str, Any] = {}
+    for name, kind in (("verl-planning-runtime-error", "planning"), ("verl-loss-fn-raises", "raises"),
+                       ("verl-nan-loss", "nan")):
+        out[name] = attempt(kind)
     m = update()  # the engine is still usable and in step
     out["after"] = {"finite": m is None or math.isfinite(float(m["grad_norm"]))}
+    # last (the engine is unusable after it): rank 1 raises inside a round's forward, the shape an
+    # out-of-memory takes, and its process (a Ray actor) lives on until rank 0 has left
+    out["verl-own-error-in-round"] = attempt("forward")
+    Path(workdir, f"left-{rank}").write_text("")
+    deadline = time.time() + 2 * timeout_s + 30.0
+    while rank == 1 and time.time() < deadline and not Path(workdir, "left-0").exists():
+        time.sleep(0.05)
     return out
 
 
@@ -160,7 +190,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     work.mkdir(parents=True, exist_ok=True)
     res = spawn(_worker, 2, str(work), timeout_s, timeout=600.0)
     rows = []
-    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss"):
+    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
         if fault == "verl-nan-loss":  # verl semantics: skipped everywhere, nothing raised
             row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
@@ -170,7 +200,14 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
             row["ok"] = bool(row["state_unchanged"] and not row["ranks_raised"] and row["skipped_with_nan_grad_norm"])
         else:
             row = _row(fault, 2, per, [], timeout_s)
-        row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= 5.0)
+        # own error with a live process: a peer blocked on one of Megatron's groups (held by verl's model
+        # and optimizer) is released by their timeout, hdp.collective_timeout_s, not in seconds
+        limit = timeout_s + 5.0 if fault == "verl-own-error-in-round" else 5.0
+        row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= limit)
         rows.append(row)
-    rows[-1]["usable_after"] = all(res[r]["after"]["finite"] for r in range(2))
+    rows[2]["usable_after"] = all(res[r]["after"]["finite"] for r in range(2))
+    own = rows[3]
+    own["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
+                                      for v in (res[r]["verl-own-error-in-round"] for r in range(2)))
+    own["ok"] = bool(own["ok"] and own["names_rank_and_error"])
     return rows

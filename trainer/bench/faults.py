@@ -98,22 +98,30 @@ def _batch(step: int):
     return Batch(tokens=[torch.randint(0, 64, (n,), generator=g) for n in _LENGTHS])
 
 
-def _state_digest(engine) -> str:
-    """sha256 of every parameter and every optimizer-state tensor of this rank (the step counter is
-    not part of it: a step whose loss_fn fails or is not finite still counts as attempted)."""
-    h = hashlib.sha256()
+def _state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and every optimizer-state tensor of this rank, by name (the step counter is not
+    part of it: a step whose loss_fn fails or is not finite still counts as attempted).  Held by the
+    caller, they can be read after a failed step released the engine's groups and dropped its model."""
+    out = []
     for chunk in engine.model_chunks:
-        for name, p in chunk.module.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        out += [(name, p) for name, p in chunk.module.named_parameters()]
     for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        for entry in opt.optimizer.state.values():
-            for key in sorted(entry):
-                v = entry[key]
-                if isinstance(v, torch.Tensor):
-                    h.update(key.encode())
-                    h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
+        for i, entry in enumerate(opt.optimizer.state.values()):
+            out += [(f"{i}.{key}", v) for key, v in sorted(entry.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _digest_of(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, v in tensors:
+        h.update(name.encode())
+        h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
     return h.hexdigest()
+
+
+def _state_digest(engine) -> str:
+    """sha256 of `_state_tensors`."""
+    return _digest_of(_state_tensors(engine))
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
@@ -129,7 +137,8 @@ def _first_line(exc: BaseException | None) -> str | None:
 
 def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn`` on this rank: did it raise, how fast, and is the engine's state unchanged?"""
-    before = _state_digest(engine)
+    held = _state_tensors(engine)
+    before = _digest_of(held)
     t0 = time.time()
     err: BaseException | None = None
     try:
@@ -137,7 +146,7 @@ def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
     except BaseException as exc:  # noqa: BLE001 - the report names every type
         err = exc
     return {"raised": err is not None, "error": _first_line(err), "seconds": time.time() - t0,
-            "unchanged": _state_digest(engine) == before}
+            "unchanged": _digest_of(held) == before}
 
 
 # ---- in-process faults (4 ranks) ---------------------------------------------------------------------
@@ -420,7 +429,8 @@ def _load_previous(rank: int, world: int, workdir: str, timeout_s: float) -> dic
 
 def _own_error(rank: int, world: int, workdir: str, timeout_s: float, where: str) -> dict[str, Any]:
     """Rank 1 raises RuntimeError in round 2's forward (the shape an out-of-memory takes) or in a CP
-    backward; the collective timeout is OWN_ERROR_TIMEOUT_S, so only the alarm makes this fast."""
+    backward and its process stays alive until the others have left; the collective timeout is
+    OWN_ERROR_TIMEOUT_S, so only the alarm and the released groups make this fast."""
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     engine = HdpEngine.build(_config(OWN_ERROR_TIMEOUT_S), dist.group.WORLD, init_fn=_init)
@@ -444,6 +454,13 @@ def _own_error(rank: int, world: int, workdir: str, timeout_s: float, where: str
     res = _attempt(engine, lambda: engine.train_step(_batch(1), nll_loss))
     res["t_exit"] = time.time()
     res["next_call"] = _first_line(_error_of(lambda: engine.train_step(_batch(2), nll_loss)))
+    # the failed rank's process lives on (a Ray actor, a trainer that catches the error) until every
+    # peer has left: its exit must not be what releases them
+    root = Path(workdir)
+    (root / f"left-{rank}").write_text(str(res["t_exit"]))
+    deadline = time.time() + OWN_ERROR_TIMEOUT_S + 30.0
+    while rank == 1 and time.time() < deadline and not all((root / f"left-{r}").exists() for r in range(world)):
+        time.sleep(0.05)
     return res
 
 
