@@ -257,19 +257,20 @@ def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.nda
     return uniq // (N + 1), uniq % (N + 1), g_k, np.asarray(g_cost, dtype=np.float64)
 
 
-def round_times(plan: Plan, cost: CostModel) -> np.ndarray:
-    """[R] time of every round: its tallest group (units), computed exactly per group."""
-    g_round, _, _, g_cost = _groups(plan, cost)
+def round_times(plan: Plan, cost: CostModel, groups: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+    """[R] time of every round: its tallest group (units), computed exactly per group (``groups``:
+    `_groups` of the plan when the caller has them)."""
+    g_round, _, _, g_cost = groups if groups is not None else _groups(plan, cost)
     top = np.zeros(plan.num_rounds)
     np.maximum.at(top, g_round, g_cost)
     return top
 
 
-def rank_loads(plan: Plan, cost: CostModel) -> np.ndarray:
+def rank_loads(plan: Plan, cost: CostModel, groups: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
     """[R, N] busy time of every rank in every round (units)."""
     R, N = plan.num_rounds, plan.num_ranks
     loads = np.zeros((R, N + 1), dtype=np.float64)
-    g_round, g_start, g_k, g_cost = _groups(plan, cost)
+    g_round, g_start, g_k, g_cost = groups if groups is not None else _groups(plan, cost)
     # difference array along ranks: +c at start, -c after the last rank of the group
     np.add.at(loads, (g_round, g_start), g_cost)
     np.add.at(loads, (g_round, g_start + g_k), -g_cost)
@@ -284,8 +285,9 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
     the command line ask for it)."""
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
         raise ValueError(f"pipeline_stages={pipeline_stages!r}: pass the number of pipeline stages (>= 1)")
-    loads = rank_loads(plan, cost)
-    round_max = round_times(plan, cost)
+    groups = _groups(plan, cost)
+    loads = rank_loads(plan, cost, groups)
+    round_max = round_times(plan, cost, groups)
     compute_time = float(round_max.sum())
     fill = (pipeline_stages - 1) * float(round_max.max()) if round_max.size else 0.0
     total = step_time(round_max, cost, pipeline_stages)
