@@ -19,7 +19,6 @@ parameter and optimizer-state tensor before and after the call.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -36,21 +35,15 @@ _BUDGET = 48
 
 
 def _held(engine: Any) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and optimizer-state tensor of this rank (held by the caller: readable after a
-    failure released the engine's model and groups)."""
-    out = [(name, p) for chunk in engine.module for name, p in chunk.named_parameters()]
-    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        for i, entry in enumerate(opt.optimizer.state.values()):
-            out += [(f"{i}.{k}", v) for k, v in sorted(entry.items()) if isinstance(v, torch.Tensor)]
-    return out
+    from hdp.trainer.bench.faults import state_tensors
+
+    return state_tensors(engine.module, engine.optimizer)
 
 
 def _digest(held: list[tuple[str, torch.Tensor]]) -> str:
-    h = hashlib.sha256()
-    for name, v in held:
-        h.update(name.encode())
-        h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
-    return h.hexdigest()
+    from hdp.trainer.bench.faults import digest_of
+
+    return digest_of(held)
 
 
 def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:

@@ -98,20 +98,25 @@ def _batch(step: int):
     return Batch(tokens=[torch.randint(0, 64, (n,), generator=g) for n in _LENGTHS])
 
 
-def _state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and every optimizer-state tensor of this rank, by name (the step counter is not
-    part of it: a step whose loss_fn fails or is not finite still counts as attempted).  Held by the
-    caller, they can be read after a failed step released the engine's groups and dropped its model."""
+def state_tensors(modules: Any, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter of ``modules`` and every state tensor of Megatron's ``optimizer``, by name (the step
+    counter is not part of it: a step whose loss fails or is not finite still counts as attempted).  Held by
+    the caller, they can be read after a failed step released the engine's groups and dropped its model."""
     out = []
-    for chunk in engine.model_chunks:
-        out += [(name, p) for name, p in chunk.module.named_parameters()]
-    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+    for module in modules:
+        out += [(name, p) for name, p in module.named_parameters()]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for i, entry in enumerate(opt.optimizer.state.values()):
             out += [(f"{i}.{key}", v) for key, v in sorted(entry.items()) if isinstance(v, torch.Tensor)]
     return out
 
 
-def _digest_of(tensors: list[tuple[str, torch.Tensor]]) -> str:
+def _state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
+    return state_tensors([c.module for c in engine.model_chunks], engine.optimizer)
+
+
+def digest_of(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of (name, bytes) of ``tensors``."""
     h = hashlib.sha256()
     for name, v in tensors:
         h.update(name.encode())
@@ -121,7 +126,7 @@ def _digest_of(tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 def _state_digest(engine) -> str:
     """sha256 of `_state_tensors`."""
-    return _digest_of(_state_tensors(engine))
+    return digest_of(_state_tensors(engine))
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
@@ -138,7 +143,7 @@ def _first_line(exc: BaseException | None) -> str | None:
 def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn`` on this rank: did it raise, how fast, and is the engine's state unchanged?"""
     held = _state_tensors(engine)
-    before = _digest_of(held)
+    before = digest_of(held)
     t0 = time.time()
     err: BaseException | None = None
     try:
@@ -146,7 +151,7 @@ def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
     except BaseException as exc:  # noqa: BLE001 - the report names every type
         err = exc
     return {"raised": err is not None, "error": _first_line(err), "seconds": time.time() - t0,
-            "unchanged": _digest_of(held) == before}
+            "unchanged": digest_of(held) == before}
 
 
 # ---- in-process faults (4 ranks) ---------------------------------------------------------------------
