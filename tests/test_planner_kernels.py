@@ -97,3 +97,132 @@ def test_without_a_cache_directory_the_kernels_compile_per_process_to_the_same_p
     lengths = workloads.WORKLOADS["short-reasoning"](n=512, seed=11)
     here = plan(lengths, PlannerConfig(num_ranks=32, max_tokens_per_rank=4096)).checksum()
     assert _checksum_in_a_new_process(NUMBA_CACHE_LOCATOR_CLASSES="ZipCacheLocator") == here
+
+
+# --- the balance and LPT kernels against the numpy waves they replaced -------------------------------
+
+def _lpt_ref(items, height, tokens, load, used, budget, out, exact=False):
+    """The numpy waves `bins._lpt` ran before its kernel: the reference, one wave a few sorts."""
+    from hdp.packing.policies.hdp.bins import Infeasible, _lpt_exact
+
+    m = load.size
+    pos = 0
+    while pos < items.size:
+        it = items[pos : pos + m]  # [b] next items, tallest first
+        elig = np.flatnonzero(used + int(tokens[it].max()) <= budget)
+        if exact and elig.size < m:
+            _lpt_exact(items[pos:], height, tokens, load, used, budget, out)
+            return
+        if elig.size == 0:
+            i = int(it[0])
+            room = np.flatnonzero(used + tokens[i] <= budget)
+            if room.size == 0:
+                raise Infeasible
+            it, bins = it[:1], room[np.lexsort((room, load[room]))[:1]]
+        else:
+            bins = elig[np.lexsort((elig, load[elig]))[: it.size]]
+            it = it[: bins.size]
+            low = load[bins]
+            raised = np.minimum.accumulate(low + height[it])
+            late = np.flatnonzero(low[1:] >= raised[:-1])
+            if late.size:
+                it, bins = it[: late[0] + 1], bins[: late[0] + 1]
+        load[bins] += height[it]
+        used[bins] += tokens[it]
+        out[it] = bins
+        pos += it.size
+
+
+def _balance_ref(height, tokens, m, budget, offset=None):
+    """The numpy `bins._balance` before its kernel (its small cases included)."""
+    from hdp.packing.policies.hdp.bins import _KK_MAX_WORK
+    from hdp.packing.policies.kk import karmarkar_karp
+
+    n = height.size
+    out = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return out
+    if m >= n and offset is None:
+        out[np.lexsort((np.arange(n), -height))] = np.arange(n)
+        return out
+    if offset is None and n * m <= _KK_MAX_WORK:
+        bins = karmarkar_karp(height, m)
+        if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
+            return bins
+    order = np.lexsort((np.arange(n), -height))
+    load = np.zeros(m) if offset is None else np.asarray(offset, dtype=np.float64).copy()
+    used = np.zeros(m, dtype=np.int64)
+    deferred = []
+    pos = 0
+    while n - pos >= 2 * m:
+        chunk = order[pos : pos + m]
+        pos += chunk.size
+        target = np.argsort(load, kind="stable")[: chunk.size]
+        fits = used[target] + tokens[chunk] <= budget
+        ok_i, ok_b = chunk[fits], target[fits]
+        load[ok_b] += height[ok_i]
+        used[ok_b] += tokens[ok_i]
+        out[ok_i] = ok_b
+        if not fits.all():
+            deferred.append(chunk[~fits])
+    rest = np.concatenate(deferred + [order[pos:]])
+    if rest.size:
+        rest = rest[np.lexsort((rest, -height[rest]))]
+        _lpt_ref(rest, height, tokens, load, used, budget, out)
+    return out
+
+
+def _outcome(fn, *args):
+    """What ``fn`` returns, or "infeasible" when it raises Infeasible."""
+    from hdp.packing.policies.hdp.bins import Infeasible
+
+    try:
+        return fn(*args)
+    except Infeasible:
+        return "infeasible"
+
+
+def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
+    """Random instances -- heights with many ties, budgets from loose to too tight, offsets, exact or not:
+    the same bins (or the same Infeasible) as the numpy reference."""
+    from hdp.packing.policies.hdp import bins as B
+
+    rng = np.random.default_rng(3)
+    seen = {"feasible": 0, "infeasible": 0}
+    for trial in range(400):
+        n, m = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+        height = np.round(rng.random(n) * rng.choice([3, 1000])).astype(np.float64)  # ties when coarse
+        tokens = rng.integers(1, 2000, n)
+        budget = int(max(tokens.max(), tokens.sum() / m * rng.uniform(0.9, 3.0)))
+        offset = None if trial % 3 else -rng.random(m) * height.max()
+        got = _outcome(B._balance, height, tokens, m, budget, offset)
+        want = _outcome(_balance_ref, height, tokens, m, budget, offset)
+        assert type(got) is type(want) and np.array_equal(got, want), (trial, n, m, budget)
+        order = np.lexsort((np.arange(n), -height))
+        for exact in (False, True):
+            outs = []
+            for fn in (B._lpt, _lpt_ref):
+                load, used, out = np.zeros(m), np.zeros(m, np.int64), np.full(n, -1, np.int64)
+                res = _outcome(fn, order, height, tokens, load, used, budget, out, exact)
+                outs.append((res, out, load, used))
+            (r1, o1, l1, u1), (r2, o2, l2, u2) = outs
+            assert r1 == r2 and np.array_equal(o1, o2) and np.array_equal(l1, l2) and np.array_equal(u1, u2)
+            seen["infeasible" if r1 == "infeasible" else "feasible"] += 1
+    assert seen["feasible"] > 100 and seen["infeasible"] > 20, seen  # both outcomes exercised
+
+
+@pytest.mark.parametrize("name", ["short-reasoning", "bimodal", "wikipedia", "pareto", "rl-32k"])
+def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
+    """Whole plans: the same checksum with `bins._balance` and `bins._lpt` swapped for the numpy waves."""
+    from hdp.packing import workloads
+    from hdp.packing.policies.hdp import bins as B
+
+    for n, ranks, budget in ((1024, 64, 4096), (512, 16, 16_384)):
+        lengths = workloads.WORKLOADS[name](n=n, seed=5)
+        cfg = PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget)
+        got = plan(lengths, cfg).checksum()
+        with monkeypatch.context() as mp:
+            mp.setattr(B, "_balance", _balance_ref)
+            mp.setattr(B, "_lpt", _lpt_ref)
+            want = plan(lengths, cfg).checksum()
+        assert got == want, (name, n, ranks)

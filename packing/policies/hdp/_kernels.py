@@ -30,7 +30,8 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "cost_params", "int_array", "polish_search", "fill_gaps", "fill_wide_gaps", "shelf_layout", "best_sizes",
+    "cost_params", "int_array", "polish_search", "fill_gaps", "fill_wide_gaps", "lpt_waves", "balance", "shelf_layout",
+    "best_sizes",
     "swap_rounds", "sample_costs", "rank_tokens", "column_heights", "column_tokens", "max_at", "warm_up",
 ]
 
@@ -1057,6 +1058,189 @@ def fill_wide_gaps(p, budget, lengths, widths, sw, sl, sq, tok, roof, chosen, ne
 
 
 @_kernel
+def _below(key, a, b):
+    """Bin a sorts before bin b: by ``key``, then index."""
+    return key[a] < key[b] or (key[a] == key[b] and a < b)
+
+
+@_kernel
+def _heap_push(heap, size, key, b):
+    """Bin b into the binary min-heap ``heap[:size]`` ordered by (``key``, index); returns the new size."""
+    j = size
+    heap[j] = b
+    while j > 0:
+        up = (j - 1) >> 1
+        if not _below(key, heap[j], heap[up]):
+            break
+        heap[j], heap[up] = heap[up], heap[j]
+        j = up
+    return size + 1
+
+
+@_kernel
+def _heap_pop(heap, size, key):
+    """The first bin of the min-heap ``heap[:size]`` (by ``key``, then index) taken out; the new size is
+    ``size - 1``.  A bin's key must not change while it is in the heap."""
+    top = heap[0]
+    size -= 1
+    heap[0] = heap[size]
+    j = 0
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and _below(key, heap[c + 1], heap[c]):
+            c += 1
+        if not _below(key, heap[c], heap[j]):
+            break
+        heap[j], heap[c] = heap[c], heap[j]
+        j = c
+    return top
+
+
+@_kernel
+def lpt_waves(items, height, tokens, load, used, budget, out, exact):
+    """`bins._lpt`'s waves: ``items`` (tallest first) each to the least-loaded bin (ties: lowest index)
+    with token room, a wave of up to m items at a time over the bins with room for its most tokens
+    (`bins._lpt`'s docstring); ``load``, ``used``, ``out`` in place.  Returns ``items.size`` when every
+    item is placed, -1 when one fits no bin, or -- with ``exact``, once some bin lacks room for a wave's
+    most tokens -- the position from which the rest go one by one (`bins._lpt_exact`).
+
+    The numpy waves sorted every eligible bin by load; here the bins sit in a heap by (load, index) --
+    the ones too full for the wave's most tokens set aside in a stash by room, back once a wave's
+    tokens fit them -- and a wave pops only the bins it takes (and the one that ends it), so a wave
+    costs its items' heap steps, not a sort of the m bins.  The wave's most tokens come from a sliding
+    window maximum over the items."""
+    m = load.size
+    n = items.size
+    heap = np.empty(m, dtype=np.int64)  # bins with room for the wave's most tokens (once checked), by load
+    stash = np.empty(m, dtype=np.int64)  # bins short of room, fullest last out: by used tokens
+    n_heap = 0
+    n_stash = 0
+    for b in range(m):
+        n_heap = _heap_push(heap, n_heap, load, b)
+    max_used = 0
+    for b in range(m):
+        max_used = max(max_used, used[b])
+    win = np.empty(n, dtype=np.int64)  # sliding-window maximum of the items' tokens: positions, tokens falling
+    w_lo, w_hi = 0, 0
+    nxt = 0  # the next position entering the window
+    taken = np.empty(m, dtype=np.int64)  # the bins the wave took
+    pos = 0
+    while pos < n:
+        end = min(pos + m, n)
+        while nxt < end:
+            while w_hi > w_lo and tokens[items[win[w_hi - 1]]] <= tokens[items[nxt]]:
+                w_hi -= 1
+            win[w_hi] = nxt
+            w_hi += 1
+            nxt += 1
+        while win[w_lo] < pos:
+            w_lo += 1
+        t_max = tokens[items[win[w_lo]]]
+        if exact and max_used + t_max > budget:  # some bin lacks room: the rest one by one
+            return pos
+        while n_stash > 0 and used[stash[0]] + t_max <= budget:  # room again for this wave
+            n_heap = _heap_push(heap, n_heap, load, _heap_pop(stash, n_stash, used))
+            n_stash -= 1
+        while n_heap > 0 and used[heap[0]] + t_max > budget:  # no room for this wave
+            n_stash = _heap_push(stash, n_stash, used, _heap_pop(heap, n_heap, load))
+            n_heap -= 1
+        if n_heap == 0:  # one item alone: the least-loaded bin with room
+            i = items[pos]
+            t = tokens[i]
+            while n_stash > 0 and used[stash[0]] + t <= budget:
+                n_heap = _heap_push(heap, n_heap, load, _heap_pop(stash, n_stash, used))
+                n_stash -= 1
+            while n_heap > 0 and used[heap[0]] + t > budget:
+                n_stash = _heap_push(stash, n_stash, used, _heap_pop(heap, n_heap, load))
+                n_heap -= 1
+            if n_heap == 0:
+                return -1
+            b = _heap_pop(heap, n_heap, load)
+            n_heap -= 1
+            load[b] += height[i]
+            used[b] += t
+            max_used = max(max_used, used[b])
+            out[i] = b
+            n_heap = _heap_push(heap, n_heap, load, b)
+            pos += 1
+            continue
+        n_taken = 0
+        raised = np.inf  # the lowest bin the wave raised so far
+        while pos + n_taken < end:
+            while n_heap > 0 and used[heap[0]] + t_max > budget:  # no room for this wave
+                n_stash = _heap_push(stash, n_stash, used, _heap_pop(heap, n_heap, load))
+                n_heap -= 1
+            if n_heap == 0:
+                break
+            b = heap[0]
+            if n_taken > 0 and load[b] >= raised:  # the wave ends: a raised bin is as low
+                break
+            _heap_pop(heap, n_heap, load)
+            n_heap -= 1
+            i = items[pos + n_taken]
+            raised = min(raised, load[b] + height[i])
+            taken[n_taken] = b
+            n_taken += 1
+        for q in range(n_taken):
+            i, b = items[pos + q], taken[q]
+            load[b] += height[i]
+            used[b] += tokens[i]
+            max_used = max(max_used, used[b])
+            out[i] = b
+        for q in range(n_taken):
+            n_heap = _heap_push(heap, n_heap, load, taken[q])
+        pos += n_taken
+    return n
+
+
+@_kernel
+def balance(height, tokens, budget, load, out):
+    """`bins._balance` past its small cases: slices of m items (m = ``load.size`` bins), tallest first
+    (ties: lowest index), to the bins sorted by load (ties: lowest index) where their tokens fit; the
+    last m..2m items and those that did not fit, tallest first (ties: lowest index), by `lpt_waves`.
+    ``load`` (the bins' starting loads), ``out`` in place; returns False when an item fits no bin."""
+    n, m = height.size, load.size
+    neg = np.empty(n)
+    for i in range(n):
+        neg[i] = -height[i]
+    order = _argsort_stable(neg)
+    used = np.zeros(m, dtype=np.int64)
+    rest = np.zeros(n, dtype=np.bool_)  # the items left for the exact placement
+    pos = 0
+    while n - pos >= 2 * m:  # the last m..2m items go one by one (exact LPT) for the fine levelling
+        target = _argsort_stable(load)  # least-loaded bins first
+        for q in range(m):
+            i, b = order[pos + q], target[q]
+            if used[b] + tokens[i] <= budget:
+                load[b] += height[i]
+                used[b] += tokens[i]
+                out[i] = b
+            else:
+                rest[i] = True
+        pos += m
+    for q in range(pos, n):
+        rest[order[q]] = True
+    n_rest = 0
+    for i in range(n):
+        if rest[i]:
+            n_rest += 1
+    if n_rest == 0:
+        return True
+    items = np.empty(n_rest, dtype=np.int64)  # by index, then tallest first (stable)
+    neg_r = np.empty(n_rest)
+    n_rest = 0
+    for i in range(n):
+        if rest[i]:
+            items[n_rest] = i
+            neg_r[n_rest] = -height[i]
+            n_rest += 1
+    items = items[_argsort_stable(neg_r)]
+    return lpt_waves(items, height, tokens, load, used, budget, out, False) >= 0
+
+
+@_kernel
 def shelf_layout(widths, num_ranks, max_width):
     """`bins.layout`'s first-fit decreasing over columns of ``widths`` (already tallest first): the
     round of each, a new round when none has room; one pointer per width to the first round that may
@@ -1343,6 +1527,8 @@ def warm_up() -> None:
                   1_500, 4, 1, 8, 32, 8, 1e-4, 16_384)
     fill_gaps(i64(1), f8(1.0, 2.0), i64(1, 2), f8(5.0), f8(10.0), i64(0), i64(0, 1), f8(1.0, 2.0))
     fill_wide_gaps(p, 4096, i64(100), i64(2), f8(0.0), f8(0.0), f8(0.0), f8(0.0), f8(1e9), i64(-1), f8(np.nan))
+    lpt_waves(i64(0, 1), f8(2.0, 1.0), i64(1, 1), f8(0.0, 0.0), i64(0, 0), 4096, i64(-1, -1), False)
+    balance(f8(3.0, 2.0, 1.0, 1.0), i64(1, 1, 1, 1), 4096, f8(0.0), i64(-1, -1, -1, -1))
     shelf_layout(i64(2, 1), 4, 2)
     best_sizes(p, 4, i64(100), i64(1), i64(1, 2), 1.0, i64(0), f8(0.0))
     swap_rounds(i64(0, 1), i64(0, 0), i64(1, 1), f8(1.0, 2.0), 2, False, 1)

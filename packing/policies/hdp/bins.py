@@ -92,26 +92,9 @@ def _balance(
         bins = karmarkar_karp(height, m)
         if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
             return bins
-    order = np.lexsort((np.arange(n), -height))
-    load = np.zeros(m) if offset is None else np.asarray(offset, dtype=np.float64).copy()
-    used = np.zeros(m, dtype=np.int64)
-    deferred: list[np.ndarray] = []
-    pos = 0
-    while n - pos >= 2 * m:  # the last m..2m items go one by one (exact LPT) for the fine levelling
-        chunk = order[pos : pos + m]  # [m] tallest remaining items
-        pos += chunk.size
-        target = np.argsort(load, kind="stable")[: chunk.size]  # least-loaded bins first
-        fits = used[target] + tokens[chunk] <= budget
-        ok_i, ok_b = chunk[fits], target[fits]
-        load[ok_b] += height[ok_i]
-        used[ok_b] += tokens[ok_i]
-        out[ok_i] = ok_b
-        if not fits.all():
-            deferred.append(chunk[~fits])
-    rest = np.concatenate(deferred + [order[pos:]])
-    if rest.size:
-        rest = rest[np.lexsort((rest, -height[rest]))]  # tallest first (longest first within a size)
-        _lpt(rest, height, tokens, load, used, budget, out)
+    load = np.zeros(m) if offset is None else np.array(offset, dtype=np.float64)
+    if not _kernels.balance(np.asarray(height, dtype=np.float64), _tokens(tokens), int(budget), load, out):
+        raise Infeasible
     return out
 
 
@@ -130,32 +113,18 @@ def _lpt(
     for a wave's largest item the rest go one by one (`_lpt_exact`), so the result is exactly
     one-by-one LPT.  Raises Infeasible when an item fits no bin.
     """
-    m = load.size
-    pos = 0
-    while pos < items.size:
-        it = items[pos : pos + m]  # [b] next items, tallest first
-        elig = np.flatnonzero(used + int(tokens[it].max()) <= budget)  # bins any of them fits
-        if exact and elig.size < m:
-            _lpt_exact(items[pos:], height, tokens, load, used, budget, out)
-            return
-        if elig.size == 0:  # one item alone: the least-loaded bin with room
-            i = int(it[0])
-            room = np.flatnonzero(used + tokens[i] <= budget)
-            if room.size == 0:
-                raise Infeasible
-            it, bins = it[:1], room[np.lexsort((room, load[room]))[:1]]
-        else:
-            bins = elig[np.lexsort((elig, load[elig]))[: it.size]]  # least-loaded first
-            it = it[: bins.size]
-            low = load[bins]
-            raised = np.minimum.accumulate(low + height[it])  # lowest bin the wave raised so far
-            late = np.flatnonzero(low[1:] >= raised[:-1])
-            if late.size:
-                it, bins = it[: late[0] + 1], bins[: late[0] + 1]
-        load[bins] += height[it]
-        used[bins] += tokens[it]
-        out[it] = bins
-        pos += it.size
+    pos = _kernels.lpt_waves(_kernels.int_array(items), np.asarray(height, dtype=np.float64), _tokens(tokens), load,
+                             used, int(budget), out, exact)
+    if pos < 0:
+        raise Infeasible
+    if pos < items.size:
+        _lpt_exact(items[pos:], height, tokens, load, used, budget, out)
+
+
+def _tokens(tokens: np.ndarray) -> np.ndarray:
+    """Token counts as the kernels take them (int64; counts are whole tokens)."""
+    assert np.issubdtype(np.asarray(tokens).dtype, np.integer), "token counts are integers"
+    return _kernels.int_array(tokens)
 
 
 def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
