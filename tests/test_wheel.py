@@ -5,7 +5,8 @@ installs were tested), so ``plan()`` with the default policy could not import.  
 built from this checkout, installed with ``--no-deps`` into a new venv that sees the test venv's
 site-packages (torch, numpy, megatron-core, verl: nothing is downloaded) through a ``.pth`` line — a
 path added that way does not run that directory's own ``.pth`` files, so the checkout's editable
-install stays out of sight — and run from ``/``: ``hdp plan`` with the default policy, the verl
+install stays out of sight — and run from ``/``: ``hdp plan`` with the default policy (its compiled
+kernels without a cache directory: the checkout's plan to the checksum), the verl
 plugin's import, its Hydra configs and the bundled data file.  Every ``.py`` of the source roots
 must be in the wheel.
 """
@@ -53,13 +54,21 @@ def test_built_wheel_installs_and_plans_from_outside_the_checkout(tmp_path) -> N
     assert install.returncode == 0, install.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     hdp = env_dir / "bin" / "hdp"
+    # the planner's kernels where numba finds no writable cache directory (its locators all refuse):
+    # compiled in the process (seconds), and the plan is this checkout's to the checksum
     out = subprocess.run([str(hdp), "plan", "--workload", "rl", "--samples", "64", "-N", "8", "-B", "8192", "--json"],
-                         capture_output=True, text=True, timeout=300, cwd="/", env=env)
+                         capture_output=True, text=True, timeout=300, cwd="/",
+                         env={**env, "NUMBA_CACHE_LOCATOR_CLASSES": "ZipCacheLocator"})
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     assert doc["policy"] == "hdp" and doc["stats"]["rounds"] >= 1, doc.get("stats")
+    from hdp.packing import PlannerConfig, plan, workloads
+
+    here = plan(workloads.WORKLOADS["rl"](n=64, seed=0), PlannerConfig(num_ranks=8, max_tokens_per_rank=8192))
+    assert doc["checksum"] == here.checksum() and doc["lengths"] == here.lengths.tolist()
+    assert not list(Path(purelib).rglob("*.nbi")), "numba wrote a cache although every locator refused"
     code = (
-        "import hdp, hdp.packing.policies.hdp, hdp.integrations.verl.plugin as plugin, pathlib, json;"
+        "import hdp, hdp.integrations.verl.plugin as plugin, pathlib, json;"
         "from hdp.integrations.verl import config_dir;"
         "from hdp.packing.workloads import get_workload;"
         "conf = sorted(p.name for p in pathlib.Path(config_dir()).rglob('*.yaml'));"

@@ -85,6 +85,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={paths['reward']}",
         "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",  # verl starts 8 reward processes by default: each imports torch and verl
         "trainer.logger=['console']",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
