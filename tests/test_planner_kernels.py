@@ -57,10 +57,18 @@ def test_pairwise_sum_is_numpys(n):
 
 
 def test_stable_argsort_matches_numpy_with_ties():
+    """Both paths (merging below `_RADIX_MIN` keys, radix from it): numpy's stable order with ties, signed
+    zeros (equal), infinities, negative and subnormal keys; NaN last on the radix path (the planner's keys,
+    heights and loads, are never NaN)."""
     rng = np.random.default_rng(2)
-    for n in (0, 1, 5, 16, 17, 33, 1000):
-        x = np.round(rng.random(n) * 10)  # many ties
-        assert np.array_equal(K._argsort_stable(x), np.argsort(x, kind="stable"))
+    for n in (0, 1, 5, 16, 17, 33, 511, 512, 1000, 4097, 20_000):
+        x = np.round(rng.random(n) * 10) * rng.choice([-1.0, 1.0], n)  # many ties, both signs
+        if n >= 8:
+            nan = np.nan if n >= K._RADIX_MIN else 3.0
+            x[:8] = [0.0, -0.0, nan, np.inf, -np.inf, 5e-324, -5e-324, nan]
+        assert np.array_equal(K._argsort_stable(x), np.argsort(x, kind="stable")), n
+        y = rng.random(n) * 10.0 ** rng.integers(-300, 300, n)  # every exponent byte in play
+        assert np.array_equal(K._argsort_stable(y), np.argsort(y, kind="stable")), n
 
 
 _SCRIPT = """

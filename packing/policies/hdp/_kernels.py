@@ -125,37 +125,39 @@ def _vals(p, length, k, out):
 
 @_kernel
 def _ensure(tab, row_of, n_rows, p, lengths, k):
-    """``tab`` [rows, n, 4] with a row of every sample's `_vals` on k ranks (made on first use,
-    ``row_of[k]`` its row; ``n_rows[0]`` rows made); no table (``n`` = 0 columns) on large batches."""
+    """``tab`` [rows, n, 4] with a row for every sample's `_vals` on k ranks (``row_of[k]`` its row;
+    ``n_rows[0]`` rows taken), its entries NaN until `_val` first reads them: a row costs a fill, an
+    entry its arithmetic once -- an evaluation reads a few samples of a large batch, not every one.
+    No table (``n`` = 0 columns) on large batches."""
     if tab.shape[1] == 0 or row_of[k] >= 0:
         return tab
-    if n_rows[0] == tab.shape[0]:  # full: double the rows
-        more = np.zeros((2 * tab.shape[0], tab.shape[1], 4))
+    if n_rows[0] == tab.shape[0]:  # full: double the rows (the new ones unread)
+        more = np.full((2 * tab.shape[0], tab.shape[1], 4), np.nan)
         for r in range(tab.shape[0]):
             for i in range(tab.shape[1]):
                 for q in range(4):
                     more[r, i, q] = tab[r, i, q]
         tab = more
-    r = n_rows[0]
-    v = np.empty(4)
-    for i in range(tab.shape[1]):
-        _vals(p, lengths[i], k, v)
-        for q in range(4):
-            tab[r, i, q] = v[q]
-    row_of[k] = r
-    n_rows[0] = r + 1
+    row_of[k] = n_rows[0]
+    n_rows[0] += 1
     return tab
 
 
 @_kernel
 def _val(tab, row_of, p, lengths, i, k, out):
-    """`_vals` of sample i on k ranks: from the table when there is one (`_ensure`), else computed."""
+    """`_vals` of sample i on k ranks: from the table when there is one (`_ensure`; computed and kept on
+    the first read), else computed."""
     if tab.shape[1] == 0:
         _vals(p, lengths[i], k, out)
-    else:
-        r = row_of[k]
+        return
+    r = row_of[k]
+    if tab[r, i, 0] != tab[r, i, 0]:  # NaN: not read before (a value itself is never NaN)
+        _vals(p, lengths[i], k, out)
         for q in range(4):
-            out[q] = tab[r, i, q]
+            tab[r, i, q] = out[q]
+        return
+    for q in range(4):
+        out[q] = tab[r, i, q]
 
 
 @_kernel
@@ -243,11 +245,58 @@ def _stable_by_round(items, key_round, n_rounds):
     return out
 
 
+_RADIX_MIN = 512  # from this many keys `_argsort_stable` sorts by radix (8 passes of a byte), below by merging
+
+
+@_kernel
+def _argsort_radix(keys):
+    """``np.argsort(keys, kind="stable")`` of a float64 vector by least-significant-digit radix sort: the
+    keys as unsigned integers that order as the floats do (-0.0 as 0.0, every NaN last as numpy puts
+    them), a stable counting sort per byte, bytes all keys share skipped.  O(8 n) without comparisons."""
+    n = keys.size
+    u = np.empty(n, dtype=np.uint64)
+    f = np.empty(1)
+    bits = f.view(np.uint64)
+    top = np.uint64(1) << np.uint64(63)
+    for i in range(n):
+        x = keys[i]
+        if x != x:
+            f[0] = np.inf
+            u[i] = (bits[0] | top) + np.uint64(1)  # above +inf: NaN last, in their order
+            continue
+        f[0] = x + 0.0  # -0.0 -> 0.0
+        b = bits[0]
+        u[i] = ~b if b & top else b | top
+    a = np.arange(n)
+    tmp = np.empty(n, dtype=np.int64)
+    count = np.empty(257, dtype=np.int64)
+    for shift in range(0, 64, 8):
+        sh = np.uint64(shift)
+        count[:] = 0
+        for i in range(n):
+            count[((u[i] >> sh) & np.uint64(255)) + 1] += 1
+        if count[((u[0] >> sh) & np.uint64(255)) + 1] == n:  # every key has this byte: nothing to move
+            continue
+        for d in range(256):
+            count[d + 1] += count[d]
+        for j in range(n):
+            i = a[j]
+            d = (u[i] >> sh) & np.uint64(255)
+            tmp[count[d]] = i
+            count[d] += 1
+        a, tmp = tmp, a
+    return a
+
+
 @_kernel
 def _argsort_stable(keys):
-    """``np.argsort(keys, kind="stable")`` of a float64 vector: insertion-sorted runs of 16, merged
-    bottom-up (equal keys keep their order).  Written out: numba's own sorts bring seconds of compilation with them."""
+    """``np.argsort(keys, kind="stable")`` of a float64 vector: by radix from `_RADIX_MIN` keys
+    (`_argsort_radix`), below that insertion-sorted runs of 16, merged bottom-up (equal keys keep their
+    order; keys never NaN, which only the radix path orders).  Written out: numba's own sorts bring
+    seconds of compilation with them."""
     n = keys.size
+    if n >= _RADIX_MIN:
+        return _argsort_radix(keys)
     a = np.arange(n)
     b = np.empty(n, dtype=np.int64)
     width = 16  # runs of 16 by insertion sort, then merges
@@ -423,7 +472,7 @@ def polish_search(lengths, k_min, sizes, p, num_ranks, budget, stages, col_of, r
         work1[i] = p[_A] * lf + lf * lf
     v = np.empty(4)
     v2 = np.empty(4)
-    tab = np.zeros((4, n if n <= table_samples else 0, 4))
+    tab = np.full((4, n if n <= table_samples else 0, 4), np.nan)  # entries made on first read (`_val`)
     row_of = np.full(N + 2, -1, dtype=np.int64)
     n_rows = np.zeros(1, dtype=np.int64)
     sums = np.zeros((cap, 4))
