@@ -224,3 +224,73 @@ def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
             mp.setattr(B, "_lpt", _lpt_ref)
             want = plan(lengths, cfg).checksum()
         assert got == want, (name, n, ranks)
+
+
+# --- Karmarkar-Karp compiled against the Python heap it replaced ---------------------------------------
+
+def _kk_ref(weights: np.ndarray, m: int) -> np.ndarray:
+    """The Python `kk.karmarkar_karp` before its kernel (a heap of numpy tuples): the reference."""
+    import heapq as _heapq
+
+    w = np.asarray(weights, dtype=np.float64)
+    n = w.size
+    if m < 1:
+        raise ValueError(f"m={m}: need at least one part")
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or m == 1:
+        return out
+    # node ids: 0..n-1 items; n.. merge nodes; -1 an empty part
+    left = np.full(n + (n - 1) * m, -1, dtype=np.int64)
+    right = np.full_like(left, -1)
+    next_id = n
+    steps: list[tuple[int, int]] = []  # node id range created by each merge
+    empty = np.full(m - 1, -1, dtype=np.int64)
+    heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
+    for i in range(n):
+        sums = np.zeros(m)
+        sums[0] = w[i]
+        heap.append((-float(w[i]), i, sums, np.concatenate(([i], empty))))
+    _heapq.heapify(heap)
+    tie = n
+    while len(heap) > 1:
+        _, _, s1, id1 = _heapq.heappop(heap)
+        _, _, s2, id2 = _heapq.heappop(heap)
+        # s1, s2 are sorted descending: pair heaviest of one with lightest of the other
+        sums = s1 + s2[::-1]
+        a, b = id1, id2[::-1]
+        both = (a >= 0) & (b >= 0)
+        ids = np.where(a >= 0, a, b)
+        cnt = int(both.sum())
+        if cnt:
+            new = np.arange(next_id, next_id + cnt)
+            left[new], right[new] = a[both], b[both]
+            ids[both] = new
+            steps.append((next_id, next_id + cnt))
+            next_id += cnt
+        order = np.argsort(-sums, kind="stable")
+        _heapq.heappush(heap, (-(float(sums[order[0]] - sums[order[-1]])), tie, sums[order], ids[order]))
+        tie += 1
+    _, _, _, ids = heap[0]
+    label = np.full(next_id, -1, dtype=np.int64)
+    live = ids >= 0
+    label[ids[live]] = np.flatnonzero(live)
+    for lo, hi in reversed(steps):  # children always have smaller ids than their parent
+        label[left[lo:hi]] = label[lo:hi]
+        label[right[lo:hi]] = label[lo:hi]
+    out[:] = label[:n]
+    return out
+
+
+
+def test_karmarkar_karp_kernel_gives_every_item_the_python_heaps_part():
+    """2,000 random instances (ties from coarse weights, m from 1 to 40, n from 0): the same part for every
+    item as the Python version, through `kk.karmarkar_karp` (the door every policy uses)."""
+    from hdp.packing.policies.kk import karmarkar_karp
+
+    rng = np.random.default_rng(4)
+    for t in range(2000):
+        n, m = int(rng.integers(0, 200)), int(rng.integers(1, 40))
+        w = np.round(rng.random(n) * rng.choice([3, 1000, 1e9])) if t % 5 else rng.random(n) * 1e6
+        assert np.array_equal(karmarkar_karp(w, m), _kk_ref(w, m)), (t, n, m)
+    with pytest.raises(ValueError, match="m=0"):
+        karmarkar_karp(np.ones(3), 0)

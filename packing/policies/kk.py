@@ -55,57 +55,18 @@ def karmarkar_karp(weights: np.ndarray, m: int) -> np.ndarray:
 
     Every item starts as an m-tuple (w, 0, ..., 0); the two tuples with the largest spread
     (max - min) are merged by pairing the heaviest part of one with the lightest of the other,
-    until one tuple remains.  O(n m log m).  Parts are numbered by decreasing final sum.
-    Merged parts are recorded as nodes of a binary forest (leaves = items) and resolved top-down
-    at the end, so a merge costs O(m) whatever the number of items.
+    until one tuple remains (ties: the earlier tuple, items by index).  O(n m log m).  Parts are
+    numbered by decreasing final sum.  Merged parts are recorded as nodes of a binary forest
+    (leaves = items) and resolved top-down at the end, so a merge costs O(m) whatever the number
+    of items.  Runs compiled (`hdp.packing.policies.hdp._kernels.karmarkar_karp`: ~50x a Python heap
+    of numpy tuples; tests/test_planner_kernels.py keeps that version as the reference).
     """
-    w = np.asarray(weights, dtype=np.float64)
-    n = w.size
+    w = np.ascontiguousarray(weights, dtype=np.float64)
     if m < 1:
         raise ValueError(f"m={m}: need at least one part")
-    out = np.zeros(n, dtype=np.int64)
-    if n == 0 or m == 1:
-        return out
-    # node ids: 0..n-1 items; n.. merge nodes; -1 an empty part
-    left = np.full(n + (n - 1) * m, -1, dtype=np.int64)
-    right = np.full_like(left, -1)
-    next_id = n
-    steps: list[tuple[int, int]] = []  # node id range created by each merge
-    empty = np.full(m - 1, -1, dtype=np.int64)
-    heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
-    for i in range(n):
-        sums = np.zeros(m)
-        sums[0] = w[i]
-        heap.append((-float(w[i]), i, sums, np.concatenate(([i], empty))))
-    heapq.heapify(heap)
-    tie = n
-    while len(heap) > 1:
-        _, _, s1, id1 = heapq.heappop(heap)
-        _, _, s2, id2 = heapq.heappop(heap)
-        # s1, s2 are sorted descending: pair heaviest of one with lightest of the other
-        sums = s1 + s2[::-1]
-        a, b = id1, id2[::-1]
-        both = (a >= 0) & (b >= 0)
-        ids = np.where(a >= 0, a, b)
-        cnt = int(both.sum())
-        if cnt:
-            new = np.arange(next_id, next_id + cnt)
-            left[new], right[new] = a[both], b[both]
-            ids[both] = new
-            steps.append((next_id, next_id + cnt))
-            next_id += cnt
-        order = np.argsort(-sums, kind="stable")
-        heapq.heappush(heap, (-(float(sums[order[0]] - sums[order[-1]])), tie, sums[order], ids[order]))
-        tie += 1
-    _, _, _, ids = heap[0]
-    label = np.full(next_id, -1, dtype=np.int64)
-    live = ids >= 0
-    label[ids[live]] = np.flatnonzero(live)
-    for lo, hi in reversed(steps):  # children always have smaller ids than their parent
-        label[left[lo:hi]] = label[lo:hi]
-        label[right[lo:hi]] = label[lo:hi]
-    out[:] = label[:n]
-    return out
+    from hdp.packing.policies.hdp import _kernels  # here, not at the top: the hdp policy imports this module
+
+    return _kernels.karmarkar_karp(w, int(m))
 
 
 def bins_fit(bins: np.ndarray, sizes: np.ndarray, m: int, capacity: float) -> bool:

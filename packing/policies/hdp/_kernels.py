@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "cost_params", "int_array", "polish_search", "fill_gaps", "fill_wide_gaps", "lpt_waves", "balance", "shelf_layout",
+    "cost_params", "int_array", "polish_search", "karmarkar_karp", "fill_gaps", "fill_wide_gaps", "lpt_waves", "balance", "shelf_layout",
     "best_sizes",
     "swap_rounds", "sample_costs", "rank_tokens", "column_heights", "column_tokens", "max_at", "warm_up",
 ]
@@ -1290,6 +1290,122 @@ def balance(height, tokens, budget, load, out):
 
 
 @_kernel
+def _kk_before(key, tie, a, b):
+    """Heap entry a pops before b: the smaller (key, tie), as Python compares `kk`'s heap tuples."""
+    return key[a] < key[b] or (key[a] == key[b] and tie[a] < tie[b])
+
+
+@_kernel
+def _kk_push(heap, size, key, tie, e):
+    """Entry e into the min-heap ``heap[:size]``; returns the new size."""
+    j = size
+    heap[j] = e
+    while j > 0:
+        up = (j - 1) >> 1
+        if not _kk_before(key, tie, heap[j], heap[up]):
+            break
+        heap[j], heap[up] = heap[up], heap[j]
+        j = up
+    return size + 1
+
+
+@_kernel
+def _kk_pop(heap, size, key, tie):
+    """The first entry of the min-heap ``heap[:size]`` taken out (the new size is ``size - 1``)."""
+    top = heap[0]
+    size -= 1
+    heap[0] = heap[size]
+    j = 0
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and _kk_before(key, tie, heap[c + 1], heap[c]):
+            c += 1
+        if not _kk_before(key, tie, heap[c], heap[j]):
+            break
+        heap[j], heap[c] = heap[c], heap[j]
+        j = c
+    return top
+
+
+@_kernel
+def karmarkar_karp(w, m):
+    """`hdp.packing.policies.kk.karmarkar_karp` compiled (the largest differencing method into m parts):
+    the same merges in the same order -- a heap of (-spread, tie) entries, each an m-vector of part sums
+    (descending) and node ids; the heaviest part of one merged with the lightest of the other; the same
+    stable sort of the merged sums -- so every item gets the same part.  ``w`` float64 [n], m >= 2."""
+    n = w.size
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or m == 1:
+        return out
+    cap = 2 * n - 1  # entries: n items, then one per merge
+    sums = np.zeros((cap, m))
+    ids = np.full((cap, m), -1, dtype=np.int64)
+    key = np.empty(cap)
+    tie = np.empty(cap, dtype=np.int64)
+    left = np.full(n + (n - 1) * m, -1, dtype=np.int64)
+    right = np.full(n + (n - 1) * m, -1, dtype=np.int64)
+    step_lo = np.empty(n, dtype=np.int64)  # node id range created by each merge
+    step_hi = np.empty(n, dtype=np.int64)
+    n_steps = 0
+    next_id = n
+    heap = np.empty(cap, dtype=np.int64)
+    size = 0
+    for i in range(n):
+        sums[i, 0] = w[i]
+        ids[i, 0] = i
+        key[i] = -w[i]
+        tie[i] = i
+        size = _kk_push(heap, size, key, tie, i)
+    e_new = n
+    merged = np.empty(m)
+    mids = np.empty(m, dtype=np.int64)
+    neg = np.empty(m)
+    while size > 1:
+        e1 = _kk_pop(heap, size, key, tie)
+        size -= 1
+        e2 = _kk_pop(heap, size, key, tie)
+        size -= 1
+        lo = next_id
+        for q in range(m):  # the heaviest part of one with the lightest of the other
+            a = ids[e1, q]
+            b = ids[e2, m - 1 - q]
+            merged[q] = sums[e1, q] + sums[e2, m - 1 - q]
+            if a >= 0 and b >= 0:
+                left[next_id], right[next_id] = a, b
+                mids[q] = next_id
+                next_id += 1
+            else:
+                mids[q] = a if a >= 0 else b
+        if next_id > lo:
+            step_lo[n_steps], step_hi[n_steps] = lo, next_id
+            n_steps += 1
+        for q in range(m):
+            neg[q] = -merged[q]
+        order = _argsort_stable(neg)
+        for q in range(m):
+            sums[e_new, q] = merged[order[q]]
+            ids[e_new, q] = mids[order[q]]
+        key[e_new] = -(merged[order[0]] - merged[order[m - 1]])
+        tie[e_new] = e_new  # kk's tie counter runs n, n+1, ... as the entries do
+        size = _kk_push(heap, size, key, tie, e_new)
+        e_new += 1
+    last = heap[0]
+    label = np.full(next_id, -1, dtype=np.int64)
+    for q in range(m):
+        if ids[last, q] >= 0:
+            label[ids[last, q]] = q
+    for s in range(n_steps - 1, -1, -1):  # children always have smaller ids than their parent
+        for x in range(step_lo[s], step_hi[s]):
+            label[left[x]] = label[x]
+            label[right[x]] = label[x]
+    for i in range(n):
+        out[i] = label[i]
+    return out
+
+
+@_kernel
 def shelf_layout(widths, num_ranks, max_width):
     """`bins.layout`'s first-fit decreasing over columns of ``widths`` (already tallest first): the
     round of each, a new round when none has room; one pointer per width to the first round that may
@@ -1578,6 +1694,7 @@ def warm_up() -> None:
     fill_wide_gaps(p, 4096, i64(100), i64(2), f8(0.0), f8(0.0), f8(0.0), f8(0.0), f8(1e9), i64(-1), f8(np.nan))
     lpt_waves(i64(0, 1), f8(2.0, 1.0), i64(1, 1), f8(0.0, 0.0), i64(0, 0), 4096, i64(-1, -1), False)
     balance(f8(3.0, 2.0, 1.0, 1.0), i64(1, 1, 1, 1), 4096, f8(0.0), i64(-1, -1, -1, -1))
+    karmarkar_karp(f8(3.0, 2.0, 1.0), 2)
     shelf_layout(i64(2, 1), 4, 2)
     best_sizes(p, 4, i64(100), i64(1), i64(1, 2), 1.0, i64(0), f8(0.0))
     swap_rounds(i64(0, 1), i64(0, 0), i64(1, 1), f8(1.0, 2.0), 2, False, 1)
