@@ -88,7 +88,7 @@ class SearchBudget:
       step its bookkeeping (samples / 8 + columns).  The search runs compiled
       (``hdp.packing.policies.hdp._kernels``), so a unit is bounded work: 15-30 ns of CPU on the
       suite's and the bench's batches (a 2-core AMD EPYC), plus a fixed set-up of under 0.7 us per
-      sample -- the pool bounds the time as well as the plan (the default pool: at most ~0.1 s).
+      sample -- the pool bounds the time as well as the plan (the default pool: at most ~0.07 s).
       The starting plans of the tall-round pass take their short searches from this pool too.
     * ``rivals`` -- the plans the package's other policies (static-cp, verl-kk, megatron-dcp,
       ascend-hdp, and hdp with power-of-two groups) would build for the batch, taken as candidates
@@ -96,17 +96,19 @@ class SearchBudget:
       (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
       estimates fit.
 
-    With the defaults ``plan()`` takes 25-110 ms of CPU for 1,024 samples on 64 ranks and 45-65 ms
-    for 8,192 on 512 on every family of ``hdp bench planner``; the slowest 1,024-sample batches
-    (tall samples: ascend-short-tail, bimodal) are those where the search pool binds, which costs at
-    most 0.12 efficiency points against an unbounded search.
+    With the defaults ``plan()`` takes 15-85 ms of CPU for 1,024 samples on 64 ranks and 22-57 ms
+    for 8,192 on 512 on every family of ``hdp bench planner`` (three runs on a shared 2-core VM,
+    2026-12-03: a family's median moves by up to a third between runs).  Only one bench batch is
+    bound by the search pool -- ascend-short-tail at 1,024 x 64, 0.22 efficiency points below an
+    unbounded search (0.14 below the 3,000,000 pool this default replaced); the suite's cases plan
+    the same at 2,000,000 as at 3,000,000.
     """
 
     construct: int = 20_000
     """Sample placements the construction may spend on candidate plans after the first (each costs
     its number of samples plus its layout and levelling) and on levelling the chosen plan; 0
     builds one candidate only."""
-    search: int = 3_000_000
+    search: int = 2_000_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-evaluation and
     per-step bookkeeping; each unit 15-30 ns of compiled work) and the tall-round starts cost (built
     only when they take at most a quarter of the pool); 0 turns the local search and the tall-round
@@ -140,7 +142,7 @@ class SearchBudget:
             except ValueError as exc:
                 raise ValueError(
                     f"{field_name}={value!r}: pass 'default', 'off' or key=value pairs such as "
-                    "'construct=20000,search=3000000,rivals=65536'"
+                    "'construct=20000,search=2000000,rivals=65536'"
                 ) from exc
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}

@@ -66,7 +66,7 @@ def test_bench_planner_json(capsys):
     d = _json_out(capsys)
     assert [(r["family"], r["samples"], r["ranks"]) for r in d["planner"]] == [
         ("rl-grouped-16", 1024, 64), ("rl-grouped-16", 8192, 512), ("wikipedia", 1024, 64), ("wikipedia", 8192, 512)]
-    assert d["search_budget"] == {"construct": 20000, "search": 3000000, "rivals": 65536}
+    assert d["search_budget"] == {"construct": 20000, "search": 2000000, "rivals": 65536}
     for r in d["planner"]:
         assert r["median_ms"] > 0 and r["median_cpu_ms"] > 0 and 0.8 < r["efficiency"] <= 1.0
         assert r["target_ms"] == (100.0 if r["ranks"] == 64 else 50.0) and "megatron_core" not in r

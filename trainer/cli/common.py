@@ -86,7 +86,7 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
                    help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
     p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
                    help="hdp: work it may spend beyond its first plan (hdp.packing.SearchBudget): 'default', "
-                        "'off' (no local search) or pools, e.g. construct=20000,search=3000000,rivals=65536")
+                        "'off' (no local search) or pools, e.g. construct=20000,search=2000000,rivals=65536")
     p.add_argument("--pp", type=int, default=None, dest="pp", metavar="P",
                    help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it "
                         "(default 1, or the PP of --layout)")
