@@ -1108,7 +1108,7 @@ def fill_wide_gaps(p, budget, lengths, widths, sw, sl, sq, tok, roof, chosen, ne
 
 @_kernel
 def _below(key, a, b):
-    """Bin a sorts before bin b: by ``key``, then index."""
+    """Entry a sorts before entry b: by ``key``, then index."""
     return key[a] < key[b] or (key[a] == key[b] and a < b)
 
 
@@ -1290,51 +1290,12 @@ def balance(height, tokens, budget, load, out):
 
 
 @_kernel
-def _kk_before(key, tie, a, b):
-    """Heap entry a pops before b: the smaller (key, tie), as Python compares `kk`'s heap tuples."""
-    return key[a] < key[b] or (key[a] == key[b] and tie[a] < tie[b])
-
-
-@_kernel
-def _kk_push(heap, size, key, tie, e):
-    """Entry e into the min-heap ``heap[:size]``; returns the new size."""
-    j = size
-    heap[j] = e
-    while j > 0:
-        up = (j - 1) >> 1
-        if not _kk_before(key, tie, heap[j], heap[up]):
-            break
-        heap[j], heap[up] = heap[up], heap[j]
-        j = up
-    return size + 1
-
-
-@_kernel
-def _kk_pop(heap, size, key, tie):
-    """The first entry of the min-heap ``heap[:size]`` taken out (the new size is ``size - 1``)."""
-    top = heap[0]
-    size -= 1
-    heap[0] = heap[size]
-    j = 0
-    while True:
-        c = 2 * j + 1
-        if c >= size:
-            break
-        if c + 1 < size and _kk_before(key, tie, heap[c + 1], heap[c]):
-            c += 1
-        if not _kk_before(key, tie, heap[c], heap[j]):
-            break
-        heap[j], heap[c] = heap[c], heap[j]
-        j = c
-    return top
-
-
-@_kernel
 def karmarkar_karp(w, m):
     """`hdp.packing.policies.kk.karmarkar_karp` compiled (the largest differencing method into m parts):
-    the same merges in the same order -- a heap of (-spread, tie) entries, each an m-vector of part sums
-    (descending) and node ids; the heaviest part of one merged with the lightest of the other; the same
-    stable sort of the merged sums -- so every item gets the same part.  ``w`` float64 [n], m >= 2."""
+    the same merges in the same order -- a heap of entries by (-spread, index), `kk`'s tie counter being
+    the entry's index (items 0..n-1, merges from n), each an m-vector of part sums (descending) and node
+    ids; the heaviest part of one merged with the lightest of the other; the same stable sort of the
+    merged sums -- so every item gets the same part.  ``w`` float64 [n], m >= 2."""
     n = w.size
     out = np.zeros(n, dtype=np.int64)
     if n == 0 or m == 1:
@@ -1343,7 +1304,6 @@ def karmarkar_karp(w, m):
     sums = np.zeros((cap, m))
     ids = np.full((cap, m), -1, dtype=np.int64)
     key = np.empty(cap)
-    tie = np.empty(cap, dtype=np.int64)
     left = np.full(n + (n - 1) * m, -1, dtype=np.int64)
     right = np.full(n + (n - 1) * m, -1, dtype=np.int64)
     step_lo = np.empty(n, dtype=np.int64)  # node id range created by each merge
@@ -1356,16 +1316,15 @@ def karmarkar_karp(w, m):
         sums[i, 0] = w[i]
         ids[i, 0] = i
         key[i] = -w[i]
-        tie[i] = i
-        size = _kk_push(heap, size, key, tie, i)
+        size = _heap_push(heap, size, key, i)
     e_new = n
     merged = np.empty(m)
     mids = np.empty(m, dtype=np.int64)
     neg = np.empty(m)
     while size > 1:
-        e1 = _kk_pop(heap, size, key, tie)
+        e1 = _heap_pop(heap, size, key)
         size -= 1
-        e2 = _kk_pop(heap, size, key, tie)
+        e2 = _heap_pop(heap, size, key)
         size -= 1
         lo = next_id
         for q in range(m):  # the heaviest part of one with the lightest of the other
@@ -1388,8 +1347,7 @@ def karmarkar_karp(w, m):
             sums[e_new, q] = merged[order[q]]
             ids[e_new, q] = mids[order[q]]
         key[e_new] = -(merged[order[0]] - merged[order[m - 1]])
-        tie[e_new] = e_new  # kk's tie counter runs n, n+1, ... as the entries do
-        size = _kk_push(heap, size, key, tie, e_new)
+        size = _heap_push(heap, size, key, e_new)
         e_new += 1
     last = heap[0]
     label = np.full(next_id, -1, dtype=np.int64)
