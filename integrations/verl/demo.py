@@ -86,6 +86,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         f"reward.custom_reward_function.path={paths['reward']}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1",  # verl starts 8 reward processes by default: each imports torch and verl
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # and 8 storage processes
         "trainer.logger=['console']",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
