@@ -30,8 +30,10 @@ __all__ = [
     "npu_available",
     "cuda_available",
     "is_cuda",
-    "is_npu",
-]
+    "is_npu", "PROFILE_OF_DEVICE"]
+
+PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
+"""Hardware profile (`hdp.packing.profiles`) the engines' ``auto`` cost model takes for each device kind."""
 
 logger = logging.getLogger(__name__)
 

@@ -131,24 +131,13 @@ def _lpt_ref(items, height, tokens, load, used, budget, out, exact=False):
         pos += it.size
 
 
-def _balance_ref(height, tokens, m, budget, offset=None):
-    """The numpy `bins._balance` before its kernel (its small cases included)."""
-    from hdp.packing.policies.hdp.bins import _KK_MAX_WORK
-    from hdp.packing.policies.kk import karmarkar_karp
+def _balance_ref(height, tokens, budget, load, out):
+    """The numpy waves `_kernels.balance` replaced (`bins._balance` past its small cases), with the kernel's
+    arguments: ``load`` [m] starting loads, ``out`` in place; False when an item fits no bin."""
+    from hdp.packing.policies.hdp.bins import Infeasible
 
-    n = height.size
-    out = np.full(n, -1, dtype=np.int64)
-    if n == 0:
-        return out
-    if m >= n and offset is None:
-        out[np.lexsort((np.arange(n), -height))] = np.arange(n)
-        return out
-    if offset is None and n * m <= _KK_MAX_WORK:
-        bins = karmarkar_karp(height, m)
-        if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
-            return bins
+    n, m = height.size, load.size
     order = np.lexsort((np.arange(n), -height))
-    load = np.zeros(m) if offset is None else np.asarray(offset, dtype=np.float64).copy()
     used = np.zeros(m, dtype=np.int64)
     deferred = []
     pos = 0
@@ -166,8 +155,11 @@ def _balance_ref(height, tokens, m, budget, offset=None):
     rest = np.concatenate(deferred + [order[pos:]])
     if rest.size:
         rest = rest[np.lexsort((rest, -height[rest]))]
-        _lpt_ref(rest, height, tokens, load, used, budget, out)
-    return out
+        try:
+            _lpt_ref(rest, height, tokens, load, used, budget, out)
+        except Infeasible:
+            return False
+    return True
 
 
 def _outcome(fn, *args):
@@ -181,7 +173,8 @@ def _outcome(fn, *args):
 
 
 def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
-    """Random instances -- heights with many ties, budgets from loose to too tight, offsets, exact or not:
+    """Random instances -- heights with many ties, budgets from loose to too tight, zero or unequal starting
+    loads, exact or not:
     the same bins (or the same Infeasible) as the numpy reference."""
     from hdp.packing.policies.hdp import bins as B
 
@@ -192,10 +185,13 @@ def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
         height = np.round(rng.random(n) * rng.choice([3, 1000])).astype(np.float64)  # ties when coarse
         tokens = rng.integers(1, 2000, n)
         budget = int(max(tokens.max(), tokens.sum() / m * rng.uniform(0.9, 3.0)))
-        offset = None if trial % 3 else -rng.random(m) * height.max()
-        got = _outcome(B._balance, height, tokens, m, budget, offset)
-        want = _outcome(_balance_ref, height, tokens, m, budget, offset)
-        assert type(got) is type(want) and np.array_equal(got, want), (trial, n, m, budget)
+        offset = np.zeros(m) if trial % 3 else -rng.random(m) * height.max()
+        runs = []
+        for fn in (K.balance, _balance_ref):
+            load, out = np.array(offset, dtype=np.float64), np.full(n, -1, np.int64)
+            runs.append((bool(fn(height, tokens, budget, load, out)), out, load))
+        (ok1, o1, l1), (ok2, o2, l2) = runs
+        assert ok1 == ok2 and np.array_equal(o1, o2) and np.array_equal(l1, l2), (trial, n, m, budget)
         order = np.lexsort((np.arange(n), -height))
         for exact in (False, True):
             outs = []
@@ -211,7 +207,7 @@ def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
 
 @pytest.mark.parametrize("name", ["short-reasoning", "bimodal", "wikipedia", "pareto", "rl-32k"])
 def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
-    """Whole plans: the same checksum with `bins._balance` and `bins._lpt` swapped for the numpy waves."""
+    """Whole plans: the same checksum with `_kernels.balance` and `bins._lpt` swapped for the numpy waves."""
     from hdp.packing import workloads
     from hdp.packing.policies.hdp import bins as B
 
@@ -220,7 +216,7 @@ def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
         cfg = PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget)
         got = plan(lengths, cfg).checksum()
         with monkeypatch.context() as mp:
-            mp.setattr(B, "_balance", _balance_ref)
+            mp.setattr(K, "balance", _balance_ref)
             mp.setattr(B, "_lpt", _lpt_ref)
             want = plan(lengths, cfg).checksum()
         assert got == want, (name, n, ranks)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hdp.device import PROFILE_OF_DEVICE
 from hdp.groups import LayoutGroups
 from hdp.packing import CostModel, Plan, PlannerConfig, simulate
 from hdp.packing import plan as make_plan
@@ -50,21 +51,18 @@ from hdp.packing.profiles import cost_model as preset_cost
 from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
 from hdp.trainer.plan_ahead import PlanAhead, Taken
 
-__all__ = ["DomainPlanner", "auto_cost_model", "PROFILE_OF_DEVICE"]
+__all__ = ["DomainPlanner", "auto_cost_model"]
 
 logger = logging.getLogger(__name__)
 
 STATIC_SLACK = 0.01
 """Growth of the measured static bytes (a fraction) below which the memory model keeps its figure."""
 
-PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
-"""Hardware profile the ``auto`` cost model takes for each device kind."""
-
 
 def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
     """The ``auto`` cost model: ``shape``'s preset (`ModelShape.cost_preset`) on the device kind's profile."""
     kind = torch.device(device).type
-    return preset_cost(shape.cost_preset(), PROFILE_OF_DEVICE.get(kind, "h100-nvlink"))
+    return preset_cost(shape.cost_preset(), PROFILE_OF_DEVICE.get(kind, PROFILE_OF_DEVICE["cuda"]))
 
 
 class DomainPlanner:
