@@ -8,13 +8,15 @@ rank of the job holds the same ``[N, R]`` table (a domain rank's slowest TP rank
   record per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
   window of at most `AutoCalibrate.window_groups` group records);
 * every `AutoCalibrate.every_steps` steps, `refit` fits the family to the window's training rounds
-  (every `AutoCalibrate.holdout_every`-th round of the window is held out; a round's weight halves
+  (one of every `AutoCalibrate.holdout_every` rounds of the window is held out; a round's weight halves
   every `AutoCalibrate.half_life_steps` steps of age, so the fit follows a drifting machine; records
   far off a first fit, such as a descheduled process's, are dropped before the second; the first
   `AutoCalibrate.warmup_steps` steps are never recorded), with the current model
-  as the base (what the window cannot determine stays as it is), and adopts the refit only when it
-  predicts the held-out rounds better than the current model (median |log(predicted / measured)|;
-  the held-out rounds added since the last refit decide, or the newest 8 when fewer came since);
+  as the base (what the window cannot determine stays as it is); a second candidate is the current
+  model rescaled to the training rounds (`rescaled`: the machine got faster or slower); the better
+  candidate is adopted only when it predicts the held-out rounds better than the current model
+  (`round_error`: the bias of their total time plus their median |log(predicted / measured)|; the
+  held-out rounds added since the last refit decide, or the newest 8 when fewer came since);
 * a window without a single-rank group cannot show what context parallelism costs (a model that
   thinks CP is free puts every sample on a CP group, and its records then never contradict it): the
   step after such a refit is planned with a CP-averse variant (`explore_model`), once per refit.
@@ -36,12 +38,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from hdp.packing.calibrate import calibrate, group_seconds
-from hdp.packing.cost import CostModel
+from hdp.packing.cost import MAX_UNIT_TIME_S, MIN_UNIT_TIME_S, CostModel
 from hdp.packing.plan import Plan
 
 __all__ = [
     "AutoCalibrate", "CostWindow", "Refit", "refit", "round_error", "records_r2", "auto_calibrate_config",
-    "needs_exploration", "explore_model",
+    "needs_exploration", "explore_model", "rescaled", "held_out",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class AutoCalibrate:
     min_rounds: int = 16
     """Rounds the window must hold before the first refit."""
     holdout_every: int = 4
-    """Every this many-th round of the window is held out of the fit and decides the adoption."""
+    """One round of every this many (`held_out`) is kept out of the fit and decides the adoption."""
     min_gain: float = 0.02
     """Adopt a refit only when its held-out error is below (1 - min_gain) x the current model's."""
     warmup_steps: int = 1
@@ -188,9 +190,10 @@ class CostWindow:
         return newer if len(newer) >= at_least else list(rounds[-at_least:])
 
     def split(self, holdout_every: int) -> tuple[list[_Round], list[_Round]]:
-        """(training rounds, held-out rounds): every ``holdout_every``-th round (by its number) is held out."""
-        train = [r for r in self._rounds if r.ident % holdout_every]
-        held = [r for r in self._rounds if not r.ident % holdout_every]
+        """(training rounds, held-out rounds): one round of every ``holdout_every`` consecutive ones
+        (by number) is held out, at a position within the block that `held_out` scatters."""
+        train = [r for r in self._rounds if not held_out(r.ident, holdout_every)]
+        held = [r for r in self._rounds if held_out(r.ident, holdout_every)]
         return train, held
 
     @property
@@ -209,6 +212,15 @@ class CostWindow:
     def longest(self) -> int:
         """The longest sample of the records held (0 when empty)."""
         return max((max(g["lengths"]) for r in self._rounds for g in r.groups), default=0)
+
+
+def held_out(ident: int, every: int) -> bool:
+    """Whether round number ``ident`` is held out: one of each block of ``every`` consecutive numbers, at
+    a position a multiplicative hash of the block number picks.  Not every ``every``-th round: a job whose
+    steps have ``every`` rounds would then hold out the same round of each step (the one with the
+    longest samples, say) and judge the models on it alone."""
+    block = (ident // every * 0x9E3779B1) & 0xFFFFFFFF  # Knuth's multiplicative hash (2^32 / golden ratio)
+    return ident % every == (block >> 16) % every
 
 
 def needs_exploration(window: CostWindow) -> bool:
@@ -242,12 +254,39 @@ def _round_predictions(cost: CostModel, rounds: Sequence[_Round]) -> np.ndarray:
 
 
 def round_error(cost: CostModel, rounds: Sequence[_Round]) -> float:
-    """Median |log(predicted / measured)| of the round times (nan without rounds); the median, so
-    that a few rounds of a descheduled process do not decide."""
+    """How far ``cost`` is off the round times (nan without rounds): |log(sum predicted / sum measured)|,
+    what the step-time prediction is off by, plus the median |log(predicted / measured)| of the rounds,
+    how well it tells rounds apart (the median, so that a few rounds of a descheduled process do not
+    decide).  The first term counts a bias of x at its size; the median alone barely sees a bias below
+    the rounds' own scatter (20% on a shared CPU), so a model 20% off the step time could stay in use."""
     if not rounds:
         return float("nan")
     measured = np.array([r.seconds for r in rounds])
-    return float(np.median(np.abs(np.log(_round_predictions(cost, rounds) / measured))))
+    predicted = _round_predictions(cost, rounds)
+    return float(abs(math.log(predicted.sum() / measured.sum())) + np.median(np.abs(np.log(predicted / measured))))
+
+
+def rescaled(cost: CostModel, rounds: Sequence[_Round], newest: int = 0, half_life: int = 0) -> CostModel | None:
+    """``cost`` with its seconds per unit scaled to the rounds' times (the same plans, other predictions):
+    the machine got faster or slower but its costs kept their shape (warm-up ending, clocks, other jobs).
+    The scale is the weighted median of measured / predicted over ``rounds``, each weighted by its
+    predicted seconds (the step time is a sum of rounds; the measured seconds would weigh the rounds
+    that happened to run slow more) and, with ``half_life`` > 0, by 0.5 ** (age in steps / half_life).
+    None without rounds or when the scale leaves the unit's range."""
+    if not rounds:
+        return None
+    measured = np.array([r.seconds for r in rounds])  # [R]
+    predicted = _round_predictions(cost, rounds)  # [R]
+    ratio = np.log(measured / predicted)  # [R]
+    age = np.array([max(0, newest - r.step) for r in rounds], dtype=np.float64)
+    weight = predicted * (0.5 ** (age / half_life) if half_life > 0 else 1.0)
+    order = np.argsort(ratio, kind="stable")
+    cum = np.cumsum(weight[order])
+    scale = math.exp(float(ratio[order][np.searchsorted(cum, 0.5 * cum[-1])]))
+    unit = cost.unit_time_s * scale
+    if not (np.isfinite(unit) and MIN_UNIT_TIME_S <= unit <= MAX_UNIT_TIME_S):
+        return None
+    return replace(cost, unit_time_s=unit)
 
 
 def records_r2(cost: CostModel, rounds: Sequence[_Round]) -> float:
@@ -310,6 +349,8 @@ class Refit:
 
 _MIN_JUDGE = 8
 """Fewest held-out rounds that decide an adoption (the newest ones when fewer came since the last refit)."""
+_MIN_SCALE = 8
+"""Fewest training rounds a rescaled candidate is scaled to (the newest ones when fewer came since)."""
 
 
 def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Refit:
@@ -324,16 +365,31 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
         return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=math.nan,
                      r2=records_r2(current, window.rounds()), reason="too few rounds in the window", explore=explore)
     judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
+    err_old = round_error(current, judge)
+    # candidates: the family fitted to the training rounds, and it and the current model rescaled to the
+    # newest training rounds (one parameter, so a few noisy rounds place it well: the usual drift is a
+    # machine that got faster or slower, which the fit, weighing older rounds too, follows late)
+    candidates: list[CostModel] = []
+    failed = ""
     try:
         records = _records(train, window.newest_step, settings.half_life_steps)
-        fit = calibrate(records, base=current, warn=False, robust=True)  # outliers trimmed there
+        candidates.append(calibrate(records, base=current, warn=False, robust=True).cost)  # outliers trimmed there
     except ValueError as exc:
-        logger.info("auto-calibration: refit failed (%s); keeping the current cost model", exc)
-        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=round_error(current, judge),
-                     r2=records_r2(current, window.rounds()), reason=f"fit failed: {exc}", explore=explore)
-    err_new, err_old = round_error(fit.cost, judge), round_error(current, judge)
+        failed = f"fit failed: {exc}"
+        logger.info("auto-calibration: refit failed (%s)", exc)
+    newest = window.recent(train, _MIN_SCALE)
+    for model in [*candidates, current]:
+        scaled = rescaled(model, newest)
+        if scaled is not None and scaled != current:
+            candidates.append(scaled)
+    if not candidates:
+        return Refit(candidate=None, adopt=False, error_new=math.nan, error_old=err_old,
+                     r2=records_r2(current, window.rounds()), reason=failed or "no candidate", explore=explore)
+    errors = [round_error(c, judge) for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: (not np.isfinite(errors[i]), errors[i]))  # the fit on ties
+    candidate, err_new = candidates[best], errors[best]
     adopt = bool(np.isfinite(err_new) and err_new < err_old * (1.0 - settings.min_gain))
-    in_use = fit.cost if adopt else current
-    return Refit(candidate=fit.cost, adopt=adopt, error_new=err_new, error_old=err_old,
+    in_use = candidate if adopt else current
+    return Refit(candidate=candidate, adopt=adopt, error_new=err_new, error_old=err_old,
                  r2=records_r2(in_use, window.rounds()), explore=explore,
                  reason="" if adopt else f"held-out error {err_new:.3g} not below {err_old:.3g} x (1 - {settings.min_gain:g})")

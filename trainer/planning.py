@@ -194,7 +194,8 @@ class DomainPlanner:
                 logger.info("auto-calibration: cost model v%d adopted (held-out error %.3g -> %.3g, R2 %.3f)",
                             self.version, decision.error_old, decision.error_new, decision.r2)
             else:
-                logger.info("auto-calibration: kept cost model v%d (%s)", self.version, decision.reason)
+                logger.info("auto-calibration: kept cost model v%d (%s; held-out error %.3g, candidate's %.3g)",
+                            self.version, decision.reason, decision.error_old, decision.error_new)
             if decision.explore:
                 self._exploring, self._plan_cost = True, explore_model(self.config.cost, self.window)
                 logger.info("auto-calibration: no single-rank group in the window; the next step explores")
