@@ -272,11 +272,13 @@ def rescaled(cost: CostModel, rounds: Sequence[_Round], newest: int = 0, half_li
     The scale is the weighted median of measured / predicted over ``rounds``, each weighted by its
     predicted seconds (the step time is a sum of rounds; the measured seconds would weigh the rounds
     that happened to run slow more) and, with ``half_life`` > 0, by 0.5 ** (age in steps / half_life).
-    None without rounds or when the scale leaves the unit's range."""
+    None without rounds, when a round is predicted to take no time, or when the scale leaves the unit's range."""
     if not rounds:
         return None
     measured = np.array([r.seconds for r in rounds])  # [R]
     predicted = _round_predictions(cost, rounds)  # [R]
+    if not np.all(predicted > 0):
+        return None  # a model that predicts no time for a round has nothing to scale
     ratio = np.log(measured / predicted)  # [R]
     age = np.array([max(0, newest - r.step) for r in rounds], dtype=np.float64)
     weight = predicted * (0.5 ** (age / half_life) if half_life > 0 else 1.0)
