@@ -9,12 +9,16 @@ happened, so it
 
 1. **publishes** its rank, the phase and its error in the job's rendezvous store (the default
    process group's ``TCPStore``: one ``set`` and one ``add`` under a prefix unique to the engine), then
-2. **aborts** every process group the engine communicates on: gloo, NCCL and HCCL close the
-   connections, so a peer blocked in a collective with this rank raises at once.
+2. **aborts** every process group the engine communicates on.  On NCCL and HCCL an abort ends the
+   rank's own outstanding collectives (not run on hardware).  On gloo it ends none, neither here nor
+   on a peer (`ProcessGroup.abort` and `shutdown` alike, measured with torch 2.13: a peer blocked in
+   an all-reduce waits until this process exits); there the caller also frees the groups it holds
+   (`hdp.trainer.rounds.RoundCore`: a freed gloo group closes its connections, which does release
+   the peers).
 
 Every rank runs a **watcher** thread that polls the store's counter (``poll_s``); when another
-rank has published, it aborts its own groups too, so a rank blocked in a collective that does
-not involve the failed rank (a CP ring elsewhere, a TP group) is released as well.  A rank whose
+rank has published, it aborts its own groups too, so on NCCL/HCCL a rank blocked in a collective
+that does not involve the failed rank (a CP ring elsewhere, a TP group) is released as well.  A rank whose
 collective then breaks reads the published failures (:meth:`Alarm.failures`, waiting up to
 ``wait_s`` for them to arrive) and raises naming the failed rank and its error instead of a bare
 transport error.  When nothing was published (a peer was killed or hangs), it publishes what *it*
