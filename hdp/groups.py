@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-__all__ = ["DomainGroups", "GroupLedger", "LayoutGroups", "RingSpec", "aligned_blocks"]
+__all__ = ["DomainGroups", "GroupLedger", "LayoutGroups", "RingSpec", "aligned_blocks", "copy_of_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,26 @@ class GroupLedger:
             dist.destroy_process_group(pg)
         logger.debug("released %d process groups", len(groups))
         return len(groups)
+
+
+def copy_of_group(group: dist.ProcessGroup, job: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """A new group with the ranks of ``group`` and ``timeout_s``, owned by the caller (collective over
+    ``job``: every rank of the job calls it once, with its own ``group``; the rank lists of all such
+    groups are gathered over ``job`` and each is made in the same order on every rank).
+
+    For groups another library holds (verl's model keeps Megatron's data-parallel group alive): on
+    gloo only a group whose last reference is dropped closes its connections, which is what releases
+    a peer blocked in a collective on it, so hdp runs its own traffic on a copy it can free."""
+    mine = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    every: list[tuple[int, ...] | None] = [None] * dist.get_world_size(job)
+    dist.all_gather_object(every, mine, group=job)
+    out = None
+    for ranks in sorted(set(every)):  # type: ignore[type-var]
+        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=float(timeout_s)))
+        if ranks == mine:
+            out = pg
+    assert out is not None
+    return out
 
 
 def aligned_blocks(n: int) -> list[tuple[int, int]]:

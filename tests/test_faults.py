@@ -98,12 +98,12 @@ def test_verl_engine_faults_through_the_cli() -> None:
     assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss",
                          "verl-own-error-in-round"}, rows
     for name, row in rows.items():
-        limit = TIMEOUT_S + 5.0 if name == "verl-own-error-in-round" else 5.0
-        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= limit, row
+        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
     assert rows["verl-nan-loss"]["skipped_with_nan_grad_norm"] and rows["verl-nan-loss"]["usable_after"]
     assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]
     # a rank's own error inside a round, its process alive (a Ray actor): every rank raises naming it and its
-    # error (within the collective timeout: Megatron's groups stay held by verl's model and optimizer)
+    # error within seconds (the peer waits in a CP ring on hdp's copy of the domain, which the failing rank
+    # frees; before that copy it waited the collective timeout on Megatron's group, which verl's model holds)
     own = rows["verl-own-error-in-round"]
     assert own["ranks_raised"] == [0, 1] and own["names_rank_and_error"]
 

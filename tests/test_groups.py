@@ -88,3 +88,30 @@ def test_domain_groups_on_four_ranks():
 def test_build_rejects_none():
     with pytest.raises(ValueError, match="domain_group=None"):
         DomainGroups.build(None)  # type: ignore[arg-type]
+
+
+def _copy_worker(rank, world_size):
+    import datetime
+
+    from hdp.groups import copy_of_group
+
+    # two domains of another library's groups, {0, 2} and {1, 3} (as Megatron's data-parallel groups under TP 2)
+    theirs = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    job = dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=30))
+    ours = copy_of_group(theirs, job, timeout_s=30.0)
+    assert ours is not theirs
+    assert dist.get_process_group_ranks(ours) == dist.get_process_group_ranks(theirs) == [rank % 2, rank % 2 + 2]
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=ours)
+    assert t.item() == 2 * (rank % 2) + 2, t  # the pair's ranks
+    # freeing the copy leaves the original working
+    dist.destroy_process_group(ours)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=theirs)
+    assert t.item() == 2.0, t
+    dist.barrier(group=job)
+
+
+@pytest.mark.dist
+def test_copy_of_group_has_the_ranks_and_frees_alone():
+    run_distributed(_copy_worker, 4, timeout=90)

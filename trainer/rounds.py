@@ -195,6 +195,8 @@ class RoundCore:
                                device=self.collective_device, timeout_s=self.timeout_s, label="world rank")
         self.broken: str | None = None
         self._on_broken = on_broken
+        self._failed_contexts: list[HdpPackedSeqParams] = []
+        """The CP contexts of a failed `run`: `_release` detaches their groups."""
         self.alarm = Alarm.for_job(groups.world, groups.world_rank, abort_groups or (lambda: ()))
         self.alarm.start()
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
@@ -293,12 +295,24 @@ class RoundCore:
     def _release(self, exc: BaseException) -> None:
         """Free every group this rank holds (``on_broken``, once): on gloo an abort does not end a
         collective a peer is blocked in, but closing this rank's connections does — the peer's call
-        then fails at once and it releases its own groups in turn.  The finished frames of ``exc``'s
-        traceback are cleared first: they hold the groups the failed collectives were called with."""
+        then fails at once and it releases its own groups in turn.  The finished frames of the tracebacks of
+        ``exc`` and of the errors it was raised from are cleared first, and the CP contexts of a failed
+        `run` drop their rings: they hold the groups the failed collectives were called with."""
         release, self._on_broken = self._on_broken, None
         if release is None:
             return
-        traceback.clear_frames(exc.__traceback__)
+        seen: set[int] = set()
+        chain: list[BaseException | None] = [exc]
+        while chain:  # the error and those it was raised from or during (their frames hold groups too)
+            err = chain.pop()
+            if err is None or id(err) in seen:
+                continue
+            seen.add(id(err))
+            traceback.clear_frames(err.__traceback__)
+            chain += [err.__cause__, err.__context__]
+        for psp in self._failed_contexts:  # a cleared frame still holds its function, and a closure its cells
+            psp.cp = None
+        self._failed_contexts = []
         try:
             release()
         except Exception as err:  # noqa: BLE001 - the original error is the one to report
@@ -519,6 +533,10 @@ class RoundCore:
                 if dev.type == "cpu":  # Megatron's recompute (ModelConfig.recompute) saves a CUDA RNG state
                     scope.enter_context(mc.cpu_checkpoint_rng())
                 self._schedule(chunks, m, p2p, kwargs)
+        except BaseException:
+            # the failed call's frames keep these (closures of module hooks hold the forward's kwargs)
+            self._failed_contexts = [inp.psp for inp in state.inputs.values() if inp.psp.cp is not None]
+            raise
         finally:
             self._state = None
             left = p2p.unused_shapes() if p2p is not None else 0

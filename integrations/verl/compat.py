@@ -219,10 +219,11 @@ def _one_ahead(it: Any) -> Iterator[Any]:
 
 def release_engine(engine: Any) -> None:
     """After a phase of ``engine`` broke off inside its collectives (it refuses every later call), free the
-    process groups hdp made for it (its agreement group and the domain's CP blocks): on gloo only a freed
-    group closes this rank's connections, which is what ends a peer's blocked collective (an abort does
-    not).  Megatron's groups stay: verl's worker holds the model and optimizer that use them (a peer
-    blocked on one of those waits ``hdp.collective_timeout_s``, which they were built with)."""
+    process groups hdp made for it (its agreement group, its copy of the domain and the CP blocks) and drop
+    every reference the engine holds to them: on gloo only a freed group closes this rank's connections,
+    which is what ends a peer's blocked collective (an abort does not).  Megatron's groups stay: verl's
+    worker holds the model and optimizer that use them (a peer blocked on one of those — a TP all-reduce,
+    a pipeline send, the gradient reduce — waits ``hdp.collective_timeout_s``, which they were built with)."""
     import torch.distributed as dist
 
     megatron = {id(g) for g in vars(engine.domain.megatron).values() if isinstance(g, dist.ProcessGroup)}
@@ -233,9 +234,10 @@ def release_engine(engine: Any) -> None:
             dist.destroy_process_group(g)
         except Exception:  # noqa: BLE001 - already gone
             pass
-    engine.domain.layout.domain.blocks.clear()
-    engine._domain = None  # the layout holds the agreement group (the step's reduce waits on it)
+    # the layout holds the agreement group (the step's reduce waits on it) and the domain copy (the rings)
+    engine._domain = None
     engine.core.groups = engine.core.guard = engine.core.megatron_groups = None
+    engine.planner.groups = None  # its all-gather and broadcast run on the agreement group
     del ours
 
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from hdp import megatron_compat as mc
 from hdp.digest import batch_digest
 from hdp.dispatch import gather_outputs, group_samples, pack
-from hdp.groups import DomainGroups, LayoutGroups
+from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.data import (
@@ -97,12 +97,16 @@ class _Domain:
 
     @classmethod
     def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any, timeout_s: float) -> "_Domain":
-        """Collective over the world: hdp's agreement group with its timeout, the domain's CP blocks,
-        and this rank's one-rank group (local synchronisation: no O(world) groups)."""
+        """Collective over the world: hdp's agreement group with its timeout, a copy of the domain
+        (Megatron's data-parallel group, which verl's model holds) with the CP blocks, and this rank's
+        one-rank group (local synchronisation: no O(world) groups).  hdp's rings, CP collectives and
+        output exchange run on the copy, so a rank that fails can free it and release the peers blocked
+        there (`compat.release_engine`); Megatron's groups carry only the model's own collectives."""
         me = dist.get_rank()
+        job = RoundCore.job_group(dist.get_world_size(), timeout_s)
         layout = LayoutGroups(
-            world=RoundCore.job_group(dist.get_world_size(), timeout_s),
-            domain=DomainGroups.build(dp_group, timeout_s=timeout_s),
+            world=job,
+            domain=DomainGroups.build(copy_of_group(dp_group, job, timeout_s), timeout_s=timeout_s),
             tp=megatron_groups.tp, pp=megatron_groups.pp, ep=megatron_groups.ep,
         )
         mine = dist.new_group([me], use_local_synchronization=True)
@@ -364,7 +368,6 @@ class HdpMegatronEngine(_MegatronLM):
             state = self.core.run(plan, list(data["input_ids"].unbind()), adapter, train=not forward_only)
             red = self.core.reduce(state)
         self.core.raise_adapter_error(state, red, self.step, "verl loss function")
-        self._last = (plan, state, red)
         return self._collect(plan, adapter, planner)
 
     def train_batch(self, data: Any, loss_function: Callable) -> Any:
