@@ -66,12 +66,16 @@ class GroupLedger:
 
 def copy_of_group(group: dist.ProcessGroup, job: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
     """A new group with the ranks of ``group`` and ``timeout_s``, owned by the caller (collective over
-    ``job``: every rank of the job calls it once, with its own ``group``; the rank lists of all such
-    groups are gathered over ``job`` and each is made in the same order on every rank).
+    ``job``, which must span the whole world — ``dist.new_group`` is: every rank calls it once, with its
+    own ``group``; the rank lists of all such groups are gathered over ``job`` and each is made in the
+    same order on every rank).
 
     For groups another library holds (verl's model keeps Megatron's data-parallel group alive): on
     gloo only a group whose last reference is dropped closes its connections, which is what releases
     a peer blocked in a collective on it, so hdp runs its own traffic on a copy it can free."""
+    if dist.get_world_size(job) != dist.get_world_size():
+        raise ValueError(f"copy_of_group: job has {dist.get_world_size(job)} ranks, the world "
+                         f"{dist.get_world_size()}; pass a group of the whole world (every rank makes every copy)")
     mine = tuple(int(r) for r in dist.get_process_group_ranks(group))
     every: list[tuple[int, ...] | None] = [None] * dist.get_world_size(job)
     dist.all_gather_object(every, mine, group=job)

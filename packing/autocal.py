@@ -12,9 +12,10 @@ rank of the job holds the same ``[N, R]`` table (a domain rank's slowest TP rank
   every `AutoCalibrate.half_life_steps` steps of age, so the fit follows a drifting machine; records
   far off a first fit, such as a descheduled process's, are dropped before the second; the first
   `AutoCalibrate.warmup_steps` steps are never recorded), with the current model
-  as the base (what the window cannot determine stays as it is); a second candidate is the current
-  model rescaled to the training rounds (`rescaled`: the machine got faster or slower); the better
-  candidate is adopted only when it predicts the held-out rounds better than the current model
+  as the base (what the window cannot determine stays as it is); two more candidates are that fit and
+  the current model rescaled (`rescaled`: the machine got faster or slower) to the training rounds added
+  since the last refit decision (the newest 8 when fewer came since); the best candidate is adopted
+  only when it predicts the held-out rounds better than the current model
   (`round_error`: the bias of their total time plus their median |log(predicted / measured)|; the
   held-out rounds added since the last refit decide, or the newest 8 when fewer came since);
 * a window without a single-rank group cannot show what context parallelism costs (a model that
@@ -263,7 +264,9 @@ def round_error(cost: CostModel, rounds: Sequence[_Round]) -> float:
         return float("nan")
     measured = np.array([r.seconds for r in rounds])
     predicted = _round_predictions(cost, rounds)
-    return float(abs(math.log(predicted.sum() / measured.sum())) + np.median(np.abs(np.log(predicted / measured))))
+    with np.errstate(divide="ignore"):  # a model predicting no time at all is infinitely off (never adopted)
+        bias = abs(float(np.log(predicted.sum() / measured.sum())))
+        return float(bias + np.median(np.abs(np.log(predicted / measured))))
 
 
 def rescaled(cost: CostModel, rounds: Sequence[_Round], newest: int = 0, half_life: int = 0) -> CostModel | None:
@@ -369,8 +372,9 @@ def refit(window: CostWindow, current: CostModel, settings: AutoCalibrate) -> Re
     judge = window.recent(held, _MIN_JUDGE)  # the newest held-out rounds: what the model faces next
     err_old = round_error(current, judge)
     # candidates: the family fitted to the training rounds, and it and the current model rescaled to the
-    # newest training rounds (one parameter, so a few noisy rounds place it well: the usual drift is a
-    # machine that got faster or slower, which the fit, weighing older rounds too, follows late)
+    # training rounds since the last decision (the newest 8 when fewer; one parameter, so a few noisy rounds
+    # place it well: the usual drift is a machine that got faster or slower, which the fit, weighing older
+    # rounds too, follows late)
     candidates: list[CostModel] = []
     failed = ""
     try:

@@ -300,6 +300,7 @@ class RoundCore:
         `run` drop their rings: they hold the groups the failed collectives were called with."""
         release, self._on_broken = self._on_broken, None
         if release is None:
+            self._failed_contexts = []
             return
         seen: set[int] = set()
         chain: list[BaseException | None] = [exc]
@@ -502,6 +503,7 @@ class RoundCore:
         measures each round's peak memory (read it with ``meter.finish()`` afterwards)."""
         dev = self.device
         m = self.num_microbatches(plan)
+        self._failed_contexts = []
         state = StepState(plan=plan, train=train, adapter=adapter if self._holds_loss else None,
                           num_microbatches=m, loss_sum=torch.zeros((), dtype=torch.float64, device=dev),
                           bad=torch.zeros(plan.num_samples, dtype=torch.float64, device=dev),
