@@ -30,7 +30,7 @@ __all__ = [
     "npu_available",
     "cuda_available",
     "is_cuda",
-    "is_npu", "PROFILE_OF_DEVICE"]
+    "is_npu", "PROFILE_OF_DEVICE", "cost_profile", "abort_ends_collectives"]
 
 PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
 """Hardware profile (`hdp.packing.profiles`) the engines' ``auto`` cost model takes for each device kind."""
@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 _CUDA = "cuda"
 _NPU = "npu"
 _CPU = "cpu"
+
+
+def cost_profile(kind: str) -> str:
+    """The hardware profile of device kind ``kind`` (`PROFILE_OF_DEVICE`; another accelerator: the GPU's)."""
+    return PROFILE_OF_DEVICE.get(kind, PROFILE_OF_DEVICE[_CUDA])
+
 
 @functools.lru_cache(maxsize=1)
 def _torch_npu_importable() -> bool:
@@ -115,6 +121,15 @@ def backend_for(device: torch.device) -> str:
     if kind == _NPU:
         return "hccl"
     raise ValueError(f"device={device}: no torch.distributed backend known for type {kind!r}")
+
+
+def abort_ends_collectives(group: Any) -> bool:
+    """Whether ``group.abort()`` on a rank ends a collective that rank is blocked in on ``group``: NCCL
+    yes (its communicator abort; not run on hardware); gloo no (torch 2.13, measured: only freeing the
+    group does); HCCL not known here, taken as no."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "nccl"
 
 
 def _module_for(device: torch.device) -> Any | None:

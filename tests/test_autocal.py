@@ -25,14 +25,16 @@ CP_FREE = dataclasses.replace(TRUE, step_overhead=0.0, step_latency=0.0, comm_pe
 N, B = 8, 2048
 
 
-def _timed(p, machine: CostModel, rng: np.random.Generator, noise: float = 0.03) -> np.ndarray:
+def _timed(p, machine: CostModel, rng: np.random.Generator, noise: float = 0.03, sigma: float = 0.0) -> np.ndarray:
     """[N, R] per-rank round seconds of plan ``p`` on ``machine``: each rank its group's time (+-noise)
-    plus beta; idle ranks only beta."""
+    plus beta; idle ranks only beta.  With ``sigma`` > 0 each round as a whole also runs exp(N(0, sigma))
+    slower or faster (other jobs on the cores: what a shared CPU does to every rank of a round at once)."""
     times = np.full((p.num_ranks, p.num_rounds), machine.round_cost * machine.unit_time_s)
     for rnd in p.rounds:
+        f = math.exp(rng.normal(0.0, sigma)) if sigma > 0 else 1.0
         for g in rnd.groups:
             t = group_seconds(machine, g.lengths, g.size)
-            times[g.start : g.start + g.size, rnd.index] += t * (1 + rng.uniform(-noise, noise, g.size))
+            times[g.start : g.start + g.size, rnd.index] += t * f * (1 + rng.uniform(-noise, noise, g.size))
     return times
 
 
@@ -186,18 +188,6 @@ def test_refit_follows_a_machine_that_drifts():
         assert r.adopt and abs(over(r.candidate) - 1.0) < 0.06, (half_life, over(r.candidate))
 
 
-def _timed_shared(p, machine: CostModel, rng: np.random.Generator, sigma: float) -> np.ndarray:
-    """Like `_timed`, but each round as a whole also runs exp(N(0, sigma)) slower or faster (other
-    jobs on the cores: what a shared CPU machine does to every rank of a round at once)."""
-    times = np.full((p.num_ranks, p.num_rounds), machine.round_cost * machine.unit_time_s)
-    for rnd in p.rounds:
-        f = math.exp(rng.normal(0.0, sigma))
-        for g in rnd.groups:
-            t = group_seconds(machine, g.lengths, g.size)
-            times[g.start : g.start + g.size, rnd.index] += t * f * (1 + rng.uniform(-0.03, 0.03, g.size))
-    return times
-
-
 def test_a_model_off_the_step_time_is_replaced_on_noisy_rounds():
     # the model in use predicts 20% more than the machine takes (fitted while it was slower) and the
     # rounds scatter by 15% as a whole; a full refit on ~15 noisy rounds can miss the machine's speed, the
@@ -213,7 +203,7 @@ def test_a_model_off_the_step_time_is_replaced_on_noisy_rounds():
                 w.mark()
             lengths = short_tail(24, mean=600.0, max_len=N * B - 2 * N, seed=seed * 100 + s)
             p = plan(lengths, PlannerConfig(num_ranks=N, max_tokens_per_rank=B, cost=over))
-            w.add_step(p, _timed_shared(p, TRUE, rng, 0.15), step=s)
+            w.add_step(p, _timed(p, TRUE, rng, sigma=0.15), step=s)
         r = refit(w, over, AutoCalibrate(half_life_steps=4))
         if r.adopt:
             adopted += 1
@@ -257,7 +247,7 @@ def test_rescaled_keeps_the_plans_and_fits_the_step_time():
     for s in range(40):
         lengths = short_tail(48, mean=600.0, max_len=N * B - 2 * N, seed=900 + s)
         p = plan(lengths, PlannerConfig(num_ranks=N, max_tokens_per_rank=B, cost=TRUE))
-        w.add_step(p, _timed_shared(p, slow, rng, 0.15), step=s)
+        w.add_step(p, _timed(p, slow, rng, sigma=0.15), step=s)
     scaled = rescaled(TRUE, w.rounds())
     assert scaled is not None and scaled.unit_time_s == pytest.approx(1.3 * TRUE.unit_time_s, rel=0.05)
     assert dataclasses.replace(scaled, unit_time_s=TRUE.unit_time_s) == TRUE

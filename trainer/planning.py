@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hdp.device import PROFILE_OF_DEVICE
+from hdp.device import cost_profile
 from hdp.groups import LayoutGroups
 from hdp.packing import CostModel, Plan, PlannerConfig, simulate
 from hdp.packing import plan as make_plan
@@ -62,7 +62,7 @@ STATIC_SLACK = 0.01
 def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
     """The ``auto`` cost model: ``shape``'s preset (`ModelShape.cost_preset`) on the device kind's profile."""
     kind = torch.device(device).type
-    return preset_cost(shape.cost_preset(), PROFILE_OF_DEVICE.get(kind, PROFILE_OF_DEVICE["cuda"]))
+    return preset_cost(shape.cost_preset(), cost_profile(kind))
 
 
 class DomainPlanner:

@@ -11,9 +11,17 @@ verl's console logger, ``actor/hdp/*`` included.  Needs the ``verl`` extra.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def _log(text: str, *, error: bool = False) -> None:
+    logger.log(logging.ERROR if error else logging.INFO, "%s", text)
 
 __all__ = ["prepare", "command", "environment", "run", "main"]
 
@@ -114,8 +122,9 @@ def environment() -> dict[str, str]:
     }
 
 
-def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 1800.0) -> tuple[int, list[str]]:
-    """Run the demo under ``root``; returns (exit code, verl's step lines).  Streams verl's output."""
+def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 1800.0,
+        echo: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
+    """Run the demo under ``root``; returns (exit code, verl's step lines), each also passed to ``echo``."""
     import re
     import subprocess
 
@@ -127,7 +136,8 @@ def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 18
     for line in proc.stdout:
         if re.search(r"\bstep:\d+ - ", line):
             steps_seen.append(line.rstrip())
-            print(line.rstrip(), flush=True)
+            if echo is not None:
+                echo(line.rstrip())
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -144,8 +154,10 @@ def hdp_metrics(step_line: str) -> dict[str, float]:
             if m.group(2) not in ("nan",)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hdp demo --verl``: run the demo in ``--out`` (default out/verl-demo) and summarise hdp's metrics."""
+def main(argv: list[str] | None = None, echo: Callable[..., None] | None = None) -> int:
+    """``hdp demo --verl``: run the demo in ``--out`` (default out/verl-demo) and summarise hdp's metrics.
+
+    ``echo(text, error=False)`` shows a line (the CLI passes its console); default: this module's logger."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="hdp demo --verl")
@@ -155,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    print(f"hdp demo --verl: verl main_ppo, GRPO, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
-          f"model_engine=hdp (files under {root})", flush=True)
-    code, lines = run(root, steps=args.steps, ranks=args.ranks)
+    show = echo if echo is not None else _log
+    show(f"hdp demo --verl: verl main_ppo, GRPO, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
+         f"model_engine=hdp (files under {root})")
+    code, lines = run(root, steps=args.steps, ranks=args.ranks, echo=show)
     for i, line in enumerate(lines, 1):
-        shown = {k: v for k, v in hdp_metrics(line).items()}
-        print(f"step {i}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())), flush=True)
+        show(f"step {i}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(hdp_metrics(line).items())))
     if code != 0 or not lines:
-        print(f"hdp demo --verl: main_ppo exited with {code}; its output is above", file=sys.stderr)
+        show(f"hdp demo --verl: main_ppo exited with {code}; its output is above", error=True)
         return code or 1
     return 0

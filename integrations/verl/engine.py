@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hdp import megatron_compat as mc
+from hdp.device import abort_ends_collectives
 from hdp.digest import batch_digest
 from hdp.dispatch import gather_outputs, group_samples, pack
 from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
@@ -98,16 +99,16 @@ class _Domain:
     @classmethod
     def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any, timeout_s: float) -> "_Domain":
         """Collective over the world: hdp's agreement group with its timeout, a copy of the domain
-        (Megatron's data-parallel group, which verl's model holds; not on NCCL) with the CP blocks, and
+        (Megatron's data-parallel group, which verl's model holds; not where an abort suffices) with the CP blocks, and
         this rank's one-rank group (local synchronisation: no O(world) groups).  hdp's rings, CP
         collectives and output exchange run on the copy, so a rank that fails can free it and release the
         peers blocked there (`compat.release_engine`; on gloo an abort does not); Megatron's groups carry
         only the model's own collectives."""
         me = dist.get_rank()
         job = RoundCore.job_group(dist.get_world_size(), timeout_s)
-        # NCCL: the alarm's abort ends a blocked collective on Megatron's group itself (not run on
-        # hardware), and a copy would hold a second communicator's buffers for nothing
-        own = dp_group if dist.get_backend(dp_group) == "nccl" else copy_of_group(dp_group, job, timeout_s)
+        # where the alarm's abort ends a blocked collective on Megatron's group itself, a copy would hold a
+        # second communicator's buffers for nothing
+        own = dp_group if abort_ends_collectives(dp_group) else copy_of_group(dp_group, job, timeout_s)
         layout = LayoutGroups(
             world=job,
             domain=DomainGroups.build(own, timeout_s=timeout_s),

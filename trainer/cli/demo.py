@@ -54,4 +54,9 @@ def _verl_demo(args: argparse.Namespace) -> int:
     out = args.out if args.out != "out/demo" else "out/verl-demo"
     ranks = args.ranks if args.ranks is not None else 2
     steps = args.steps if args.steps is not None else 3
-    return int(found[0].load()(["--out", out, "--ranks", str(ranks), "--steps", str(steps)]))
+    con, err = _console(), _console(stderr=True)
+
+    def echo(text: str, *, error: bool = False) -> None:
+        (err if error else con).print(text, markup=False, soft_wrap=True)
+
+    return int(found[0].load()(["--out", out, "--ranks", str(ranks), "--steps", str(steps)], echo=echo))

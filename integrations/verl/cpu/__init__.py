@@ -40,9 +40,9 @@ def _module_cuda_is_noop() -> Iterator[None]:
 
 
 class _TorchWithCpuCurrentDevice:
-    """``torch`` for one module: ``torch.cuda.current_device()`` is "cpu", ``synchronize()`` a no-op."""
+    """``torch`` for one module: the accelerator namespace's ``current_device()`` is "cpu", ``synchronize()`` a no-op."""
 
-    class cuda:  # noqa: N801 (stands in for the torch.cuda namespace)
+    class cuda:  # noqa: N801 (the attribute name the shimmed module reads)
         @staticmethod
         def current_device() -> str:
             return "cpu"
@@ -63,7 +63,7 @@ def _patch_mbridge_get_model() -> None:
     import mbridge.core.bridge as bridge_mod
     import mbridge.core.util as util_mod
 
-    util_mod.torch = _TorchWithCpuCurrentDevice()  # get_model's module.cuda(torch.cuda.current_device())
+    util_mod.torch = _TorchWithCpuCurrentDevice()  # get_model moves each module to the accelerator's current device
 
     orig = bridge_mod.get_model
     if getattr(orig, "_hdp_cpu", False):
@@ -113,7 +113,7 @@ def install() -> None:
     mbridge_local.register()
     _patch_mbridge_get_model()
     # verl's checkpoint load (dist_checkpointing with the fully-parallel load strategy) calls
-    # torch.cuda.synchronize() (megatron-core 0.16.1 fully_parallel.py:272), a path hdp's shim does not cover
+    # the GPU module's synchronize() (megatron-core 0.16.1 fully_parallel.py:272), a path hdp's shim does not cover
     import megatron.core.dist_checkpointing.strategies.fully_parallel as fully_parallel
 
     fully_parallel.torch = _TorchWithCpuCurrentDevice()

@@ -1,8 +1,8 @@
 """A CPU platform for verl (laptop demos and tests), registered through verl's own ``PlatformRegistry``.
 
 verl 0.9.1 ships CUDA, NPU and ROCm platforms and falls back to "nvidia" on a CPU-only machine
-(``verl/plugin/platform/platform_manager.py``), so ``get_device_name()`` is "cuda" and every
-``get_torch_device()`` call reaches ``torch.cuda``.  ``PlatformCPU`` answers "cpu" and a small
+(``verl/plugin/platform/platform_manager.py``), so ``get_device_name()`` names the GPU and every
+``get_torch_device()`` call reaches torch's GPU module.  ``PlatformCPU`` answers "cpu" and a small
 ``torch.cpu``-like module; select it with ``VERL_PLATFORM=cpu`` (set by :func:`hdp.integrations.verl.cpu.install`).
 """
 
