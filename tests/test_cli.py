@@ -132,10 +132,11 @@ def test_calibrate_cli(tmp_path, capsys):
     assert abs(d["parameters"]["linear_coef"] / true.linear_coef - 1) < 0.02 and d["fit"]["n_records"] == 12
 
 
-def test_simulate_moe_zero_memory_raises_budget(capsys):
-    """--moe-zero-memory plans the batch again with the larger budget the freed memory allows."""
+def test_simulate_zero_memory_raises_a_given_budget(capsys):
+    """--zero-memory with a given -B (no memory model) plans the batch again with the larger budget the freed
+    memory allows."""
     main(["simulate", "--workload", "rl-32k", "--samples", "64", "-N", "16", "-B", "4096",
-          "--policies", "static-cp", "--no-peers", "--moe-zero-memory", "level0", "--json"])
+          "--policies", "static-cp", "--no-peers", "--zero-memory", "level0", "--json"])
     cases = {c["policy"]: c for c in _json_out(capsys)["cases"]}
     base, zm = cases["static-cp"], cases["static-cp+level0"]
     assert zm["max_tokens_per_rank"] > 2 * base["max_tokens_per_rank"]

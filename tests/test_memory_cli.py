@@ -1,4 +1,4 @@
-"""The memory model on the command line (issue 23): ``hdp plan/simulate --memory-gb --model --layout``
+"""The memory model on the command line (issue 23): ``hdp plan/simulate --memory-gb --shape --layout``
 derive B and keep every round's predicted peak within the limit, the what-if report compares with static
 CP at the smallest CP size that fits, zero-memory shrinks the group a 32K sample needs, ``hdp calibrate``
 fits the memory coefficients into the cost-model file that plan reads back, and bad input is one line."""
@@ -21,7 +21,7 @@ from hdp.packing.memory import GB, MemoryCoefficients, MemoryLayout, MemoryModel
 from hdp.trainer.cli import main
 
 QWEN = "qwen3-235b-a22b"
-ISSUE = ["plan", "--workload", "rl", "--samples", "256", "-N", "16", "--memory-gb", "64", "--model", QWEN,
+ISSUE = ["plan", "--workload", "rl", "--samples", "256", "-N", "16", "--memory-gb", "64", "--shape", QWEN,
          "--layout", "tp1,pp8,ep16", "--json"]
 """The command of issue 23's checks."""
 
@@ -125,7 +125,7 @@ def test_zero_memory_level1_needs_a_smaller_cp_group_for_a_32k_sample(tmp_path, 
     lengths.write_text("32768\n" + "2048\n" * 63)
     smallest = {}
     for zm in ("none", "level1"):
-        argv = ["plan", "--lengths", str(lengths), "-N", "16", "--memory-gb", "96", "--model", QWEN, "--layout",
+        argv = ["plan", "--lengths", str(lengths), "-N", "16", "--memory-gb", "96", "--shape", QWEN, "--layout",
                 "tp1,pp8,ep16", "--recompute", "selective", "--zero-memory", zm, "--json"]
         assert main(argv) == 0
         d = _json_out(capsys)
@@ -139,7 +139,7 @@ def test_zero_memory_level1_needs_a_smaller_cp_group_for_a_32k_sample(tmp_path, 
 
 
 def test_layout_sets_the_pipeline_stages_and_layout_alone_reports_peaks(capsys):
-    argv = ["plan", "--workload", "rl", "--samples", "64", "-N", "16", "-B", "4096", "--model", QWEN,
+    argv = ["plan", "--workload", "rl", "--samples", "64", "-N", "16", "-B", "4096", "--shape", QWEN,
             "--layout", "tp1,pp8,ep16", "--zero-memory", "level1", "--json"]
     assert main(argv) == 0
     d = _json_out(capsys)
@@ -150,7 +150,7 @@ def test_layout_sets_the_pipeline_stages_and_layout_alone_reports_peaks(capsys):
 
 
 def test_simulate_with_a_memory_limit(capsys):
-    argv = ["simulate", "--workload", "rl", "--samples", "64", "-N", "16", "--memory-gb", "64", "--model", QWEN,
+    argv = ["simulate", "--workload", "rl", "--samples", "64", "-N", "16", "--memory-gb", "64", "--shape", QWEN,
             "--layout", "tp1,pp8,ep16", "--zero-memory", "level1", "--policies", "hdp,static-cp", "--no-peers", "--json"]
     assert main(argv) == 0
     d = _json_out(capsys)
@@ -166,7 +166,7 @@ def test_simulate_with_a_memory_limit(capsys):
 
 def test_one_model_name_is_a_cost_preset_and_a_shape(capsys):
     # qwen3-30b-a3b has a shape only: its cost preset is derived from it
-    argv = ["plan", "--workload", "rl", "--samples", "32", "-N", "8", "--memory-gb", "80", "--model", "qwen3-30b-a3b",
+    argv = ["plan", "--workload", "rl", "--samples", "32", "-N", "8", "--memory-gb", "80", "--shape", "qwen3-30b-a3b",
             "--layout", "tp1,pp2,ep8", "--zero-memory", "level1", "--json"]
     assert main(argv) == 0
     d = _json_out(capsys)
@@ -245,7 +245,7 @@ def test_calibrate_fits_the_memory_model_into_the_cost_model_file_and_plan_reads
     # --json prints the same document
     assert main(["calibrate", "--records", str(records), "--model", "dense-8b", "--json"]) == 0
     assert _json_out(capsys)["memory"]["coefficients"] == pytest.approx(doc["memory"]["coefficients"])
-    # plan reads the memory section of its --cost-model file (and says so); --model names the shape only
+    # plan reads the memory section of its --cost-model file (and says so); --shape names the shape
     argv = ISSUE + ["--zero-memory", "level1"]
     assert main(argv + ["--cost-model", str(out)]) == 0
     d = _json_out(capsys)
@@ -325,26 +325,27 @@ def test_a_bad_memory_section_names_the_file_and_field(tmp_path):
 
 _PLAN = ["plan", "--workload", "rl", "--samples", "32", "-N", "16"]
 BAD = [
-    (_PLAN + ["--memory-gb", "16", "--model", QWEN, "--layout", "tp1,pp8,ep16"],
+    (_PLAN + ["--memory-gb", "16", "--shape", QWEN, "--layout", "tp1,pp8,ep16"],
      ("--memory-gb=16", "is below the static memory of qwen3-235b-a22b", "raise the limit")),
     (ISSUE, ("--memory-gb=64", "fits no group of the domain")),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,cp4"], "--layout='tp1,cp4': layout 'tp1,cp4': 'cp4'"),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep3"], "does not fit --model='qwen3-235b-a22b'"),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep16,dp8"], "dp8 but -N 16"),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep16", "--pp", "4"], "--pp=4 but --layout"),
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,cp4"], "--layout='tp1,cp4': layout 'tp1,cp4': 'cp4'"),
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,pp8,ep3"], "does not fit --shape='qwen3-235b-a22b'"),
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,pp8,ep16,dp8"], "dp8 but -N 16"),
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,pp8,ep16", "--pp", "4"], "--pp=4 but --layout"),
     (_PLAN + ["-B", "4096", "--zero-memory", "level1"], "neither --memory-gb G"),
-    (_PLAN + ["--memory-gb", "64", "--model", "deepseek-v3"], "--model='deepseek-v3' has no shape for the memory model"),
-    (_PLAN + ["--memory-gb", "64"], "need --model NAME"),
-    (_PLAN + ["--memory-gb", "nan", "--model", QWEN], "--memory-gb=nan"),
-    (_PLAN + ["--memory-gb", "-1", "--model", QWEN], "--memory-gb=-1.0"),
+    (_PLAN + ["--memory-gb", "64", "--shape", "deepseek-v3"], "--shape='deepseek-v3' is not a model shape"),
+    (_PLAN + ["--memory-gb", "64"], "need --shape NAME"),
+    (_PLAN + ["--memory-gb", "nan", "--shape", QWEN], "--memory-gb=nan"),
+    (_PLAN + ["--memory-gb", "-1", "--shape", QWEN], "--memory-gb=-1.0"),
     (_PLAN, "pass --max-tokens-per-rank/-B"),
-    (_PLAN + ["--layout", "tp1,pp8,ep16", "--model", QWEN], "pass --max-tokens-per-rank/-B"),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep16", "--memory-coefficients", "{plain}"],
+    (_PLAN + ["--layout", "tp1,pp8,ep16", "--shape", QWEN], "pass --max-tokens-per-rank/-B"),
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,pp8,ep16", "--memory-coefficients", "{plain}"],
      "has no memory section"),
-    (_PLAN + ["--memory-gb", "64", "--model", QWEN, "--layout", "tp1,pp8,ep16", "--memory-coefficients", "{missing}"],
+    (_PLAN + ["--memory-gb", "64", "--shape", QWEN, "--layout", "tp1,pp8,ep16", "--memory-coefficients", "{missing}"],
      "--memory-coefficients: cost-model file"),
-    (["simulate", "--workload", "rl", "--samples", "32", "-N", "16", "--memory-gb", "64", "--model", QWEN,
-      "--layout", "tp1,pp8,ep16", "--moe-zero-memory", "level1", "--no-peers"], "--moe-zero-memory scales a given -B"),
+    (["simulate", "--workload", "rl", "--samples", "32", "-N", "16", "--memory-gb", "64", "--shape", QWEN,
+      "--layout", "tp1,pp8,ep16", "--zero-memory", "level1", "--moe-shape", "deepseek-v3", "--no-peers"],
+     "--moe-shape='deepseek-v3' prices --zero-memory for a given -B"),
     (["simulate", "--suite", "--memory-gb", "64"], "--suite plans every case with its own model"),
 ]
 

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -320,10 +319,3 @@ class DomainPlanner:
             logger.warning("calibration records: writing %s failed at step %d (%s); the step itself is fine",
                            self.records_path, step, exc)
             return False
-
-
-def timed_plan(planner: DomainPlanner, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> tuple[Plan, float]:
-    """(plan, wall milliseconds of planning)."""
-    t0 = time.perf_counter()
-    p = planner.plan(lengths, max_tokens_per_rank)
-    return p, (time.perf_counter() - t0) * 1e3

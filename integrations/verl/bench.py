@@ -399,3 +399,11 @@ def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0)
     from hdp.trainer.launch import spawn
 
     return spawn(_bench_worker, ranks, steps, budget, seed, timeout=900)[0]
+
+
+def add_arguments(parser: Any) -> None:
+    """The flags of ``hdp bench verl`` (`bench_verl`'s keyword arguments; the CLI adds ``--json``)."""
+    from hdp.trainer.cli.common import positive_int
+
+    parser.add_argument("--ranks", type=positive_int, default=4, choices=(2, 4), help="gloo ranks: 2 or 4 (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="steps per path, the first untimed (default 5)")

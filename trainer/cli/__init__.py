@@ -1,9 +1,23 @@
 """The ``hdp`` command line: plan, simulate, benchmark, calibrate and the demos.
 
 Human output uses rich tables; ``--json`` prints exactly one JSON object on stdout (logs and
-progress go to stderr).  User errors print ``error: <message>`` to stderr and exit with code 2.
+progress go to stderr).  User errors print ``error: <message>`` to stderr and exit with code 2; a
+flag a sub-command does not take is such an error, naming the flag (and the sub-commands that take it).
 Subcommands live in :mod:`.planning` (with the memory options of :mod:`.memory`), :mod:`.calibrate`,
-:mod:`.bench` and :mod:`.demo`; shared helpers in :mod:`.common`.
+:mod:`.bench` and :mod:`.demo`; shared helpers in :mod:`.common`; every file written goes through
+:mod:`.output` (checked before the work, written atomically).  Counts and sizes take the argparse types
+``positive_int`` / ``nonnegative_int`` / ``seed_int`` of :mod:`.common`.
+
+Adding a benchmark: ``hdp bench`` has one sub-parser per bench, each with only its own flags.
+
+* A bench of the trainer: write ``add_NAME(sub)`` in :mod:`.bench` — it calls
+  ``_bench_parser(sub, NAME, help, run)`` (which adds ``--json``), adds its flags to the returned parser
+  and returns it; ``run(args) -> int`` is the exit code — and append ``add_NAME`` to ``bench.BENCHES``.
+* A bench of another package (verl's): an entry point in the ``hdp.benchmarks`` group,
+  ``NAME = "module:runner"``, where ``runner(**flags) -> dict`` takes its parsed flags as keyword
+  arguments and returns the result, and ``module`` defines ``add_arguments(parser)`` adding those flags.
+  The module is imported only when ``hdp bench NAME`` runs (or its ``--help``), so that no other
+  command imports it.
 """
 
 from __future__ import annotations
@@ -13,8 +27,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from hdp.trainer.cli.bench import _cmd_bench
-from hdp.trainer.cli.common import ALL_POLICIES, CliError, _add_batch_args, _add_domain_args
+from hdp.trainer.cli.bench import add_bench_parsers
+from hdp.trainer.cli.common import ALL_POLICIES, CliError, Parser, _add_batch_args, _add_domain_args
 from hdp.trainer.cli.demo import _cmd_demo
 from hdp.trainer.cli.memory import add_memory_args
 from hdp.trainer.cli.calibrate import _cmd_calibrate
@@ -24,18 +38,11 @@ from hdp.trainer.cli.planning import _cmd_plan, _cmd_simulate
 __all__ = ["main", "build_parser", "CliError"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line (``error: hdp plan: argument --samples: ...``), exit 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``hdp`` command."""
     from hdp.packing.workloads import WORKLOADS
 
-    parser = _Parser(
+    parser = Parser(
         prog="hdp", description="Sequence-length-aware hybrid data/context parallel planner.",
         epilog=f"workloads: {', '.join(WORKLOADS)}",
     )
@@ -62,52 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-peers", action="store_true", help="skip the megatron-core reference entry")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot-dir", metavar="DIR", help="write a Gantt chart per policy")
-    s.add_argument("--moe-zero-memory", default="none", choices=("none", "level0", "level1"),
-                   help="also plan with the token budget MoE zero-memory recomputation frees")
-    s.add_argument("--moe-shape", default="qwen3-235b-a22b",
-                   help="MoE layer shape for --moe-zero-memory (qwen3-235b-a22b, deepseek-v3)")
+    s.add_argument("--moe-shape", default=None, metavar="NAME", dest="moe_shape",
+                   help="with --zero-memory and a given -B (no --memory-gb/--layout): the MoE layer shape whose freed "
+                        "memory raises B, planned side by side (qwen3-235b-a22b, deepseek-v3; default qwen3-235b-a22b)")
     add_memory_args(s)
     s.set_defaults(func=_cmd_simulate)
 
     b = sub.add_parser("bench", help="benchmarks: attention kernels, planner speed, MoE zero-memory, verl engine, "
-                                         "training throughput, fault injection")
-    b.add_argument("what", choices=("attention", "planner", "exact", "moe", "verl", "train", "faults", "memory"))
-    b.add_argument("--only", default=None, metavar="A,B",
-                   help="faults: scenarios to run (in-process, other-world, sigkill-mid-step, sigstop-mid-step, "
-                        "sigkill-during-save, verl; default all); memory: cases to run (their names, or 'limit')")
-    b.add_argument("--timeout", type=float, default=10.0, help="faults: the engines' collective timeout in s (default 10)")
-    b.add_argument("--policies", default="static-cp,hdp", help="train: policies compared side by side")
-    b.add_argument("--workload", default="short-tail", help="train: short-tail or long-response")
-    b.add_argument("--baseline", metavar="FILE", help="train: stored result to compare with")
-    b.add_argument("--tolerance", type=float, default=0.05, help="train: allowed regression vs --baseline")
-    b.add_argument("--output", metavar="FILE", help="train: also write the JSON result to FILE")
-    b.add_argument("--steps", type=int, default=None, help="verl / train: steps per policy, the first untimed (default 5)")
-    b.add_argument("--ep", type=int, default=2, help="moe: expert parallel size (default 2)")
-    b.add_argument("--seq-length", type=int, default=None,
-                   help="moe: sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
-    b.add_argument("--system-malloc", action="store_true",
-                   help="moe: glibc's default malloc instead of reusing freed memory like a GPU allocator")
-    b.add_argument("--ranks", type=int, default=None,
-                   help="attention: ranks (default 2); train: all ranks, TP x PP x domain (default 4)")
-    b.add_argument("--tp", type=int, default=1, help="train: tensor-parallel size, sequence parallel (default 1)")
-    b.add_argument("--pp", type=int, default=1, help="train: pipeline stages, 1F1B (default 1)")
-    b.add_argument("--tokens", type=int, default=8192, help="attention: tokens (default 8192)")
-    b.add_argument("--algo", default="ring", help="attention: ring or allgather")
-    b.add_argument("--policy", default="hdp", help="planner: policy (default hdp)")
-    b.add_argument("--repeats", type=int, default=7, help="planner: repeats of the 64- and 512-rank cases")
-    b.add_argument("--large-repeats", type=int, default=2, help="planner: repeats of the 8192-rank case")
-    b.add_argument("--small-only", action="store_true", help="planner: skip the 8192-rank case")
-    b.add_argument("--families", default=None, metavar="A,B",
-                   help="planner: batch families to time (default all: the suite's distributions, short-reasoning, "
-                        "pareto, rl-grouped-16)")
-    b.add_argument("--no-peers", action="store_true", dest="no_peers",
-                   help="planner: skip megatron-core's scheduler and the megatron-dcp port")
-    b.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
-                   help="planner: hdp's search budget ('default', 'off' or key=value pairs)")
-    b.add_argument("--seed", type=int, default=0, help="planner / exact: workload seed")
-    b.add_argument("--instances", type=int, default=20, help="exact: random small instances (default 20)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.set_defaults(func=_cmd_bench)
+                                     "training throughput, fault injection, memory model",
+                       description="One sub-command per benchmark, each with its own flags (hdp bench BENCH --help).")
+    add_bench_parsers(b)
 
     d = sub.add_parser("demo", help="CPU demo: train a small GPT on 4 gloo ranks with static CP, then HDP; "
                                     "--verl: a few GRPO steps through verl's main_ppo with model_engine=hdp")
@@ -132,13 +103,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _leaves(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser by its prog (``hdp bench train``), entry-point benches not yet loaded left out."""
+    out: dict[str, argparse.ArgumentParser] = {}
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    if not subs:
+        return {parser.prog: parser}
+    for p in subs[0].choices.values():
+        out.update(_leaves(p))
+    return out
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> str:
+    """``error: hdp bench verl: unrecognized arguments: --algo ring (--algo is a flag of hdp bench attention)``."""
+    prog = " ".join(["hdp", args.command] + ([args.bench] if getattr(args, "bench", None) else []))
+    leaves = _leaves(parser)
+    hints = []
+    for flag in dict.fromkeys(e.split("=", 1)[0] for e in extra if e.startswith("-")):
+        owners = [name for name, p in leaves.items() if name != prog
+                  and any(flag in a.option_strings for a in p._actions)]  # noqa: SLF001
+        if owners:
+            hints.append(f"{flag} is a flag of {', '.join(owners)}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return f"error: {prog}: unrecognized arguments: {' '.join(extra)}{hint} (see {prog} --help)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hdp``; returns the exit code (2 for user errors)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # argparse usage errors (already printed) and --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    if extra:
+        print(_unrecognized(parser, args, extra), file=sys.stderr)
+        return 2
     from hdp.trainer.quiet import quiet_third_party_warnings  # not hdp.trainer.launch: plan needs no torch
 
     quiet_third_party_warnings()  # the known Megatron / torch fallback and deprecation warnings

@@ -3,55 +3,183 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import importlib
+import inspect
 import json
 import math
-import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hdp.trainer.cli.common import CliError, _console, _emit_json, _flatten, _fmt_s, _given, _hist_text, _print_dict, logger
+from hdp.trainer.cli.common import (CliError, Parser, _console, _emit_json, _flatten, _fmt_s, _hist_text, _print_dict,
+                                    logger, positive_int, seed_int)
+from hdp.trainer.cli.output import check_output_file, write_atomic
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "attention":
-        return _bench_attention(args)
-    if args.what == "train":
-        return _bench_train(args)
-    if args.what == "verl":
-        # found through the "hdp.benchmarks" entry-point group, so the trainer never imports the
-        # integrations package (dependencies point one way: packing <- hdp <- trainer <- integrations)
-        from importlib.metadata import entry_points
+BenchAdder = Callable[[Any], argparse.ArgumentParser]
+"""Adds one bench's sub-parser to ``hdp bench``'s sub-parsers (see `add_bench_parsers`)."""
 
-        found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
-        if not found:
-            raise SystemExit("hdp bench verl: no 'hdp.benchmarks' entry point 'verl'; reinstall hdp-engine (pip install -e .)")
-        result = found[0].load()(ranks=_given(args.ranks, 4, "--ranks"), steps=_given(args.steps, 5, "--steps"))
-        if args.json:
-            _emit_json(result)
-        else:
-            _print_dict(_flatten(result), f"verl engine benchmark, {_given(args.ranks, 4, '--ranks')} ranks")
-        return 0
-    if args.what == "moe":
-        from hdp.trainer.bench.moe import bench_moe
 
-        shape = {"seq_length": args.seq_length} if args.seq_length else {}
-        result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
-        if args.json:
-            _emit_json(result)
-        else:
-            _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
-        return 0
-    if args.what == "exact":
-        return _bench_exact(args)
-    if args.what == "memory":
-        return _bench_memory(args)
-    if args.what == "faults":
-        return _bench_faults(args)
-    return _bench_planner(args)
+def _bench_parser(sub: Any, name: str, help: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """The sub-parser ``hdp bench NAME`` with ``--json``; ``run(args)`` returns the exit code."""
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_attention(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "attention", "CP attention kernels: forward + backward of one causal sequence", _bench_attention)
+    p.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="tokens of the sequence (default 8192)")
+    p.add_argument("--algo", default="ring", choices=("ring", "allgather"), help="CP attention (default ring)")
+    return p
+
+
+def add_planner(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "planner", "planner speed and plan quality on the benchmark batch families", _bench_planner)
+    p.add_argument("--policy", default="hdp", help="policy (default hdp)")
+    p.add_argument("--repeats", type=positive_int, default=7, help="repeats of the 64- and 512-rank cases (default 7)")
+    p.add_argument("--large-repeats", type=positive_int, default=2, help="repeats of the 8192-rank case (default 2)")
+    p.add_argument("--small-only", action="store_true", help="skip the 8192-rank case")
+    p.add_argument("--families", default=None, metavar="A,B",
+                   help="batch families to time (default all: the suite's distributions, short-reasoning, pareto, "
+                        "rl-grouped-16)")
+    p.add_argument("--no-peers", action="store_true", dest="no_peers",
+                   help="skip megatron-core's scheduler and the megatron-dcp port")
+    p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
+                   help="hdp's search budget ('default', 'off' or key=value pairs)")
+    p.add_argument("--seed", type=seed_int, default=0, help="workload seed (default 0)")
+    return p
+
+
+def add_exact(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "exact", "hdp against the exact optimum (branch and bound) on small instances", _bench_exact)
+    p.add_argument("--instances", type=positive_int, default=20, help="random small instances (default 20)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the instances (default 0)")
+    return p
+
+
+def add_moe(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "moe", "MoE zero-memory: memory and time of the expert path", _bench_moe)
+    p.add_argument("--ep", type=positive_int, default=2, help="expert parallel size (default 2)")
+    p.add_argument("--seq-length", type=positive_int, default=None, dest="seq_length",
+                   help="sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
+    p.add_argument("--system-malloc", action="store_true", dest="system_malloc",
+                   help="glibc's default malloc instead of reusing freed memory like a GPU allocator")
+    return p
+
+
+def add_train(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "train", "training throughput of policies side by side on gloo ranks", _bench_train)
+    p.add_argument("--policies", default="static-cp,hdp", help="policies compared side by side (default static-cp,hdp)")
+    p.add_argument("--workload", default="short-tail", help="short-tail or long-response")
+    p.add_argument("--ranks", type=positive_int, default=4, help="all ranks, TP x PP x domain (default 4)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size, sequence parallel (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages, 1F1B (default 1)")
+    p.add_argument("--steps", type=positive_int, default=5, help="steps per policy, the first untimed (default 5)")
+    p.add_argument("--baseline", metavar="FILE", help="stored result to compare with")
+    p.add_argument("--tolerance", type=float, default=0.05, help="allowed regression vs --baseline (default 0.05)")
+    p.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
+    return p
+
+
+def add_faults(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "faults", "fault injection: every rank raises, nothing hangs, state unchanged", _bench_faults)
+    p.add_argument("--only", default=None, metavar="A,B", help="scenarios to run (default all)")
+    p.add_argument("--timeout", type=float, default=10.0, help="the engines' collective timeout in s (default 10)")
+    return p
+
+
+def add_memory(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "memory", "memory model: predicted vs measured peaks, and a run to a memory limit",
+                      _bench_memory)
+    p.add_argument("--only", default=None, metavar="A,B", help="cases to run (their names, or 'limit'; default all)")
+    return p
+
+
+BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory)
+"""The benches of the trainer, in ``hdp bench --help`` order; a new one appends its adder here."""
+
+ENTRY_POINT_GROUP = "hdp.benchmarks"
+"""Benches of other packages (verl's): entry point NAME = ``module:runner``; see `add_bench_parsers`."""
+
+
+class _EntryPointParser(Parser):
+    """The sub-parser of an entry-point bench: its module is imported (and its ``add_arguments`` called)
+    only when ``hdp bench NAME`` is parsed or its help shown, so that other commands never import it."""
+
+    def __init__(self, *args: Any, entry_point: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._entry_point, self._loaded = entry_point, entry_point is None
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        ep = self._entry_point
+        try:
+            runner = ep.load()
+            add = getattr(importlib.import_module(ep.module), "add_arguments", None)
+        except ImportError as exc:
+            self.error(f"cannot load the {ENTRY_POINT_GROUP!r} entry point {ep.name} = {ep.value} ({exc}); install "
+                       "hdp-engine with the extra it needs (pip install -e '.[verl]' in a checkout)")
+        if add is not None:
+            add(self)
+        self.set_defaults(func=functools.partial(_run_entry_point, ep.name, runner))
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None):  # type: ignore[override]  # noqa: ANN201
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
+
+
+def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
+    """Add one sub-parser per bench to the ``hdp bench`` parser.
+
+    The trainer's benches are `BENCHES`.  A package's bench registers itself as an entry point of the
+    ``hdp.benchmarks`` group (``NAME = "module:runner"``): ``runner(**flags) -> dict`` takes the parsed
+    values of its flags as keyword arguments and returns the result (printed as a table, or as JSON with
+    ``--json``); the flags come from ``add_arguments(parser)`` in the runner's module.
+    """
+    sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=_EntryPointParser)
+    for add in BENCHES:
+        add(sub)
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if ep.name not in sub.choices:
+            p = sub.add_parser(ep.name, help=f"{ep.name} (entry point {ep.value})", entry_point=ep)
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _run_entry_point(name: str, runner: Callable[..., dict[str, Any]], args: argparse.Namespace) -> int:
+    params = inspect.signature(runner).parameters
+    flags = {k: v for k, v in vars(args).items() if k in params}
+    result = runner(**flags)
+    if args.json:
+        _emit_json(result)
+    else:
+        shown = ", ".join(f"{k} {v}" for k, v in flags.items())
+        _print_dict(_flatten(result), f"hdp bench {name}" + (f" ({shown})" if shown else ""))
+    return 0
+
+
+def _bench_moe(args: argparse.Namespace) -> int:
+    from hdp.trainer.bench.moe import bench_moe
+
+    shape = {"seq_length": args.seq_length} if args.seq_length else {}
+    result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
+    if args.json:
+        _emit_json(result)
+    else:
+        _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
+    return 0
 
 
 def _bench_memory(args: argparse.Namespace) -> int:
@@ -137,17 +265,15 @@ def _bench_train(args: argparse.Namespace) -> int:
     # every check before any rank is spawned: bad input never costs a run, nor loses one
     try:
         spec = TrainBenchSpec(
-            ranks=_given(args.ranks, 4, "--ranks"),
-            policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=_given(args.steps, 5, "--steps"), workload=args.workload, tp=args.tp, pp=args.pp,
+            ranks=args.ranks, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
+            steps=args.steps, workload=args.workload, tp=args.tp, pp=args.pp,
         )
     except ValueError as exc:
         raise CliError(f"bench train: {exc}") from exc
     if not (math.isfinite(args.tolerance) and 0.0 <= args.tolerance < 1.0):
         raise CliError(f"--tolerance={args.tolerance}: pass a fraction in [0, 1) (0.05 = 5% slower is a regression)")
     baseline = _load_baseline(args.baseline, spec.policies) if args.baseline else None
-    if args.output and Path(args.output).is_dir():
-        raise CliError(f"--output={args.output!r} is a directory; name a file for the JSON result")
+    output = check_output_file("--output", args.output) if args.output is not None else None
     import os
 
     if "LOCAL_RANK" not in os.environ:  # spawned here (not torchrun): can this machine run that many ranks?
@@ -159,8 +285,8 @@ def _bench_train(args: argparse.Namespace) -> int:
         return 0
     problems = compare_with_baseline(result, baseline, args.tolerance) if baseline else []
     result["regressions"] = problems
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, default=str, indent=1))
+    if output is not None:
+        write_atomic(output, json.dumps(result, default=str, indent=1), "--output")
     if args.json:
         _emit_json(result)
     else:
@@ -241,12 +367,11 @@ def _bench_attention(args: argparse.Namespace) -> int:
         mod = importlib.import_module("hdp.trainer.bench.attention")
     except ImportError as exc:
         raise CliError(f"bench attention: hdp.trainer.bench.attention is not available ({exc})") from exc
-    result = mod.bench_attention(ranks=_given(args.ranks, 2, "--ranks"), tokens=args.tokens, algo=args.algo)
-    result = dict(result)
+    result = dict(mod.bench_attention(ranks=args.ranks, tokens=args.tokens, algo=args.algo))
     if args.json:
         _emit_json(result)
         return 0
-    _print_dict(result, f"attention benchmark: {args.algo}, {_given(args.ranks, 2, '--ranks')} ranks, {args.tokens} tokens")
+    _print_dict(result, f"attention benchmark: {args.algo}, {args.ranks} ranks, {args.tokens} tokens")
     return 0
 
 

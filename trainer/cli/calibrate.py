@@ -5,10 +5,10 @@ cost-model file (`hdp.packing.cost_file`, the memory model as its ``memory`` sec
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from hdp.trainer.cli.common import CliError, _console, _emit_json, _fmt_s, logger
+from hdp.trainer.cli.common import _console, _emit_json, _fmt_s, logger
+from hdp.trainer.cli.output import atomic_output, check_output_file
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -23,11 +23,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     base = cost_model(model, profile)
     base_name = f"{model}@{profile}"
     if args.out is not None:
-        out = Path(args.out)
-        if out.is_dir():
-            raise CliError(f"--out={args.out!r} is a directory; pass a file path such as cost.json")
-        if not out.parent.is_dir():
-            raise CliError(f"--out={args.out!r}: the folder {str(out.parent)!r} does not exist")
+        check_output_file("--out", args.out)  # before the fit
     records = load_records(args.records)
     timing = [r for r in records if r["kind"] != "memory"]
     memory = [r for r in records if r["kind"] == "memory"]
@@ -43,7 +39,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         cost, meta = result.cost, result.metadata(base_name)
     mem_coef, mem_fit = _fit_memory(memory, args.memory_cover) if memory else (None, None)
     if args.out is not None:
-        save_cost_model(cost, args.out, metadata=meta, memory=mem_coef, memory_fit=mem_fit)
+        with atomic_output(args.out, "--out") as tmp:
+            save_cost_model(cost, tmp, metadata=meta, memory=mem_coef, memory_fit=mem_fit)
         logger.info("wrote %s", args.out)
     doc = cost_document(cost, metadata=meta, memory=mem_coef, memory_fit=mem_fit)
     if args.json:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import json
 import logging
 import sys
@@ -32,6 +31,42 @@ EFFICIENCY_TARGET = 0.95
 
 class CliError(ValueError):
     """A user error the CLI reports as ``error: ...`` with exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (``error: hdp plan: argument --samples: ...``), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(text: str, low: int, high: int | None, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass {what}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{value} is out of range; pass {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count or size: a whole number >= 1 (argparse names the flag and the value)."""
+    return _int_in(text, 1, None, "a whole number >= 1")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type of a count that may be 0: a whole number >= 0."""
+    return _int_in(text, 0, None, "a whole number >= 0")
+
+
+MAX_SEED = 2**32 - 1
+"""Largest seed (numpy's legacy seeding, which some workloads use, takes [0, 2^32 - 1])."""
+
+
+def seed_int(text: str) -> int:
+    """argparse type of a random seed: a whole number in [0, 2^32 - 1]."""
+    return _int_in(text, 0, MAX_SEED, f"a seed in [0, {MAX_SEED}]")
 
 
 def _json_default(obj: Any) -> Any:
@@ -71,7 +106,7 @@ def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
     src.add_argument("--workload", metavar="NAME", help="built-in workload generator (see --help-workloads)")
     p.add_argument("--samples", type=_sample_count, default=1024,
                    help=f"samples to draw with --workload (default 1024, at most {MAX_SAMPLES:,})")
-    p.add_argument("--seed", type=int, default=0, help="seed of --workload (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of --workload (default 0)")
 
 
 def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -99,7 +134,8 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
                         "the library and verl; replaces --profile/--model/--linear-coef")
     p.add_argument("--profile", default=None, help="hardware profile (default h100-nvlink)")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, help="model preset (default deepseek-v3)")
+    model.add_argument("--model", default=None,
+                       help="cost-model preset (default deepseek-v3, or with --shape the preset of that name)")
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
 
 
@@ -116,22 +152,6 @@ def _sample_count(text: str) -> int:
     if not value.is_integer() or not 1 <= value <= MAX_SAMPLES:
         raise argparse.ArgumentTypeError(f"{text!r}: pass a whole number of samples in [1, {MAX_SAMPLES:,}]")
     return int(value)
-
-
-def check_output_file(flag: str, value: str) -> None:
-    """An output path must name a file in an existing folder (CliError otherwise)."""
-    p = Path(value)
-    if p.is_dir():
-        raise CliError(f"{flag}={value!r} is a directory; name a file (e.g. plan.png)")
-    if not p.parent.is_dir():
-        raise CliError(f"{flag}={value!r}: the folder {str(p.parent)!r} does not exist; create it first")
-
-
-def check_output_dir(flag: str, value: str) -> None:
-    """An output folder may not be an existing file (CliError otherwise)."""
-    p = Path(value)
-    if p.exists() and not p.is_dir():
-        raise CliError(f"{flag}={value!r} is a file; name a folder (it is created when missing)")
 
 
 def _check_domain_args(args: argparse.Namespace) -> None:
@@ -158,15 +178,12 @@ def _load_lengths(args: argparse.Namespace) -> np.ndarray:
 
 def _cost(args: argparse.Namespace):  # noqa: ANN202
     """The cost model of --cost-model SPEC (file or MODEL@PROFILE), or of the --model/--linear-coef and
-    --profile presets."""
+    --profile presets (--model defaults to the --shape's name, then deepseek-v3)."""
     from hdp.packing import cost_model
     from hdp.packing.cost_file import resolve_cost
 
     if getattr(args, "cost_model", None):
-        from hdp.trainer.cli.memory import memory_requested
-
-        shape_only = memory_requested(args)  # then --model names the memory model's shape only
-        given = [f for f, v in (("--profile", args.profile), ("--model", None if shape_only else args.model),
+        given = [f for f, v in (("--profile", args.profile), ("--model", args.model),
                                 ("--linear-coef", args.linear_coef)) if v is not None]
         if given:
             raise CliError(
@@ -177,7 +194,8 @@ def _cost(args: argparse.Namespace):  # noqa: ANN202
             return resolve_cost(args.cost_model, "--cost-model")
         except ValueError as exc:
             raise CliError(str(exc)) from exc
-    model: Any = args.linear_coef if args.linear_coef is not None else (args.model or "deepseek-v3")
+    model: Any = args.linear_coef if args.linear_coef is not None else (
+        args.model or getattr(args, "shape", None) or "deepseek-v3")  # a shape's cost preset by default
     return cost_model(model, args.profile or "h100-nvlink")
 
 
@@ -235,8 +253,3 @@ def _print_dict(d: dict[str, Any], title: str) -> None:
     for k, v in d.items():
         table.add_row(str(k), f"{v:.6g}" if isinstance(v, float) else str(v))
     _console().print(table)
-
-
-def _given(value: int | None, default: int, flag: str) -> int:
-    """``value`` if the flag was given (0 included: validated by the caller), else ``default``."""
-    return default if value is None else value

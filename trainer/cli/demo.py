@@ -7,10 +7,13 @@ import json
 from pathlib import Path
 
 from hdp.trainer.cli.bench import _print_train_table
-from hdp.trainer.cli.common import _console, check_output_dir
+from hdp.trainer.cli.common import _console
+from hdp.trainer.cli.output import check_output_dir, write_atomic
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.verl and args.out == "out/demo":
+        args.out = "out/verl-demo"
     check_output_dir("--out", args.out)  # before the run, not after it
     if args.verl:
         return _verl_demo(args)
@@ -37,8 +40,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
         cost = _engine_config(spec, "hdp", None).planning.cost  # the engines' own auto model
     gantt = out / "demo_hdp_plan.png"
-    plot_gantt(Plan.from_dict(result["plans"]["hdp"]), cost, gantt, title="HDP plan of the demo batch (step 1)")
-    (out / "demo_result.json").write_text(json.dumps(result, default=str, indent=1))
+    plot_gantt(Plan.from_dict(result["plans"]["hdp"]), cost, gantt, title="HDP plan of the demo batch (step 1)",
+               flag="--out")
+    write_atomic(out / "demo_result.json", json.dumps(result, default=str, indent=1), "--out")
     con.print(f"Gantt chart of the HDP plan: {gantt}; full result: {out / 'demo_result.json'}")
     return 0 if result["loss_match"] else 1
 
@@ -51,7 +55,7 @@ def _verl_demo(args: argparse.Namespace) -> int:
     if not found:
         raise ValueError("hdp demo --verl: no 'hdp.demos' entry point 'verl'; install hdp-engine with its verl "
                          "extra (pip install -e '.[verl]' in a checkout)")
-    out = args.out if args.out != "out/demo" else "out/verl-demo"
+    out = args.out
     ranks = args.ranks if args.ranks is not None else 2
     steps = args.steps if args.steps is not None else 3
     con, err = _console(), _console(stderr=True)

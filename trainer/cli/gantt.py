@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,12 @@ import numpy as np
 from hdp.packing.cost import CostModel
 from hdp.packing.plan import Plan
 from hdp.packing.simulate import rank_loads
+from hdp.trainer.cli.output import atomic_output
 
-__all__ = ["plot_gantt"]
+__all__ = ["plot_gantt", "FORMATS"]
+
+FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+"""Suffixes a chart may be written as (matplotlib's formats; a name without a suffix gets ``.png``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +25,10 @@ _DETAIL_RANKS = 64
 """Above this many ranks the chart drops per-sample labels and edges."""
 
 
-def plot_gantt(plan: Plan, cost: CostModel, path: str | os.PathLike, title: str | None = None) -> str:
-    """Draw ``plan`` under ``cost`` as a Gantt chart PNG at ``path``; return the path.
+def plot_gantt(plan: Plan, cost: CostModel, path: str | os.PathLike, title: str | None = None,
+               flag: str = "path") -> str:
+    """Draw ``plan`` under ``cost`` as a Gantt chart at exactly ``path`` (PNG, or the format its suffix
+    names), written atomically (`hdp.trainer.cli.output`; ``flag`` names the path in errors); return it.
 
     Each round is as wide as its slowest rank plus beta (hatched); each group is a box over its
     ranks holding its samples as sub-boxes with widths proportional to their cost, coloured by the
@@ -109,7 +116,11 @@ def plot_gantt(plan: Plan, cost: CostModel, path: str | os.PathLike, title: str 
             title += f", T={total:.3g} s"
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=110)
-    plt.close(fig)
+    fmt = Path(path).suffix[1:].lower() or "png"
+    try:
+        with atomic_output(path, flag) as tmp:
+            fig.savefig(tmp, dpi=110, format=fmt)
+    finally:
+        plt.close(fig)
     logger.info("wrote Gantt chart %s", path)
     return os.fspath(path)

@@ -1,10 +1,10 @@
-"""The memory options of ``hdp plan`` and ``hdp simulate`` (issue 23): plan to a per-device memory limit
-with the per-rank memory model (`hdp.packing.memory`), and the what-if report of ``hdp plan`` (each
-round's predicted peak per rank, and the plan against static CP at the smallest CP size that fits).
+"""The memory options of ``hdp plan`` and ``hdp simulate``: plan to a per-device memory limit with the
+per-rank memory model (`hdp.packing.memory`), and the what-if report of ``hdp plan`` (each round's
+predicted peak per rank, and the plan against static CP at the smallest CP size that fits).
 
-``--memory-gb G`` is in GiB (2^30 bytes, `hdp.packing.memory.GB`); ``--model`` names the model shape
-(`hdp.packing.model_shape.SHAPES`, also a cost preset); ``--layout tp1,pp8,ep16`` its layout, whose
-domain is ``-N`` and whose PP is the plan's pipeline stages.
+``--memory-gb G`` is in GiB (2^30 bytes, `hdp.packing.memory.GB`); ``--shape`` names the model shape
+(`hdp.packing.model_shape.SHAPES`; ``--model``, the cost preset, defaults to the preset of that name);
+``--layout tp1,pp8,ep16`` its layout, whose domain is ``-N`` and whose PP is the plan's pipeline stages.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["add_memory_args", "memory_requested", "MemorySetup", "memory_setup",
 
 MAX_MEMORY_GB = 1 << 20
 """Largest --memory-gb accepted (a device of a PiB is a typo)."""
-_FLAGS = {"memory_gb": "--memory-gb", "layout": "--layout", "zero_memory": "--zero-memory",
+_FLAGS = {"memory_gb": "--memory-gb", "shape": "--shape", "layout": "--layout", "zero_memory": "--zero-memory",
           "recompute": "--recompute", "cp_algorithm": "--cp-algorithm", "memory_coefficients": "--memory-coefficients"}
 
 
@@ -33,7 +33,12 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     """The memory options (``plan`` and ``simulate``)."""
     from hdp.packing.memory import RECOMPUTE
 
-    g = p.add_argument_group("memory (hdp.packing.memory; needs --model NAME of a model shape)")
+    from hdp.packing.model_shape import SHAPES
+
+    g = p.add_argument_group("memory (hdp.packing.memory; needs --shape NAME)")
+    g.add_argument("--shape", default=None, metavar="NAME",
+                   help=f"the model shape whose memory is priced (hdp.packing.model_shape.SHAPES: {', '.join(SHAPES)}); "
+                        "--model, the cost preset, defaults to the preset of the same name")
     g.add_argument("--memory-gb", type=float, default=None, metavar="G", dest="memory_gb",
                    help="per-device memory limit in GiB: every round's predicted per-rank peak stays within it and "
                         "B is derived from it (-B then caps the derived budget)")
@@ -41,7 +46,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="the model's layout, e.g. tp1,pp8,ep16 (keys tp, pp, vpp, ep, etp; the domain is -N); its PP "
                         "is the plan's pipeline stages; alone (no --memory-gb) plans to -B and reports the peaks")
     g.add_argument("--zero-memory", default=None, choices=("none", "level0", "level1"), dest="zero_memory",
-                   help="MoE zero-memory level of the job (default none)")
+                   help="MoE zero-memory level of the job (default none): the memory model prices it; hdp simulate "
+                        "with a given -B and no other memory option also plans with the larger B the level frees")
     g.add_argument("--recompute", default=None, choices=RECOMPUTE,
                    help="activation recompute of the job (default none: the most memory)")
     g.add_argument("--cp-algorithm", default=None, choices=("ring", "allgather"), dest="cp_algorithm",
@@ -51,9 +57,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                         "default: the --cost-model file's memory section when it has one, else the formulas as written")
 
 
-def memory_requested(args: argparse.Namespace) -> bool:
-    """Whether any memory option was given."""
-    return any(getattr(args, name, None) is not None for name in _FLAGS)
+def memory_requested(args: argparse.Namespace, *, besides: tuple[str, ...] = ()) -> bool:
+    """Whether any memory option was given (other than the ``besides`` dests)."""
+    return any(getattr(args, name, None) is not None for name in _FLAGS if name not in besides)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +67,7 @@ class MemorySetup:
     """The memory model a plan is priced with, its limit and where its coefficients come from."""
 
     model: Any
-    """The `hdp.packing.memory.MemoryModel` of --model on --layout."""
+    """The `hdp.packing.memory.MemoryModel` of --shape on --layout."""
     limit_bytes: float | None
     """--memory-gb in bytes; None: plan to -B and report the peaks."""
     coefficients_source: str
@@ -89,11 +95,11 @@ def memory_setup(args: argparse.Namespace) -> MemorySetup | None:
                            "(e.g. 64 or 80)")
         limit = g * GB
     shapes = ", ".join(sorted(SHAPES))
-    if args.model is None:
-        raise CliError(f"--memory-gb/--layout need --model NAME, the model whose memory is priced: one of {shapes}")
-    if args.model not in SHAPES:
-        raise CliError(f"--model={args.model!r} has no shape for the memory model (hdp.packing.model_shape.SHAPES); "
-                       f"choose one of {shapes}, or drop --memory-gb/--layout")
+    if args.shape is None:
+        raise CliError(f"--memory-gb/--layout need --shape NAME, the model whose memory is priced: one of {shapes}")
+    if args.shape not in SHAPES:
+        raise CliError(f"--shape={args.shape!r} is not a model shape of the memory model "
+                       f"(hdp.packing.model_shape.SHAPES); choose one of {shapes}")
     if args.ranks is None:
         raise CliError("--memory-gb/--layout need --ranks/-N, the domain the layout's data-parallel size is")
     spec = args.layout or "tp1,pp1"
@@ -112,9 +118,9 @@ def memory_setup(args: argparse.Namespace) -> MemorySetup | None:
     args.pp = layout.pp
     coef, source = _coefficients(args)
     try:
-        model = MemoryModel(shape=SHAPES[args.model], layout=layout, coef=coef)
+        model = MemoryModel(shape=SHAPES[args.shape], layout=layout, coef=coef)
     except ValueError as exc:
-        raise CliError(f"--layout={spec!r} does not fit --model={args.model!r}: {exc}") from exc
+        raise CliError(f"--layout={spec!r} does not fit --shape={args.shape!r}: {exc}") from exc
     return MemorySetup(model=model, limit_bytes=limit, coefficients_source=source)
 
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from hdp.trainer.cli.memory import derive_budget, gib, layout_text, memory_setup, print_whatif, whatif
-from hdp.trainer.cli.common import check_output_file, ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
+from hdp.trainer.cli.memory import derive_budget, gib, layout_text, memory_requested, memory_setup, print_whatif, whatif
+from hdp.trainer.cli.output import check_output_dir, check_output_file
+from hdp.trainer.cli.common import ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
 
 
 def _memory_and_budget(args: argparse.Namespace, command: str) -> Any:
@@ -33,7 +34,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _check_domain_args(args)
     setup = _memory_and_budget(args, "plan")
     if args.plot:
-        check_output_file("--plot", args.plot)
+        from hdp.trainer.cli.gantt import FORMATS
+
+        args.plot = str(check_output_file("--plot", args.plot, default_suffix=".png", suffixes=FORMATS))
     cost = _cost(args)
     lengths = _load_lengths(args)
     if setup is not None:
@@ -46,7 +49,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from hdp.trainer.cli.gantt import plot_gantt
 
-        plot_gantt(p, cost, args.plot)
+        plot_gantt(p, cost, args.plot, flag="--plot")
         logger.info("wrote %s", args.plot)
     if args.json:
         _emit_json({**p.to_dict(), **({"whatif": w} if w is not None else {})})
@@ -136,7 +139,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.suite:
         given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
                                 ("--model", args.model), ("--linear-coef", args.linear_coef),
-                                ("--memory-gb", args.memory_gb), ("--layout", args.layout)) if v is not None]
+                                ("--memory-gb", args.memory_gb), ("--shape", args.shape),
+                                ("--layout", args.layout)) if v is not None]
         if given:
             raise CliError(f"--suite plans every case with its own model and profile; drop {' '.join(given)}")
         return _cmd_suite(args)
@@ -144,10 +148,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise CliError("simulate: pass --lengths FILE, --workload NAME, or --suite")
     if args.ranks is None:
         raise CliError("simulate: --ranks is required (or use --suite)")
+    # --zero-memory without the memory model: plan again with the B the freed expert memory allows
+    zero_memory = "none"
+    if args.zero_memory is not None and not memory_requested(args, besides=("zero_memory",)):
+        zero_memory, args.zero_memory = args.zero_memory, None
+    elif args.moe_shape is not None:
+        raise CliError(f"--moe-shape={args.moe_shape!r} prices --zero-memory for a given -B without the memory model; "
+                       "with --memory-gb/--layout the memory model prices the level on --shape: drop --moe-shape")
     setup = _memory_and_budget(args, "simulate")
-    if setup is not None and args.moe_zero_memory != "none":
-        raise CliError("--moe-zero-memory scales a given -B; with --memory-gb/--layout pass --zero-memory "
-                       f"{args.moe_zero_memory} instead (the memory model prices the level)")
     from hdp.packing import Policy
     from hdp.packing import plan as make_plan
 
@@ -159,8 +167,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if name not in known:
             raise CliError(f"--policies: policy={name!r} is unknown; choose from: {', '.join(known)}")
     _check_domain_args(args)
-    if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
-        raise CliError(f"--plot-dir={args.plot_dir!r} is an existing file; name a directory for the Gantt charts")
+    if args.plot_dir is not None:
+        check_output_dir("--plot-dir", args.plot_dir)
     cost = _cost(args)
     lengths = _load_lengths(args)
     budget = args.max_tokens_per_rank if setup is None else derive_budget(setup, lengths, args.ranks,
@@ -170,20 +178,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     notes: list[str] = []
     plans = {}
     runs: list[tuple[str, argparse.Namespace]] = [("", args)]
-    if args.moe_zero_memory != "none":
+    if zero_memory != "none":
         # the same memory holds more tokens when MoE activations are freed: plan with both budgets
         from hdp.moe.budget import MOE_SHAPES, token_budget_with_zero_memory
 
-        if args.moe_shape not in MOE_SHAPES:
-            raise CliError(f"--moe-shape={args.moe_shape!r} is unknown; choose from: {', '.join(MOE_SHAPES)}")
-        b_zm = token_budget_with_zero_memory(
-            args.max_tokens_per_rank, args.moe_zero_memory, MOE_SHAPES[args.moe_shape]
-        )
+        moe_shape = args.moe_shape or "qwen3-235b-a22b"
+        if moe_shape not in MOE_SHAPES:
+            raise CliError(f"--moe-shape={moe_shape!r} is unknown; choose from: {', '.join(MOE_SHAPES)}")
+        b_zm = token_budget_with_zero_memory(args.max_tokens_per_rank, zero_memory, MOE_SHAPES[moe_shape])
         notes.append(
-            f"MoE zero-memory {args.moe_zero_memory} ({args.moe_shape} layer shape): the memory of "
+            f"MoE zero-memory {zero_memory} ({moe_shape} layer shape): the memory of "
             f"B={args.max_tokens_per_rank} tokens holds B={b_zm}"
         )
-        runs.append((f"+{args.moe_zero_memory}", argparse.Namespace(**{**vars(args), "max_tokens_per_rank": b_zm})))
+        runs.append((f"+{zero_memory}", argparse.Namespace(**{**vars(args), "max_tokens_per_rank": b_zm})))
     for suffix, run_args in runs:
         for name in policies:
             config = _config(run_args, name, cost, setup if suffix == "" else None)
@@ -230,7 +237,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         out = Path(args.plot_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, p in plans.items():
-            plot_gantt(p, cost, out / f"gantt_{name}.png")
+            plot_gantt(p, cost, out / f"gantt_{name}.png", flag="--plot-dir")
         logger.info("wrote %d Gantt charts to %s", len(plans), out)
     if args.json:
         obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp, "token_budget": budget}
