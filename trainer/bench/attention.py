@@ -134,7 +134,7 @@ def bench_attention(
     tk_all = [max(r[1][i][0] for r in per_rank) for i in range(repeats)]
     tk_cpu = min(max(r[1][i][1] for r in per_rank) for i in range(repeats))
     err = 0.0
-    for _, _, idx, grads, _ in per_rank:
+    for _, _, idx, grads in per_rank:
         for got, want in zip(grads, ref):
             err = max(err, (torch.from_numpy(got) - want[torch.from_numpy(idx)]).abs().max().item())
     t1, tk = min(t[0] for t in t1_all), min(tk_all)
