@@ -301,11 +301,11 @@ def test_cli_finds_the_verl_bench_through_the_entry_point():
     """`hdp bench verl` resolves hdp.integrations.verl.bench through "hdp.benchmarks"; the CLI never imports it."""
     from importlib.metadata import entry_points
 
-    from hdp.integrations.verl.bench import BASELINE, bench_verl
+    from hdp.integrations.verl.bench import BASELINE, BASELINE_POLICY, bench_verl
 
     eps = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
     assert len(eps) == 1 and eps[0].load() is bench_verl
-    assert "emulated" in BASELINE
+    assert BASELINE_POLICY in BASELINE and BASELINE_POLICY != "hdp"  # the baseline is a planner policy the step runs
     code = "import sys, hdp.trainer.cli; print(any(m.startswith('hdp.integrations') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -20,6 +20,8 @@ paths sum tokens in different splits and orders); log-probs ``2e-5`` absolute (v
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("verl")
@@ -50,14 +52,17 @@ def _worker(rank: int, world: int) -> None:
 
     from hdp import megatron_compat as mc
     from hdp.integrations import verl as _pkg  # noqa: F401
-    from hdp.integrations.verl.bench import actor_config, build_engines, grads_close, main_grads, reference_step, verl_update_batch
+    from hdp.integrations.verl.bench import (actor_config, build_engines, grads_close, main_grads, plan_that_ran,
+                                             reference_step, verl_update_batch)
+    from hdp.integrations.verl.data import sample_lengths
+    from hdp.trainer.planning import plan_id
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     mc.initialize_megatron(device="cpu", seed=1234)
     lengths = LENGTHS[world]
     batch = partial(verl_update_batch, lengths, 3, temperature=0.8, max_token_len_per_gpu=BUDGET)
     engine, model = build_engines(budget=BUDGET)
-    plan = engine._make_plan(batch())
+    plan = engine.planner.plan(sample_lengths(batch()))  # the engine's planner on this batch; each step must run it
     assert max(plan.group_size) > 1, "the batch must split some sample over a CP group"
     assert world == 2 or min(plan.group_size) == 1, "on 4 ranks the plan mixes CP groups and k = 1"
 
@@ -79,7 +84,8 @@ def _worker(rank: int, world: int) -> None:
                 mode, out["loss"], ref_loss)
             metrics = out["metrics"]
             assert isinstance(metrics["actor/pg_loss"], Metric)
-            assert metrics["hdp/rounds"] == [plan.num_rounds]
+            assert metrics["hdp/rounds"] == [plan.num_rounds] and metrics["hdp/plan_id"] == [plan_id(plan)]
+            assert plan_that_ran(metrics)["cp_degree_hist"] == {str(k): v for k, v in sorted(plan.stats.cp_degree_hist.items())}
         else:
             assert out == {}
 
@@ -104,6 +110,12 @@ def _worker(rank: int, world: int) -> None:
     norm = torch.tensor([float(out["metrics"]["grad_norm"]) if rank == 0 else 0.0], dtype=torch.float64)
     dist.broadcast(norm, src=0, group=dist.group.WORLD)
     assert abs(float(norm) - ref_norm) <= 1e-4 * ref_norm, (float(norm), ref_norm)
+    if rank == 0:  # the step's phases, the slowest rank's (the late ones belong to a previous step: none yet)
+        from hdp.trainer.phases import LATE_PHASES, PHASES, metric_name
+
+        got = {p: out["metrics"][metric_name(p)][0] for p in PHASES}
+        assert all(math.isnan(v) if p in LATE_PHASES else v >= 0.0 for p, v in got.items()), got
+        assert got["rounds"] > got["loss"] > got["exchange"] > 0.0, got
     mc.destroy_megatron()
 
 

@@ -205,8 +205,11 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     padded = B.padded_batch(samples, pad_id=0)
     probe = B.ref_batch(padded)
     tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
-    probe_plan = engine._make_plan(probe)
-    assert max(probe_plan.group_size) > 1, "the batch must put a sample on a CP group"
+    from hdp.integrations.verl.data import sample_lengths
+    from hdp.trainer.planning import plan_id
+
+    probe_plan = engine.planner.plan(sample_lengths(probe))  # the engine's planner on this batch (what the update's
+    assert max(probe_plan.group_size) > 1, "the batch must put a sample on a CP group"  # take() plans in line)
     if vpp > 1:
         assert probe_plan.num_rounds % pp != 0, "the interleaved case must run a padding micro-batch"
 
@@ -241,10 +244,12 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
             assert out is None
             return None
         m = verl_reduce_metrics(tu.get(out, "metrics"))  # what verl's trainer does with update_actor's metrics
-        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "actor/ppo_kl", "actor/entropy_loss")}
+        return {k: m[k] for k in ("loss", "grad_norm", "actor/pg_loss", "hdp/rounds", "hdp/plan_id", "actor/ppo_kl",
+                                  "actor/entropy_loss")}
 
     m1 = update()
     if rank == src:
+        assert m1["hdp/plan_id"] == plan_id(probe_plan), "the update must run the plan the preconditions were checked on"
         assert abs(m1["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m1["loss"], hf_loss)
         assert abs(m1["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m1["grad_norm"], hf_norm)
     if not full:
@@ -298,7 +303,6 @@ def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, acto
     small = B.padded_batch(small_samples, pad_id=0)
     probe = B.ref_batch(small)
     tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
-    assert engine._make_plan(probe).num_rounds == 1
     out = act.compute_log_prob(B.old_logp_batch(small))
     objs = [no_padding_2_padding(tu.get(out, "log_probs"), probe).float() if rank == src else None]
     dist.broadcast_object_list(objs, src=src, group=dist.group.WORLD)
@@ -312,6 +316,7 @@ def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, acto
     for a, c in zip(tu.get(out, "log_probs").unbind(), hf_logp):
         torch.testing.assert_close(a[:-1].float(), c[:-1], atol=LOGP_TOL_FP32, rtol=0)
     m = verl_reduce_metrics(tu.get(got, "metrics"))
+    assert m["hdp/rounds"] == 1, m["hdp/rounds"]  # the update ran one round (fewer than PP), as the case needs
     assert abs(m["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m["loss"], hf_loss)
     assert abs(m["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m["grad_norm"], hf_norm)
 
@@ -378,6 +383,7 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
 
     import hdp.cp.ring as ring
     from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.data import sample_lengths
     from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
     from hdp.packing import cost_model
     from verl.utils import tensordict_utils as tu
@@ -408,7 +414,8 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
     act = actor_worker(cfg)
     engine = act.actor.engine
     probe = B.ref_batch(B.padded_batch(B.random_samples(_autocal_lengths(1000, budget, world), VOCAB, seed=5), pad_id=0))
-    first = engine._make_plan(probe).stats.cp_degree_hist
+    lengths = sample_lengths(probe)
+    first = engine.planner.plan(lengths).stats.cp_degree_hist  # the planner's current model on a fixed batch
     history = []
     for s in range(AUTOCAL_STEPS):
         padded = B.padded_batch(B.random_samples(_autocal_lengths(s, budget, world), VOCAB, seed=s), pad_id=0)
@@ -420,7 +427,7 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
             m = verl_reduce_metrics(tu.get(out, "metrics"))
             history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version",
                                                "hdp/memory_peak_gb", "hdp/memory_over_predicted", "hdp/token_budget")})
-    last = engine._make_plan(probe).stats.cp_degree_hist
+    last = engine.planner.plan(lengths).stats.cp_degree_hist
     # ppo_epochs 2 x 2 mini-batches: verl's loop announces each next mini-batch, planned while one trains
     out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=n // 2, epochs=2))
     ahead = {}

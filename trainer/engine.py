@@ -92,7 +92,7 @@ from hdp.trainer.memory import (
     start_measure,
     static_bytes,
 )
-from hdp.trainer.planning import DomainPlanner
+from hdp.trainer.planning import DomainPlanner, plan_id
 from hdp.trainer.rounds import NonFiniteLossError, RoundCore, RoundInput, next_token_targets
 
 __all__ = [
@@ -582,7 +582,7 @@ class HdpEngine:
             raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
         with core.collectives("calibrate", self.step):
             cal = self.planner.observe(prep.plan, self.round_seconds, step=self.step,
-                                       memory_row=measured_row(prep.plan, meter, static))
+                                       memory_row=measured_row(prep.plan, meter, static), phases=core.phases)
         step_s = time.perf_counter() - t_start
         return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal}
 
@@ -643,6 +643,7 @@ class HdpEngine:
             "perf/tokens": tokens,
             "perf/round_time_max": max(self.round_seconds, default=0.0),
             "hdp/rounds": plan.num_rounds,
+            "hdp/plan_id": plan_id(plan),
             "hdp/microbatches": microbatches,
             "hdp/efficiency_planned": float(stats.efficiency) if stats else float("nan"),
             "hdp/idle_ratio_max": float(stats.max_idle_ratio) if stats else float("nan"),

@@ -15,7 +15,9 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
     refits on world rank 0; the decision travels in **one fixed-size broadcast over the job**, so
     every rank of every domain, stage and TP rank plans with bit-identical parameters;
   - returns the metrics ``hdp/predicted_over_measured``, ``hdp/idle_fraction_measured``,
-    ``hdp/cost_model_version``, ``hdp/cost_fit_r2``.
+    ``hdp/cost_model_version``, ``hdp/cost_fit_r2``;
+  - carries each rank's seconds per phase of the step (`hdp.trainer.phases`) in the same gather and
+    returns the slowest rank's as ``hdp/time/<phase>`` (no collective of their own).
 
 Default cost model (``cost_model="auto"`` in both engines): the engine's own model shape
 (`hdp.packing.model_shape.ModelShape`) on its device kind's profile — ``cpu-gloo`` on CPU,
@@ -48,14 +50,21 @@ from hdp.packing.model_shape import ModelShape
 from hdp.packing.memory import GB
 from hdp.packing.profiles import cost_model as preset_cost
 from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
+from hdp.trainer.phases import PHASES, PhaseTimer
 from hdp.trainer.plan_ahead import PlanAhead, Taken
 
-__all__ = ["DomainPlanner", "auto_cost_model"]
+__all__ = ["DomainPlanner", "auto_cost_model", "plan_id"]
 
 logger = logging.getLogger(__name__)
 
 STATIC_SLACK = 0.01
 """Growth of the measured static bytes (a fraction) below which the memory model keeps its figure."""
+
+
+def plan_id(plan: Plan) -> float:
+    """The metric ``hdp/plan_id``: the first 48 bits of ``plan.checksum()`` as a float (exact; equal plans,
+    equal ids), so a run's metrics say which plan ran."""
+    return float(int(plan.checksum()[:12], 16))
 
 
 def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
@@ -143,15 +152,28 @@ class DomainPlanner:
     # -- after a training step: records, calibration, metrics ---------------------------------------
 
     def observe(self, plan: Plan, round_seconds: Sequence[float], *, step: int,
-                memory_row: Sequence[float] | None = None) -> dict[str, Any]:
+                memory_row: Sequence[float] | None = None, phases: PhaseTimer | None = None) -> dict[str, Any]:
         """Feed one training step's round times and, when measured, this rank's peak memory per round
-        (``memory_row``: `MemoryCalibration.row`) — one collective over the job (see the module docstring)."""
+        (``memory_row``: `MemoryCalibration.row`) — one collective over the job (see the module docstring).
+        ``phases``: the core's phase timer; this call is its ``calibrate`` phase, and the gather carries
+        its row (``hdp/time/*`` in the metrics)."""
+        t0 = time.perf_counter()
+        try:
+            return self._observe(plan, round_seconds, step, memory_row, phases)
+        finally:
+            if phases is not None:
+                phases.add("calibrate", time.perf_counter() - t0)
+
+    def _observe(self, plan: Plan, round_seconds: Sequence[float], step: int, memory_row: Sequence[float] | None,
+                 phases: PhaseTimer | None) -> dict[str, Any]:
         r_ = plan.num_rounds
         self._memory_vec = None
         mem = list(memory_row) if memory_row is not None and len(memory_row) == r_ + 1 else [math.nan] * (r_ + 1)
-        table = self._gather(plan, list(round_seconds), mem)  # [W, R + (R + 1) + 2]
+        timing = phases.row() if phases is not None else [math.nan] * len(PHASES)
+        table = self._gather(plan, list(round_seconds), mem + timing)  # [W, R + (R + 1) + P + 2]
         times, dom, stage = table[:, :r_], table[:, -2].astype(int), table[:, -1].astype(int)
         mem_peaks, mem_static = table[:, r_:2 * r_], table[:, 2 * r_]
+        slowest = table[:, 2 * r_ + 1:2 * r_ + 1 + len(PHASES)].max(axis=0)  # [P]: the job's slowest rank per phase
         n = plan.num_ranks
         per_rank = np.full((n, plan.num_rounds), 0.0)  # [N, R]: slowest TP rank / stage of each domain rank
         for d in range(n):
@@ -212,6 +234,8 @@ class DomainPlanner:
         if self.records_path is not None:
             out["hdp/records_write_failed"] = write_failed
         out.update(mem_out)
+        if phases is not None:
+            out.update(PhaseTimer.metrics(slowest.tolist()))
         return out
 
     def _observe_memory(self, plan: Plan, peaks: np.ndarray, static: np.ndarray, dom: np.ndarray, stage: np.ndarray,
@@ -252,16 +276,17 @@ class DomainPlanner:
         out["hdp/memory_model_version"] = float(self.memory.version)
         return out, recs
 
-    def _gather(self, plan: Plan, round_seconds: Sequence[float], memory_row: Sequence[float]) -> np.ndarray:
-        """[W, R + (R + 1) + 2]: every rank's seconds per round, its peak bytes per round and static bytes
-        (NaN: not measured), its domain rank and stage (one all-gather over the job)."""
+    def _gather(self, plan: Plan, round_seconds: Sequence[float], extra: Sequence[float]) -> np.ndarray:
+        """[W, R + E + 2]: every rank's seconds per round, ``extra`` (its peak bytes per round and static
+        bytes, NaN where not measured, then its seconds per phase), its domain rank and stage (one all-gather
+        over the job)."""
         mine = np.asarray(list(round_seconds), dtype=np.float64)
         if mine.shape != (plan.num_rounds,):
             mine = np.full(plan.num_rounds, math.nan)  # a caller bug must not change the collective's size
-        row = np.concatenate([mine, np.asarray(memory_row, dtype=np.float64),
+        row = np.concatenate([mine, np.asarray(extra, dtype=np.float64),
                               [float(self.groups.domain.domain_rank), float(self.groups.pp_rank)]])
-        local = torch.from_numpy(row).to(self.device)  # [2R + 3]
-        table = [torch.empty_like(local) for _ in range(self.groups.world_size)]  # W x [R + 2]
+        local = torch.from_numpy(row).to(self.device)  # [R + E + 2]
+        table = [torch.empty_like(local) for _ in range(self.groups.world_size)]  # W x [R + E + 2]
         dist.all_gather(table, local, group=self.groups.world)
         return torch.stack(table).cpu().numpy()
 

@@ -59,6 +59,7 @@ from hdp.guard import DomainStepError, DomainUnreachableError, RankFailedError, 
 from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
+from hdp.trainer.phases import PhaseTimer
 
 __all__ = ["RoundCore", "RoundInput", "RoundLoss", "StepState", "NonFiniteLossError", "next_token_targets"]
 
@@ -199,6 +200,8 @@ class RoundCore:
         """The CP contexts of a failed `run`: `_release` detaches their groups."""
         self.alarm = Alarm.for_job(groups.world, groups.world_rank, abort_groups or (lambda: ()))
         self.alarm.start()
+        self.phases = PhaseTimer()
+        """Host seconds per phase of the current step (`hdp.trainer.phases`; read by the calibration gather)."""
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
         self._chunk_index = {id(m): i for i, m in enumerate(self.chunks)}
         self._holds_loss = any(_post_process(m) for m in self.chunks)
@@ -346,15 +349,17 @@ class RoundCore:
         """Run ``work`` (the engine's validation and planning: returns the plan and the batch digest)
         and agree on its outcome over the job; every rank raises alike when any rank failed."""
         self.usable(what)
+        self.phases.begin()
         error: BaseException | None = None
         plan: Plan | None = None
         digest = 0
         try:
-            plan, digest = work()
+            with self.phases.phase("plan"):
+                plan, digest = work()
         except Exception as exc:  # every type: one rank's failure must reach every rank
             error, plan = exc, None
         mismatch: ValueError | None = None  # a plan or data mismatch: raised alike on every rank
-        with self.collectives("validate", step):  # a peer lost here: DomainUnreachableError, engine unusable
+        with self.collectives("validate", step), self.phases.phase("agree"):  # a peer lost here: DomainUnreachableError
             try:
                 bad = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest,
                                  device=self.collective_device, domain_size=self.groups.domain.size, label="world rank")
@@ -468,7 +473,8 @@ class RoundCore:
         # group's ranks (verl's whole-sample exchange), which must line up; only the first error is kept
         if inp.real and state.adapter is not None:
             try:
-                loss = state.adapter(inp, logits[: inp.real])
+                with self.phases.phase("loss"):
+                    loss = state.adapter(inp, logits[: inp.real])
                 if state.train and loss is not None:
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                         raise TypeError(
@@ -501,6 +507,11 @@ class RoundCore:
             meter: MemoryMeter | None = None) -> StepState:
         """Phase 2: every round through Megatron's schedule (one micro-batch per round); ``meter``
         measures each round's peak memory (read it with ``meter.finish()`` afterwards)."""
+        with self.phases.phase("rounds"):
+            return self._run(plan, tokens, adapter, train=train, meter=meter)
+
+    def _run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool,
+             meter: MemoryMeter | None) -> StepState:
         dev = self.device
         m = self.num_microbatches(plan)
         self._failed_contexts = []
@@ -571,9 +582,10 @@ class RoundCore:
             state.loss_sum if counts else torch.zeros_like(state.loss_sum),
             torch.tensor(1.0 if state.error is not None else 0.0, dtype=torch.float64, device=state.bad.device),
         ])
-        red = torch.cat([head, state.bad]).to(self.collective_device)
-        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.groups.world)
-        return red.cpu()  # the one synchronisation of the step
+        with self.phases.phase("reduce"):
+            red = torch.cat([head, state.bad]).to(self.collective_device)
+            dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.groups.world)
+            return red.cpu()  # the one synchronisation of the step
 
     def round_seconds(self, state: StepState) -> list[float]:
         """Seconds per plan round on this rank (forward + backward over its chunks); call after :meth:`reduce`."""
@@ -620,9 +632,10 @@ class RoundCore:
         """Finalize the gradients (DDP reduce-scatter over the domain, sequence-parallel norm gradients
         over TP; skipped when the schedule already did it through ``finalize_model_grads_func``) and step
         the distributed optimizer; returns (applied, grad norm), alike on every rank."""
-        if getattr(self.chunks[0].config, "finalize_model_grads_func", None) is None:
-            mc.finalize_model_grads(self.chunks, num_tokens=None, pg_collection=self.megatron_groups)
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.phases.phase("optimizer"):
+            if getattr(self.chunks[0].config, "finalize_model_grads_func", None) is None:
+                mc.finalize_model_grads(self.chunks, num_tokens=None, pg_collection=self.megatron_groups)
+            ok, grad_norm, _ = self.optimizer.step()
         return bool(ok), grad_norm
 
 

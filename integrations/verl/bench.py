@@ -1,23 +1,33 @@
-"""``hdp bench verl`` (entry point ``hdp.benchmarks:verl``): tokens/s of verl's stock Megatron path (dynamic bsz + static CP) against hdp's engine.
+"""``hdp bench verl`` (entry point ``hdp.benchmarks:verl``): tokens/s of hdp's verl engine against verl's stock scheduling (static CP + dynamic bsz), and the verl door against the library door.
 
-Both paths run side by side in one run, alternating step by step, on the same tiny Megatron GPT
-(:mod:`hdp.trainer.model`, fp32, CPU, gloo), the same weights and the same verl update batch (the
-TensorDict verl's trainer sends: ``left_right_2_no_padding`` of a padded batch), with verl's real
-``ppo_loss`` (``verl.trainer.ppo.core_algos`` policy loss and ``agg_loss``).  One step is
-:meth:`HdpMegatronEngine.forward_backward_batch` (forward, backward, DDP gradient all-reduce).
+Both paths run side by side in one run, alternating step by step, through **the same step**
+(:meth:`HdpMegatronEngine.train_batch`: agreement, rounds, reduce, Megatron's distributed-optimizer
+step, calibration, collect) on the same tiny Megatron GPT (:mod:`hdp.trainer.model`, fp32, CPU,
+gloo), the same weights and optimizer and the same verl update batch (the TensorDict verl's
+trainer sends: ``left_right_2_no_padding`` of a padded batch), with verl's real ``ppo_loss``.  They
+differ only in the policy the engine's planner (`hdp.trainer.planning.DomainPlanner`) runs:
 
-* **hdp**: :class:`hdp.integrations.verl.engine.HdpMegatronEngine` with the ``hdp`` policy.
-* **baseline**: verl's stock ``MegatronEngine`` cannot run on CPU (it builds the model through
-  Megatron-Bridge and TransformerEngine attention), so the stock path is *emulated* with the same
-  model and engine round loop: verl's own dynamic-batch-size micro-batching
-  (``verl.workers.engine.utils.prepare_micro_batches`` → ``verl.utils.seqlen_balancing``, token
-  budget ``max_token_len_per_gpu · CP``) and static CP over all N ranks — every micro-batch is one
-  CP group of all N ranks, zigzag-split and run with hdp's ring attention (what Megatron's CP does,
-  without its padding of each sample to a multiple of 2·CP).  The output says so in ``baseline``.
+* **hdp**: the ``hdp`` policy;
+* **baseline**: verl's stock Megatron scheduling as a planner policy (:data:`BASELINE`): ``verl-kk``
+  with ``static_cp_size`` = N — every micro-batch one CP group of all N ranks, the micro-batches
+  verl's dynamic batch size (Karmarkar–Karp on verl's workload, the fewest within the token
+  budget).  verl 0.9.1's own ``MegatronEngine`` cannot run here: Megatron's CP exists only in
+  TransformerEngine's attention (``DotProductAttention`` asserts ``context_parallel_size == 1`` and
+  refuses the packed sequences verl's no-padding forward passes), and TransformerEngine does not
+  install on CPU.  ``verl_micro_batches`` reports how many micro-batches verl's own
+  ``prepare_micro_batches`` cuts the batch into, beside the rounds the baseline ran.
 
-``grad_match``: the gradients (after DDP's all-reduce) of the two paths on the same batch agree
-within fp32 tolerance (``rtol = 1e-4``, ``atol = 1e-6`` relative to the largest gradient entry:
-the paths sum tokens in different orders and splits).
+The JSON reports the plans that ran — from each step's own metrics (``hdp/plan_id``, ``hdp/rounds``,
+``hdp/cp_degree_hist/*``, tokens per rank) — and ``plans_differ``; the result fails (``passed``
+false, the command exits 1) when the two paths ran the same plan, or when their gradients on the
+same batch differ (``grad_match``: after DDP's all-reduce, ``rtol = 1e-4``, ``atol = 1e-6``
+relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (`hdp.trainer.phases`).
+
+``doors``: the library door (`hdp.trainer.engine.HdpEngine.train_step` with :func:`library_ppo_loss`,
+verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
+``ppo_loss``) on **one** model and optimizer (the verl engine wraps the library engine's chunks)
+and the same plan (``same_plan``, from both doors' ``hdp/plan_id``; ``loss_match``: their losses on
+the same weights), alternating; ``verl_over_library`` is the ratio of their median steps.
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
 few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
@@ -26,9 +36,10 @@ few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +53,10 @@ __all__ = [
     "actor_config",
     "build_engines",
     "static_cp_dynamic_bsz_plan",
+    "library_ppo_loss",
+    "library_batch",
+    "plan_that_ran",
+    "phase_medians",
     "main_grads",
     "reference_step",
     "bench_verl",
@@ -50,14 +65,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BASELINE = (
-    "emulated stock verl Megatron path: verl's dynamic-bsz micro-batching "
-    "(verl.workers.engine.utils.prepare_micro_batches / verl.utils.seqlen_balancing, "
-    "max_token_len_per_gpu x CP per micro-batch) + static CP over all ranks via hdp ring attention "
-    "(static-cp plans, one CP group of all N ranks per micro-batch), same Megatron GPT and verl ppo_loss; "
-    "verl's MegatronEngine itself needs Megatron-Bridge/TransformerEngine and does not run on CPU"
+    "verl's stock Megatron scheduling run by the engine's planner: policy verl-kk with static_cp_size = N "
+    "(static CP over all ranks: every micro-batch one CP group of all N ranks, hdp's ring attention) and verl's "
+    "dynamic-bsz micro-batching (Karmarkar-Karp on verl's workload 24576 L + L^2, the fewest micro-batches within "
+    "the token budget), through the same HdpMegatronEngine.train_batch, model, optimizer and verl ppo_loss; verl's "
+    "own MegatronEngine needs TransformerEngine attention for CP and does not run on CPU"
 )
 VOCAB = 128
 PAD = 0
+COST_MODEL = "cpu-tiny@cpu-gloo"
+BASELINE_POLICY = "verl-kk"
+"""The baseline's planner policy (with ``static_cp_size`` = N): verl's stock scheduling."""
+"""Both paths' and both doors' cost model (no auto-calibration: the plans stay those of the first step)."""
 
 
 def tiny_model_config() -> Any:
@@ -164,7 +183,8 @@ def actor_config(loss_agg_mode: str = "token-mean") -> Any:
 
 
 def static_cp_dynamic_bsz_plan(data: Any, num_ranks: int, max_token_len_per_gpu: int) -> Any:
-    """verl's stock Megatron micro-batches as an hdp ``Plan``: one micro-batch per round, CP group = all ranks.
+    """verl's own stock Megatron micro-batches as an hdp ``Plan``: one micro-batch per round, CP group = all
+    ranks (a cross-check of the baseline policy's rounds; the engine does not run this plan).
 
     Micro-batches come from verl's own ``prepare_micro_batches`` (dynamic bsz, token budget
     ``max_token_len_per_gpu · CP``, KK-balanced), exactly as ``MegatronEngine.forward_backward_batch``
@@ -198,21 +218,6 @@ def static_cp_dynamic_bsz_plan(data: Any, num_ranks: int, max_token_len_per_gpu:
     )
 
 
-def _stock_engine_class() -> type:
-    from hdp.integrations.verl.engine import HdpMegatronEngine
-
-    class StockDynamicBszStaticCP(HdpMegatronEngine):
-        """The emulated stock path: :func:`static_cp_dynamic_bsz_plan` instead of an hdp plan."""
-
-        def _make_plan(self, data: Any, train: bool = True) -> Any:
-            from verl.utils import tensordict_utils as tu
-
-            budget = int(tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None))
-            return static_cp_dynamic_bsz_plan(data, self.domain.size, budget)
-
-    return StockDynamicBszStaticCP
-
-
 def _build_ddp(cfg: Any, distributed_optimizer: bool) -> tuple[Any, Any]:
     """Megatron DDP over the world (averaging, as Megatron-Bridge's CP = 1 config) + optional optimizer."""
     from megatron.core.distributed import finalize_model_grads
@@ -241,25 +246,26 @@ def build_engines(
     *,
     budget: int,
     policy: str = "hdp",
-    stock: bool = False,
+    static_cp_size: int | None = None,
     distributed_optimizer: bool = False,
     model: Any = None,
+    optimizer: Any = None,
 ) -> tuple[Any, Any]:
-    """(engine, model chunk) on this rank: the hdp engine (or the emulated stock path) on a tiny GPT.
+    """(engine, model chunk) on this rank: the hdp engine on a tiny GPT, planning with ``policy``.
 
-    Megatron must be initialised (:func:`hdp.megatron_compat.initialize_megatron`).  Pass ``model``
-    (a DDP chunk from an earlier call) to share the weights between engines.
+    ``policy="verl-kk", static_cp_size=N`` is the stock path (:data:`BASELINE`): the same engine and step,
+    whose planner runs verl's scheduling.  Megatron must be initialised
+    (:func:`hdp.megatron_compat.initialize_megatron`).  Pass ``model`` and ``optimizer`` (from an earlier
+    call: ``engine.optimizer``) to share the weights and the optimizer between engines.
     """
     from hdp.integrations.verl.config import HdpEngineConfig, HdpOptions
     from hdp.integrations.verl.engine import HdpMegatronEngine
 
-    optimizer = None
     if model is None:
         model, optimizer = _build_ddp(tiny_model_config(), distributed_optimizer)
-    opts = HdpOptions(max_tokens_per_rank=budget, policy=policy, cost_model="cpu-tiny@cpu-gloo", auto_calibrate=False,
-                      calibration_path=None)
-    cls = _stock_engine_class() if stock else HdpMegatronEngine
-    engine = cls.from_modules(
+    opts = HdpOptions(max_tokens_per_rank=budget, policy=policy, static_cp_size=static_cp_size,
+                      cost_model=COST_MODEL, auto_calibrate=False, calibration_path=None)
+    engine = HdpMegatronEngine.from_modules(
         module=[model],
         optimizer=optimizer,
         engine_config=HdpEngineConfig(hdp=opts),
@@ -316,18 +322,166 @@ def grads_close(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], rtol: floa
     return ok, worst
 
 
-def _step(engine: Any, model: Any, data: Any, loss_fn: Any) -> float:
-    """One timed forward/backward/all-reduce step; the slowest rank's wall time."""
-    model.zero_grad_buffer()
+def library_ppo_loss(local: Any, logprobs: torch.Tensor, weights: torch.Tensor, clip: float = 0.2,
+                     clip_c: float = 3.0) -> torch.Tensor:
+    """verl's vanilla PPO policy loss (``core_algos.compute_policy_loss_vanilla``: clipped ratio, dual clip
+    for negative advantages) as a library loss function: Σ weights · ℓ_t (token-mean weights)."""
+    old, adv = local.extras["old_log_probs"], local.extras["advantages"]
+    ratio = torch.exp(torch.clamp(logprobs - old, -20.0, 20.0))
+    clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
+    pg = torch.where(adv < 0, torch.minimum(-adv * clip_c, clipped), clipped)
+    return (weights * pg).sum()
+
+
+def library_batch(lengths: Sequence[tuple[int, int]], data: Any) -> Any:
+    """The verl update batch as the library door's `hdp.trainer.engine.Batch`: the same tokens, the
+    response mask as the loss mask, old log-probs and advantages per token (zero on the prompt)."""
+    from hdp.trainer.engine import Batch
+
+    tokens = list(data["input_ids"].unbind())  # S x [L_i]
+    resp, old, adv = data["response_mask"], data["old_log_probs"], data["advantages"]  # [S, Rmax] each
+
+    def per_token(x: torch.Tensor, i: int, p: int, r: int) -> torch.Tensor:
+        return torch.cat([torch.zeros(p, dtype=torch.float32), x[i, :r].to(torch.float32)])  # [L_i]
+
+    return Batch(tokens=tokens, loss_mask=[per_token(resp, i, p, r) for i, (p, r) in enumerate(lengths)],
+                 extras={"old_log_probs": [per_token(old, i, p, r) for i, (p, r) in enumerate(lengths)],
+                         "advantages": [per_token(adv, i, p, r) for i, (p, r) in enumerate(lengths)]})
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(the slowest rank's wall seconds of ``fn()``, its result), the ranks started together."""
     dist.barrier(group=dist.group.WORLD)
     t0 = time.perf_counter()
-    engine.forward_backward_batch(data.clone(recurse=False), loss_fn)
+    out = fn()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    return float(dt)
+    return float(dt), out
 
 
-def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int) -> dict[str, Any]:
+def _scalar(metrics: dict[str, Any], key: str) -> float:
+    v = metrics.get(key, math.nan)
+    v = v[0] if isinstance(v, list) else v
+    return float(v)
+
+
+def plan_that_ran(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The plan a training step ran, from that step's own metrics (either door): its id (checksum bits),
+    rounds, samples per CP degree, most and mean tokens per rank, planned efficiency."""
+    hist = metrics.get("hdp/cp_degree_hist")
+    if hist is None:  # the verl door: one metric per degree
+        pre = "hdp/cp_degree_hist/"
+        hist = {int(k[len(pre):]): int(_scalar(metrics, k)) for k in metrics if k.startswith(pre)}
+    return {"plan_id": int(_scalar(metrics, "hdp/plan_id")), "rounds": int(_scalar(metrics, "hdp/rounds")),
+            "cp_degree_hist": {str(k): int(v) for k, v in sorted(hist.items())},
+            "max_tokens_per_rank": _scalar(metrics, "hdp/max_tokens_per_rank"),
+            "mean_tokens_per_rank": _scalar(metrics, "hdp/mean_tokens_per_rank"),
+            "efficiency_planned": _scalar(metrics, "hdp/efficiency_planned")}
+
+
+def phase_medians(steps: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median over steps of each ``hdp/time/<phase>`` metric (the slowest rank's seconds; NaN skipped)."""
+    from hdp.trainer.phases import PHASES, metric_name
+
+    out = {}
+    for p in PHASES:
+        vals = [v for v in (_scalar(m, metric_name(p)) for m in steps) if math.isfinite(v)]
+        out[p] = statistics.median(vals) if vals else math.nan
+    return out
+
+
+def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) -> dict[str, Any]:
+    """hdp against the stock path: the same engine, model, optimizer and batch; two planner policies."""
+    def pair(distributed_optimizer: bool) -> tuple[dict[str, Any], Any]:
+        hdp_engine, model = build_engines(budget=budget, distributed_optimizer=distributed_optimizer)
+        stock_engine, _ = build_engines(budget=budget, policy=BASELINE_POLICY, static_cp_size=world, model=model,
+                                        optimizer=hdp_engine.optimizer)
+        return {"hdp": hdp_engine, "baseline": stock_engine}, model
+
+    # both paths' gradients on the same batch and weights, all-reduced in full (no distributed optimizer,
+    # whose reduce-scatter leaves each rank only its shard)
+    engines, model = pair(False)
+    grads = {}
+    for name, eng in engines.items():
+        model.zero_grad_buffer()
+        eng.forward_backward_batch(data.clone(recurse=False), loss_fn)
+        grads[name] = main_grads(model)
+    match, worst = grads_close(grads["hdp"], grads["baseline"])
+    engines, model = pair(True)  # the timed steps: Megatron's distributed optimizer, as verl's Megatron engine
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    metrics: dict[str, list[dict[str, Any]]] = {k: [] for k in engines}
+    for i in range(steps):  # alternate, starting with a different path each step
+        order = list(engines.items())
+        for name, eng in order if i % 2 == 0 else order[::-1]:
+            dt, out = _timed(lambda: eng.train_batch(data.clone(recurse=False), loss_fn))
+            times[name].append(dt)
+            metrics[name].append(out.get("metrics", {}))
+    if dist.get_rank() != 0:
+        return {}
+    ran = {k: [plan_that_ran(m) for m in v] for k, v in metrics.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    hdp_ids = {r["plan_id"] for r in ran["hdp"]}
+    return {
+        "grad_match": bool(match), "grad_max_abs_diff": worst, "step_s_median": med, "step_s_all": times,
+        "plans": {k: v[-1] for k, v in ran.items()},
+        "plans_differ": not hdp_ids & {r["plan_id"] for r in ran["baseline"]},
+        "phases": {k: phase_medians(v) for k, v in metrics.items()},
+        "verl_micro_batches": static_cp_dynamic_bsz_plan(data, world, budget).num_rounds,
+    }
+
+
+def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], data: Any, loss_fn: Any) -> dict[str, Any]:
+    """The library door (`HdpEngine.train_step`) and the verl door (`HdpMegatronEngine.train_batch`) on one
+    model, optimizer and plan: the verl engine wraps the library engine's model chunks."""
+    from hdp.integrations.verl.config import HdpEngineConfig, HdpOptions
+    from hdp.integrations.verl.engine import HdpMegatronEngine
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.engine import HdpEngine
+    from hdp.trainer.model import OptimConfig
+
+    lib = HdpEngine.build(EngineConfig(model=tiny_model_config(), optim=OptimConfig(lr=1e-3), pad_token_id=PAD,
+                                       planning=PlanningConfig(max_tokens_per_rank=budget, cost_model=COST_MODEL,
+                                                               auto_calibrate=False, measure_memory=False)),
+                          dist.group.WORLD)
+    opts = HdpOptions(max_tokens_per_rank=budget, cost_model=COST_MODEL, auto_calibrate=False, calibration_path=None,
+                      measure_memory=False)
+    door = HdpMegatronEngine.from_modules(module=lib.model_chunks, optimizer=lib.optimizer,
+                                          engine_config=HdpEngineConfig(hdp=opts), pad_token_id=PAD,
+                                          domain_group=dist.group.WORLD)
+    batch = library_batch(lengths, data)
+    # the same weights: the verl door's loss without an update, then the library's step (loss before its update)
+    first_verl = door.forward_backward_batch(data.clone(recurse=False), loss_fn)
+    first_lib = lib.train_step(batch, library_ppo_loss)
+    times: dict[str, list[float]] = {"library": [], "verl": []}
+    metrics: dict[str, list[dict[str, Any]]] = {"library": [], "verl": []}
+    runs = {"library": lambda: lib.train_step(batch, library_ppo_loss),
+            "verl": lambda: door.train_batch(data.clone(recurse=False), loss_fn).get("metrics", {})}
+    for i in range(steps):
+        order = list(runs.items())
+        for name, fn in order if i % 2 == 0 else order[::-1]:
+            dt, m = _timed(fn)
+            times[name].append(dt)
+            metrics[name].append(m)
+    lib.close()
+    if dist.get_rank() != 0:
+        return {}
+    ran = {k: [plan_that_ran(m) for m in v] for k, v in metrics.items()}
+    ids = {k: {r["plan_id"] for r in v} for k, v in ran.items()}
+    loss_v, loss_l = float(first_verl["loss"][0]), float(first_lib["loss"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "same_plan": len(ids["library"] | ids["verl"]) == 1 and int(_scalar(first_verl["metrics"], "hdp/plan_id"))
+        in ids["library"],
+        "loss_match": abs(loss_v - loss_l) <= 1e-5 * max(1.0, abs(loss_l)),
+        "loss": {"library": loss_l, "verl": loss_v},
+        "step_s_median": med, "step_s_all": times,
+        "verl_over_library": med["verl"] / med["library"],
+        "plans": {k: v[-1] for k, v in ran.items()},
+        "phases": {k: phase_medians(v) for k, v in metrics.items()},
+    }
+
+
+def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doors: bool) -> dict[str, Any]:
     from functools import partial
 
     from verl.workers.utils.losses import ppo_loss
@@ -335,70 +489,56 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int) -> 
     from hdp import megatron_compat as mc
 
     logging.getLogger("verl").setLevel(logging.ERROR)
-    mc.initialize_megatron(device="cpu", seed=1234)
     lengths = short_tail_lengths(world, budget, seed)
     data = verl_update_batch(lengths, seed, max_token_len_per_gpu=budget)
     loss_fn = partial(ppo_loss, actor_config("token-mean"))
-    hdp_engine, model = build_engines(budget=budget)
-    stock_engine, _ = build_engines(budget=budget, stock=True, model=model)
-
-    # gradients of both paths on the same batch and weights
-    _step(hdp_engine, model, data, loss_fn)
-    g_hdp = main_grads(model)
-    _step(stock_engine, model, data, loss_fn)
-    g_stock = main_grads(model)
-    match, worst = grads_close(g_hdp, g_stock)
-
-    times: dict[str, list[float]] = {"hdp": [], "baseline": []}
-    for i in range(steps):  # alternate, starting with a different path each step
-        order = (("hdp", hdp_engine), ("baseline", stock_engine))
-        for name, eng in order if i % 2 == 0 else order[::-1]:
-            times[name].append(_step(eng, model, data, loss_fn))
-    hdp_plan = hdp_engine._make_plan(data)
-    stock_plan = stock_engine._make_plan(data)
+    mc.initialize_megatron(device="cpu", seed=1234)
+    paths = _paths_worker(world, steps, budget, data, loss_fn)
     mc.destroy_megatron()
+    both = _doors_worker(steps, budget, lengths, data, loss_fn) if doors else None
     if rank != 0:
         return {}
     tokens = int(sum(p + r for p, r in lengths))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = paths["step_s_median"]
     tps = {k: tokens / v for k, v in med.items()}
-    return {
+    result = {
         "speedup": tps["hdp"] / tps["baseline"],
-        "grad_match": bool(match),
-        "grad_max_abs_diff": worst,
+        **{k: paths[k] for k in ("grad_match", "grad_max_abs_diff", "plans_differ", "plans", "phases",
+                                 "verl_micro_batches")},
+        "rounds": {k: v["rounds"] for k, v in paths["plans"].items()},
         "tokens_per_s": tps,
         "step_s_median": med,
-        "step_s_all": times,
+        "step_s_all": paths["step_s_all"],
         "ranks": world,
         "steps": steps,
         "tokens": tokens,
         "samples": len(lengths),
         "longest": max(p + r for p, r in lengths),
         "max_tokens_per_rank": budget,
-        "rounds": {"hdp": hdp_plan.num_rounds, "baseline": stock_plan.num_rounds},
-        "cp_degree_hist_hdp": {str(k): int(v) for k, v in sorted(_hist(hdp_plan.group_size).items())},
         "model": "Megatron GPTModel, 2 layers, hidden 64, 4 q / 2 kv heads, vocab 128, fp32, CPU",
         "loss": "verl.workers.utils.losses.ppo_loss (core_algos vanilla policy loss, agg_loss token-mean)",
         "baseline": BASELINE,
-        "hdp": "hdp.integrations.verl.HdpMegatronEngine.forward_backward_batch, policy hdp",
-        "timing": "median over steps of the slowest rank's forward+backward+grad all-reduce, alternating paths",
+        "hdp": "hdp.integrations.verl.HdpMegatronEngine.train_batch, policy hdp",
+        "timing": "median over steps of the slowest rank's train_batch (rounds, reduce, distributed-optimizer "
+                  "step, calibration, collect), alternating paths; phases: median of the step's hdp/time/* metrics",
     }
+    if both is not None:
+        result["doors"] = both
+    result["passed"] = bool(result["grad_match"] and result["plans_differ"]
+                            and (both is None or (both["same_plan"] and both["loss_match"])))
+    return result
 
 
-def _hist(sizes: np.ndarray) -> dict[int, int]:
-    vals, counts = np.unique(np.asarray(sizes), return_counts=True)
-    return {int(v): int(c) for v, c in zip(vals, counts)}
-
-
-def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0) -> dict[str, Any]:
-    """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc)."""
+def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0, doors: bool = True) -> dict[str, Any]:
+    """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc).
+    ``doors``: also time the library door against the verl door on one model and plan (``doors``)."""
     if ranks not in (2, 4):
         raise ValueError(f"ranks={ranks}: choose 2 or 4")
     if steps < 1:
         raise ValueError(f"steps={steps}: must be >= 1")
     from hdp.trainer.launch import spawn
 
-    return spawn(_bench_worker, ranks, steps, budget, seed, timeout=900)[0]
+    return spawn(_bench_worker, ranks, steps, budget, seed, doors, timeout=900)[0]
 
 
 def add_arguments(parser: Any) -> None:

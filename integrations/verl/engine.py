@@ -64,12 +64,13 @@ from hdp.integrations.verl.data import (
 )
 from hdp.logprobs import logprobs_entropy
 from hdp.packing import Plan
+
 from hdp.packing.model_shape import ModelShape
 from hdp.device import select_device
 from hdp.integrations.verl.memory import verl_memory
 from hdp.trainer.memory import MemoryCalibration, measured_row, start_measure, static_bytes
 from hdp.trainer.optim_state import optimizers, restore_adam_steps
-from hdp.trainer.planning import DomainPlanner, auto_cost_model
+from hdp.trainer.planning import DomainPlanner, auto_cost_model, plan_id
 from hdp.trainer.rounds import RoundCore, RoundInput, next_token_targets
 
 __all__ = ["HdpMegatronEngine", "npu_engine_class"]
@@ -147,7 +148,8 @@ class _VerlLoss:
         self.outputs[rnd.index] = local.detach()
         if not self.train or self.loss_function is None:
             return None
-        full = group_samples(self.plan, meta, local, eng.domain.layout.domain)  # Sg x [L_i, 2]; own rows keep grad
+        with eng.core.phases.phase("exchange"):
+            full = group_samples(self.plan, meta, local, eng.domain.layout.domain)  # Sg x [L_i, 2]; own rows keep grad
         sub = compat.tensordict_utils().index_select_tensor_dict(self.data, list(meta.samples))  # group order
         out = {"log_probs": compat.as_nested([f[:, 0] for f in full])}
         if self.entropy:
@@ -348,11 +350,6 @@ class HdpMegatronEngine(_MegatronLM):
         plan = self.core.agree(what, self.step + 1, work)
         return plan, box[0]
 
-    def _make_plan(self, data: Any, train: bool = True) -> Plan:
-        """The plan of this mini-batch (pure; every rank computes the same): the training budget, or the
-        log-prob passes' own."""
-        return self.planner.plan(sample_lengths(data), None if train else self._infer_budget)
-
     def announce(self, batches: Sequence[Any], extend: bool = False) -> None:
         """The next training mini-batches, in order: each is planned while the one before it trains."""
         self.planner.announce([sample_lengths(b) for b in batches], extend=extend)
@@ -405,9 +402,11 @@ class HdpMegatronEngine(_MegatronLM):
             if not ok:
                 raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
             with core.collectives("calibrate", self.step):
-                cal = self.planner.observe(plan, seconds, step=self.step, memory_row=measured_row(plan, meter, static))
+                cal = self.planner.observe(plan, seconds, step=self.step, memory_row=measured_row(plan, meter, static),
+                                           phases=core.phases)
                 extra.update({k: [v] for k, v in cal.items()})
-        out = self._collect(plan, adapter, extra)
+        with core.phases.phase("collect"):
+            out = self._collect(plan, adapter, extra)
         if self.is_mp_src_rank_with_outputs():
             out["metrics"]["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return out
@@ -441,8 +440,10 @@ class HdpMegatronEngine(_MegatronLM):
         else:
             metrics, loss = {}, [1.0] * plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss
         stats = plan.stats
-        metrics.update({"hdp/rounds": [plan.num_rounds],
+        metrics.update({"hdp/rounds": [plan.num_rounds], "hdp/plan_id": [plan_id(plan)],
                         "hdp/efficiency_planned": [float(stats.efficiency) if stats else math.nan], **extra})
+        if stats is not None:  # the plan that ran: samples per CP degree
+            metrics.update({f"hdp/cp_degree_hist/{k}": [int(v)] for k, v in sorted(stats.cp_degree_hist.items())})
         out: dict[str, Any] = {"log_probs": compat.as_nested([x[:, 0] for x in full])}
         if adapter.entropy:
             out["entropy"] = compat.as_nested([x[:, 1] for x in full])

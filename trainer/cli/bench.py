@@ -145,7 +145,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     The trainer's benches are `BENCHES`.  A package's bench registers itself as an entry point of the
     ``hdp.benchmarks`` group (``NAME = "module:runner"``): ``runner(**flags) -> dict`` takes the parsed
     values of its flags as keyword arguments and returns the result (printed as a table, or as JSON with
-    ``--json``); the flags come from ``add_arguments(parser)`` in the runner's module.
+    ``--json``; the command exits 1 when the result says ``"passed": false``); the flags come from
+    ``add_arguments(parser)`` in the runner's module.
     """
     sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH", parser_class=_EntryPointParser)
     for add in BENCHES:
@@ -167,6 +168,9 @@ def _run_entry_point(name: str, runner: Callable[..., dict[str, Any]], args: arg
     else:
         shown = ", ".join(f"{k} {v}" for k, v in flags.items())
         _print_dict(_flatten(result), f"hdp bench {name}" + (f" ({shown})" if shown else ""))
+    if result.get("passed") is False:  # the bench's own checks failed (verl: the paths ran one plan, ...)
+        print(f"hdp bench {name}: its checks failed (passed: false)", file=sys.stderr)
+        return 1
     return 0
 
 
