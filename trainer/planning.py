@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any

@@ -408,6 +408,8 @@ def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) 
         grads[name] = main_grads(model)
     match, worst = grads_close(grads["hdp"], grads["baseline"])
     engines, model = pair(True)  # the timed steps: Megatron's distributed optimizer, as verl's Megatron engine
+    for eng in engines.values():  # one untimed step each (the optimizer's state, first calls)
+        eng.train_batch(data.clone(recurse=False), loss_fn)
     times: dict[str, list[float]] = {k: [] for k in engines}
     metrics: dict[str, list[dict[str, Any]]] = {k: [] for k in engines}
     for i in range(steps):  # alternate, starting with a different path each step
@@ -452,6 +454,7 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
     # the same weights: the verl door's loss without an update, then the library's step (loss before its update)
     first_verl = door.forward_backward_batch(data.clone(recurse=False), loss_fn)
     first_lib = lib.train_step(batch, library_ppo_loss)
+    door.train_batch(data.clone(recurse=False), loss_fn)  # untimed, as the library's first step
     times: dict[str, list[float]] = {"library": [], "verl": []}
     metrics: dict[str, list[dict[str, Any]]] = {"library": [], "verl": []}
     runs = {"library": lambda: lib.train_step(batch, library_ppo_loss),
@@ -546,4 +549,7 @@ def add_arguments(parser: Any) -> None:
     from hdp.trainer.cli.common import positive_int
 
     parser.add_argument("--ranks", type=positive_int, default=4, choices=(2, 4), help="gloo ranks: 2 or 4 (default 4)")
-    parser.add_argument("--steps", type=positive_int, default=5, help="steps per path, the first untimed (default 5)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per path and per door, after one "
+                        "untimed (default 5)")
+    parser.add_argument("--no-doors", action="store_false", dest="doors",
+                        help="skip the library door vs verl door row")
