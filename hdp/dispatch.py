@@ -28,7 +28,8 @@ Three ways in and out:
   full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``).
 * :func:`group_samples` — inside one round, the ranks of one group assemble their samples whole
   (for a loss that needs whole samples, such as verl's): point-to-point among the group's k ranks
-  only; this rank's own rows keep their graph.
+  only; this rank's own rows keep their graph.  :func:`gather_whole_samples` then collects those
+  whole samples from the groups' first ranks with one ``gather``.
 
 Every collective names its process group; none runs on ``group=None``.
 """
@@ -60,7 +61,9 @@ __all__ = [
     "owners_by_modulo",
     "redistribute",
     "gather_outputs",
+    "gather_whole_samples",
     "group_samples",
+    "group_samples_flat",
 ]
 
 logger = logging.getLogger(__name__)
@@ -478,13 +481,67 @@ def gather_outputs(
     ]
 
 
+def gather_whole_samples(
+    plan: Plan,
+    rank: int,
+    whole: Mapping[int, torch.Tensor],
+    domain_group: dist.ProcessGroup,
+    dst: int,
+    trailing: tuple[int, ...],
+    dtype: torch.dtype,
+) -> list[torch.Tensor] | None:
+    """Per-sample outputs ``[L_i, *trailing]`` in the caller's order on domain rank ``dst`` (``None``
+    elsewhere), from the whole samples the first rank of each group holds (:func:`group_samples_flat`).
+
+    ``whole[r]`` is this rank's ``[Σ L_i, *trailing]`` of the group it starts in round r, in group order
+    (rounds where it starts no group are absent).  What every rank sends and where it lands follow from
+    the plan's groups alone, so one padded ``gather`` over ``domain_group`` is the only communication:
+    no per-rank layouts (:func:`gather_outputs` rebuilds every rank's chunk layout) and no header (the
+    caller states ``dtype`` and ``trailing``).  Detached: outputs for the caller.
+    """
+    me = _check_domain(plan, domain_group)
+    assert rank == me, f"rank={rank} but this process is domain rank {me}"
+    led: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(plan.num_ranks)]  # N x [(round, samples)]
+    for rnd in plan.rounds:
+        for g in rnd.groups:
+            led[g.start].append((rnd.index, g.samples))
+    lengths = plan.lengths
+    sent = [int(sum(int(lengths[i]) for _, ss in rounds for i in ss)) for rounds in led]  # [N] rows each rank sends
+    width = int(np.prod(trailing, dtype=np.int64))  # F
+    dev = collective_device(domain_group)
+    buf = torch.zeros((max(sent, default=0), width), dtype=dtype, device=dev)  # [P, F]
+    if led[me]:
+        mine = torch.cat([whole[r].detach().reshape(-1, width) for r, _ in led[me]])  # [sent[me], F]
+        assert mine.shape[0] == sent[me], f"rank {me} holds {mine.shape[0]} rows of whole samples; the plan says {sent[me]}"
+        buf[: mine.shape[0]] = mine.to(device=dev, dtype=dtype)
+    bufs = [torch.empty_like(buf) for _ in range(plan.num_ranks)] if me == dst else None
+    dist.gather(buf, bufs, group=domain_group, group_dst=dst)
+    if bufs is None:
+        return None
+    out: list[torch.Tensor | None] = [None] * plan.num_samples
+    for q, rounds in enumerate(led):
+        order = [i for _, ss in rounds for i in ss]  # rank q's samples, in the order it sent them
+        for i, rows in zip(order, bufs[q][: sent[q]].split([int(lengths[i]) for i in order])):
+            out[i] = rows.reshape(int(lengths[i]), *trailing)  # [L_i, ...]
+    assert all(x is not None for x in out), "every sample is in exactly one group"
+    return out  # type: ignore[return-value]
+
+
 # ---------------------------------------------------------------- whole samples inside a group
 
 _TAG_GROUP = 21
 
 
 def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> list[torch.Tensor]:
-    """Sg x [L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``.
+    """Sg x [L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``
+    (:func:`group_samples_flat` split by sample)."""
+    flat = group_samples_flat(plan, meta, local, groups)
+    return list(flat.split(list(meta.group_lengths)))
+
+
+def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> torch.Tensor:
+    """[Σ L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``, one after
+    another in the group's order (``meta.samples``).
 
     ``local`` [T, ...] are this rank's per-token values of the round (its zigzag chunks, as
     :func:`local_meta` orders them).  Every member with tokens sends them to every other member with
@@ -493,12 +550,21 @@ def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: Doma
     nothing, and only the group's k metas are computed (no O(N) work).  Own rows keep their graph
     (others' arrive detached), so when every member computes the same loss of the whole samples and
     differentiates through its own rows, the domain sum of gradients is the gradient of that loss.
-    Collective over the group's members that hold tokens: each calls it in the same round.
+    Each member's rows are placed with one indexed write (no per-sample work).  Collective over the
+    group's members that hold tokens: each calls it in the same round.
     """
     if local.shape[0] != meta.num_tokens:
         raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
                          f"{meta.num_tokens} tokens")
-    outs = [local.new_zeros((length, *local.shape[1:])) for length in meta.group_lengths]  # Sg x [L_i, ...]
+    lengths = torch.tensor(meta.group_lengths, dtype=torch.int64)  # [Sg]
+    first = torch.zeros(plan.num_samples, dtype=torch.int64)  # [S]: a group sample's first row in the flat output
+    if meta.samples:
+        first[torch.tensor(meta.samples, dtype=torch.int64)] = torch.cumsum(lengths, 0) - lengths
+
+    def rows(m: LocalMeta) -> torch.Tensor:  # [T_m] flat row of each of m's local tokens
+        return (first[m.sample_index] + m.position_ids).to(local.device)
+
+    flat = local.new_zeros((int(lengths.sum()), *local.shape[1:]))  # [Σ L_i, ...]
     if meta.k > 1:
         peers = [local_meta(plan, q, meta.round_index) for q in range(meta.group_start, meta.group_start + meta.k)]
         peers = [m for m in peers if m.rank != meta.rank and m.num_tokens > 0]
@@ -512,13 +578,6 @@ def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: Doma
             ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
         for work in (dist.batch_isend_irecv(ops) if ops else []):
             work.wait()
-        by_caller = dict(zip(meta.samples, outs))
         for m, buf in zip(peers, bufs):
-            unpack_into(m, buf, by_caller)  # type: ignore[arg-type]
-    sample_index = meta.sample_index.to(local.device)
-    positions = meta.position_ids.to(local.device)
-    result = []
-    for s, out in zip(meta.samples, outs):
-        idx = torch.nonzero(sample_index == s).flatten()  # local rows of sample s
-        result.append(out.index_put((positions[idx],), local[idx]))  # out-of-place: grad flows to `local`
-    return result
+            flat[rows(m)] = buf  # the peers' rows, detached
+    return flat.index_put((rows(meta),), local)  # out-of-place: grad flows to `local`

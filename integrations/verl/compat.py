@@ -262,6 +262,17 @@ def as_nested(tensors: list[Any]) -> Any:
     return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
 
 
+def nested_from_flat(values: Any, lengths: Any) -> Any:
+    """The jagged nested tensor of samples stored one after another in ``values`` [Σ L_i, ...] with
+    ``lengths`` [S] (what `as_nested` makes of ``values.split(lengths)``, without the split and the
+    copy); keeps autograd through ``values``."""
+    import torch
+
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values.contiguous(), offsets.to(values.device))
+
+
 @contextlib.contextmanager
 def mkdir_locks_removed() -> Iterator[None]:
     """While active, the lock files verl's ``local_mkdir_safe`` leaves in the temporary directory are

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 from hdp.integrations.verl.checks import ACTOR_KEY, REF_KEY, check_remove_padding, check_token_budgets, role_key
 
-__all__ = ["sample_lengths", "reduce_metrics", "reject_unsupported", "check_engine_settings", "install_hdp_attention"]
+__all__ = ["sample_lengths", "SampleRows", "reduce_metrics", "reject_unsupported", "check_engine_settings",
+           "install_hdp_attention"]
 
 
 def sample_lengths(data: Any) -> list[int]:
@@ -23,6 +24,33 @@ def sample_lengths(data: Any) -> list[int]:
     return [int(x) for x in ids.offsets().diff().tolist()]
 
 
+
+
+class SampleRows:
+    """The rows of one verl batch for many sample subsets (a group's samples, round after round).
+
+    `select` returns what ``verl.utils.tensordict_utils.index_select_tensor_dict`` does — every field
+    indexed by the samples, a nested one rebuilt from its selected samples — but unbinds each nested
+    field once per batch (verl's function unbinds every nested field of the whole batch at each call)
+    and indexes the other fields in one TensorDict indexing (verl's: one per field).
+    """
+
+    def __init__(self, data: Any) -> None:
+        import torch
+
+        nested = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested]
+        self._rest = data.exclude(*nested)  # dense tensors and non-tensor data
+        self._nested = [(k, data[k].unbind(), getattr(data[k], "_ragged_idx", data[k].dim() - 1)) for k in nested]
+
+    def select(self, samples: Sequence[int]) -> Any:
+        """The TensorDict of ``samples`` (caller indices, in that order)."""
+        import torch
+        from verl.utils.tensordict_utils import nested_tensor_from_tensor_list
+
+        sub = self._rest[torch.tensor(list(samples), dtype=torch.int64)]
+        for key, per_sample, ragged in self._nested:
+            sub[key] = nested_tensor_from_tensor_list([per_sample[i] for i in samples], ragged_idx=ragged)
+        return sub
 
 
 def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:

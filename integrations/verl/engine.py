@@ -50,12 +50,13 @@ import torch.distributed as dist
 from hdp import megatron_compat as mc
 from hdp.device import abort_ends_collectives
 from hdp.digest import batch_digest
-from hdp.dispatch import gather_outputs, group_samples, pack
+from hdp.dispatch import gather_outputs, gather_whole_samples, group_samples_flat, pack
 from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.data import (
     _UNSUPPORTED,
+    SampleRows,
     check_engine_settings,
     install_hdp_attention,
     reduce_metrics,
@@ -135,6 +136,8 @@ class _VerlLoss:
         self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, 2] (log-prob, entropy)
         self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
         self.leader_losses: list[torch.Tensor] = []
+        self.rows = SampleRows(data) if train and loss_function is not None else None  # each group's sub-batch
+        self.whole: dict[int, torch.Tensor] = {}  # round -> [ΣL_i, 2] of the group this rank leads (training)
 
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
         meta, eng = rnd.meta, self.engine
@@ -149,11 +152,14 @@ class _VerlLoss:
         if not self.train or self.loss_function is None:
             return None
         with eng.core.phases.phase("exchange"):
-            full = group_samples(self.plan, meta, local, eng.domain.layout.domain)  # Sg x [L_i, 2]; own rows keep grad
-        sub = compat.tensordict_utils().index_select_tensor_dict(self.data, list(meta.samples))  # group order
-        out = {"log_probs": compat.as_nested([f[:, 0] for f in full])}
+            full = group_samples_flat(self.plan, meta, local, eng.domain.layout.domain)  # [ΣL_i, 2]; own rows keep grad
+        assert self.rows is not None
+        if meta.j == 0:  # the group's leader keeps its samples whole for verl's collect rank
+            self.whole[rnd.index] = full.detach()
+        sub = self.rows.select(meta.samples)  # the group's rows of verl's batch, in group order
+        out = {"log_probs": compat.nested_from_flat(full[:, 0], meta.group_lengths)}
         if self.entropy:
-            out["entropy"] = compat.as_nested([f[:, 1] for f in full])
+            out["entropy"] = compat.nested_from_flat(full[:, 1], meta.group_lengths)
         loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=eng.get_data_parallel_group())
         if meta.j == 0:  # one copy per group (its leader)
             self.leader_metrics.append({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
@@ -425,9 +431,14 @@ class HdpMegatronEngine(_MegatronLM):
         layout = dom.layout
         if not (layout.is_last_stage and layout.tp_rank == 0):
             return {}
-        none = torch.zeros((0, 2))
-        local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, 2]
-        full = gather_outputs(plan, dom.rank, local, layout.domain.domain, dst=0)  # S x [L_i, 2] on rank 0
+        if adapter.rows is not None:  # training: the groups' leaders hold their samples whole already
+            fp64 = next(self.module[0].parameters()).dtype == torch.float64  # logprobs_entropy's accumulation
+            full = gather_whole_samples(plan, dom.rank, adapter.whole, layout.domain.domain, dst=0, trailing=(2,),
+                                        dtype=torch.float64 if fp64 else torch.float32)  # S x [L_i, 2] on rank 0
+        else:  # log-prob passes: every rank's chunks
+            none = torch.zeros((0, 2))
+            local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, 2]
+            full = gather_outputs(plan, dom.rank, local, layout.domain.domain, dst=0)  # S x [L_i, 2] on rank 0
         mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
         gathered: list[Any] = [None] * dom.size
         dist.all_gather_object(gathered, mine, group=layout.domain.domain)
