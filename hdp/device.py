@@ -30,7 +30,8 @@ __all__ = [
     "npu_available",
     "cuda_available",
     "is_cuda",
-    "is_npu", "PROFILE_OF_DEVICE", "cost_profile", "abort_ends_collectives"]
+    "is_npu", "PROFILE_OF_DEVICE", "cost_profile", "abort_ends_collectives",
+    "fused_flash_attention_built", "compute_capability", "device_name", "empty_cache"]
 
 PROFILE_OF_DEVICE = {"cpu": "cpu-gloo", "cuda": "h100-nvlink", "npu": "ascend-910b-hccs"}
 """Hardware profile (`hdp.packing.profiles`) the engines' ``auto`` cost model takes for each device kind."""
@@ -64,6 +65,39 @@ DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "npu")
 def cuda_available() -> bool:
     """Whether a CUDA device is usable."""
     return bool(torch.cuda.is_available())
+
+
+def fused_flash_attention_built() -> bool:
+    """Whether this torch was built with its own CUDA flash-attention kernels (``aten::_flash_attention_*``)."""
+    probe = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    return bool(probe is not None and probe())
+
+
+def compute_capability(device: torch.device | None = None) -> tuple[int, int] | None:
+    """(major, minor) compute capability of CUDA ``device`` (the current one for ``None``); ``None`` elsewhere."""
+    if device is not None and torch.device(device).type != _CUDA:
+        return None
+    if not cuda_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def device_name(device: torch.device) -> str:
+    """A readable name of ``device``: the accelerator's product name, or ``cpu``."""
+    dev = torch.device(device)
+    if dev.type == _CUDA and cuda_available():
+        return str(torch.cuda.get_device_name(dev))
+    if dev.type == _NPU and npu_available():
+        return str(getattr(torch, _NPU).get_device_name(dev))
+    return dev.type
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return the caching allocator's free blocks of ``device`` to the driver (no-op on CPU)."""
+    mod = _module_for(device)
+    if mod is not None:
+        mod.empty_cache()
 
 
 def npu_available() -> bool:

@@ -1,7 +1,10 @@
 """Local attention kernels returning (out, lse): pure-torch reference and adapters.
 
 Every kernel has the signature of :mod:`hdp.kernels.reference` (THD layout, varlen cu_seqlens,
-bottom-right causal, ``lse`` as ``[Hq, Tq]``); :func:`get_kernel` picks one for a device.
+bottom-right causal, ``lse`` as ``[Hq, Tq]`` with ``-inf`` for rows that see no key); :func:`get_kernel`
+picks one for a device.  One adapter module per third-party kernel: :mod:`.flash_attn` (the
+flash-attn package), :mod:`.torch_flash` (torch's own fused varlen flash attention), :mod:`.npu`
+(``torch_npu``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class KernelName(enum.Enum):
 
     REFERENCE = "reference"
     FLASH_ATTN = "flash_attn"
+    TORCH_FLASH = "torch_flash"
     NPU = "npu"
 
 
@@ -80,6 +84,13 @@ def _load(name: KernelName) -> AttentionKernel:
         if not fa.available():
             raise ValueError("kernel=flash_attn: the flash_attn package is not importable here; use 'reference'")
         return AttentionKernel(name, fa.attn_fwd, fa.attn_bwd)
+    if name is KernelName.TORCH_FLASH:
+        from hdp.kernels import torch_flash as tf
+
+        why = tf.unavailable_reason()
+        if why is not None:
+            raise ValueError(f"kernel=torch_flash: {why}; use 'reference'")
+        return AttentionKernel(name, tf.attn_fwd, tf.attn_bwd)
     from hdp.kernels import npu
 
     if not npu.available():
@@ -88,7 +99,9 @@ def _load(name: KernelName) -> AttentionKernel:
 
 
 def get_kernel(device: torch.device, name: KernelName | str | None = None) -> AttentionKernel:
-    """Kernel for ``device``: ``name`` if given, else flash-attn on CUDA when importable, else reference.
+    """Kernel for ``device``: ``name`` if given, else on CUDA flash-attn when importable, else torch's
+    fused flash attention when this torch and GPU have it (:mod:`.torch_flash`), else the reference;
+    the reference on every other device.
 
     The NPU adapter is only chosen when asked for by name (it has not been run on hardware).
     """
@@ -104,6 +117,10 @@ def get_kernel(device: torch.device, name: KernelName | str | None = None) -> At
 
         if fa.available():
             return _load(KernelName.FLASH_ATTN)
+        from hdp.kernels import torch_flash as tf
+
+        if tf.available(device):
+            return _load(KernelName.TORCH_FLASH)
     return _load(KernelName.REFERENCE)
 
 
