@@ -15,7 +15,7 @@ from typing import Any
 
 from hdp.trainer.cli.common import (CliError, Parser, _console, _emit_json, _flatten, _fmt_s, _hist_text, _print_dict,
                                     logger, positive_int, seed_int)
-from hdp.trainer.cli.output import check_output_file, write_atomic
+from hdp.trainer.cli.output import check_output_dir, check_output_file, write_atomic
 
 
 BenchAdder = Callable[[Any], argparse.ArgumentParser]
@@ -100,7 +100,23 @@ def add_memory(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory)
+def add_device(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "device", "one accelerator: kernel exactness and speed, its cost terms, log-probs, the engine "
+                                     "on one device (--dry-run: every row on CPU, small shapes)", _bench_device)
+    p.add_argument("--dry-run", action="store_true", dest="dry_run", help="every row on CPU with small shapes (seconds)")
+    p.add_argument("--device", default=None, help="device to measure (default the first accelerator)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for device.json (rewritten after every row), the cost-model file and its records "
+                        "(default a new temporary folder)")
+    p.add_argument("--rows", default=None, metavar="A,B", help="rows to run (default all)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="rows that would start after this many seconds are skipped (default 480)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a row fails or errs")
+    return p
+
+
+BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory,
+                                   add_device)
 """The benches of the trainer, in ``hdp bench --help`` order; a new one appends its adder here."""
 
 ENTRY_POINT_GROUP = "hdp.benchmarks"
@@ -431,3 +447,32 @@ def _bench_planner(args: argparse.Namespace) -> int:
     for note in result["notes"]:
         con.print(f"note: {note}")
     return 0
+
+
+def _bench_device(args: argparse.Namespace) -> int:
+    """``hdp bench device``: the device check (:mod:`hdp.trainer.bench.device`); a plain table, no rich (a bare
+    GPU machine may lack it)."""
+    from hdp.trainer.bench.device import BUDGET_S, ROWS, bench_device, format_table
+
+    rows = None
+    if args.rows is not None:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        bad = [r for r in rows if r not in ROWS]
+        if bad or not rows:
+            raise CliError(f"--rows={args.rows!r}: rows are {', '.join(ROWS)}")
+    budget = BUDGET_S if args.budget is None else args.budget
+    if not (math.isfinite(budget) and budget > 0):
+        raise CliError(f"--budget={args.budget!r}: pass seconds > 0 (default {BUDGET_S:g})")
+    out = check_output_dir("--out", args.out) if args.out is not None else None
+
+    def progress(row: dict[str, Any]) -> None:
+        print(f"hdp bench device: {row['row']} {row['status']} ({row['seconds']:.1f} s)", file=sys.stderr, flush=True)
+
+    result = bench_device(dry_run=args.dry_run, device=args.device, out_dir=out, rows=rows, budget_s=budget,
+                          on_row=progress)
+    if args.json:
+        _emit_json(result)
+    else:
+        print(format_table(result))
+    bad_rows = [r["row"] for r in result["rows"] if r["status"] in ("fail", "error")]
+    return 1 if args.strict and bad_rows else 0
