@@ -611,18 +611,22 @@ def _row_cost_terms(ctx: _Ctx) -> dict[str, Any]:
     loaded = load_cost_model(path)
     assert loaded == cost, "the cost-model file does not read back as written"
     hw = PROFILES[profile]
+    fitted = set(meta["fitted"]) | {"unit_time_s"}
+    # the profile's own quantities from the fitted ones (`hdp.packing.profiles.cost_model` inverted for one
+    # layer); None where the records did not determine the parameter (the file keeps the profile's value)
     device_fig = {
         "attn_tflops": 6.0 * attn_dim / u / 1e12,
-        "ring_merge_ps_per_elem": cost.merge_per_token * u / attn_dim * 1e12,
-        "cp_split_ps_per_elem": cost.cp_per_token * u / attn_dim * 1e12,
-        "step_overhead_us": cost.step_overhead * u / 2.0 * 1e6,  # per layer and pass (2 passes)
-        "linear_s_per_token": cost.linear_coef * u,
+        "ring_merge_ps_per_elem": cost.merge_per_token * u / attn_dim * 1e12 if "merge_per_token" in fitted else None,
+        "cp_split_ps_per_elem": cost.cp_per_token * u / attn_dim * 1e12 if "cp_per_token" in fitted else None,
+        "step_overhead_us": cost.step_overhead * u / 2.0 * 1e6 if "step_overhead" in fitted else None,  # per pass
+        "linear_s_per_token": cost.linear_coef * u if "linear_coef" in fitted else None,
     }
     preset_fig = {"attn_tflops": hw.attn_tflops, "ring_merge_ps_per_elem": hw.ring_merge_ps_per_elem,
                   "cp_split_ps_per_elem": hw.cp_split_ps_per_elem, "step_overhead_us": hw.step_overhead_us,
                   "linear_s_per_token": 0.0}
+    merge = device_fig["ring_merge_ps_per_elem"]
     summary = (f"{device_fig['attn_tflops']:.3g} TFLOP/s attention ({profile}: {hw.attn_tflops:.3g}), merge "
-               f"{device_fig['ring_merge_ps_per_elem']:.3g} ps/elem ({hw.ring_merge_ps_per_elem:.3g}); "
+               + (f"{merge:.3g} ps/elem" if merge is not None else "not determined") + f" ({hw.ring_merge_ps_per_elem:.3g}); "
                f"R2 {fit.r2:.3f} over {len(records)} records -> {path.name}")
     return {"status": "ok", "summary": summary,
             "figures": {"kernel": kernel.name.value, "records": len(records), "cost_model_file": str(path),
@@ -867,31 +871,44 @@ def bench_device(*, dry_run: bool = False, device: str | None = None, out_dir: s
         "environment": _environment(dev), "budget_s": budget_s, "rows": [],
         "shapes": dataclasses.asdict(ctx.shapes), "out_dir": str(out),
     }
-    for name in wanted:
-        r0 = time.monotonic()
-        row: dict[str, Any] = {"row": name, "hardware": result["hardware"]}
-        if not dry_run and dev.type == "cpu":
-            row.update(status="skipped", reason="no accelerator here (hdp bench device measures a GPU; --dry-run "
-                                                "runs every row on CPU)")
-        elif time.monotonic() > ctx.deadline:
-            row.update(status="skipped", reason=f"time budget of {budget_s:.0f} s spent")
-        else:
-            try:
-                row.update(_ROW_FNS[name](ctx))
-            except _Skip as exc:
-                row.update(status="skipped", reason=str(exc))
-            except Exception as exc:  # a row's failure is its result; the other rows still run
-                logger.warning("bench device: row %s failed: %s", name, exc)
-                row.update(status="error", reason=f"{type(exc).__name__}: {exc}",
-                           traceback=traceback.format_exc(limit=8))
-        row["seconds"] = time.monotonic() - r0
-        result["rows"].append(row)
-        result["wall_s"] = time.monotonic() - t0
-        result["notes"] = list(ctx.notes)
-        (out / "device.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-        if on_row is not None:
-            on_row(row)
+    threads = torch.get_num_threads()
+    if dry_run:  # one intra-op thread: a CPU shared with other work stalls a thread team's barriers
+        torch.set_num_threads(1)
+    try:
+        for name in wanted:
+            _run_row(name, ctx, result, t0, budget_s, on_row)
+    finally:
+        torch.set_num_threads(threads)
     return result
+
+
+def _run_row(name: str, ctx: _Ctx, result: dict[str, Any], t0: float, budget_s: float,
+             on_row: Callable[[dict[str, Any]], None] | None) -> None:
+    """Run one row into ``result["rows"]`` and rewrite ``device.json``."""
+    dev, dry_run, out = ctx.device, ctx.dry, ctx.out_dir
+    r0 = time.monotonic()
+    row: dict[str, Any] = {"row": name, "hardware": result["hardware"]}
+    if not dry_run and dev.type == "cpu":
+        row.update(status="skipped", reason="no accelerator here (hdp bench device measures a GPU; --dry-run "
+                                            "runs every row on CPU)")
+    elif time.monotonic() > ctx.deadline:
+        row.update(status="skipped", reason=f"time budget of {budget_s:.0f} s spent")
+    else:
+        try:
+            row.update(_ROW_FNS[name](ctx))
+        except _Skip as exc:
+            row.update(status="skipped", reason=str(exc))
+        except Exception as exc:  # a row's failure is its result; the other rows still run
+            logger.warning("bench device: row %s failed: %s", name, exc)
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}",
+                       traceback=traceback.format_exc(limit=8))
+    row["seconds"] = time.monotonic() - r0
+    result["rows"].append(row)
+    result["wall_s"] = time.monotonic() - t0
+    result["notes"] = list(ctx.notes)
+    (out / "device.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    if on_row is not None:
+        on_row(row)
 
 
 def _json_default(obj: Any) -> Any:
