@@ -117,7 +117,8 @@ def test_ring_calls_cover_the_causal_mask_once(lengths, k):
 def _ctx(tmp_path):
     import time
 
-    return bd._Ctx(device=torch.device("cpu"), dry=True, shapes=bd.DRY, out_dir=tmp_path, deadline=time.monotonic() + 60)
+    return bd._Ctx(device=torch.device("cpu"), dry=True, shapes=bd.DRY, out_dir=tmp_path,
+                   deadline=time.monotonic() + 60)
 
 
 def test_exactness_passes_the_reference_and_fails_a_wrong_lse(tmp_path):

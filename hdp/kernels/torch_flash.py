@@ -169,8 +169,9 @@ def _padded_d(d: int) -> int:
 
 
 def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward's ``rng_state`` / ``unused`` for dropout 0 (what torch's varlen wrapper passes)."""
-    return torch.zeros((2,), dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+    """The backward's ``rng_state`` / ``unused`` for dropout 0: what ``torch.nn.attention.varlen``'s own
+    backward passes (a zero uint64 pair, an empty tensor); the kernel reads them only with dropout."""
+    return torch.zeros((2,), dtype=torch.uint64, device=device), torch.empty((0,), device=device)
 
 
 def attn_fwd(
@@ -285,7 +286,8 @@ class ReferenceFlashOps:
             raise RuntimeError("Number of heads in key/value must divide number of heads in query")
         for name, cu, t, mx in (("cu_seqlens_q", cu_q, q, max_q), ("cu_seqlens_k", cu_k, k, max_k)):
             if cu.dtype != torch.int32 or cu.device != t.device or not cu.is_contiguous():
-                raise RuntimeError(f"{name} must be a contiguous int32 tensor on {t.device}; got {cu.dtype} on {cu.device}")
+                raise RuntimeError(f"{name} must be a contiguous int32 tensor on {t.device}; got {cu.dtype} on "
+                                   f"{cu.device}")
             lens = (cu[1:] - cu[:-1]).tolist()
             if max(lens, default=0) != mx:
                 raise RuntimeError(f"max_seqlen of {name} is {mx}; its longest sequence has {max(lens, default=0)}")

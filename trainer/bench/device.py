@@ -24,7 +24,8 @@ never a figure it did not measure:
 * ``logprobs``: `hdp.logprobs.logprobs_entropy` against the naive fp32 ``log_softmax`` at T = 16K,
   V = 151,936 (bf16 logits): forward + backward time and the allocator's peak above the logits.
 * ``engine_pp1``: `HdpEngine.build` with world size 1 on the device, a few steps of a small GPT in bf16
-  against the same seed on CPU in fp32 (losses within `ENGINE_LOSS_RTOL`), the engine's predicted
+  against the same seed on CPU in fp32, one batch repeated so that the loss falls by more than
+  `ENGINE_MIN_DROP` (losses within `ENGINE_LOSS_RTOL`), the engine's predicted
   against measured peak memory, step time.
 * ``engine_vpp``: virtual pipeline stages need ``pp > 1`` (`ParallelConfig`), which needs two ranks;
   one device runs one rank (NCCL takes one rank per GPU), so this row is skipped with that reason.
@@ -59,8 +60,8 @@ import torch
 from hdp import device as _device
 from hdp.kernels import AttentionKernel, KernelName, get_kernel, kernel_attention, reference
 
-__all__ = ["ROWS", "TOLERANCES", "ENGINE_LOSS_RTOL", "DeviceShapes", "FULL", "DRY", "bench_device", "ring_calls",
-           "format_table"]
+__all__ = ["ROWS", "TOLERANCES", "ENGINE_LOSS_RTOL", "ENGINE_MIN_DROP", "BUDGET_S", "DeviceShapes", "FULL", "DRY",
+           "bench_device", "ring_calls", "RingCall", "format_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,14 @@ TOLERANCES: dict[str, dict[str, float]] = {
 }
 """Allowed errors of a kernel against the fp64 reference on the same (rounded) inputs, per dtype."""
 
-ENGINE_LOSS_RTOL = 2e-2
-"""Allowed relative difference of each step's loss, bf16 on the device against fp32 on CPU."""
+ENGINE_LOSS_RTOL = 3e-2
+"""Allowed relative difference of each step's loss, bf16 on the device against fp32 on CPU, on a run whose
+loss falls by more than `ENGINE_MIN_DROP` (bf16 against fp32, both on CPU: at most 4.6e-3 with the `FULL`
+shapes, 7.71 -> 4.16 in 6 steps; 2.8e-4 with `DRY`, 4.87 -> 3.08 in 8)."""
+
+ENGINE_MIN_DROP = 0.3
+"""Least fall of the CPU run's loss, first to last step, as a fraction of the first, for the comparison to
+say something (a run that learns nothing has the same loss whatever it computes)."""
 
 BUDGET_S = 480.0
 """Wall-clock budget of one run (8 minutes): rows that would start after it are skipped."""
@@ -143,18 +150,18 @@ FULL = DeviceShapes(
     cost_singles=(2048, 4096, 16384), cost_rings=(2, 4, 8),
     logprobs_tokens=16384, logprobs_vocab=151_936,
     engine_layers=4, engine_hidden=256, engine_heads=4, engine_vocab=2048,
-    engine_lengths=(1024, 512, 256, 128, 64), engine_budget=1024, engine_steps=5, cpu_threads=8,
+    engine_lengths=(1024, 512, 256, 128, 64), engine_budget=1024, engine_steps=6, cpu_threads=8,
 )
 """Shapes of a run on one GPU (the speed and cost rows use Llama-3-8B's attention, as `h100-nvlink`'s source)."""
 
 DRY = DeviceShapes(
     pack=(37, 64, 23), ring=3, heads=4, kv_heads=2, head_dim=16,
-    speed_tokens=(64, 128), attn_heads=2, attn_kv_heads=1, attn_head_dim=16,
+    speed_tokens=(64, 128), attn_heads=2, attn_kv_heads=1, attn_head_dim=64,
     reference_max_tokens=128, repeats=3,
-    cost_layouts=((512,), (64, 352, 96), (256, 256)), cost_singles=(128, 1024), cost_rings=(2, 4),
+    cost_layouts=((1024,), (2048,), (1536, 512)), cost_singles=(512, 3072), cost_rings=(2, 4),
     logprobs_tokens=256, logprobs_vocab=1024,
     engine_layers=2, engine_hidden=64, engine_heads=4, engine_vocab=128,
-    engine_lengths=(120, 60, 30, 20), engine_budget=128, engine_steps=3, cpu_threads=1,
+    engine_lengths=(120, 60, 30, 20), engine_budget=128, engine_steps=8, cpu_threads=1,
 )
 """Shapes of ``--dry-run`` on CPU (seconds)."""
 
@@ -224,8 +231,14 @@ def _kernels(ctx: _Ctx) -> list[tuple[str, AttentionKernel | None, str | None]]:
     return out
 
 
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator on ``device`` (inputs are drawn where they are used: 10 GB of logits drawn on the host
+    would take longer than the row)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _randn(shape: Sequence[int], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(device)
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device=device)
 
 
 # -------------------------------------------------------------------------------- ring kernel calls
@@ -316,7 +329,7 @@ def _exactness_one(kernel: AttentionKernel, dtype: torch.dtype, ctx: _Ctx) -> di
     lengths, k = sh.pack, sh.ring
     t = sum(lengths)
     scale = 1.0 / math.sqrt(sh.head_dim)
-    gen = torch.Generator().manual_seed(33)
+    gen = _generator(dev, 33)
     q, kk, v, do = (_randn((t, h, sh.head_dim), gen, dev).to(dtype)
                     for h in (sh.heads, sh.kv_heads, sh.kv_heads, sh.heads))
     q64, k64, v64, do64 = (x.double() for x in (q, kk, v, do))  # the same rounded inputs in fp64
@@ -412,7 +425,7 @@ def _row_kernel_speed(ctx: _Ctx) -> dict[str, Any]:
     hq, hkv, d = sh.attn_heads, sh.attn_kv_heads, sh.attn_head_dim
     scale = 1.0 / math.sqrt(d)
     dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(7)
+    gen = _generator(dev, 7)
     rows = []
     sdpa_ctx = _sdpa_backends(dev)
     for t in sh.speed_tokens:
@@ -550,7 +563,7 @@ def _cost_records(ctx: _Ctx, kernel: AttentionKernel) -> list[dict[str, Any]]:
     sh, dev = ctx.shapes, ctx.device
     hq, hkv, d = sh.attn_heads, sh.attn_kv_heads, sh.attn_head_dim
     scale = 1.0 / math.sqrt(d)
-    gen = torch.Generator().manual_seed(11)
+    gen = _generator(dev, 11)
     cases = [(tuple(l), 1) for l in sh.cost_layouts] + [((n,), 1) for n in sh.cost_singles]
     cases += [(tuple(k * x for x in l), k) for k in sh.cost_rings for l in sh.cost_layouts]
     records = []
@@ -626,7 +639,8 @@ def _row_cost_terms(ctx: _Ctx) -> dict[str, Any]:
                   "linear_s_per_token": 0.0}
     merge = device_fig["ring_merge_ps_per_elem"]
     summary = (f"{device_fig['attn_tflops']:.3g} TFLOP/s attention ({profile}: {hw.attn_tflops:.3g}), merge "
-               + (f"{merge:.3g} ps/elem" if merge is not None else "not determined") + f" ({hw.ring_merge_ps_per_elem:.3g}); "
+               + (f"{merge:.3g} ps/elem" if merge is not None else "not determined")
+               + f" ({hw.ring_merge_ps_per_elem:.3g}); "
                f"R2 {fit.r2:.3f} over {len(records)} records -> {path.name}")
     return {"status": "ok", "summary": summary,
             "figures": {"kernel": kernel.name.value, "records": len(records), "cost_model_file": str(path),
@@ -648,10 +662,10 @@ def _logprobs_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, A
 
     dev = _device.select_device(spec["device"])
     t, vocab = spec["tokens"], spec["vocab"]
-    gen = torch.Generator().manual_seed(5)
-    logits = (2.0 * torch.randn((t, vocab), generator=gen)).to(torch.bfloat16).to(dev)  # [T, V] bf16
-    targets = torch.randint(0, vocab, (t,), generator=gen).to(dev)  # [T]
-    weights = torch.randn((t,), generator=gen).to(dev)  # [T]
+    gen = _generator(dev, 5)
+    logits = (2.0 * torch.randn((t, vocab), generator=gen, device=dev)).to(torch.bfloat16)  # [T, V] bf16
+    targets = torch.randint(0, vocab, (t,), generator=gen, device=dev)  # [T]
+    weights = torch.randn((t,), generator=gen, device=dev)  # [T]
     group = dist.group.WORLD
 
     def hdp_path() -> tuple[torch.Tensor, torch.Tensor]:
@@ -706,18 +720,17 @@ def _row_logprobs(ctx: _Ctx) -> dict[str, Any]:
 
 
 def _engine_batches(spec: dict[str, Any]) -> list[Any]:
-    """Every step's batch: samples of a repeated random motif (attention can learn to copy it)."""
+    """Every step's batch: the same samples, each a random motif of 16 tokens repeated, so that the loss
+    falls fast (the model fits the batch, its attention learning to copy) and the two runs' losses can
+    part if either computes something else."""
     from hdp.trainer.engine import Batch
 
     gen = torch.Generator().manual_seed(21)
-    batches = []
-    for _ in range(spec["steps"]):
-        tokens = []
-        for n in spec["lengths"]:
-            motif = torch.randint(0, spec["vocab"], (16,), generator=gen)
-            tokens.append(motif.repeat(-(-n // 16))[:n])
-        batches.append(Batch(tokens=tokens))
-    return batches
+    tokens = []
+    for n in spec["lengths"]:
+        motif = torch.randint(0, spec["vocab"], (16,), generator=gen)
+        tokens.append(motif.repeat(-(-n // 16))[:n])
+    return [Batch(tokens=list(tokens)) for _ in range(spec["steps"])]
 
 
 def _engine_worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -786,13 +799,17 @@ def _row_engine_pp1(ctx: _Ctx) -> dict[str, Any]:
     pred = [s["memory_predicted_gb"] for s in run["steps"] if s["memory_predicted_gb"]]
     meas = [s["memory_peak_gb"] for s in run["steps"] if s["memory_peak_gb"]]
     ratio = max(m / p for m, p in zip(meas, pred)) if pred and meas else None
-    ok = max(rel) <= ENGINE_LOSS_RTOL
-    summary = (f"{len(losses)} steps bf16 on {run['device']} ({run['kernel']}) vs fp32 CPU: loss rel diff "
-               f"{max(rel):.1e} (tol {ENGINE_LOSS_RTOL:g}); step {statistics.median(s['wall_s'] for s in timed) * 1e3:.0f}"
-               f" ms" + (f"; measured/predicted peak {ratio:.2f}" if ratio is not None else ""))
-    return {"status": "ok" if ok else "fail", "summary": summary,
+    drop = (ref_losses[0] - ref_losses[-1]) / ref_losses[0]
+    ok = max(rel) <= ENGINE_LOSS_RTOL and drop >= ENGINE_MIN_DROP
+    summary = (f"{len(losses)} steps bf16 on {run['device']} ({run['kernel']}) vs fp32 CPU: loss "
+               f"{ref_losses[0]:.2f} -> {ref_losses[-1]:.2f}, rel diff {max(rel):.1e} (tol {ENGINE_LOSS_RTOL:g}); step "
+               f"{statistics.median(s['wall_s'] for s in timed) * 1e3:.0f} ms"
+               + (f"; measured/predicted peak {ratio:.2f}" if ratio is not None else ""))
+    why = None if ok else (f"loss rel diff {max(rel):.3g} > {ENGINE_LOSS_RTOL:g}" if max(rel) > ENGINE_LOSS_RTOL else
+                           f"the CPU run's loss fell by {drop:.0%} only (< {ENGINE_MIN_DROP:.0%}): uninformative")
+    return {"status": "ok" if ok else "fail", "summary": summary, **({"reason": why} if why else {}),
             "figures": {"device_run": run, "cpu_fp32_run": ref, "loss_rel_diff": rel, "loss_rtol": ENGINE_LOSS_RTOL,
-                        "loss_first_minus_last": ref_losses[0] - ref_losses[-1],
+                        "loss_drop_fraction": drop, "min_drop": ENGINE_MIN_DROP,
                         "median_step_s": statistics.median(s["wall_s"] for s in timed),
                         "peak_measured_over_predicted": ratio}}
 
