@@ -919,6 +919,7 @@ def _run_row(name: str, ctx: _Ctx, result: dict[str, Any], t0: float, budget_s: 
             logger.warning("bench device: row %s failed: %s", name, exc)
             row.update(status="error", reason=f"{type(exc).__name__}: {exc}",
                        traceback=traceback.format_exc(limit=8))
+    _device.empty_cache(dev)  # the next row (or its spawned job) starts without this row's cached blocks
     row["seconds"] = time.monotonic() - r0
     result["rows"].append(row)
     result["wall_s"] = time.monotonic() - t0
