@@ -17,6 +17,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from hdp.trainer.cli import positive_int
 from hdp.trainer.launch import init_from_env, quiet_third_party_warnings, spawn
 
 quiet_third_party_warnings()  # Megatron's TransformerEngine/Apex fallback notices, torch deprecations
@@ -82,12 +83,12 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="training steps (at least 1)")
+    parser.add_argument("--ranks", type=positive_int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--policy", default="hdp", choices=["hdp", "static-cp"])
-    parser.add_argument("--tokens-per-rank", type=int, default=128)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each round one micro-batch)")
+    parser.add_argument("--tokens-per-rank", type=positive_int, default=128)
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (sequence parallel on)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (each round one micro-batch)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--records", default=None, help="append calibration records here (hdp calibrate --records)")

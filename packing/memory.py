@@ -69,9 +69,23 @@ _LOGIT_CHUNK = 4096
 _FEATURES = ("activation", "expert", "cp", "logits")
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
+def _stage_split_ok(layers: int, pp: int) -> bool:
+    """Whether `MemoryModel.layers` splits ``layers`` over ``pp`` stages as Megatron can: evenly, or with the
+    first (and last) stage one layer fewer — ceil(L / PP) on the others."""
+    return pp <= layers and (-(-layers // pp) * pp - layers) <= min(2, pp - 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryLayout:
-    """How the model is laid out over the job (sizes >= 1)."""
+    """How the model is laid out over the job (sizes >= 1), checked on construction: virtual stages need
+    PP > 1, and EP x expert TP divides the TP x domain ranks of a stage.  The checks that need the model's
+    shape (layers over PP and VPP, experts over EP, heads over TP) are `MemoryModel`'s."""
 
     tp: int = 1
     pp: int = 1
@@ -102,19 +116,35 @@ class MemoryLayout:
         ZeroMemoryLevel.parse(self.zero_memory)
         if self.cp_algorithm not in ("ring", "allgather"):
             raise ValueError(f"MemoryLayout.cp_algorithm={self.cp_algorithm!r}: choose ring or allgather")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"MemoryLayout.vpp={self.vpp} with pp=1: virtual stages interleave pipeline stages; "
+                             "set pp >= 2, or vpp=1")
+        stage = self.tp * self.domain  # the ranks of one pipeline stage, which expert parallelism is carved from
+        if stage % (self.ep * self.etp):
+            raise ValueError(
+                f"MemoryLayout.ep={self.ep}, etp={self.etp}: ep x etp = {self.ep * self.etp} ranks do not divide the "
+                f"{stage} ranks of a pipeline stage (tp {self.tp} x domain {self.domain}); choose ep x etp dividing "
+                f"{stage}: {', '.join(map(str, _divisors(stage)))}")
 
     @classmethod
     def parse(cls, spec: str, **kwargs: Any) -> "MemoryLayout":
         """A layout from ``"tp1,pp8,ep16"`` (keys tp, pp, vpp, ep, etp, dp; any order) plus keyword fields."""
         keys = {"tp": "tp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "domain"}
         values: dict[str, int] = {}
+        given: dict[str, str] = {}
         for part in (p.strip() for p in str(spec).split(",") if p.strip()):
             name = part.rstrip("0123456789")
             num = part[len(name):]
             if name not in keys or not num.isdigit():
                 raise ValueError(f"layout {spec!r}: {part!r} is not one of tpN, ppN, vppN, epN, etpN, dpN "
                                  "(e.g. tp1,pp8,ep16)")
+            if name in given:
+                raise ValueError(f"layout {spec!r}: {name} is given twice ({given[name]} and {part}); give each key once")
+            given[name] = part
             values[keys[name]] = int(num)
+        if "domain" in values and "domain" in kwargs and values["domain"] != kwargs["domain"]:
+            raise ValueError(f"layout {spec!r}: dp{values['domain']} but the domain is {kwargs['domain']}; drop dp "
+                             f"from the layout, or make the domain {values['domain']}")
         return cls(**{**values, **kwargs})
 
 
@@ -180,11 +210,26 @@ class MemoryModel:
         if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms)
                                or ms < 0):
             raise ValueError(f"MemoryModel.measured_static={ms!r}: pass bytes >= 0 or None")
-        if s.num_layers < lay.pp:
-            raise ValueError(f"MemoryModel: {s.num_layers} layers of {s.name} cannot fill pp={lay.pp} stages; "
-                             "give a layout with PP <= the layers")
+        n = s.num_layers
+        if not _stage_split_ok(n, lay.pp):
+            raise ValueError(
+                f"MemoryModel: {n} layers of {s.name} do not split over pp={lay.pp}: stages hold the same layers, or "
+                "the first and last one layer fewer (Megatron's account_for_embedding/loss_in_pipeline_split), so "
+                f"L, L + 1 or L + 2 must be a multiple of pp; choose pp in "
+                f"{', '.join(str(p) for p in range(1, min(n, 128) + 1) if _stage_split_ok(n, p))}")
+        if lay.vpp > 1 and n % (lay.pp * lay.vpp):
+            raise ValueError(
+                f"MemoryModel: {n} layers of {s.name} do not split over pp={lay.pp} x vpp={lay.vpp} = "
+                f"{lay.pp * lay.vpp} virtual stages (each needs the same layers); choose pp x vpp dividing {n}")
+        if not s.is_moe and (lay.ep > 1 or lay.etp > 1):
+            raise ValueError(f"MemoryModel: {s.name} is dense (no experts) but the layout has ep={lay.ep}, "
+                             f"etp={lay.etp}; expert parallelism needs a MoE model: set ep=1 and etp=1")
         if s.is_moe and s.num_experts % lay.ep:
-            raise ValueError(f"MemoryModel: {s.num_experts} experts of {s.name} do not split over ep={lay.ep}")
+            raise ValueError(f"MemoryModel: {s.num_experts} experts of {s.name} do not split over ep={lay.ep}; "
+                             f"choose ep in {', '.join(map(str, _divisors(s.num_experts)))}")
+        if s.is_moe and s.moe_ffn_hidden_size % lay.etp:
+            raise ValueError(f"MemoryModel: the expert MLP width {s.moe_ffn_hidden_size} of {s.name} does not split "
+                             f"over etp={lay.etp}; choose an etp dividing it (1 keeps experts whole)")
         if s.num_heads % lay.tp or s.num_kv_heads % lay.tp and s.num_kv_heads > lay.tp:
             raise ValueError(f"MemoryModel: heads {s.num_heads}/{s.num_kv_heads} of {s.name} do not split over tp={lay.tp}")
 

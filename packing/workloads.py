@@ -12,6 +12,7 @@ import zlib
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -219,67 +220,101 @@ def wikipedia(n: int, max_len: int = 32_768, seed: int = 0, path: str | os.PathL
     return np.clip(pool[idx], 1, max_len).astype(np.int64)
 
 
-MAX_LENGTHS_BYTES = 1 << 30
-"""Largest lengths file read (1 GiB: ~100M lengths)."""
+MAX_SAMPLES = 10_000_000
+"""Most samples a workload draws or a lengths file holds (a million plan in seconds; ten billion need 75 GB)."""
+
+MAX_LENGTHS_BYTES = 256 << 20
+"""Most bytes of a lengths file read, counted after gzip's unpacking (256 MiB: ten million lengths of up to
+2^40 take at most 140 MB with their newlines)."""
 
 
-def read_bounded_bytes(path: Path, limit: int, fix: str) -> bytes:
-    """The bytes of regular file ``path`` (at most ``limit``); ValueError otherwise."""
-    import stat as stat_module
+def read_lengths(path: str | os.PathLike, *, max_samples: int = MAX_SAMPLES,
+                 max_bytes: int = MAX_LENGTHS_BYTES) -> np.ndarray:
+    """Read one integer length per line (gzip when the name ends in ``.gz``); blank lines and ``#`` comments
+    are skipped.
 
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise ValueError(f"lengths file {str(path)!r}: cannot read it ({exc.strerror or exc})") from exc
-    if not stat_module.S_ISREG(st.st_mode) or st.st_size > limit:
-        raise ValueError(f"lengths file {str(path)!r} is not a regular file of at most {limit} bytes; {fix}")
-    return path.read_bytes()
-
-
-def read_lengths(path: str | os.PathLike) -> np.ndarray:
-    """Read one integer length per line; blank lines and ``#`` comments are skipped.
-
-    Raises ValueError naming the line number and content of the first line that is not an
-    integer.  Values are not range-checked here (the planner validates them).
+    Raises ValueError naming the line number and content of the first line that is not an integer, and
+    stops reading, with a ValueError naming the cap, at the first byte past ``max_bytes`` (of the unpacked
+    text) or the first length past ``max_samples``: memory stays bounded by the caps whatever the file.
+    Values are not range-checked here (the planner validates them).
     """
-    from hdp.packing.cost_file import read_bounded_text
+    import gzip
+    import stat as stat_module
+    from array import array
 
     p = Path(path)
     fix = "write one integer length per line"
-    if p.suffix == ".gz":
-        raw = read_bounded_bytes(p, MAX_LENGTHS_BYTES, fix)
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise ValueError(f"lengths file {str(p)!r}: cannot read it ({exc.strerror or exc})") from exc
+    if not stat_module.S_ISREG(st.st_mode):
+        raise ValueError(f"lengths file {str(p)!r} is not a regular file (a directory or a device); {fix}")
+    packed = p.suffix == ".gz"
+    too_big = (f"more than the {max_bytes:,} bytes a lengths file may have; pass at most {max_samples:,} lengths "
+               "(a sample of the batch)")
+    if not packed and st.st_size > max_bytes:
+        raise ValueError(f"lengths file {str(p)!r} has {st.st_size:,} bytes, {too_big}")
+    values = array("q")
+    read, lineno, tail = 0, 0, b""
+    try:
+        with (gzip.open(p, "rb") if packed else p.open("rb")) as fh:
+            while True:
+                block = fh.read(min(1 << 20, max_bytes - read + 1))  # never more than the cap in memory
+                read += len(block)
+                if read > max_bytes:
+                    raise ValueError(f"lengths file {str(p)!r} {'unpacks to' if packed else 'has'} {too_big}")
+                data = tail + block
+                if block:
+                    cut = data.rfind(b"\n") + 1
+                    data, tail = data[:cut], data[cut:]
+                elif not data:
+                    break
+                else:
+                    tail = b""
+                lines = data.split(b"\n")
+                if data.endswith(b"\n"):
+                    lines.pop()
+                _parse_lengths(lines, lineno, values, p, max_samples, comments=b"#" in data)
+                lineno += len(lines)
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"lengths file {str(p)!r}: cannot read it{' as gzip' if packed else ''} ({exc}); {fix}") from None
+    return np.frombuffer(values, dtype=np.int64).copy() if values else np.zeros(0, dtype=np.int64)
+
+
+def _parse_lengths(lines: list[bytes], before: int, values: Any, p: Path, max_samples: int, *,
+                   comments: bool) -> None:
+    """Append the lengths of ``lines`` (lines ``before + 1`` on of ``p``) to the int64 array ``values``;
+    ValueError naming the first bad line, or the line past ``max_samples``."""
+    if not comments:  # the fast path: plain numbers and blank lines
         try:
-            d = zlib.decompressobj(wbits=31)
-            data = d.decompress(raw, MAX_LENGTHS_BYTES + 1)
-        except zlib.error as exc:
-            raise ValueError(f"lengths file {str(p)!r}: not a gzip file ({exc}); {fix}") from None
-        if len(data) > MAX_LENGTHS_BYTES:
-            raise ValueError(f"lengths file {str(p)!r} unpacks to more than {MAX_LENGTHS_BYTES} bytes; {fix}")
+            nums = [int(ln) for ln in lines if ln.strip()]
+            if len(values) + len(nums) <= max_samples:
+                values.extend(nums)
+                return
+        except (ValueError, OverflowError):
+            pass  # the line-by-line pass below names the line
+    for i, raw in enumerate(lines, start=before + 1):
         try:
-            text = data.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"lengths file {str(p)!r}: not UTF-8 text; {fix}") from None
-    else:
-        text = read_bounded_text(p, MAX_LENGTHS_BYTES, "lengths file", fix)
-    values: list[int] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+            raise ValueError(f"lengths file {str(p)!r} line {i}: not UTF-8 text; write one integer length per "
+                             "line") from None
+        line = text.split("#", 1)[0].strip()
         if not line:
             continue
         try:
             value = int(line)
         except ValueError:
-            raise ValueError(
-                f"lengths file {str(p)!r} line {lineno}: {raw.strip()!r} is not an integer; "
-                "write one integer length per line ('#' starts a comment)"
-            ) from None
+            raise ValueError(f"lengths file {str(p)!r} line {i}: {text.strip()!r} is not an integer; write one "
+                             "integer length per line ('#' starts a comment)") from None
         if not -(1 << 63) <= value < 1 << 63:
-            raise ValueError(
-                f"lengths file {str(p)!r} line {lineno}: {value} does not fit a 64-bit integer; "
-                "a length is a token count (at most 2^40)"
-            )
+            raise ValueError(f"lengths file {str(p)!r} line {i}: {value} does not fit a 64-bit integer; a length "
+                             "is a token count (at most 2^40)")
+        if len(values) == max_samples:
+            raise ValueError(f"lengths file {str(p)!r} holds more than {max_samples:,} lengths (line {i}), the most "
+                             "a batch may have; pass a sample of the batch")
         values.append(value)
-    return np.asarray(values, dtype=np.int64)
 
 
 WORKLOADS: dict[str, Callable[..., np.ndarray]] = {

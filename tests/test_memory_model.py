@@ -40,7 +40,7 @@ def test_layout_parse_and_errors():
     with pytest.raises(ValueError, match=r"MemoryLayout.pp=0"):
         MemoryLayout(pp=0)
     with pytest.raises(ValueError, match="do not split over ep=3"):
-        model_for(QWEN, MemoryLayout(ep=3))
+        model_for(QWEN, MemoryLayout(ep=3, domain=3))
 
 
 def test_static_memory_shards_as_the_layout_says():

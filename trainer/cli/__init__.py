@@ -28,14 +28,15 @@ import sys
 from collections.abc import Sequence
 
 from hdp.trainer.cli.bench import add_bench_parsers
-from hdp.trainer.cli.common import ALL_POLICIES, CliError, Parser, _add_batch_args, _add_domain_args
+from hdp.trainer.cli.common import (ALL_POLICIES, CliError, Parser, _add_batch_args, _add_domain_args, nonnegative_int,
+                                    positive_int, seed_int)
 from hdp.trainer.cli.demo import _cmd_demo
 from hdp.trainer.cli.memory import add_memory_args
 from hdp.trainer.cli.calibrate import _cmd_calibrate
 from hdp.trainer.cli.planning import _cmd_plan, _cmd_simulate
 
 
-__all__ = ["main", "build_parser", "CliError"]
+__all__ = ["main", "build_parser", "CliError", "positive_int", "nonnegative_int", "seed_int"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_domain_args(p)
     p.add_argument("--policy", default="hdp", help="packing policy (default hdp)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="also write a Gantt chart")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also write a Gantt chart (PNG, or PDF/SVG/JPEG by the suffix; a new name without one gets .png)")
     add_memory_args(p)
     p.set_defaults(func=_cmd_plan)
 
@@ -83,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="CPU demo: train a small GPT on 4 gloo ranks with static CP, then HDP; "
                                     "--verl: a few GRPO steps through verl's main_ppo with model_engine=hdp")
     d.add_argument("--verl", action="store_true", help="run verl's main_ppo (tiny Qwen3, 2 CPU ranks) instead")
-    d.add_argument("--ranks", type=int, default=None, help="local gloo ranks (default 4; --verl: 2)")
-    d.add_argument("--steps", type=int, default=None, help="steps (default 3; the first a warm-up)")
+    d.add_argument("--ranks", type=positive_int, default=None, help="local gloo ranks (default 4; --verl: 2)")
+    d.add_argument("--steps", type=positive_int, default=None, help="steps (default 3; the first a warm-up)")
     d.add_argument("--out", default="out/demo", help="folder for the Gantt chart and the JSON result")
     d.set_defaults(func=_cmd_demo)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from hdp.packing.workloads import MAX_LENGTHS_BYTES, MAX_SAMPLES  # the caps of --samples and --lengths
+
 
 logger = logging.getLogger("hdp.cli")
 
@@ -102,7 +104,9 @@ def _fmt_s(seconds: float) -> str:
 
 def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=required)
-    src.add_argument("--lengths", metavar="FILE", help="text file with one sample length per line")
+    src.add_argument("--lengths", metavar="FILE",
+                     help=f"text file with one sample length per line (gzip when it ends in .gz; at most "
+                          f"{MAX_SAMPLES:,} lengths and {MAX_LENGTHS_BYTES >> 20} MiB unpacked)")
     src.add_argument("--workload", metavar="NAME", help="built-in workload generator (see --help-workloads)")
     p.add_argument("--samples", type=_sample_count, default=1024,
                    help=f"samples to draw with --workload (default 1024, at most {MAX_SAMPLES:,})")
@@ -110,19 +114,19 @@ def _add_batch_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
 
 
 def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    p.add_argument("--ranks", "-N", type=int, required=required, help="N: ranks in the domain")
+    p.add_argument("--ranks", "-N", type=positive_int, required=required, help="N: ranks in the domain")
     p.add_argument(
-        "--max-tokens-per-rank", "-B", type=int, default=None, dest="max_tokens_per_rank",
+        "--max-tokens-per-rank", "-B", type=positive_int, default=None, dest="max_tokens_per_rank",
         help="B: per-rank token budget of one round (required unless --memory-gb derives it; then a cap on it)",
     )
     p.add_argument("--group-shape", default="any", help="any (contiguous ranges) or pow2 (aligned blocks)")
     _add_cost_args(p)
-    p.add_argument("--static-cp", type=int, default=None, dest="static_cp",
+    p.add_argument("--static-cp", type=positive_int, default=None, dest="static_cp",
                    help="CP size k for static-cp style baselines (default: smallest fitting power of two)")
     p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
                    help="hdp: work it may spend beyond its first plan (hdp.packing.SearchBudget): 'default', "
                         "'off' (no local search) or pools, e.g. construct=20000,search=2000000,rivals=65536")
-    p.add_argument("--pp", type=int, default=None, dest="pp", metavar="P",
+    p.add_argument("--pp", type=positive_int, default=None, dest="pp", metavar="P",
                    help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it "
                         "(default 1, or the PP of --layout)")
 
@@ -137,10 +141,6 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None,
                        help="cost-model preset (default deepseek-v3, or with --shape the preset of that name)")
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
-
-
-MAX_SAMPLES = 10_000_000
-"""Most samples --workload draws (a batch of a million samples plans in seconds; ten billion needs 75 GB)."""
 
 
 def _sample_count(text: str) -> int:
@@ -170,9 +170,10 @@ def _load_lengths(args: argparse.Namespace) -> np.ndarray:
     from hdp.packing.workloads import get_workload, read_lengths
 
     if args.lengths is not None:
-        return read_lengths(args.lengths)
-    if args.samples < 1:
-        raise CliError(f"--samples={args.samples}: must be >= 1")
+        try:
+            return read_lengths(args.lengths)
+        except ValueError as exc:
+            raise CliError(f"--lengths: {exc}") from exc
     return get_workload(args.workload)(n=args.samples, seed=args.seed)
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from hdp.trainer.cli.bench import _print_train_table
-from hdp.trainer.cli.common import _console
+from hdp.trainer.cli.common import CliError, _console
 from hdp.trainer.cli.output import check_output_dir, write_atomic
 
 
@@ -22,8 +22,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hdp.trainer.bench.train import TrainBenchSpec, bench_train
     from hdp.trainer.cli.gantt import plot_gantt
 
-    spec = TrainBenchSpec(ranks=args.ranks if args.ranks is not None else 4,
-                          steps=args.steps if args.steps is not None else 3, alternate=False, workload="short-tail")
+    try:
+        spec = TrainBenchSpec(ranks=args.ranks if args.ranks is not None else 4,
+                              steps=args.steps if args.steps is not None else 3, alternate=False, workload="short-tail")
+    except ValueError as exc:
+        raise CliError(f"demo: {exc} (--ranks / --steps)") from exc
+    _check_capacity(spec.ranks)
     con = _console()
     con.print(f"hdp demo: {spec.ranks} gloo ranks on CPU, GPT {spec.num_layers} layers x {spec.hidden_size}, "
               f"vocab {spec.vocab_size}, {spec.samples} samples per step, B={spec.max_tokens_per_rank} tokens/rank; "
@@ -47,6 +51,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result["loss_match"] else 1
 
 
+def _check_capacity(ranks: int) -> None:
+    """CliError naming --ranks, before anything starts, when this machine cannot run that many local ranks."""
+    from hdp.trainer.launch import check_local_capacity
+
+    try:
+        check_local_capacity(ranks)
+    except ValueError as exc:
+        raise CliError(f"--ranks={ranks}: {exc}") from exc
+
+
 def _verl_demo(args: argparse.Namespace) -> int:
     """``hdp demo --verl``: found through the "hdp.demos" entry point (the trainer never imports integrations)."""
     from importlib.metadata import entry_points
@@ -58,6 +72,7 @@ def _verl_demo(args: argparse.Namespace) -> int:
     out = args.out
     ranks = args.ranks if args.ranks is not None else 2
     steps = args.steps if args.steps is not None else 3
+    _check_capacity(ranks)
     con, err = _console(), _console(stderr=True)
 
     def echo(text: str, *, error: bool = False) -> None:

@@ -106,12 +106,8 @@ def memory_setup(args: argparse.Namespace) -> MemorySetup | None:
     extra = {n: getattr(args, n) for n in ("recompute", "zero_memory", "cp_algorithm") if getattr(args, n) is not None}
     try:
         layout = MemoryLayout.parse(spec, domain=args.ranks, **extra)
-        dp = MemoryLayout.parse(spec).domain if "dp" in spec else None
     except ValueError as exc:
-        raise CliError(f"--layout={spec!r}: {exc}") from exc
-    if dp is not None and dp != args.ranks:
-        raise CliError(f"--layout={spec!r}: dp{dp} but -N {args.ranks}; the domain is -N: drop dp from the layout "
-                       f"or pass -N {dp}")
+        raise CliError(f"--layout={spec!r} (domain -N {args.ranks}): {exc}") from exc
     if args.pp is not None and args.pp != layout.pp:
         raise CliError(f"--pp={args.pp} but --layout={spec!r} has pp{layout.pp}: the layout sets the pipeline "
                        "stages; drop --pp")

@@ -98,18 +98,19 @@ def _checked_file(flag: str, value: str | os.PathLike[str]) -> tuple[Path, os.st
 def check_output_file(flag: str, value: str | os.PathLike[str], *, default_suffix: str | None = None,
                       suffixes: Sequence[str] | None = None) -> Path:
     """The output file ``value`` of ``flag``, checked before any work (CliError naming the flag, the path
-    and the fix).  ``default_suffix`` (e.g. ``".png"``) is appended to a name without one, and the result
-    is the path that will be written and reported; ``suffixes`` are the ones allowed (lower case, dotted)."""
+    and the fix).  ``default_suffix`` (e.g. ``".png"``) is appended to a new name without one, and the result
+    is the path that will be written and reported; ``suffixes`` are the ones allowed (lower case, dotted; a
+    name without a suffix is allowed too)."""
     text, path = os.fspath(value), Path(value)
     if text.endswith(os.sep) or os.path.isdir(text):
         what = "is a directory" if os.path.isdir(text) else "names a folder (it ends with a slash)"
         example = os.path.join(text, "out" + (default_suffix or (suffixes[0] if suffixes else ".json")))
         raise CliError(f"{flag}={text!r} {what}; name a file in it (e.g. {example!r})")
-    if default_suffix is not None and path.name and not path.suffix:
-        path = path.with_name(path.name + default_suffix)
-    if suffixes is not None and path.suffix.lower() not in suffixes:
-        raise CliError(f"{flag}={os.fspath(value)!r}: {path.suffix or 'no suffix'} is not one of {', '.join(suffixes)}; "
-                       f"name the file with one of them (e.g. {path.stem or 'out'}{suffixes[0]})")
+    if default_suffix is not None and path.name and not path.suffix and not os.path.lexists(text):
+        path = path.with_name(path.name + default_suffix)  # a new name without a suffix; an existing one as given
+    if suffixes is not None and path.suffix and path.suffix.lower() not in suffixes:
+        raise CliError(f"{flag}={text!r}: {path.suffix} is not one of {', '.join(suffixes)}; name the file with one "
+                       f"of them (e.g. {path.stem}{suffixes[0]})")
     _checked_file(flag, path)
     return path
 
