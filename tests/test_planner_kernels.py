@@ -1,5 +1,5 @@
-"""The planner's compiled kernels (`hdp.packing.policies.hdp._kernels`, numba): the cost arithmetic is
-the numpy formulas' own, bit for bit; plans are identical in every process (each rank plans on its
+"""The planner's compiled kernels (`hdp.packing.kernels`, `hdp.packing.policies.hdp.kernels`; numba): the cost
+arithmetic is the numpy formulas' own, bit for bit; plans are identical in every process (each rank plans on its
 own and the engine compares plan checksums), loaded from the on-disk cache -- and compiled without one:
 tests/test_wheel.py plans with the installed wheel where numba finds no cache directory.  Speed is the
 bench's business (``hdp bench planner``)."""
@@ -15,7 +15,9 @@ import pytest
 
 from hdp.packing import CostModel, PlannerConfig, plan
 from hdp.packing.cost import PARAMETERS, max_rank_tokens, padded_float
-from hdp.packing.policies.hdp import _kernels as K
+from hdp.packing.kernels import sort, sums
+from hdp.packing.policies.hdp.kernels import balance as compiled_balance
+from hdp.packing.policies.hdp.kernels import costs
 
 
 def _cost_models(rng: np.random.Generator, count: int) -> list[CostModel]:
@@ -30,15 +32,15 @@ def _cost_models(rng: np.random.Generator, count: int) -> list[CostModel]:
 def test_group_cost_is_the_cost_models_own_to_the_bit():
     rng = np.random.default_rng(0)
     for cost in _cost_models(rng, 20):
-        p = K.cost_params(cost)
+        p = costs.cost_params(cost)
         k = rng.integers(1, 600, 500)
         lengths = rng.integers(1, 2**20, 500)
         lp = padded_float(lengths, k)
         sw, sl, sq = cost.work(lp) * 3.7, lp * 3.7, lp * lp * 3.7  # sums of a few samples
         want = cost.group_cost(sw, sl, sq, k)
-        got = np.array([K._group_cost(p, sw[i], sl[i], sq[i], k[i]) for i in range(k.size)])
+        got = np.array([costs.group_cost(p, sw[i], sl[i], sq[i], k[i]) for i in range(k.size)])
         assert np.array_equal(got, want)
-        got_one = np.array([K._sample_cost(p, lengths[i], k[i]) for i in range(k.size)])
+        got_one = np.array([costs.sample_cost(p, lengths[i], k[i]) for i in range(k.size)])
         assert np.array_equal(got_one, cost.sample_cost(lengths, k))
 
 
@@ -46,14 +48,14 @@ def test_padding_and_busiest_rank_tokens_match_numpy():
     rng = np.random.default_rng(1)
     lengths = np.concatenate([rng.integers(1, 2**40, 2000), np.arange(1, 300)])
     k = np.concatenate([rng.integers(1, 2000, 2000), rng.integers(1, 40, 299)])
-    assert np.array_equal([K._padded(a, b) for a, b in zip(lengths, k)], padded_float(lengths, k))
-    assert np.array_equal(K.rank_tokens(lengths, k), max_rank_tokens(lengths, k))
+    assert np.array_equal([costs.padded(a, b) for a, b in zip(lengths, k)], padded_float(lengths, k))
+    assert np.array_equal(costs.rank_tokens(lengths, k), max_rank_tokens(lengths, k))
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 127, 128, 129, 300, 1000, 4097])
 def test_pairwise_sum_is_numpys(n):
     a = np.random.default_rng(n).random(n) * 1e9
-    assert K._pairwise_sum(a, 0, n) == a.sum()
+    assert sums.pairwise_sum(a, 0, n) == a.sum()
 
 
 def test_stable_argsort_matches_numpy_with_ties():
@@ -64,11 +66,11 @@ def test_stable_argsort_matches_numpy_with_ties():
     for n in (0, 1, 5, 16, 17, 33, 511, 512, 1000, 4097, 20_000):
         x = np.round(rng.random(n) * 10) * rng.choice([-1.0, 1.0], n)  # many ties, both signs
         if n >= 8:
-            nan = np.nan if n >= K._RADIX_MIN else 3.0
+            nan = np.nan if n >= sort.RADIX_MIN else 3.0
             x[:8] = [0.0, -0.0, nan, np.inf, -np.inf, 5e-324, -5e-324, nan]
-        assert np.array_equal(K._argsort_stable(x), np.argsort(x, kind="stable")), n
+        assert np.array_equal(sort.argsort_stable(x), np.argsort(x, kind="stable")), n
         y = rng.random(n) * 10.0 ** rng.integers(-300, 300, n)  # every exponent byte in play
-        assert np.array_equal(K._argsort_stable(y), np.argsort(y, kind="stable")), n
+        assert np.array_equal(sort.argsort_stable(y), np.argsort(y, kind="stable")), n
 
 
 _SCRIPT = """
@@ -132,7 +134,7 @@ def _lpt_ref(items, height, tokens, load, used, budget, out, exact=False):
 
 
 def _balance_ref(height, tokens, budget, load, out):
-    """The numpy waves `_kernels.balance` replaced (`bins._balance` past its small cases), with the kernel's
+    """The numpy waves `kernels.balance.balance` replaced (`bins._balance` past its small cases), with the kernel's
     arguments: ``load`` [m] starting loads, ``out`` in place; False when an item fits no bin."""
     from hdp.packing.policies.hdp.bins import Infeasible
 
@@ -187,7 +189,7 @@ def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
         budget = int(max(tokens.max(), tokens.sum() / m * rng.uniform(0.9, 3.0)))
         offset = np.zeros(m) if trial % 3 else -rng.random(m) * height.max()
         runs = []
-        for fn in (K.balance, _balance_ref):
+        for fn in (compiled_balance.balance, _balance_ref):
             load, out = np.array(offset, dtype=np.float64), np.full(n, -1, np.int64)
             runs.append((bool(fn(height, tokens, budget, load, out)), out, load))
         (ok1, o1, l1), (ok2, o2, l2) = runs
@@ -207,7 +209,7 @@ def test_balance_and_lpt_kernels_place_every_item_as_the_numpy_waves():
 
 @pytest.mark.parametrize("name", ["short-reasoning", "bimodal", "wikipedia", "pareto", "rl-32k"])
 def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
-    """Whole plans: the same checksum with `_kernels.balance` and `bins._lpt` swapped for the numpy waves."""
+    """Whole plans: the same checksum with `kernels.balance.balance` and `bins._lpt` swapped for the numpy waves."""
     from hdp.packing import workloads
     from hdp.packing.policies.hdp import bins as B
 
@@ -216,7 +218,7 @@ def test_plans_with_the_kernels_are_the_numpy_waves_plans(name, monkeypatch):
         cfg = PlannerConfig(num_ranks=ranks, max_tokens_per_rank=budget)
         got = plan(lengths, cfg).checksum()
         with monkeypatch.context() as mp:
-            mp.setattr(K, "balance", _balance_ref)
+            mp.setattr(compiled_balance, "balance", _balance_ref)
             mp.setattr(B, "_lpt", _lpt_ref)
             want = plan(lengths, cfg).checksum()
         assert got == want, (name, n, ranks)

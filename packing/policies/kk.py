@@ -1,4 +1,5 @@
-"""Partitioning helpers shared by the baseline policies (pure, deterministic, numpy only).
+"""Partitioning helpers shared by the baseline policies (pure, deterministic; numpy, and numba for
+Karmarkar-Karp).
 
 * `karmarkar_karp`: the largest differencing method into m parts (Karmarkar & Karp 1982; the
   multi-way form verl's ``get_seqlen_balanced_partitions`` uses).
@@ -18,6 +19,8 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.cost import min_group_size
+from hdp.packing.kernels import jit
+from hdp.packing.kernels import kk as compiled_kk
 
 __all__ = [
     "karmarkar_karp",
@@ -28,6 +31,8 @@ __all__ = [
     "rounds_from_bins",
     "static_cp_size",
 ]
+
+jit.warm_up(compiled_kk)  # loaded (or compiled) at import, not inside a baseline's first plan
 
 
 def static_cp_size(lengths: np.ndarray, config: PlannerConfig) -> int:
@@ -58,15 +63,13 @@ def karmarkar_karp(weights: np.ndarray, m: int) -> np.ndarray:
     until one tuple remains (ties: the earlier tuple, items by index).  O(n m log m).  Parts are
     numbered by decreasing final sum.  Merged parts are recorded as nodes of a binary forest
     (leaves = items) and resolved top-down at the end, so a merge costs O(m) whatever the number
-    of items.  Runs compiled (`hdp.packing.policies.hdp._kernels.karmarkar_karp`: ~50x a Python heap
-    of numpy tuples; tests/test_planner_kernels.py keeps that version as the reference).
+    of items.  Runs compiled (`hdp.packing.kernels.kk`; tests/test_planner_kernels.py keeps the Python
+    heap of numpy tuples it replaced as the reference).
     """
     w = np.ascontiguousarray(weights, dtype=np.float64)
     if m < 1:
         raise ValueError(f"m={m}: need at least one part")
-    from hdp.packing.policies.hdp import _kernels  # here, not at the top: the hdp policy imports this module
-
-    return _kernels.karmarkar_karp(w, int(m))
+    return compiled_kk.karmarkar_karp(w, int(m))
 
 
 def bins_fit(bins: np.ndarray, sizes: np.ndarray, m: int, capacity: float) -> bool:

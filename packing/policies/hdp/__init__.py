@@ -28,9 +28,9 @@ pass after the first returns a plan at least as good as its input.  Work is coun
 config's `SearchBudget` (construction candidates, search moves, rivals), never timed: every rank
 stops at the same point and gets the same plan.  The cost model, not the group shape, decides:
 CP3/CP5/CP6 groups appear whenever they are cheaper.  All steps are deterministic (ties broken
-by index).  The inner loops run compiled (`_kernels`, numba, with the numpy formulas' own
-arithmetic); their machine code is loaded from numba's on-disk cache -- or compiled, once, when it
-is cold -- when this package is imported.
+by index).  The inner loops run compiled (`kernels`, numba; the cost arithmetic is `CostModel`'s
+own, in its order); their machine code is loaded from numba's on-disk cache -- or compiled, once per
+machine, when it is cold -- when this package is imported.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.policies.common import Assignment
-from hdp.packing.policies.hdp import _kernels, construct, level, polish, reshelve, rivals, tall_round
+from hdp.packing.policies.hdp import construct, kernels, level, polish, reshelve, rivals, tall_round
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.problem import Meter, Problem
 
 __all__ = ["assign", "plan_columns", "PIPELINE", "Pass", "Columns", "Problem", "Meter"]
 
-_kernels.warm_up()  # the compiled kernels loaded (or compiled) at import, not inside the first plan
+kernels.warm_up()  # the compiled kernels loaded (or compiled) at import, not inside the first plan
 
 
 class Pass(Protocol):

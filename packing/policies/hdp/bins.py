@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from hdp.packing.policies.common import left_starts
-from hdp.packing.policies.hdp import _kernels
+from hdp.packing.kernels.jit import int_array
+from hdp.packing.policies.hdp.kernels import balance as compiled
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.kk import karmarkar_karp, lpt_place
 
@@ -93,7 +94,7 @@ def _balance(
         if np.bincount(bins, weights=tokens, minlength=m).max() <= budget:
             return bins
     load = np.zeros(m) if offset is None else np.array(offset, dtype=np.float64)
-    if not _kernels.balance(np.asarray(height, dtype=np.float64), _tokens(tokens), int(budget), load, out):
+    if not compiled.balance(np.asarray(height, dtype=np.float64), _tokens(tokens), int(budget), load, out):
         raise Infeasible
     return out
 
@@ -113,7 +114,7 @@ def _lpt(
     for a wave's largest item the rest go one by one (`_lpt_exact`), so the result is exactly
     one-by-one LPT.  Raises Infeasible when an item fits no bin.
     """
-    pos = _kernels.lpt_waves(_kernels.int_array(items), np.asarray(height, dtype=np.float64), _tokens(tokens), load,
+    pos = compiled.lpt_waves(int_array(items), np.asarray(height, dtype=np.float64), _tokens(tokens), load,
                              used, int(budget), out, exact)
     if pos < 0:
         raise Infeasible
@@ -124,7 +125,7 @@ def _lpt(
 def _tokens(tokens: np.ndarray) -> np.ndarray:
     """Token counts as the kernels take them (int64; counts are whole tokens)."""
     assert np.issubdtype(np.asarray(tokens).dtype, np.integer), "token counts are integers"
-    return _kernels.int_array(tokens)
+    return int_array(tokens)
 
 
 def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +144,7 @@ def layout(widths: np.ndarray, heights: np.ndarray, num_ranks: int) -> tuple[np.
         return rnd, rnd.copy()
     order = np.lexsort((np.arange(n), -widths, -heights))  # tallest first, wider first among equals
     w = np.array(widths[order], dtype=np.int64)
-    rnd[order] = _kernels.shelf_layout(w, num_ranks, int(w.max()))
+    rnd[order] = compiled.shelf_layout(w, num_ranks, int(w.max()))
     return rnd, left_starts(rnd, widths)
 
 

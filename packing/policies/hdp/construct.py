@@ -38,7 +38,8 @@ import numpy as np
 from hdp.packing.config import GroupShape
 from hdp.packing.cost import max_rank_tokens, min_group_size, padded_length
 from hdp.packing.policies.common import Assignment, allowed_sizes, left_starts
-from hdp.packing.policies.hdp import _kernels
+from hdp.packing.kernels.jit import int_array
+from hdp.packing.policies.hdp.kernels.costs import rank_tokens
 from hdp.packing.policies.hdp.bins import Infeasible, build, partition, size_classes
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.level import _level, _with_tallest, level
@@ -166,7 +167,7 @@ def _best_candidate(problem) -> Columns:
         k, height = fn(rounds)
         key_k = k.tobytes()
         if key_k not in tok_cache:
-            tok_cache[key_k] = _kernels.rank_tokens(lengths, _kernels.int_array(k))
+            tok_cache[key_k] = rank_tokens(lengths, int_array(k))
         tok = tok_cache[key_k]
         sz, cls = size_classes(k)
         need = -(-np.bincount(cls, weights=tok).astype(np.int64) // B)

@@ -26,9 +26,14 @@ import numpy as np
 
 from hdp.packing.cost import max_rank_tokens, padded_float
 from hdp.packing.policies.common import Assignment, pow2_ceil
-from hdp.packing.policies.hdp import _kernels, bins
+from hdp.packing.kernels.jit import int_array
+from hdp.packing.kernels.sums import max_at
+from hdp.packing.policies.hdp import bins
 from hdp.packing.policies.hdp.bins import Infeasible, partition
 from hdp.packing.policies.hdp.columns import Columns
+from hdp.packing.policies.hdp.kernels.costs import cost_params
+from hdp.packing.policies.hdp.kernels.gaps import fill_gaps, fill_wide_gaps
+from hdp.packing.policies.hdp.kernels.swaps import swap_rounds
 from hdp.packing.policies.hdp.sizes import grow_sizes
 
 __all__ = ["level"]
@@ -102,7 +107,7 @@ def _rebalance_singles(
     n_rounds = int(col_round.max()) + 1
     multi_max = np.zeros(n_rounds)
     wide = widths > 1
-    _kernels.max_at(multi_max, col_round[wide], heights[wide])
+    max_at(multi_max, col_round[wide], heights[wide])
     s_r = np.bincount(col_round[ones], minlength=n_rounds)
     multi_max = _with_tallest(multi_max, s_r, float(height[singles].max()))
     if not np.any(multi_max > 0) or n_rounds == 1:
@@ -115,11 +120,11 @@ def _rebalance_singles(
         return col_of  # the budget does not allow this spread: keep the balanced bins
     load = np.bincount(new_col, weights=height[singles], minlength=ones.size)
     old_max = np.zeros(n_rounds)
-    _kernels.max_at(old_max, col_round, heights)
+    max_at(old_max, col_round, heights)
     new_heights = heights.copy()
     new_heights[ones] = load
     new_max = np.zeros(n_rounds)
-    _kernels.max_at(new_max, col_round, new_heights)
+    max_at(new_max, col_round, new_heights)
     if new_max.sum() >= old_max.sum():
         return col_of
     heights[:] = new_heights
@@ -148,7 +153,7 @@ def _fill_gaps(
         return col_of
     n_rounds = last + 1
     round_max = np.zeros(n_rounds)
-    _kernels.max_at(round_max, col_round, heights)
+    max_at(round_max, col_round, heights)
     col_tok = np.bincount(col_of, weights=tokens, minlength=widths.size)
     target = (widths == 1) & (col_round != last)  # [C] columns that may receive samples
     cand = np.flatnonzero(target)
@@ -159,8 +164,8 @@ def _fill_gaps(
     gap = round_max[col_round[cand]] - heights[cand]  # [c] room under each round's maximum
     room = budget - col_tok[cand]
     # tallest first, each to the least gap that holds it (best fit: keep large gaps for large samples)
-    _kernels.fill_gaps(movers[np.lexsort((movers, -height[movers]))], np.asarray(height, dtype=np.float64),
-                       _kernels.int_array(tokens), gap, room, cand, col_of, heights)
+    fill_gaps(movers[np.lexsort((movers, -height[movers]))], np.asarray(height, dtype=np.float64), int_array(tokens),
+              gap, room, cand, col_of, heights)
     return col_of
 
 
@@ -190,14 +195,14 @@ def _fill_wide_gaps(
     sq = np.bincount(col_of, weights=padded * padded, minlength=n_cols)[cand]
     tok = np.bincount(col_of, weights=max_rank_tokens(lengths, k), minlength=n_cols)[cand]
     round_max = np.zeros(last + 1)
-    _kernels.max_at(round_max, col_round, heights)
+    max_at(round_max, col_round, heights)
     roof = round_max[col_round[cand]]  # [c]
     col_of, k = col_of.copy(), k.copy()
     movers = movers[np.lexsort((movers, -lengths[movers]))]
     chosen = np.full(movers.size, -1, dtype=np.int64)  # [M] group each mover joins (-1: none)
     new_h = np.full(cand.size, np.nan)  # [c] each group's height after its last join
-    _kernels.fill_wide_gaps(_kernels.cost_params(cost), B, _kernels.int_array(lengths[movers]),
-                            _kernels.int_array(widths[cand]), sw, sl, sq, tok, roof, chosen, new_h)
+    fill_wide_gaps(cost_params(cost), B, int_array(lengths[movers]), int_array(widths[cand]), sw, sl, sq, tok, roof,
+                   chosen, new_h)
     moved = chosen >= 0
     # a single-rank column's height is its work: the movers' own work leaves it, in their order
     np.subtract.at(heights, col_of[movers[moved]], cost.work(lengths[movers[moved]].astype(np.float64)))
@@ -265,12 +270,12 @@ def _swap_rounds(
     stands above the rest, and the first round with a gain is taken (``charge()`` is called per
     scan).  Up to ``max_swaps``
     (default 4R + 32) trades.  ``heights`` < 0 marks unused columns.  Returns (round, start) of
-    every column.  The scans run compiled (`_kernels.swap_rounds`).
+    every column.  The scans run compiled (`kernels.swaps.swap_rounds`).
     """
-    col_round, col_start = _kernels.int_array(col_round), _kernels.int_array(col_start)
+    col_round, col_start = int_array(col_round), int_array(col_start)
     if max_swaps is None:
         max_swaps = 4 * (int(col_round[heights >= 0].max(initial=0)) + 1) + 32
-    scans = _kernels.swap_rounds(col_round, col_start, _kernels.int_array(widths),
+    scans = swap_rounds(col_round, col_start, int_array(widths),
                                  np.asarray(heights, dtype=np.float64), num_ranks, pow2, max_swaps)
     if charge is not None:  # every scan for a trade counts, found or not
         for _ in range(scans):

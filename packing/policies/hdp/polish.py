@@ -16,21 +16,22 @@ repeats the best of:
 * **widen**: a round's only roof column takes ranks its round leaves free, when that lowers the
   round's roof.
 
-Targets are the roomiest columns of every round (`_kernels._roomiest`: the few single-rank columns with the
-most room under their round's roof -- a single-rank column's height is the sum of its samples'
+Targets are the roomiest columns of every round (`kernels.polish_survey.roomiest`: the few single-rank
+columns with the most room under their round's roof -- a single-rank column's height is the sum of its samples'
 work, so the roomiest fits every sample another one fits and levels best -- and the multi-rank
 columns with the most room times width).  The best step lowers the step time the most (its
 round's roof, and with PP stages the tallest round PP - 1 more times), then costs the least
 rank-time, then levels most (lowers sum(width * height**2)).  Steps are taken together where their
-figures stay exact (`_kernels._pick`): a round either gives (its roof column steps down) or receives (steps
+figures stay exact (`kernels.polish_steps.pick`): a round either gives (its roof column steps down) or receives (steps
 from other rounds, each into another column under that round's roof), and no column changes twice
 -- so several rounds can feed one roomy round at once.  Every step lowers the step time, or keeps
 it and lowers sum(width * height**2), so the search ends, and it never makes a plan worse.
 
-The search runs compiled (`_kernels.polish_search`, numba): one evaluation is a sort of the live
-columns, a scan of the samples and a loop over (sample, target) pairs, a few dozen floating-point
-operations each -- the same operations the numpy formulas of `CostModel.group_cost` do, so the plans
-are those of the numpy search this pass was, bit for bit.
+The search runs compiled (`kernels.polish_search`, numba, its state in the structures of
+`kernels.polish_state`): one evaluation is a sort of the live columns, a scan of the samples and a
+loop over (sample, target) pairs, a few dozen floating-point operations each -- `CostModel.group_cost`'s
+own, in its order (tests/test_planner_kernels.py checks that arithmetic to the bit; whole plans are
+held to committed checksums by tests/test_planner_golden.py).
 
 It is anytime: before each evaluation it checks the ``search`` pool of the budget -- every scored
 (sample, target) pair costs one unit, every evaluation a fixed amount (`_CALL_UNITS`), and every step
@@ -44,8 +45,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hdp.packing.policies.hdp import _kernels
+from hdp.packing.kernels.jit import int_array
 from hdp.packing.policies.hdp.columns import Columns
+from hdp.packing.policies.hdp.kernels.costs import cost_params
+from hdp.packing.policies.hdp.kernels.polish_search import polish_search
+from hdp.packing.policies.hdp.kernels.polish_state import Batch, Settings
 
 __all__ = ["polish"]
 
@@ -76,14 +80,15 @@ def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
     meter.charge("search", setup)
     c = cols.compact()
     spent0 = meter.spent["search"]
-    i64 = _kernels.int_array
-    col_of, rnd, width, alive, opened, steps, spent = _kernels.polish_search(
-        i64(problem.lengths), i64(problem.k_min), i64(problem.sizes), _kernels.cost_params(problem.cost),
-        problem.num_ranks, problem.budget, problem.stages, i64(c.col_of), i64(c.round), i64(c.width), c.num_rounds,
-        spent0, stop_at,
-        max(_PATIENCE_MIN, problem.n // _PATIENCE_DIV), _CALL_UNITS, _TARGETS, _SOURCES, _TRADE_COLUMNS,
-        _TRADE_MOVERS, _WINDOWS, _PROGRESS, _TABLE_SAMPLES,
-    )
+    batch = Batch(lengths=int_array(problem.lengths), k_min=int_array(problem.k_min), sizes=int_array(problem.sizes),
+                  p=cost_params(problem.cost), num_ranks=int(problem.num_ranks), budget=int(problem.budget),
+                  stages=int(problem.stages))
+    settings = Settings(stop_at=int(stop_at), call_units=_CALL_UNITS,
+                        patience=max(_PATIENCE_MIN, problem.n // _PATIENCE_DIV), windows=_WINDOWS,
+                        progress=_PROGRESS, n_targets=_TARGETS, n_sources=_SOURCES, trade_columns=_TRADE_COLUMNS,
+                        trade_movers=_TRADE_MOVERS, table_samples=_TABLE_SAMPLES)
+    col_of, rnd, width, alive, opened, steps, spent = polish_search(
+        batch, settings, int_array(c.col_of), int_array(c.round), int_array(c.width), c.num_rounds, spent0)
     meter.charge("search", spent - spent0)
     if steps == 0:
         return cols

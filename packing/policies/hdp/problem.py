@@ -18,7 +18,9 @@ import numpy as np
 from hdp.packing.config import GroupShape, PlannerConfig, SearchBudget
 from hdp.packing.cost import CostModel, min_group_size
 from hdp.packing.policies.common import allowed_sizes
-from hdp.packing.policies.hdp import _kernels
+from hdp.packing.kernels.jit import int_array
+from hdp.packing.kernels.sums import max_at
+from hdp.packing.policies.hdp.kernels import costs as compiled
 from hdp.packing.policies.hdp.columns import Columns
 
 __all__ = ["Problem", "Meter", "POOLS"]
@@ -133,27 +135,27 @@ class Problem:
 
     def sample_costs(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([n] per-rank cost, [n] busiest-rank tokens) of every sample alone on k[i] ranks."""
-        k = _kernels.int_array(np.broadcast_to(k, self.lengths.shape))
+        k = int_array(np.broadcast_to(k, self.lengths.shape))
         cost, tokens = np.empty(self.n), np.empty(self.n, dtype=np.int64)
-        _kernels.sample_costs(_kernels.cost_params(self.cost), self.lengths, k, cost, tokens)
+        compiled.sample_costs(compiled.cost_params(self.cost), self.lengths, k, cost, tokens)
         return cost, tokens
 
     def heights(self, cols: Columns) -> np.ndarray:
         """[C] exact per-rank time of every column (its samples share the ring steps,
         `CostModel.group_cost`); 0 for an empty column."""
-        return _kernels.column_heights(_kernels.cost_params(self.cost), self.lengths, _kernels.int_array(cols.col_of),
-                                       _kernels.int_array(cols.width))
+        return compiled.column_heights(compiled.cost_params(self.cost), self.lengths, int_array(cols.col_of),
+                                       int_array(cols.width))
 
     def tokens(self, cols: Columns) -> np.ndarray:
         """[C] busiest-rank tokens of every column."""
-        return _kernels.column_tokens(self.lengths, _kernels.int_array(cols.col_of), _kernels.int_array(cols.width))
+        return compiled.column_tokens(self.lengths, int_array(cols.col_of), int_array(cols.width))
 
     def tops(self, cols: Columns, heights: np.ndarray | None = None) -> np.ndarray:
         """[R] height of every round (its tallest column); rounds without samples count 0."""
         h = self.heights(cols) if heights is None else heights
         top = np.zeros(cols.num_rounds)
         used = cols.used()
-        _kernels.max_at(top, cols.round[used], h[used])
+        max_at(top, cols.round[used], h[used])
         return top
 
     def objective(self, tops: np.ndarray) -> float:

@@ -11,7 +11,9 @@ import functools
 
 import numpy as np
 
-from hdp.packing.policies.hdp import _kernels
+from hdp.packing.kernels.jit import int_array
+from hdp.packing.policies.hdp.kernels.costs import cost_params
+from hdp.packing.policies.hdp.kernels.widening import best_sizes
 
 __all__ = ["grow_sizes", "candidate_sizes"]
 
@@ -41,14 +43,13 @@ def _best_sizes(
     lengths: np.ndarray, k0: np.ndarray, cand: np.ndarray, reach: float, cost, N: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per sample the candidate size >= k0 of least ``k h(k) + (N - k) max(0, h(k) - reach)`` (the
-    first among equals) and its height (`_kernels.best_sizes`: a size k can only win where its lower
+    first among equals) and its height (`kernels.widening.best_sizes`: a size k can only win where its lower
     bound ``k h(k) >= work(L) + [k >= 2] ((k - 1) k step_overhead + ((k - 1) merge + cp) L)`` -- padding
     only adds tokens, every other term of `CostModel.group_cost` is >= 0 -- is below the best score so
     far; the bound grows with k, so a sample's scan ends at the first size past it)."""
     out_k = np.empty(lengths.size, dtype=np.int64)
     out_h = np.empty(lengths.size)
-    _kernels.best_sizes(_kernels.cost_params(cost), N, _kernels.int_array(lengths), _kernels.int_array(k0),
-                        _kernels.int_array(cand), float(reach), out_k, out_h)
+    best_sizes(cost_params(cost), N, int_array(lengths), int_array(k0), int_array(cand), float(reach), out_k, out_h)
     return out_k, out_h
 
 
