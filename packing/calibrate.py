@@ -1,40 +1,6 @@
-"""Fit a `CostModel` to measured times (numpy only, deterministic).
+"""Fit a `CostModel` to measured times (numpy; deterministic).
 
-Record schema (one JSON object per line of a ``.jsonl`` file):
-
-* **group** record (``"kind": "group"``, the default when ``kind`` is absent)::
-
-      {"kind": "group", "lengths": [L1, L2, ...], "group_size": k, "seconds": t}
-
-  ``lengths`` are the samples one group of ``k`` ranks ran packed in one round (forward +
-  backward), ``t`` the measured time of the slowest rank of that group for that work, without
-  the fixed per-round cost.  k = 1 records fix a (linear coefficient) and the unit time; k >= 2
-  records of at least two group sizes fix the ring-attention terms.
-
-* **round** record::
-
-      {"kind": "round", "seconds": t, "groups": [{"lengths": [...], "group_size": k}, ...]}
-
-  the wall time of one whole round in which the listed groups ran side by side; ``t - max over
-  groups of the group time`` is the per-round cost beta.
-
-* **memory** record (the per-rank memory model, `hdp.packing.memory.fit_memory`; the cost fit
-  ignores them)::
-
-      {"kind": "memory", "features": [activation, expert, cp, logits], "static_bytes": S,
-       "peak_bytes": M, "tokens": T, "group_size": k, "stage": s, "window_tokens": W,
-       "step": i, "round": r, "rank": j}
-
-  one rank's measured peak ``M`` bytes in one round (``S`` of them static), the analytic bytes of each
-  fitted term (`hdp.packing.memory.memory_features`), its local tokens, group size, pipeline stage
-  and the local tokens of the rounds in flight with it; ``step``/``round``/``rank`` are optional.
-
-Any record may carry ``"weight"``: how much it counts in the fit, a number > 0 (default 1; the
-engine's self-calibration gives older rounds less, so the fit follows a machine that drifts).
-Other extra keys (``"note"``, ``"rank"``, ...) are ignored.  Lengths are
-integers in [1, `MAX_LENGTH`], group sizes in [1, `MAX_GROUP_SIZE`], seconds in
-[`MIN_SECONDS`, `MAX_SECONDS`] (a time below a nanosecond is not a measurement, and such values
-break the linear algebra).
+Records: `hdp.packing.calibration_records` (their schema, checks and loading).
 
 Model (`hdp.packing.cost`), with ``Lp`` the lengths padded to 2k chunks, ``X1 = sum Lp / k``,
 ``X2 = sum Lp**2 / k``, ``X3 = sum Lp**2 / k**2`` and u the unit time::
@@ -67,19 +33,18 @@ times that barely grow with it, or a fit with R² < 0.9, give a warning.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hdp.packing.calibration_records import (
+    MAX_GROUP_SIZE, MAX_LENGTH, MAX_SECONDS, MAX_WEIGHT, MEMORY_FEATURES, MIN_SECONDS, group_fields, load_records,
+    record_weight, validate_record,
+)
 from hdp.packing.cost import PARAMETERS, CostModel, padded_float
-from hdp.packing.memory import _FEATURES as _MEMORY_FEATURES  # one list of the memory model's fitted terms
-from hdp.packing.validate import MAX_LENGTH
 
 __all__ = [
     "calibrate", "CalibrationResult", "load_records", "validate_record", "group_seconds", "MEMORY_FEATURES",
@@ -88,14 +53,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_GROUP_SIZE = 1 << 20
-"""Largest group size a record may hold."""
-MAX_WEIGHT = 1e6
-"""Largest weight a record may carry."""
-MIN_SECONDS = 1e-9
-"""Smallest measured time a record may hold (seconds)."""
-MAX_SECONDS = 1e7
-"""Largest measured time a record may hold (seconds, ~116 days)."""
 
 _LINEAR = ("unit_time_s", "linear_coef", "step_overhead", "merge_per_token", "cp_per_token")
 _COMM = ("step_latency", "comm_per_token")
@@ -163,145 +120,6 @@ class CalibrationResult:
         return {"fitted": list(self.fitted), "from_base": list(self.from_base), "base": base, "fit": self.fit_report()}
 
 
-# ----------------------------------------------------------------------------------------- records
-
-
-def _group_fields(rec: Mapping[str, Any], where: str) -> tuple[np.ndarray, int]:
-    lengths = rec.get("lengths")
-    if not isinstance(lengths, (list, tuple)) or not lengths:
-        raise ValueError(
-            f"{where}.lengths: expected a non-empty list of sample lengths, got {lengths!r}; "
-            "a record holds the lengths of the samples one group ran in one round"
-        )
-    for x in lengths:
-        if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_LENGTH:
-            raise ValueError(
-                f"{where}.lengths: every length must be an integer in [1, {MAX_LENGTH}], got {x!r}"
-            )
-    k = rec.get("group_size")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_GROUP_SIZE:
-        raise ValueError(
-            f"{where}.group_size: expected the number of ranks of the group, an integer in "
-            f"[1, {MAX_GROUP_SIZE}], got {k!r}"
-        )
-    return np.asarray(lengths, dtype=np.int64), k
-
-
-def _seconds(rec: Mapping[str, Any], where: str) -> float:
-    t = rec.get("seconds")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0:
-        raise ValueError(f"{where}.seconds: expected a measured time > 0 in seconds, got {t!r}")
-    if not MIN_SECONDS <= t <= MAX_SECONDS:
-        raise ValueError(
-            f"{where}.seconds={t!r}: outside [{MIN_SECONDS:g}, {MAX_SECONDS:g}] seconds; record times in "
-            "seconds (not ms or us), measured, not derived"
-        )
-    return float(t)
-
-
-def _weight(rec: Mapping[str, Any], where: str) -> float:
-    w = rec.get("weight", 1.0)
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or not 0 < w <= MAX_WEIGHT:
-        raise ValueError(
-            f"{where}.weight={w!r}: pass a number in (0, {MAX_WEIGHT:g}] (how much the record counts in the "
-            "fit; leave it out for 1)"
-        )
-    return float(w)
-
-
-MEMORY_FEATURES: tuple[str, ...] = _MEMORY_FEATURES
-"""The terms of a memory record's ``features``, in order (`hdp.packing.memory.memory_features`)."""
-
-
-def _number(rec: Mapping[str, Any], name: str, where: str, what: str, *, integer: bool = False,
-            optional: bool = False) -> None:
-    """``rec[name]`` must be a finite number >= 0 (an integer with ``integer``); ValueError naming it."""
-    if optional and name not in rec:
-        return
-    v = rec.get(name)
-    ok = not isinstance(v, bool) and (isinstance(v, int) if integer else isinstance(v, (int, float)))
-    if not ok or not np.isfinite(v) or v < 0:
-        raise ValueError(f"{where}.{name}={v!r}: expected {what}, {'an integer' if integer else 'a number'} >= 0")
-
-
-def _memory_fields(rec: Mapping[str, Any], where: str) -> None:
-    """Check a ``"kind": "memory"`` record (see the module docstring)."""
-    f = rec.get("features")
-    if (not isinstance(f, (list, tuple)) or len(f) != len(MEMORY_FEATURES)
-            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not np.isfinite(x) or x < 0 for x in f)):
-        raise ValueError(f"{where}.features={f!r}: expected the bytes of the {len(MEMORY_FEATURES)} terms "
-                         f"[{', '.join(MEMORY_FEATURES)}], finite numbers >= 0 (hdp.packing.memory.memory_features)")
-    _number(rec, "static_bytes", where, "the rank's static bytes (parameters, gradients, optimizer shard)")
-    _number(rec, "peak_bytes", where, "the measured peak bytes of the rank in the round")
-    if not rec["peak_bytes"] > rec["static_bytes"]:
-        raise ValueError(f"{where}.peak_bytes={rec['peak_bytes']!r}: must exceed static_bytes={rec['static_bytes']!r} "
-                         "(the peak includes the static part)")
-    _number(rec, "tokens", where, "the rank's local tokens in the round")
-    _number(rec, "window_tokens", where, "the local tokens of the rounds in flight with it")
-    _number(rec, "stage", where, "the pipeline stage", integer=True)
-    k = rec.get("group_size")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_GROUP_SIZE:
-        raise ValueError(f"{where}.group_size={k!r}: expected the size of the rank's group, an integer in "
-                         f"[1, {MAX_GROUP_SIZE}]")
-    for name in ("step", "round", "rank"):
-        _number(rec, name, where, f"the {name} index", integer=True, optional=True)
-
-
-def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
-    """Check one record against the schema; return it normalised (``kind`` filled in)."""
-    if not isinstance(rec, Mapping):
-        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    kind = rec.get("kind", "group")
-    if kind == "memory":
-        _memory_fields(rec, where)
-        _weight(rec, where)
-        return {**rec, "kind": kind}
-    if kind == "group":
-        _group_fields(rec, where)
-    elif kind == "round":
-        groups = rec.get("groups")
-        if not isinstance(groups, list) or not groups:
-            raise ValueError(f"{where}.groups: a round record needs a non-empty list of groups")
-        for i, g in enumerate(groups):
-            if not isinstance(g, Mapping):
-                raise ValueError(f"{where}.groups[{i}]: expected an object with lengths and group_size")
-            _group_fields(g, f"{where}.groups[{i}]")
-    else:
-        raise ValueError(f"{where}.kind={kind!r} is unknown; use 'group', 'round' or 'memory'")
-    _seconds(rec, where)
-    _weight(rec, where)
-    return {**rec, "kind": kind}
-
-
-MAX_RECORDS_BYTES = 2 << 30
-"""Largest records file read (a regular file: ``/dev/zero`` or a directory is refused before any read;
-10^6 records of ~200 bytes are ~200 MB)."""
-
-
-def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read and validate JSON-lines records (a regular file of at most `MAX_RECORDS_BYTES`); errors name
-    the file and line."""
-    from hdp.packing.cost_file import read_bounded_text
-
-    p = Path(path)
-    text = read_bounded_text(p, MAX_RECORDS_BYTES, "records file",
-                             "pass the JSON-lines records written by the engine (EngineConfig.calibration_path)")
-    out: list[dict[str, Any]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        where = f"{p}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            raise ValueError(f"{where}: not valid JSON ({msg}): {line.strip()[:80]!r}") from exc
-        out.append(validate_record(rec, where))
-    if not out:
-        raise ValueError(f"records file {str(p)!r}: holds no records; write one JSON object per line")
-    return out
-
-
 def group_seconds(cost: CostModel, lengths: Sequence[int], k: int) -> float:
     """Predicted per-rank seconds of one group of k ranks running ``lengths`` packed."""
     return cost.packed_cost(np.asarray(lengths, dtype=np.int64), k) * cost.unit_time_s
@@ -347,10 +165,10 @@ class _Design:
 def _design(groups: Sequence[Mapping[str, Any]]) -> _Design:
     rows = []
     for r in groups:
-        lengths, k = _group_fields(r, "record")
+        lengths, k = group_fields(r, "record")
         lp = padded_float(lengths, k)
         s1, s2 = float(lp.sum()), float((lp * lp).sum())
-        rows.append((float(r["seconds"]), _weight(r, "record"), float(k), s1 / k, s2 / k, s2 / (k * k)))
+        rows.append((float(r["seconds"]), record_weight(r, "record"), float(k), s1 / k, s2 / k, s2 / (k * k)))
     t, w, k, x1, x2, x3 = (np.array(c) for c in zip(*rows))
     return _Design(t=t, w=w / w.mean(), k=k, x1=x1, x2=x2, x3=x3)
 
@@ -661,7 +479,7 @@ SCREEN_FACTOR = 100.0
 
 def _work_units(rec: Mapping[str, Any], a: float) -> float:
     """a · sum Lp / k + sum Lp² / k of a group record (``k`` = its group size)."""
-    lengths, k = _group_fields(rec, "record")
+    lengths, k = group_fields(rec, "record")
     lp = np.asarray([padded_float(float(x), k) for x in lengths])
     return float((a * lp.sum() + (lp * lp).sum()) / k)
 
@@ -704,7 +522,7 @@ def _subsample(recs: list[dict[str, Any]], notes: list[str]) -> list[dict[str, A
             continue
         idx = np.unique(np.linspace(0, len(these) - 1, MAX_FIT_RECORDS).round().astype(int))
         scale = len(these) / idx.size
-        out += [{**these[i], "weight": _weight(these[i], kind) * scale} for i in idx]
+        out += [{**these[i], "weight": record_weight(these[i], kind) * scale} for i in idx]
         notes.append(f"calibrate: {len(these)} {kind} records subsampled to {idx.size} (evenly spaced, weights x{scale:.3g})")
     return out
 
@@ -845,10 +663,10 @@ def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequ
 
     if rounds:
         excess = np.array([
-            float(r["seconds"]) - max(group_seconds(cost, *_group_fields(g, "group")) for g in r["groups"])
+            float(r["seconds"]) - max(group_seconds(cost, *group_fields(g, "group")) for g in r["groups"])
             for r in rounds
         ])
-        wr = np.array([_weight(r, "round") / float(r["seconds"]) ** 2 for r in rounds])  # relative-error weights
+        wr = np.array([record_weight(r, "round") / float(r["seconds"]) ** 2 for r in rounds])  # relative-error weights
         beta_s = max(0.0, float(np.sum(wr * excess) / np.sum(wr)))
         cost = replace(cost, round_cost=beta_s / cost.unit_time_s)
     else:
@@ -856,9 +674,9 @@ def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequ
 
     measured = np.concatenate([des.t, [float(r["seconds"]) for r in rounds]])
     predicted = np.array(
-        [group_seconds(cost, *_group_fields(r, "group")) for r in groups]
+        [group_seconds(cost, *group_fields(r, "group")) for r in groups]
         + [
-            max(group_seconds(cost, *_group_fields(g, "group")) for g in r["groups"])
+            max(group_seconds(cost, *group_fields(g, "group")) for g in r["groups"])
             + cost.round_cost * cost.unit_time_s
             for r in rounds
         ]
