@@ -1,5 +1,5 @@
 """The planner's compiled kernels (`hdp.packing.kernels`, `hdp.packing.policies.hdp.kernels`; numba): the cost
-arithmetic is the numpy formulas' own, bit for bit; plans are identical in every process (each rank plans on its
+arithmetic is the numpy formulas' own, to the bit; plans are identical in every process (each rank plans on its
 own and the engine compares plan checksums), loaded from the on-disk cache -- and compiled without one:
 tests/test_wheel.py plans with the installed wheel where numba finds no cache directory.  Speed is the
 bench's business (``hdp bench planner``)."""
@@ -292,3 +292,72 @@ def test_karmarkar_karp_kernel_gives_every_item_the_python_heaps_part():
         assert np.array_equal(karmarkar_karp(w, m), _kk_ref(w, m)), (t, n, m)
     with pytest.raises(ValueError, match="m=0"):
         karmarkar_karp(np.ones(3), 0)
+
+
+# --- declarations, warm-up, the cache stamp ----------------------------------------------------------
+
+_COMPILED_SCRIPT = """
+import sys
+from hdp.packing import plan
+from hdp.packing.kernels.jit import kernels_of
+from hdp.trainer.bench.planner import FAMILIES
+
+def compiled():
+    from hdp.packing.policies.hdp import kernels
+    return {f"{d.py_func.__module__}.{d.__name__}": (list(d.overloads), [decl])
+            for m in kernels.MODULES for d, decl in kernels_of(m)}
+
+mode = sys.argv[1]
+if mode == "baseline":
+    for fam in FAMILIES[:3]:
+        for policy in ("static-cp", "verl-kk"):
+            plan(fam.lengths(1024, 0), fam.config(64, policy=policy))
+    print(sorted(m for m in sys.modules if m.startswith("hdp.packing.policies.hdp")))
+    sys.exit()
+import hdp.packing.policies.hdp  # warm-up
+print(sorted(k for k, (got, want) in compiled().items() if got != want))
+for fam in FAMILIES:
+    for ranks, options in ((64, {}), (512, {}), (64, {"group_shape": "pow2"}), (64, {"pipeline_stages": 4})):
+        plan(fam.lengths(16 * ranks, 0), fam.config(ranks, **options))
+print(sorted(k for k, (got, want) in compiled().items() if got != want))
+"""
+
+
+def _run(mode: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _COMPILED_SCRIPT, mode], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()
+
+
+def test_warm_up_compiles_every_declared_kernel_and_planning_compiles_nothing_more():
+    """After the hdp policy's import every kernel holds exactly its declared signature, and planning every
+    bench family (both sizes, power-of-two groups, a pipeline) adds no other version: the call sites
+    pass the declared types, so no plan pays a compilation."""
+    after_import, after_plans = _run("hdp")
+    assert after_import == "[]" and after_plans == "[]", (after_import, after_plans)
+
+
+def test_a_baseline_policy_loads_none_of_the_hdp_policy():
+    """static-cp and verl-kk (Karmarkar-Karp's kernel) plan without importing the hdp policy, so they never
+    pay its compilation."""
+    (loaded,) = _run("baseline")
+    assert loaded == "[]"
+
+
+def test_every_kernel_is_stamped_by_all_kernel_sources(tmp_path):
+    """A kernel's cached machine code holds the helpers it calls from other files: every kernel's cache
+    stamp is the digest of all kernel sources (an edit to any recompiles all), and that digest follows
+    every file's name and contents."""
+    from hdp.packing.kernels import jit
+    from hdp.packing.policies.hdp import kernels
+
+    stamped = [d for m in kernels.MODULES for d, _ in jit.kernels_of(m) if d._cache.cache_path is not None]
+    assert len(stamped) == sum(len(jit.kernels_of(m)) for m in kernels.MODULES) >= 14
+    for d in stamped:
+        assert d._cache._impl.locator.get_source_stamp() == jit._sources_digest()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    first = jit._digest((tmp_path,))
+    (tmp_path / "b.py").write_text("y = 3\n")
+    assert jit._digest((tmp_path,)) != first

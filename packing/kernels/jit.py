@@ -118,9 +118,14 @@ def _compiled(fn: Callable) -> Dispatcher:
 
 @lru_cache(maxsize=1)
 def _sources_digest() -> bytes:
-    """sha256 of every kernel source file (names and contents, in name order)."""
+    """`_digest` of `SOURCE_DIRS`, once per process."""
+    return _digest(SOURCE_DIRS)
+
+
+def _digest(dirs: tuple[Path, ...]) -> bytes:
+    """sha256 of every ``.py`` file of ``dirs`` (folder by folder; names and contents, in name order)."""
     h = hashlib.sha256()
-    for d in SOURCE_DIRS:
+    for d in dirs:
         for path in sorted(d.glob("*.py")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
