@@ -1,4 +1,5 @@
-"""hdp.packing: the sequence-length-aware planner (pure, deterministic, numpy only).
+"""hdp.packing: the sequence-length-aware planner (pure, deterministic; numpy, and numba for its inner
+loops -- compiled once per machine and cached, `hdp.packing.kernels.jit`).
 
 `plan(lengths, config)` decides, for one training step, which samples run on which ranks in which
 round and how each sample is cut into zigzag chunks; `simulate` scores any plan under a cost model.

@@ -1,4 +1,4 @@
-"""Zigzag chunking of one sample over a context-parallel group (pure, numpy only).
+"""Zigzag chunking of one sample over a context-parallel group (pure numpy).
 
 A sample of ``length`` tokens on a group of ``k`` ranks is cut into ``2k`` contiguous chunks
 with boundaries ``b_c = floor(c * length / (2k))`` for ``c = 0..2k``.  Rank ``j`` of the group

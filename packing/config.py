@@ -73,9 +73,9 @@ class SearchBudget:
     budget, stops at the same point and gets the same plan (a wall-clock limit would not).  The
     planner is anytime: whatever the budget, it returns the best valid plan found so far; from the
     same start the local search never ends worse with more budget (the whole pipeline may: another
-    candidate can win the construction, or more levelling take another path, and end lower -- on the
-    suite 5 of 18 cases by up to 1.3 points at 2x or 5x the default; see the README).  Three pools, each in its own
-    unit (see ``hdp.packing.policies.hdp`` for what charges what):
+    candidate can win the construction, or more levelling take another path, and end lower; measured
+    on the suite in docs/results.md).  Three pools, each in its own unit (see ``hdp.packing.policies.hdp``
+    for what charges what):
 
     * ``construct`` -- *sample placements* of the construction: every candidate plan (a choice of
       group sizes and a round count) costs the samples it places plus its layout and levelling
@@ -86,22 +86,17 @@ class SearchBudget:
     * ``search`` -- *moves evaluated* by the local search (`polish`): every (sample, target column)
       pair, trade pair and widening scored costs one unit, every evaluation a fixed 1,500, and every
       step its bookkeeping (samples / 8 + columns).  The search runs compiled
-      (``hdp.packing.policies.hdp._kernels``), so a unit is bounded work: 15-30 ns of CPU on the
-      suite's and the bench's batches (a 2-core AMD EPYC), plus a fixed set-up of under 0.7 us per
-      sample -- the pool bounds the time as well as the plan (the default pool: at most ~0.07 s).
-      The starting plans of the tall-round pass take their short searches from this pool too.
+      (``hdp.packing.policies.hdp.kernels``), so a unit is bounded work and the pool bounds the time
+      as well as the plan (the time per unit: docs/results.md).  The starting plans of the tall-round
+      pass take their short searches from this pool too.
     * ``rivals`` -- the plans the package's other policies (static-cp, verl-kk, megatron-dcp,
       ascend-hdp, and hdp with power-of-two groups) would build for the batch, taken as candidates
       so that hdp is never worse than any of them.  Each costs an estimate of its work (samples x
       (ranks + 32), four times that for hdp-pow2); rivals are built, cheapest first, while their
       estimates fit.
 
-    With the defaults ``plan()`` takes 15-85 ms of CPU for 1,024 samples on 64 ranks and 22-57 ms
-    for 8,192 on 512 on every family of ``hdp bench planner`` (three runs on a shared 2-core VM,
-    2026-12-03: a family's median moves by up to a third between runs).  Only one bench batch is
-    bound by the search pool -- ascend-short-tail at 1,024 x 64, 0.22 efficiency points below an
-    unbounded search (0.14 below the 3,000,000 pool this default replaced); the suite's cases plan
-    the same at 2,000,000 as at 3,000,000.
+    What ``plan()`` costs with the defaults, and which bench batches the search pool binds:
+    ``hdp bench planner``, figures in docs/results.md.
     """
 
     construct: int = 20_000
@@ -110,7 +105,7 @@ class SearchBudget:
     builds one candidate only."""
     search: int = 2_000_000
     """Moves the local search may evaluate (sample x target pairs scored, plus per-evaluation and
-    per-step bookkeeping; each unit 15-30 ns of compiled work) and the tall-round starts cost (built
+    per-step bookkeeping; each unit bounded compiled work) and the tall-round starts cost (built
     only when they take at most a quarter of the pool); 0 turns the local search and the tall-round
     starts off."""
     rivals: int = 65_536

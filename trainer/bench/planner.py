@@ -117,7 +117,7 @@ def megatron_core_status() -> dict[str, Any]:
 def _first_plan(fam: Family, ranks: int, policy: str, budget: SearchBudget, seed: int) -> dict[str, Any]:
     """Wall and CPU ms of this process's first ``plan()`` (256 samples of ``fam``): what a rank pays
     once at start -- loading the planner's compiled kernels from numba's on-disk cache, or compiling
-    them when the cache is cold (`hdp.packing.policies.hdp._kernels`) -- beside a second call."""
+    them when the cache is cold (`hdp.packing.kernels.jit`) -- beside a second call."""
     lengths = fam.lengths(256, seed)
     config = fam.config(ranks, policy=policy, search_budget=budget)
     out: dict[str, Any] = {}
