@@ -23,7 +23,8 @@ def lpt_waves(items, height, tokens, load, used, budget, out, exact):
     item is placed, -1 when one fits no bin, or -- with ``exact``, once some bin lacks room for a wave's
     most tokens -- the position from which the rest go one by one (`bins._lpt_exact`).
 
-    The numpy waves sorted every eligible bin by load; here the bins sit in a heap by (load, index) --
+    The numpy waves (tests/test_planner_kernels.py keeps them as the reference) sort every eligible bin
+    by load; here the bins sit in a heap by (load, index) --
     the ones too full for the wave's most tokens set aside in a stash by room, back once a wave's
     tokens fit them -- and a wave pops only the bins it takes (and the one that ends it), so a wave
     costs its items' heap steps, not a sort of the m bins.  The wave's most tokens come from a sliding

@@ -77,7 +77,7 @@ def group_cost(p, sum_work, sum_len, sum_sq, k):
 @helper
 def sample_values(p, length, k, out):
     """``out[:4]`` = padded work, padded length, its square and busiest-rank tokens of one sample on k
-    ranks (`polish._State.vals`)."""
+    ranks: its share of a column's sums (`polish_state.Cols.sums`)."""
     lp = padded(length, k)
     out[0] = p[A] * lp + lp * lp
     out[1] = lp

@@ -70,8 +70,9 @@ def push(good, n, d_obj, added, d_phi, flat, a_round, b_round, c1, c2, dep):
 def pick(good, n_good, scale, n_rounds, cap):
     """The good steps taken together, best first (the step time's change, then the rank-time it costs --
     both rounded to `TOL` of ``scale`` -- then the levelling, then the order found), as positions into
-    ``good``: a round either gives (its roof column steps down, at most once per depth) or receives
-    (steps from other rounds), and no column changes twice, so every step's figures stay exact."""
+    ``good``: a round either gives -- one step per depth of its source columns, from its roof down --
+    or receives (steps from other rounds), and no column changes twice, so every step's figures stay
+    exact."""
     fb, ib = good.floats, good.ints
     d_obj, added, d_phi = fb[0], fb[1], fb[2]
     a_round, b_round, c1, c2, dep = ib[1], ib[2], ib[3], ib[4], ib[5]
@@ -344,8 +345,8 @@ def best_trade(batch, settings, cols, surv, values, movers, roomy_cols, spent):
 @helper
 def widen(batch, settings, cols, surv, values, opened, spent):
     """A round's only roof column takes more of the ranks its round leaves free (an allowed size), when
-    that lowers the round's roof below its other columns' -- the width of the lowest roof, then the least
-    rank-time, then the fewest ranks; one column per round.  Returns (steps taken, units spent so far)."""
+    that lowers the round's roof and the column keeps within the token budget -- the width of the lowest
+    roof, then of the least rank-time, then the fewest ranks; one column per round.  Returns (steps taken, units spent so far)."""
     lengths, p, B, sizes = batch.lengths, batch.p, batch.budget, batch.sizes
     col_of, rnd, width, sums, count, free = cols.col_of, cols.rnd, cols.width, cols.sums, cols.count, cols.free
     roof, second, at_roof = surv.roof, surv.second, surv.at_roof
