@@ -281,8 +281,8 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
              tight: bool = False) -> PlanStats:
     """Evaluate ``plan`` under ``cost`` (with ``pipeline_stages`` PP stages): T, T*, efficiency,
     idle ratios, histogram, tokens; with ``tight`` also T*_tight and its efficiency (a diagnostic
-    that costs 4-60 ms on large batches, so :func:`hdp.packing.plan` leaves it out: the suite and
-    the command line ask for it)."""
+    that costs as much as a plan on large batches, so :func:`hdp.packing.plan` leaves it out: the
+    suite and the command line ask for it)."""
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
         raise ValueError(f"pipeline_stages={pipeline_stages!r}: pass the number of pipeline stages (>= 1)")
     groups = _groups(plan, cost)
