@@ -21,7 +21,8 @@ else ``~/.cache/numba``); where neither is writable every process compiles.  num
 function with its own file only, and a kernel's machine code holds the helpers it calls from other
 files: a helper edited in ``sort.py`` would leave every kernel calling it stale.  So every kernel here
 is stamped with one digest of all the kernel sources (`SOURCE_DIRS`): an edit to any of them
-recompiles them all, as when they were one file.  This reaches into numba's cache classes
+recompiles them all, as when they were one file (unless ``NUMBA_CACHE_LOCATOR_CLASSES`` names numba's
+own locators, which then stamp each file alone).  This reaches into numba's cache classes
 (``numba.core.caching``), here and nowhere else.
 """
 
