@@ -17,8 +17,10 @@ Dimension legend:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -30,8 +32,12 @@ from hdp.packing.plan import Plan
 
 __all__ = [
     "plan_digest",
+    "text_digest",
     "verify_plan",
     "agree_step",
+    "Agreed",
+    "CallMismatchError",
+    "CALL_BYTES",
     "check_cu_seqlens",
     "check_plan_domain",
     "check_plan_budget",
@@ -43,6 +49,29 @@ logger = logging.getLogger(__name__)
 # record gathered from every rank: [plan digest, num_samples, num_rounds, num_ranks, data digest]
 _RECORD = 5
 
+CALL_BYTES = 480
+"""Bytes of each rank's call description gathered when the calls differ (UTF-8, cut at this length)."""
+
+
+class CallMismatchError(ValueError):
+    """The ranks of a job made different engine calls (another method, or other arguments) at the same
+    point; raised on every rank by the call's first agreement, before anything ran."""
+
+    def __init__(self, message: str, *, calls: dict[int, str]) -> None:
+        super().__init__(message)
+        self.calls = calls
+        """Rank (of the agreement's group) -> the call it made (cut at :data:`CALL_BYTES`)."""
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What :func:`agree_step` agreed on."""
+
+    failed: list[int]
+    """Ranks whose own checks failed (``[]``: none; then the plans, data and calls agree)."""
+    vote: int
+    """The largest ``vote`` any rank passed (a one-bit decision taken with the agreement)."""
+
 
 def collective_device(group: dist.ProcessGroup, hint: torch.Tensor | None = None) -> torch.device:
     """Device for a small control tensor on ``group``: ``hint``'s device, else CPU for gloo, else the accelerator."""
@@ -52,6 +81,12 @@ def collective_device(group: dist.ProcessGroup, hint: torch.Tensor | None = None
     if "gloo" in backend:  # gloo alone, or a "cpu:gloo,cuda:nccl" pair that still serves CPU tensors
         return torch.device("cpu")
     return _device.select_device()
+
+
+def text_digest(text: str) -> int:
+    """Signed 64-bit digest of a string (BLAKE2b): a call's description, a config's fields."""
+    value = int.from_bytes(hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest(), "little")
+    return value - (1 << 64) if value >= (1 << 63) else value
 
 
 def plan_digest(plan: Plan) -> int:
@@ -106,48 +141,82 @@ def agree_step(
     *,
     failed: bool,
     data_digest: int = 0,
+    call: str = "",
+    vote: int = 0,
     device: torch.device | None = None,
     domain_size: int | None = None,
     label: str = "group rank",
-) -> list[int]:
-    """One collective before a step: did any rank fail its input checks, do all hold ``plan`` and the same data?
+) -> Agreed:
+    """One collective before a call: the same call everywhere, any rank's input checks failed, all the same plan and data?
 
     Every rank of ``group`` calls it, with ``failed=True`` (and ``plan=None``) when its own checks
-    failed.  One ``all_reduce`` (MAX) of ``[failed, record, −record]`` (``record`` as in
-    :func:`verify_plan`).  Returns the ranks that failed (a diagnostic ``all_gather`` names them,
-    only when some did; the caller raises), else ``[]`` after checking the plan exactly like
-    :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same
-    collectives on every rank whatever their inputs.  ``label`` names the ranks' numbering in
-    messages (ranks of ``group``: ``"world rank"`` when it is the whole job).
+    failed.  ``call`` describes the engine call and its arguments (``"save_checkpoint(path=..., format=...)"``);
+    ``plan`` may be ``None`` for a call without one (a checkpoint).  One ``all_reduce`` (MAX) of the
+    fixed-size int64 record ``[failed, vote, record, −record]`` (``record``: the call's digest, then the
+    plan fields of :func:`verify_plan` and the data digest).  When the calls differ, a diagnostic
+    ``all_gather`` of every rank's call (:data:`CALL_BYTES`) names them and every rank raises
+    :class:`CallMismatchError` — whatever failed on any rank: nothing ran.  Else returns
+    :class:`Agreed`: the ranks that failed (a diagnostic ``all_gather`` names them, only when some did;
+    the caller raises) and the largest ``vote`` (0 or 1: a decision every rank takes alike, such as
+    "some rank cannot write this format"); with no failure the plan is checked exactly like
+    :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same collectives
+    on every rank whatever their inputs.  ``label`` names the ranks' numbering in messages (ranks of
+    ``group``: ``"world rank"`` when it is the whole job).
     """
     if group is None:
         raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
-    if not failed and plan is None:
-        raise ValueError("agree_step: pass the plan (or failed=True)")
     dev = device if device is not None else collective_device(group)
     n = dist.get_world_size(group)
-    rec = [0] * _RECORD if plan is None else [
-        plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks, int(data_digest)]
-    mine = torch.tensor(rec, dtype=torch.int64, device=dev)  # [W]
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=dev)
-    both = torch.cat([flag, mine, -mine])  # [1 + 2W]
+    rec = [text_digest(call)] + ([0] * _RECORD if plan is None else [
+        plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks, int(data_digest)])
+    mine = torch.tensor(rec, dtype=torch.int64, device=dev)  # [1 + W]
+    head = torch.tensor([1 if failed else 0, int(vote)], dtype=torch.int64, device=dev)
+    both = torch.cat([head, mine, -mine])  # [2 + 2 (1 + W)]
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     host = both.cpu()  # one host read
+    k = 1 + _RECORD
+    hi, lo = host[2 : 2 + k], -host[2 + k :]
+    if hi[0] != lo[0]:
+        _raise_call_mismatch(call, group, n, label, dev)
     if int(host[0]):
+        flag = head[:1].clone()
         flags = [torch.empty_like(flag) for _ in range(n)]
         dist.all_gather(flags, flag, group=group)
-        return [r for r, f in enumerate(flags) if int(f.item())]
-    assert plan is not None
-    hi, lo = host[1 : 1 + _RECORD], -host[1 + _RECORD :]
-    if not torch.equal(hi, lo):
-        _raise_mismatch(mine, group, n, label)
-    expect = n if domain_size is None else int(domain_size)
-    if plan.num_ranks != expect:
-        raise ValueError(
-            f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
-            f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
-        )
-    return []
+        return Agreed(failed=[r for r, f in enumerate(flags) if int(f.item())], vote=int(host[1]))
+    if plan is not None:
+        if not torch.equal(hi[1:], lo[1:]):
+            _raise_mismatch(mine[1:], group, n, label)
+        expect = n if domain_size is None else int(domain_size)
+        if plan.num_ranks != expect:
+            raise ValueError(
+                f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
+                f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
+            )
+    return Agreed(failed=[], vote=int(host[1]))
+
+
+def _raise_call_mismatch(call: str, group: dist.ProcessGroup, n: int, label: str, dev: torch.device) -> None:
+    """Every rank of ``group`` knows the calls differ: gather each rank's call and name the odd ones."""
+    raw = call.encode("utf-8", errors="replace")[:CALL_BYTES]
+    mine = torch.frombuffer(bytearray(raw + bytes(CALL_BYTES - len(raw))), dtype=torch.uint8).to(dev)  # [CALL_BYTES]
+    table = [torch.empty_like(mine) for _ in range(n)]  # n x [CALL_BYTES]
+    dist.all_gather(table, mine, group=group)
+    calls = {r: bytes(t.cpu().numpy()).rstrip(b"\x00").decode("utf-8", errors="replace") for r, t in enumerate(table)}
+    counts = Counter(calls.values())
+    best = max(counts.values())
+    ref = next(c for c in calls.values() if counts[c] == best)  # the most common call; ties: the lowest rank's
+    by_call: dict[str, list[int]] = {}
+    for r, c in calls.items():
+        by_call.setdefault(c, []).append(r)
+    detail = "; ".join(f"{label}{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} called {c}"
+                       for c, rs in by_call.items())
+    odd = [r for r, c in calls.items() if c != ref] or [r for r in range(n) if r != 0]
+    raise CallMismatchError(
+        f"call mismatch across the {n} ranks of the job: {detail}; {label}s {odd} differ from {best} rank(s). "
+        "Nothing was run: every rank must make the same engine calls, in the same order and with the same "
+        "arguments",
+        calls=calls,
+    )
 
 
 def _raise_mismatch(mine: torch.Tensor, group: dist.ProcessGroup, n: int, label: str = "group rank") -> None:

@@ -34,6 +34,14 @@ def _live_groups() -> set[dist.ProcessGroup]:
     return set(distributed_c10d._world.pg_map)
 
 
+def _keys() -> dict[tuple[int, str], dist.ProcessGroup]:
+    """The live groups by (id, name): a pair no later group repeats while the first is alive."""
+    from torch.distributed import distributed_c10d
+
+    names = distributed_c10d._world.pg_names
+    return {(id(pg), str(names.get(pg))): pg for pg in distributed_c10d._world.pg_map}
+
+
 class GroupLedger:
     """The process groups created while it is open, destroyed by :meth:`release`.
 
@@ -41,27 +49,44 @@ class GroupLedger:
     parallel-state groups, the CP blocks) and releases it when it closes, so that building and
     closing engines in one process leaves no group — nor the transport threads each group holds —
     behind.  Groups that existed before it opened (the default group, a caller's groups) are never
-    touched.  Local: every member rank releases its own copy (gloo/NCCL/HCCL destroy locally).
+    touched.  :meth:`seal` ends the recording (at the end of a build): groups made later — another
+    engine's — are not this ledger's.  Local: every member rank releases its own copy
+    (gloo/NCCL/HCCL destroy locally).
     """
 
     def __init__(self) -> None:
-        self._before = _live_groups()
+        # the groups alive at opening, by (id, name): no reference, so a ledger opened later (another engine's)
+        # never keeps this engine's groups alive (on gloo a group closes its connections with its last reference)
+        self._before = set(_keys())
+        self._sealed: set[dist.ProcessGroup] | None = None
         self._released = False
 
     def created(self) -> set[dist.ProcessGroup]:
-        """The groups created since the ledger opened and still alive."""
-        return _live_groups() - self._before
+        """The groups this ledger holds and still alive: created since it opened (until :meth:`seal`)."""
+        if self._released:
+            return set()
+        if self._sealed is not None:
+            return self._sealed & _live_groups()
+        return {pg for key, pg in _keys().items() if key not in self._before}
+
+    def seal(self, exclude: set[dist.ProcessGroup] | frozenset = frozenset()) -> None:
+        """Stop recording: from now on the ledger holds the groups created so far, less ``exclude``
+        (groups another owner releases)."""
+        self._sealed = self.created() - set(exclude)
 
     def release(self) -> int:
-        """Destroy every group created since the ledger opened (idempotent); returns how many."""
+        """Destroy every group the ledger holds (idempotent); returns how many."""
         if self._released:
             return 0
-        self._released = True
         groups = self.created()
+        self._released = True
+        self._sealed = None  # no reference to a freed group outlives it here (gloo closes connections on the last)
         for pg in groups:
             dist.destroy_process_group(pg)
-        logger.debug("released %d process groups", len(groups))
-        return len(groups)
+        n = len(groups)
+        del groups
+        logger.debug("released %d process groups", n)
+        return n
 
 
 def copy_of_group(group: dist.ProcessGroup, job: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:

@@ -52,16 +52,17 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
+from hdp.checksum import CallMismatchError, text_digest
 from hdp.digest import batch_digest
 from hdp.dispatch import gather_outputs, pack
-from hdp.groups import DomainGroups, GroupLedger, LayoutGroups
+from hdp.groups import DomainGroups, GroupLedger, LayoutGroups, copy_of_group
 from hdp.logprobs import logprobs_entropy
 from hdp.loss import sample_token_weights
 from hdp.megatron_compat import dist_checkpointing
@@ -93,7 +94,7 @@ from hdp.trainer.memory import (
     static_bytes,
 )
 from hdp.trainer.planning import DomainPlanner, plan_id
-from hdp.trainer.rounds import NonFiniteLossError, RoundCore, RoundInput, next_token_targets
+from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundInput, next_token_targets
 
 __all__ = [
     "Batch",
@@ -101,6 +102,9 @@ __all__ = [
     "LossFn",
     "ForwardOutput",
     "NonFiniteLossError",
+    "NonFiniteGradientError",
+    "CallMismatchError",
+    "EngineClosedError",
     "CheckpointFormat",
     "HdpEngine",
     "nll_loss",
@@ -245,7 +249,13 @@ class _LossAdapter:
             logits=logits, tp_group=self.tp,
         )
         logprobs, _ = logprobs_entropy(logits, targets, self.tp)  # [Tr]
-        return self.loss_fn(local, logprobs, pack(meta, prep.weights).to(dev))
+        loss = self.loss_fn(local, logprobs, pack(meta, prep.weights).to(dev))
+        if loss is None:  # would train on a zero loss (Adam's momentum still moves the parameters)
+            raise TypeError(
+                f"loss_fn returned None in round {meta.round_index} (samples {list(meta.samples)}); return a scalar "
+                "tensor: Σ_t weights[t] · ℓ_t of the per-token loss ℓ (hdp.trainer.engine.nll_loss: "
+                "-(weights * logprobs).sum())")
+        return loss
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -268,57 +278,250 @@ def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tu
 
 
 
+class EngineClosedError(RuntimeError):
+    """A call on an engine that was closed (:meth:`HdpEngine.close`, or released after a phase broke off)."""
+
+
+def _config_fields(obj: Any, prefix: str) -> dict[str, str]:
+    """Dotted field -> ``repr`` of every leaf of a (nested) config dataclass, in declaration order."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(obj):
+            out.update(_config_fields(getattr(obj, f.name), f"{prefix}.{f.name}"))
+        return out
+    return {prefix: repr(obj)}
+
+
+def _compared_fields(config: EngineConfig) -> dict[str, str]:
+    """The fields of ``config`` every rank of a job must share: all of them, the device by its kind only
+    (``cuda:0`` on one rank and ``cuda:1`` on another is one job)."""
+    fields = _config_fields(config, "EngineConfig")
+    fields["EngineConfig.device"] = repr(str(config.device).split(":", 1)[0])
+    return fields
+
+
+def _agree_config(fields: dict[str, str], job: dist.ProcessGroup, device: torch.device) -> None:
+    """One all-reduce (MAX of the config digest and of its negation) over the job; when the digests differ,
+    every rank gathers every rank's fields (a diagnostic ``all_gather_object``, on every rank alike) and raises
+    ``ValueError`` naming the first field that differs and its value on each rank."""
+    digest = text_digest(json.dumps(fields))
+    mine = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job)
+    if int(mine[0]) == -int(mine[1]):
+        return
+    every: list[dict[str, str] | None] = [None] * dist.get_world_size(job)
+    dist.all_gather_object(every, fields, group=job)
+    names = list(dict.fromkeys(k for f in every if f for k in f))  # rank 0's order first
+    differ = [k for k in names if len({(f or {}).get(k, "<missing>") for f in every}) > 1]
+    first = differ[0] if differ else "EngineConfig"
+    by_value: dict[str, list[int]] = {}
+    for r, f in enumerate(every):
+        by_value.setdefault((f or {}).get(first, "<missing>"), []).append(r)
+    values = ", ".join(f"{v} on world rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}"
+                       for v, rs in by_value.items())
+    more = f" (and {len(differ) - 1} more field(s): {', '.join(differ[1:4])}{', ...' if len(differ) > 4 else ''})" \
+        if len(differ) > 1 else ""
+    raise ValueError(
+        f"HdpEngine.build: the EngineConfig differs across the job: {first}: {values}{more}; every rank must "
+        "build the engine with the same config (nothing was built)"
+    )
+
+
+class _SharedMegatron:
+    """Megatron's parallel state, shared by the engines of this process.
+
+    megatron-core keeps one parallel state per process (``parallel_state``'s module globals: one TP × PP ×
+    EP layout, one RNG tracker), and parts of Megatron read it instead of the groups they are given.  So
+    the engines of one process share it: the first build initialises it (its groups in a ledger of their
+    own), later builds with the same layout reuse it, and the last engine to close destroys it.  A build
+    with another layout while an engine holds it is refused (:meth:`check`).  ``current`` is that one
+    process-wide state (it mirrors Megatron's own global)."""
+
+    current: ClassVar["_SharedMegatron | None"] = None
+
+    def __init__(self, layout: dict[str, Any], runtime: mc.MegatronRuntime, ledger: GroupLedger) -> None:
+        self.layout, self.runtime, self.ledger, self.holders = layout, runtime, ledger, 1
+
+    @classmethod
+    def _live(cls) -> "_SharedMegatron | None":
+        cur = cls.current
+        return cur if cur is not None and cur.holders > 0 and cur.runtime.current else None
+
+    @classmethod
+    def check(cls, layout: dict[str, Any]) -> None:
+        """Raise ``ValueError`` (pure: before any collective) when an open engine holds Megatron's state with
+        another layout."""
+        cur = cls._live()
+        if cur is not None and cur.layout != layout:
+            held = ", ".join(f"{k}={v}" for k, v in cur.layout.items())
+            want = ", ".join(f"{k}={v}" for k, v in layout.items())
+            raise ValueError(
+                f"HdpEngine.build: {cur.holders} open engine(s) of this process hold Megatron's parallel state with "
+                f"layout {held}; this engine asks for {want}. Megatron keeps one parallel state per process, so the "
+                "engines of one process share one layout: build this one with the same EngineConfig.parallel, or "
+                "close() the open engine(s) first"
+            )
+
+    @classmethod
+    def acquire(cls, layout: dict[str, Any], seed: int, make: Callable[[], mc.MegatronRuntime]) -> "_SharedMegatron":
+        """The live state of this layout, held once more (Megatron's RNG tracker reseeded with ``seed``, as a
+        fresh initialisation would), or a new one from ``make`` (collective over the world)."""
+        cls.check(layout)
+        cur = cls._live()
+        if cur is not None:
+            mc.manual_seed(seed)
+            cur.holders += 1
+            return cur
+        ledger = GroupLedger()
+        try:
+            runtime = make()
+        except BaseException:
+            ledger.release()
+            raise
+        ledger.seal()
+        cls.current = shared = cls(layout, runtime, ledger)
+        return shared
+
+    def release(self) -> None:
+        """One holder less; the last one destroys the parallel state, its groups and the checkpoint writer."""
+        self.holders -= 1
+        if self.holders > 0:
+            return
+        self.runtime.close()
+        self.ledger.release()
+        mc.stop_checkpoint_writer()
+        if _SharedMegatron.current is self:
+            _SharedMegatron.current = None
+
+
+def _callable_name(fn: Any) -> str:
+    """A loss function's name as every rank of a job spells it (module and qualified name)."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
+def _check_path(path: Any, what: str) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}(path={path!r}): pass the checkpoint directory as a str or os.PathLike")
+
+
+def _call(name: str, step: int, **args: Any) -> str:
+    """The description of a public call that its agreement compares across the job (``path`` as given)."""
+    parts = [f"step={step}"]
+    for key, value in args.items():
+        if key == "path" and isinstance(value, (str, os.PathLike)):
+            value = os.fspath(value)
+        elif isinstance(value, CheckpointFormat):
+            value = value.value
+        parts.append(f"{key}={value!r}")
+    return f"{name}({', '.join(parts)})"
+
+
 class HdpEngine:
     """A Megatron GPT with DDP and the distributed optimizer, trained under HDP plans.
 
     Build it with :meth:`build` in every rank of the job (after ``init_process_group``).
     Attributes: ``groups`` (:class:`hdp.groups.LayoutGroups`, every process group by name),
     ``rank`` / ``num_ranks`` (this rank's domain rank and N), ``model_chunks`` (the DDP-wrapped
-    model chunks of this rank: one, or ``virtual_pp``), ``planner`` (the
-    :class:`~hdp.trainer.planning.DomainPlanner`: options, the cost model in use, calibration state),
-    ``core`` (the :class:`~hdp.trainer.rounds.RoundCore`), ``round_seconds`` (this rank's measured
-    seconds per round of the last training step).
+    model chunks of this rank: one, or ``virtual_pp``), ``optimizer`` (Megatron's distributed optimizer),
+    ``planner`` (the :class:`~hdp.trainer.planning.DomainPlanner`: options, the cost model in use,
+    calibration state), ``core`` (the :class:`~hdp.trainer.rounds.RoundCore`), ``round_seconds`` (this
+    rank's measured seconds per round of the last training step).  After :meth:`close` every method and
+    these attributes raise :class:`EngineClosedError`.
+
+    Several engines in one process (an actor and a critic) share Megatron's parallel state, which
+    megatron-core keeps once per process: they must have the same layout (``EngineConfig.parallel``; a
+    build with another layout while one is open raises ``ValueError`` naming both and the fix), each holds
+    its own model, optimizer, agreement group and CP groups (closing or losing one leaves the others
+    working), and the last one closed destroys the parallel state.
     """
 
     def __init__(self, config: EngineConfig, groups: LayoutGroups, runtime: mc.MegatronRuntime,
                  model_chunks: Sequence[Any], optimizer: Any, device: torch.device,
-                 ledger: GroupLedger | None = None) -> None:
+                 ledger: GroupLedger | None = None, shared: _SharedMegatron | None = None) -> None:
         self.config = config
-        self.groups = groups
-        self.runtime = runtime
-        self.model_chunks = list(model_chunks)
-        self.optimizer = optimizer
+        self._groups = groups
+        self._runtime = runtime
+        self._chunks = list(model_chunks)
+        self._optimizer = optimizer
         self.device = device
         self.rank = groups.domain.domain_rank
         self.num_ranks = groups.domain.size
         self.step = 0
         self.round_seconds: list[float] = []
-        self.core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self.model_chunks, device=device,
-                              pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
-                              timeout_s=config.collective_timeout_s, optimizer=optimizer,
-                              abort_groups=ledger.created if ledger is not None else None, on_broken=self.close)
+        self._closed = False
+        self._ledger = ledger  # the groups close() destroys (build() makes it)
+        self._shared = shared  # Megatron's parallel state, held while the engine is open
+        self._core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self._chunks, device=device,
+                               pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
+                               timeout_s=config.collective_timeout_s, optimizer=optimizer,
+                               abort_groups=self._groups_to_abort, on_broken=self.close)
         par = config.parallel
         self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
         """The job's per-rank memory model and the bytes per device the plans stay within (``None``: the
         token budget only)."""
-        self.planner = DomainPlanner(
+        self._planner = DomainPlanner(
             config.planning.planner_config(self.num_ranks, pipeline_stages=par.pp, memory_model=self.memory_model,
                                            memory_limit=self.memory_limit,
                                            memory_limit_name="PlanningConfig.max_memory_gb"),
-            config.planning.auto_calibrate, groups, collective_device=self.core.collective_device,
+            config.planning.auto_calibrate, groups, collective_device=self._core.collective_device,
             records_path=config.calibration_path, memory=MemoryCalibration())
-        self._closed = False
-        self._ledger = ledger  # the groups close() destroys (build() makes it)
+
+    def _groups_to_abort(self) -> set[dist.ProcessGroup]:
+        """The groups a failure inside a phase aborts: the engine's own, and Megatron's while no other engine
+        of the process holds them."""
+        own = self._ledger.created() if self._ledger is not None else set()
+        shared = self._shared
+        return own | (shared.ledger.created() if shared is not None and shared.holders == 1 else set())
+
+    # -- public attributes (refused once closed) --
+
+    @property
+    def core(self) -> RoundCore:
+        """The round core (:class:`~hdp.trainer.rounds.RoundCore`)."""
+        self._open("core")
+        return self._core
+
+    @property
+    def groups(self) -> LayoutGroups:
+        """Every process group of the engine by name (:class:`hdp.groups.LayoutGroups`)."""
+        self._open("groups")
+        return self._groups
+
+    @property
+    def model_chunks(self) -> list[Any]:
+        """The DDP-wrapped model chunks of this rank (one, or ``virtual_pp``)."""
+        self._open("model_chunks")
+        return self._chunks
+
+    @property
+    def optimizer(self) -> Any:
+        """Megatron's distributed optimizer over the model chunks."""
+        self._open("optimizer")
+        return self._optimizer
+
+    @property
+    def planner(self) -> DomainPlanner:
+        """The :class:`~hdp.trainer.planning.DomainPlanner` (options, cost model, calibration state)."""
+        self._open("planner")
+        return self._planner
+
+    @property
+    def runtime(self) -> mc.MegatronRuntime:
+        """Megatron's runtime (explicit groups, CPU-shim hold), shared by the engines of this process."""
+        self._open("runtime")
+        return self._runtime
 
     @property
     def model(self) -> Any:
         """The DDP-wrapped model of this rank (one chunk; with virtual stages use ``model_chunks``)."""
-        if len(self.model_chunks) != 1:
+        self._open("model")
+        if len(self._chunks) != 1:
             raise ValueError(
-                f"HdpEngine.model: this rank holds {len(self.model_chunks)} model chunks (virtual_pp); "
+                f"HdpEngine.model: this rank holds {len(self._chunks)} model chunks (virtual_pp); "
                 "use engine.model_chunks"
             )
-        return self.model_chunks[0]
+        return self._chunks[0]
 
     # -- construction --
 
@@ -335,10 +538,17 @@ class HdpEngine:
         ``world_group``: the process group of the whole job (TP × PP × domain ranks), named
         explicitly — ``dist.group.WORLD`` (Megatron's parallel state spans the world).  The layout
         (``config.parallel``) is checked against the world and the model first, on every rank and
-        before any collective.  ``init_fn(name, full)``, if given, fills each parameter before DDP
+        before any collective; then one small all-reduce compares a digest of ``config`` over the job
+        (before Megatron is initialised): a config that differs between ranks raises ``ValueError`` on
+        every rank naming the first field that differs and its value on each rank (the device is
+        compared by its kind only).  ``init_fn(name, full)``, if given, fills each parameter before DDP
         wraps it: ``name`` is the parameter's name in a one-process model (global layer and expert
         indices) and ``full`` its whole, unsharded tensor (this rank keeps its TP shard), so a
         rank-independent function gives the same model for every TP / PP / EP layout.
+
+        Another engine open in this process: this one shares its Megatron parallel state (see the class
+        docstring); with another layout the build raises ``ValueError`` naming both and the fix (close the
+        open engine first), before any collective.
         """
         if not dist.is_initialized():
             raise ValueError("HdpEngine.build: torch.distributed is not initialised; call init_process_group first")
@@ -358,11 +568,17 @@ class HdpEngine:
         par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
         _memory_setup(config, device, world // (par.tp * par.pp))  # a limit below the static memory: ValueError
+        layout = {"world": world, "tp": par.tp, "pp": par.pp, "virtual_pp": par.vpp, "ep": par.ep,
+                  "expert_tp": par.expert_tp}
+        _SharedMegatron.check(layout)  # another open engine with another layout: ValueError, before any collective
+        fields = _compared_fields(config)
         timeout_s = float(config.collective_timeout_s)
         ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
+        shared: _SharedMegatron | None = None
         try:
             job = RoundCore.job_group(world, timeout_s)  # the engine's agreement group, bounded timeout
-            runtime = mc.initialize_megatron(
+            _agree_config(fields, job, torch.device("cpu") if "gloo" in str(dist.get_backend(job)) else device)
+            shared = _SharedMegatron.acquire(layout, config.seed, lambda: mc.initialize_megatron(
                 device=device,
                 tensor_model_parallel_size=par.tp,
                 pipeline_model_parallel_size=par.pp,
@@ -371,8 +587,11 @@ class HdpEngine:
                 expert_tensor_parallel_size=par.expert_tp,
                 seed=config.seed,
                 collective_timeout_s=timeout_s,
-            )
+            ))
+            runtime = shared.runtime
         except BaseException:
+            if shared is not None:
+                shared.release()
             ledger.release()
             raise
         try:
@@ -392,12 +611,17 @@ class HdpEngine:
             for d in ddp:
                 d.broadcast_params()  # replicas start identical even if the init was rank-dependent
             optimizer = build_optimizer(ddp, config.optim, groups=pgc)
-            groups = LayoutGroups(world=job, domain=DomainGroups.build(pgc.dp, timeout_s=timeout_s), tp=pgc.tp,
+            # hdp's rings and CP collectives run on a domain group of the engine's own where an abort does not
+            # end a blocked collective (gloo): a rank that fails frees it, releasing the peers blocked there,
+            # without freeing Megatron's data-parallel group, which other engines of the process may hold
+            own = pgc.dp if _device.abort_ends_collectives(pgc.dp) else copy_of_group(pgc.dp, job, timeout_s)
+            groups = LayoutGroups(world=job, domain=DomainGroups.build(own, timeout_s=timeout_s), tp=pgc.tp,
                                   pp=pgc.pp, ep=pgc.ep)
-            engine = cls(config, groups, runtime, ddp, optimizer, device, ledger)
-            engine.planner.measure_static(static_bytes(ddp, optimizers(optimizer)))  # the job's most, one all-reduce
+            ledger.seal(exclude=shared.ledger.created())  # this engine's groups; Megatron's are the shared state's
+            engine = cls(config, groups, runtime, ddp, optimizer, device, ledger, shared)
+            engine._planner.measure_static(static_bytes(ddp, optimizers(optimizer)))  # the job's most, one all-reduce
         except BaseException:
-            runtime.close()
+            shared.release()
             ledger.release()
             raise
         logger.info("hdp engine: world %d = TP %d x PP %d (x%d virtual) x domain %d, EP %d, device %s",
@@ -405,32 +629,46 @@ class HdpEngine:
         return engine
 
     def close(self) -> None:
-        """Release everything the engine made (idempotent): Megatron's parallel state, every process
-        group it created (with their transport threads), the CPU-shim hold and the helper process of
-        Megatron's checkpoint writer.  Later calls on the engine raise."""
+        """Release everything the engine made (idempotent): its process groups (with their transport
+        threads), the plan-ahead thread, and its hold on Megatron's parallel state — the last engine of the
+        process to close destroys that state, Megatron's groups, the CPU-shim hold and the helper process of
+        Megatron's checkpoint writer.  Other engines of the process keep working.  Every later call on the
+        engine, and its ``model`` / ``model_chunks`` / ``optimizer`` / ``groups`` / ``planner`` / ``core``,
+        raise :class:`EngineClosedError`."""
         if self._closed:
             return
         self._closed = True
-        self.planner.close()  # the plan-ahead thread
-        self.core.close()
-        for chunk in self.model_chunks:
+        self._planner.close()  # the plan-ahead thread
+        self._core.close()
+        for chunk in self._chunks:
             mc.release_ddp(chunk)
-        self.runtime.close()
+        if self._shared is not None:
+            self._shared.release()
         if self._ledger is not None:
             self._ledger.release()
-        mc.stop_checkpoint_writer()
         # the model, the optimizer and the group handles go now, not when the caller drops the
         # engine: a destroyed group's transport threads live as long as a reference to it does
-        self.model_chunks = []
-        for name in ("optimizer", "runtime", "groups", "planner", "_ledger"):
+        self._chunks = []
+        for name in ("_optimizer", "_runtime", "_groups", "_planner", "_ledger", "_shared"):
             setattr(self, name, None)
-        self.core.groups = self.core.guard = self.core.megatron_groups = None  # type: ignore[assignment]
+        self._core.groups = self._core.guard = self._core.megatron_groups = None  # type: ignore[assignment]
+
+    def _open(self, what: str) -> None:
+        """Raise :class:`EngineClosedError` (no collective) once the engine is closed: after :meth:`close`,
+        or after a phase broke off (its groups were released then; the message says where)."""
+        if not self._closed:
+            return
+        broken = self._core.broken
+        if broken is not None:
+            raise EngineClosedError(
+                f"HdpEngine.{what}: this engine is unusable since {broken}; its process groups were released. "
+                "Restart the job (or rebuild the engine in a fresh process group) and load the last checkpoint")
+        raise EngineClosedError(f"HdpEngine.{what}: the engine is closed (close() released its process groups); "
+                                "build a new engine")
 
     def _usable(self, what: str) -> None:
-        self.core.usable(f"HdpEngine.{what}")  # broke off in a phase (its groups were released then)
-        if self._closed:
-            raise RuntimeError(f"HdpEngine.{what}: the engine is closed (close() released its process groups); "
-                               "build a new engine")
+        self._open(what)
+        self._core.usable(f"HdpEngine.{what}")  # broke off in a phase (its groups were released then)
 
     # -- validation and planning --
 
@@ -447,6 +685,11 @@ class HdpEngine:
         for i, t in enumerate(toks):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Batch.tokens[{i}] is {type(t).__name__}; pass a 1-D integer torch.Tensor")
+            if t.dtype.is_complex:
+                raise TypeError(
+                    f"Batch.tokens[{i}] has dtype {t.dtype}: token ids are integers; pass a 1-D integer tensor [L_i] "
+                    "(e.g. torch.int64)"
+                )
             if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
                 raise ValueError(
                     f"Batch.tokens[{i}] has shape {tuple(t.shape)}, dtype {t.dtype}; pass a 1-D integer tensor [L_i]"
@@ -490,11 +733,32 @@ class HdpEngine:
                     )
 
         check("loss_mask", batch.loss_mask)
+        for i, m in enumerate(batch.loss_mask or ()):
+            # a mask selects tokens (hdp.loss counts them: n_i = Σ_t m_it); it is not a per-token weight
+            if m.dtype.is_complex:
+                raise TypeError(f"Batch.loss_mask[{i}] has dtype {m.dtype}; pass a bool or 0/1 mask [L_i]")
+            if m.dtype != torch.bool:
+                odd = (m != 0) & (m != 1)
+                if bool(odd.any()):
+                    bad = m[odd].flatten()[0].item()
+                    raise ValueError(
+                        f"Batch.loss_mask[{i}] holds {bad!r} at token {int(torch.nonzero(odd.flatten())[0])}: a loss "
+                        "mask is 0 or 1 (it selects the tokens that count; hdp's loss aggregation counts them); pass a "
+                        "bool or 0/1 mask, and per-token weights (advantages) through Batch.extras"
+                    )
+        if not isinstance(batch.extras, Mapping):
+            raise TypeError(f"Batch.extras is {type(batch.extras).__name__}; pass a dict name -> per-sample tensors")
         for name, tensors in batch.extras.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"Batch.extras has the key {name!r} ({type(name).__name__}); extras are named by strings "
+                    "(the loss function reads local.extras[name]): use str keys"
+                )
             check(f"extras[{name!r}]", tensors)
 
     def plan(self, batch: Batch) -> Plan:
         """The plan of ``batch`` on this domain (pure; the same on every rank of the job)."""
+        self._usable("plan")
         self._validate(batch)
         return self.planner.plan(batch.lengths)
 
@@ -510,12 +774,17 @@ class HdpEngine:
             )
         check_plan(plan)  # PlanError (a ValueError) naming the column, the sample or round, and the fix
 
-    def _prepare(self, batch: Batch, what: str, given: Plan | None = None) -> _Prepared:
-        """Validate, plan and digest the batch inside the core's agreement (every rank raises alike)."""
+    def _prepare(self, batch: Batch, what: str, given: Plan | None = None, *, call: str | None = None,
+                 check: Callable[[], None] | None = None) -> _Prepared:
+        """Validate, plan and digest the batch inside the core's agreement (every rank raises alike); ``call``
+        describes the public call and its arguments (agreed over the job with the plan), ``check`` validates
+        them first."""
         self._usable(what)
         box: list[_Prepared] = []
 
         def work() -> tuple[Plan, int]:
+            if check is not None:
+                check()
             self._validate(batch)
             t0 = time.perf_counter()
             if given is None:  # planned ahead (train_steps / plan_ahead) or in line
@@ -529,7 +798,7 @@ class HdpEngine:
             box.append(dataclasses.replace(self._shifted(batch, plan, ms), planner_exposed_ms=exposed))
             return plan, batch_digest(batch.tokens, batch.loss_mask, batch.extras)
 
-        self.core.agree(what, self.step + 1, work)
+        self.core.agree(what, self.step + 1, work, call=call)
         return box[0]
 
     def _shifted(self, batch: Batch, plan: Plan, planner_ms: float) -> _Prepared:
@@ -552,15 +821,34 @@ class HdpEngine:
 
         Returns metrics with stable names (``loss``, ``grad_norm``, ``perf/...``, ``hdp/...``).
         Raises on every rank of the job, with nothing applied: ``ValueError``/``TypeError`` for bad
-        input (nothing run; the failed rank's own error, the others naming it),
-        :class:`~hdp.guard.DomainStepError` for any other error of validation or of ``loss_fn``
-        (raising, returning a non-scalar or a tensor without grad) on any rank, and
-        :class:`NonFiniteLossError` when a loss is NaN/inf.  A rank that dies or hangs mid-step makes
+        input (nothing run; the failed rank's own error, the others naming it; ``loss_fn`` not callable
+        included), :class:`~hdp.checksum.CallMismatchError` when another rank made another call or passed
+        other arguments, :class:`~hdp.guard.DomainStepError` for any other error of validation or of
+        ``loss_fn`` (raising, returning ``None``, a non-scalar or a tensor without grad) on any rank, and
+        :class:`NonFiniteLossError` when a loss is NaN/inf or — :class:`NonFiniteGradientError`, a
+        subclass — when the loss is finite but a gradient is NaN/inf on any rank (detected in the step's one
+        reduce, before the update).  Ctrl-C during validation: every other rank raises naming this one,
+        this one raises its ``KeyboardInterrupt``, and the engine stays usable on every rank (a trainer may
+        then save a checkpoint on every rank).  A rank that dies or hangs mid-step makes
         the others raise :class:`~hdp.guard.DomainUnreachableError` within
         ``EngineConfig.collective_timeout_s``.
         """
+        return self._train_step(batch, loss_fn, plan, "train_step")
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn, plan: Plan | None, name: str) -> dict[str, Any]:
         t_start = time.perf_counter()
-        prep = self._prepare(batch, "train_step", plan)
+
+        def check_loss_fn() -> None:
+            if not callable(loss_fn):
+                raise TypeError(
+                    f"{name}(loss_fn={loss_fn!r}): pass a callable loss_fn(local, logprobs, weights) -> scalar tensor "
+                    "(hdp.trainer.engine.nll_loss for supervised fine-tuning); a forward pass without a loss is "
+                    "engine.forward(batch)"
+                )
+
+        call = (f"{name}(step={self.step + 1}, loss_fn={_callable_name(loss_fn)}, "
+                f"plan={'given' if plan is not None else 'None'})")
+        prep = self._prepare(batch, name.split("[", 1)[0], plan, call=call, check=check_loss_fn)
         self.step += 1  # counts steps that passed validation (NaN-skipped ones included)
         core = self.core
         with core.collectives("rounds", self.step):
@@ -569,13 +857,17 @@ class HdpEngine:
                                           self.config.planning.measure_memory)
             state = core.run(prep.plan, prep.tokens, _LossAdapter(prep, loss_fn, self.groups.tp, self.device), train=True,
                              meter=meter)
-            red = core.reduce(state)
+            red = core.reduce(state)  # loss, failures, and every rank's gradient checked for NaN/inf
         self.round_seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "loss_fn")
         bad = core.nonfinite(state, red)
         if bad or not torch.isfinite(red[0]):
             core.skip_update()
             raise NonFiniteLossError(self.step, bad, core.ranks_of(prep.plan, bad))
+        grad_ranks = core.nonfinite_grad_ranks(state, red, self.step)
+        if grad_ranks:
+            core.skip_update()
+            raise NonFiniteGradientError(self.step, grad_ranks, float(red[0]))
         with core.collectives("optimizer", self.step):
             ok, grad_norm = core.optimizer_step()
         if not ok:
@@ -589,15 +881,21 @@ class HdpEngine:
     def plan_ahead(self, batches: Sequence[Batch]) -> None:
         """Announce the next mini-batches (in the order ``train_step`` will get them): each one's plan is
         made on a background thread while the one before it trains (`hdp.trainer.plan_ahead`; the
-        same plans as in line).  ``hdp/planner_ms_exposed`` then reports what a step still waited."""
+        same plans as in line).  ``hdp/planner_ms_exposed`` then reports what a step still waited.  Local
+        (no collective): the plans are agreed by the steps that use them."""
         self._usable("plan_ahead")
         self.planner.announce([b.lengths for b in batches])
 
     def train_steps(self, batches: Sequence[Batch], loss_fn: LossFn = nll_loss) -> list[dict[str, Any]]:
         """One :meth:`train_step` (one optimizer step) per mini-batch, each planned while the one before
-        it runs (:meth:`plan_ahead`); returns each step's metrics.  Errors as :meth:`train_step`."""
+        it runs (:meth:`plan_ahead`); returns each step's metrics.  Errors as :meth:`train_step`; each
+        step's agreement carries ``train_steps[i/n]``, so a rank that passed another number of batches (or
+        called ``train_step`` instead) is named at the first step."""
+        self._usable("train_steps")
+        batches = list(batches)
         self.plan_ahead(batches)
-        return [self.train_step(b, loss_fn) for b in batches]
+        n = len(batches)
+        return [self._train_step(b, loss_fn, None, f"train_steps[{i + 1}/{n}]") for i, b in enumerate(batches)]
 
     @torch.no_grad()
     def forward(self, batch: Batch, *, plan: Plan | None = None) -> ForwardOutput:
@@ -606,7 +904,8 @@ class HdpEngine:
         Computed on the last pipeline stage and sent to every stage, so every rank of the job
         returns the same outputs.
         """
-        prep = self._prepare(batch, "forward", plan)
+        prep = self._prepare(batch, "forward", plan,
+                             call=f"forward(step={self.step}, plan={'given' if plan is not None else 'None'})")
         with self.core.collectives("forward", self.step):
             adapter = _LossAdapter(prep, None, self.groups.tp, self.device)
             state = self.core.run(prep.plan, prep.tokens, adapter, train=False)
@@ -657,6 +956,7 @@ class HdpEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's model parameters (its chunks; local experts only under EP) and the step counter."""
+        self._usable("state_dict")
         if len(self.model_chunks) == 1:
             return {"model": self.model_chunks[0].module.state_dict(), "step": self.step}
         return {**{f"model{i}": c.module.state_dict() for i, c in enumerate(self.model_chunks)}, "step": self.step}
@@ -701,8 +1001,21 @@ class HdpEngine:
         return {"model_config": self._model_digest(), "hdp_format": fmt.value, **self._layout()}
 
     def _check_layout(self, manifest: ckpt.Manifest) -> None:
-        """A per-rank checkpoint loads only on the layout that wrote it (``dist`` reshards)."""
+        """A per-rank checkpoint loads only on the layout that wrote it; a ``dist`` one on another domain size,
+        but with the TP and PP sizes that wrote it (the optimizer state is saved ``dp_reshardable``)."""
         if manifest.format != CheckpointFormat.PER_RANK.value:
+            mine = self._layout()
+            changed = {k: (manifest.meta.get(k), mine[k]) for k in ("tp", "pp") if k in manifest.meta
+                       and manifest.meta.get(k) != mine[k]}
+            if changed:
+                what = ", ".join(f"{k.upper()} {old} -> {new}" for k, (old, new) in changed.items())
+                raise ckpt.CheckpointError(
+                    f"checkpoint (step {manifest.step}, format 'dist') was saved with TP {manifest.meta.get('tp')} x "
+                    f"PP {manifest.meta.get('pp')}; this engine has TP {mine['tp']} x PP {mine['pp']} (the layout "
+                    f"changed: {what}). A dist checkpoint reshards over the domain size only (megatron-core 0.16.1 "
+                    "saves the distributed optimizer's state as dp_reshardable): load it with the TP and PP that "
+                    "saved it"
+                )
             return
         saved = {k: manifest.meta.get(k) for k in self._layout()}
         if saved != self._layout():
@@ -751,24 +1064,32 @@ class HdpEngine:
         can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when ``dist`` is asked
         for and some rank cannot write it.
         """
-        self.core.usable("save_checkpoint")
-        fmt = checkpoint_format(format)
+        self._usable("save_checkpoint")
+        box: list[tuple[CheckpointFormat, str | None]] = []
+
+        def work() -> tuple[None, int, int]:
+            _check_path(path, "save_checkpoint")
+            fmt = checkpoint_format(format)
+            problem = dist_checkpoint_problem() if fmt is not CheckpointFormat.PER_RANK else None
+            box.append((fmt, problem))
+            return None, 0, 0 if problem is None else 1  # the vote: some rank cannot write 'dist'
+
+        # the call's one agreement: the same call and arguments everywhere, and one format decision for all
+        _, cannot = self.core.agree_call("save_checkpoint", self.step, _call("save_checkpoint", self.step, path=path,
+                                                                              format=format), work)
+        fmt, problem = box[0]
+        if fmt is not CheckpointFormat.PER_RANK:
+            if not cannot:
+                fmt = CheckpointFormat.DIST
+            elif fmt is CheckpointFormat.AUTO:
+                logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
+                fmt = CheckpointFormat.PER_RANK
+            else:
+                raise ValueError(
+                    f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
+                    "use format='per-rank' or 'auto'"
+                )
         with self.core.collectives("save", self.step):
-            if fmt is not CheckpointFormat.PER_RANK:
-                problem = dist_checkpoint_problem()
-                flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64,
-                                    device=self.core.collective_device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world)  # one decision for all
-                if int(flag.item()) == 0:
-                    fmt = CheckpointFormat.DIST
-                elif fmt is CheckpointFormat.AUTO:
-                    logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
-                    fmt = CheckpointFormat.PER_RANK
-                else:
-                    raise ValueError(
-                        f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
-                        "use format='per-rank' or 'auto'"
-                    )
 
             def write(slot: Path) -> None:
                 if fmt is CheckpointFormat.DIST:
@@ -793,8 +1114,14 @@ class HdpEngine:
         back the state it had before the call (model, optimizer, step) and raises.  A ``dist``
         checkpoint also loads on another domain size.
         """
-        self.core.usable("load_checkpoint")
+        self._usable("load_checkpoint")
         step = self.step
+
+        def work() -> tuple[None, int, int]:
+            _check_path(path, "load_checkpoint")
+            return None, 0, 0
+
+        self.core.agree_call("load_checkpoint", step, _call("load_checkpoint", step, path=path), work)
         with self.core.collectives("load", self.step):
             manifest = ckpt.verify_checkpoint(
                 path, guard=self.core.guard, rank=self.groups.world_rank, size=self.groups.world_size, step=step,

@@ -61,7 +61,8 @@ from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 from hdp.trainer.phases import PhaseTimer
 
-__all__ = ["RoundCore", "RoundInput", "RoundLoss", "StepState", "NonFiniteLossError", "next_token_targets"]
+__all__ = ["RoundCore", "RoundInput", "RoundLoss", "StepState", "NonFiniteLossError", "NonFiniteGradientError",
+           "next_token_targets"]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -75,6 +76,23 @@ class NonFiniteLossError(FloatingPointError):
             f"step {step}: the loss is not finite on domain ranks {list(ranks)} in rounds holding samples "
             f"{list(samples)}; the update was skipped on every rank (parameters unchanged, gradients zeroed). "
             "Check these samples' per-token inputs (advantages, old log-probs) and the loss function"
+        )
+
+
+class NonFiniteGradientError(NonFiniteLossError):
+    """A step's loss was finite but a gradient was NaN/inf on some rank (any parameter); the update was
+    skipped on every rank, exactly as for a non-finite loss (a :class:`NonFiniteLossError`)."""
+
+    def __init__(self, step: int, world_ranks: Sequence[int], loss: float) -> None:
+        self.step = step
+        self.samples = ()
+        self.ranks = tuple(world_ranks)
+        FloatingPointError.__init__(
+            self,
+            f"step {step}: the gradient is not finite on world ranks {list(world_ranks)} (the loss {loss:.6g} is "
+            "finite); the update was skipped on every rank (parameters and optimizer state unchanged, gradients "
+            "zeroed). Check the loss function's backward (a sqrt or log at 0, a division by a zero count) and the "
+            "per-token inputs"
         )
 
 
@@ -136,6 +154,8 @@ class StepState:
     """(round, chunk) whose first layer's input carries the backward span's stop mark."""
     meter: MemoryMeter | None = None
     """Measures each round's peak memory (`hdp.memory_meter`), when the engine asked for it."""
+    grad_bad: torch.Tensor | None = None
+    """[] float64: 1 when this rank's gradient buffers held a NaN/inf after the rounds (:meth:`RoundCore.reduce`)."""
 
 
 class _SpanMark(torch.autograd.Function):
@@ -345,35 +365,61 @@ class RoundCore:
 
     # -- phase 1: agree --
 
-    def agree(self, what: str, step: int, work: Callable[[], tuple[Plan, int]]) -> Plan:
+    def agree(self, what: str, step: int, work: Callable[[], tuple[Plan, int]], *, call: str | None = None) -> Plan:
         """Run ``work`` (the engine's validation and planning: returns the plan and the batch digest)
-        and agree on its outcome over the job; every rank raises alike when any rank failed."""
+        and agree on its outcome, and on the call, over the job; every rank raises alike when any rank
+        failed (see :meth:`agree_call`).  ``call`` describes the call and its arguments (default ``what``)."""
+        plan, _ = self.agree_call(what, step, call if call is not None else what, lambda: (*work(), 0))
+        assert plan is not None
+        return plan
+
+    def agree_call(self, what: str, step: int, call: str,
+                   work: Callable[[], tuple[Plan | None, int, int]]) -> tuple[Plan | None, int]:
+        """The first collective of every engine call: run ``work`` (the call's validation and planning;
+        returns the plan or ``None``, the data digest and a 0/1 vote) and agree over the job, in one
+        fixed-size all-reduce (:func:`hdp.checksum.agree_step`), on the call (``call``: its name and
+        arguments), on failures and on the plan and the data.  A rank that made another call, or the same
+        with other arguments, is named on every rank (:class:`~hdp.checksum.CallMismatchError`, a
+        ``ValueError``; nothing ran).  ``work`` may raise anything, ``BaseException`` included (Ctrl-C): the
+        rank still takes part, every other rank raises naming it, and the rank re-raises its own exception
+        (its original one for an interrupt, or a ``ValueError``/``TypeError`` naming it for bad input).  The
+        job's groups stay in step through all of this (the engine stays usable); only a collective that
+        breaks off here (a peer died or hangs) makes it unusable.  Returns the plan and the largest vote."""
         self.usable(what)
         self.phases.begin()
         error: BaseException | None = None
         plan: Plan | None = None
-        digest = 0
+        digest = vote = 0
         try:
             with self.phases.phase("plan"):
-                plan, digest = work()
-        except Exception as exc:  # every type: one rank's failure must reach every rank
+                plan, digest, vote = work()
+        except BaseException as exc:  # every type, interrupts included: one rank's failure must reach every rank
             error, plan = exc, None
-        mismatch: ValueError | None = None  # a plan or data mismatch: raised alike on every rank
+        mismatch: ValueError | None = None  # a call, plan or data mismatch: raised alike on every rank
+        agreed: DomainStepError | None = None
         with self.collectives("validate", step), self.phases.phase("agree"):  # a peer lost here: DomainUnreachableError
             try:
-                bad = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest,
-                                 device=self.collective_device, domain_size=self.groups.domain.size, label="world rank")
+                result = agree_step(plan, self.groups.world, failed=error is not None, data_digest=digest, call=call,
+                                    vote=vote, device=self.collective_device, domain_size=self.groups.domain.size,
+                                    label="world rank")
             except ValueError as exc:
-                bad, mismatch = [], exc
-            agreed: DomainStepError | None = None
-            if bad:
+                result, mismatch = None, exc
+            if result is not None and result.failed:
                 try:
                     self.guard.agree(f"{what}: validate", step, error)
                 except DomainStepError as exc:
                     agreed = exc
+                except BaseException as exc:  # the guard re-raises this rank's own interrupt once it told the others
+                    if exc is not error:
+                        raise
         if mismatch is not None:
+            if error is not None and not isinstance(error, Exception):
+                raise error from mismatch  # this rank was interrupted too: it stops as it was asked to
             raise mismatch
-        if bad:
+        assert result is not None
+        if result.failed:
+            if error is not None and not isinstance(error, Exception):
+                raise error  # Ctrl-C / SystemExit: the other ranks were told and raise naming this one
             if agreed is not None:
                 if error is not None and is_input_error(error):
                     me = self.groups.world_rank
@@ -382,9 +428,9 @@ class RoundCore:
                     raise type(error)(f"{what} (step {step}, world rank {me} = domain rank "
                                       f"{self.groups.domain.domain_rank}): {error}{also}") from error
                 raise agreed
-            raise RuntimeError(f"{what} (step {step}): world ranks {bad} reported a failure the agreement did not carry")
-        assert plan is not None
-        return plan
+            raise RuntimeError(f"{what} (step {step}): world ranks {result.failed} reported a failure the agreement "
+                               "did not carry")
+        return plan, result.vote
 
     # -- phase 2: the rounds --
 
@@ -575,17 +621,40 @@ class RoundCore:
     # -- phase 3: reduce --
 
     def reduce(self, state: StepState) -> torch.Tensor:
-        """One all-reduce over the job of [loss, adapter failed, per-sample non-finite flags]; the step's
-        one host synchronisation.  Returns the reduced vector on the host (float64)."""
+        """One all-reduce over the job of [loss, adapter failed, ranks with a non-finite gradient, per-sample
+        non-finite flags]; the step's one host synchronisation.  Returns the reduced vector on the host
+        (float64).  In a training step every rank first checks its own gradient buffers on the device
+        (:meth:`_local_grad_nonfinite`: no host read), so a NaN/inf gradient of any parameter on any rank
+        is known on every rank before the optimizer runs."""
         counts = self.groups.is_last_stage and self.groups.tp_rank == 0  # each domain rank's loss once
-        head = torch.stack([
-            state.loss_sum if counts else torch.zeros_like(state.loss_sum),
-            torch.tensor(1.0 if state.error is not None else 0.0, dtype=torch.float64, device=state.bad.device),
-        ])
-        with self.phases.phase("reduce"):
+        dev = state.bad.device
+        with self.phases.phase("reduce"):  # the gradient check's read of the buffers counts here
+            grad_bad = self._local_grad_nonfinite(dev) if state.train else torch.zeros((), dtype=torch.float64, device=dev)
+            state.grad_bad = grad_bad
+            head = torch.stack([
+                state.loss_sum if counts else torch.zeros_like(state.loss_sum),
+                torch.tensor(1.0 if state.error is not None else 0.0, dtype=torch.float64, device=dev),
+                grad_bad,
+            ])
             red = torch.cat([head, state.bad]).to(self.collective_device)
             dist.all_reduce(red, op=dist.ReduceOp.SUM, group=self.groups.world)
             return red.cpu()  # the one synchronisation of the step
+
+    def _local_grad_nonfinite(self, dev: torch.device) -> torch.Tensor:
+        """[] float64 on the device: 1 when any element of this rank's DDP gradient buffers (every chunk,
+        dense and expert) is NaN/inf, else 0.  One read of the buffers (``aminmax`` propagates NaN and keeps
+        ±inf; no overflow, unlike a sum), no host synchronisation.  The buffers hold this rank's local
+        gradients (or, where the reduce-scatter already ran, its reduced shard and local values elsewhere:
+        a NaN survives either)."""
+        flag = torch.zeros((), dtype=torch.bool, device=dev)
+        for chunk in self.chunks:
+            for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+                grad = getattr(buf, "grad_data", None)
+                if grad is None or grad.numel() == 0:
+                    continue
+                lo, hi = torch.aminmax(grad)
+                flag = flag | ~torch.isfinite(lo).to(dev) | ~torch.isfinite(hi).to(dev)
+        return flag.to(torch.float64)
 
     def round_seconds(self, state: StepState) -> list[float]:
         """Seconds per plan round on this rank (forward + backward over its chunks); call after :meth:`reduce`."""
@@ -606,10 +675,23 @@ class RoundCore:
 
     def nonfinite(self, state: StepState, red: torch.Tensor) -> list[int]:
         """Samples whose round loss was NaN/inf on some rank ([] when the step's loss is finite)."""
-        flags = red[2:] > 0
+        flags = red[3:] > 0
         if flags.any() or not torch.isfinite(red[0]):
             return torch.nonzero(flags).flatten().tolist()
         return []
+
+    def nonfinite_grad_ranks(self, state: StepState, red: torch.Tensor, step: int) -> list[int]:
+        """World ranks whose gradient held a NaN/inf (``[]`` when none did: no collective).  When some did,
+        every rank knows it from ``red`` and takes part in one diagnostic all-gather of the flags (fixed
+        size, on every rank alike) that names them."""
+        if not red[2] > 0:
+            return []
+        mine = (state.grad_bad if state.grad_bad is not None else torch.zeros((), dtype=torch.float64)).reshape(1)
+        mine = mine.to(self.collective_device)
+        table = [torch.empty_like(mine) for _ in range(self.groups.world_size)]
+        with self.collectives("optimizer", step):
+            dist.all_gather(table, mine, group=self.groups.world)
+        return [r for r, f in enumerate(table) if float(f.item()) > 0]
 
     def ranks_of(self, plan: Plan, samples: Sequence[int]) -> list[int]:
         """Domain ranks of the groups holding ``samples``."""

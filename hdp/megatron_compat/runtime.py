@@ -39,6 +39,12 @@ class MegatronRuntime:
     generation: int
     """Which initialisation this is (internal)."""
 
+    @property
+    def current(self) -> bool:
+        """Whether Megatron's parallel state is still this initialisation's (no later
+        :func:`initialize_megatron` replaced it and nothing destroyed it)."""
+        return self.generation == _GENERATION[0] and parallel_state.model_parallel_is_initialized()
+
     def close(self) -> None:
         """Release the CPU shim hold and this initialisation's Megatron state (idempotent)."""
         if self.generation == _GENERATION[0] and parallel_state.model_parallel_is_initialized():

@@ -25,9 +25,10 @@ verl's:
 * **its outputs**: log-probs / entropies gathered to verl's collect rank (TP rank 0 of the last
   stage, domain rank 0) in verl's sample order; verl's metrics reduced over the groups; hdp's
   (``hdp/rounds``, ``hdp/planner_ms[_exposed]``, ``hdp/predicted_over_measured``, ``hdp/memory_*``, ...) added.
-* **verl's semantics on a non-finite loss**: as verl's FSDP engine, the update is skipped on every
-  rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1); Megatron's own optimizer would have
-  applied it (its NaN check is off outside FSDP).
+* **verl's semantics on a non-finite loss or gradient**: as verl's FSDP engine, the update is skipped on
+  every rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1) when the loss is NaN/inf, or when it
+  is finite but a gradient is NaN/inf on any rank (checked in the round core's one reduce, before the
+  update); Megatron's own optimizer would have applied it (its NaN check is off outside FSDP).
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
 
@@ -376,6 +377,9 @@ class HdpMegatronEngine(_MegatronLM):
             state = self.core.run(plan, list(data["input_ids"].unbind()), adapter, train=not forward_only)
             red = self.core.reduce(state)
         self.core.raise_adapter_error(state, red, self.step, "verl loss function")
+        if not forward_only:  # optimizer_step skips an update whose loss or gradient was not finite on any rank
+            self._nonfinite = bool(self.core.nonfinite(state, red)) or not bool(torch.isfinite(red[0])) \
+                or bool(self.core.nonfinite_grad_ranks(state, red, self.step))
         return self._collect(plan, adapter, planner)
 
     def train_batch(self, data: Any, loss_function: Callable) -> Any:
@@ -396,11 +400,18 @@ class HdpMegatronEngine(_MegatronLM):
         seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "verl loss function")
         bad = core.nonfinite(state, red)
-        extra: dict[str, Any] = {**planner, "hdp/nonfinite_skipped": [float(bool(bad))]}
-        if bad or not torch.isfinite(red[0]):
+        loss_bad = bool(bad) or not bool(torch.isfinite(red[0]))
+        grad_ranks = [] if loss_bad else core.nonfinite_grad_ranks(state, red, self.step)
+        skipped = loss_bad or bool(grad_ranks)
+        extra: dict[str, Any] = {**planner, "hdp/nonfinite_skipped": [float(skipped)]}
+        if skipped:
             core.skip_update()
-            logger.warning("hdp engine: step %d: non-finite loss on samples %s; update skipped on every rank",
-                           self.step, bad[:8])
+            if loss_bad:
+                logger.warning("hdp engine: step %d: non-finite loss on samples %s; update skipped on every rank",
+                               self.step, bad[:8])
+            else:
+                logger.warning("hdp engine: step %d: finite loss, non-finite gradient on world ranks %s; update "
+                               "skipped on every rank", self.step, grad_ranks)
             grad_norm: Any = math.nan
         else:
             with core.collectives("optimizer", self.step):
@@ -418,7 +429,13 @@ class HdpMegatronEngine(_MegatronLM):
         return out
 
     def optimizer_step(self) -> Any:
-        """The round core's optimizer step (for callers of ``forward_backward_batch``)."""
+        """The round core's optimizer step (for callers of ``forward_backward_batch``); after a
+        ``forward_backward_batch`` whose loss or gradient was NaN/inf on any rank, the update is skipped on
+        every rank and the grad norm is NaN (as in :meth:`train_batch`)."""
+        if getattr(self, "_nonfinite", False):
+            self._nonfinite = False
+            self.core.skip_update()
+            return math.nan
         ok, grad_norm = self.core.optimizer_step()
         if not ok:
             raise RuntimeError("Megatron's optimizer skipped the update (inf/NaN gradients)")
