@@ -39,7 +39,8 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
     report = run_faults(timeout_s=TIMEOUT_S, only=("in-process", "other-world"), workdir=str(tmp_path))
     _assert_report(report, {
         "loss-fn-raises", "loss-fn-detached", "loss-fn-nan", "validation-runtime-error", "different-token-ids",
-        "per-rank-truncated", "per-rank-corrupted", "dist-truncated", "dist-corrupted",
+        "nan-gradient-finite-loss", "rank-calls-save-others-train", "rank-calls-forward-others-train",
+        "save-format-differs", "ctrl-c-in-validation", "per-rank-truncated", "per-rank-corrupted", "dist-truncated", "dist-corrupted",
         "other-model-per-rank", "other-model-dist", "other-model-forged-manifest", "other-world-per-rank",
     })
     rows = {r["fault"]: r for r in report["faults"]}
@@ -49,8 +50,21 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
                          ("loss-fn-detached", "does not require grad"),
                          ("different-token-ids", "batch data mismatch"),
                          ("dist-corrupted", "is corrupted"), ("per-rank-truncated", "truncated"),
-                         ("other-model-dist", "another model"), ("other-world-per-rank", "saved with layout")):
+                         ("other-model-dist", "another model"), ("other-world-per-rank", "saved with layout"),
+                         ("nan-gradient-finite-loss", "the gradient is not finite"),
+                         ("rank-calls-save-others-train", "world rank 0 called save_checkpoint"),
+                         ("rank-calls-forward-others-train", "world rank 0 called forward"),
+                         ("save-format-differs", "format='dist'")):
         assert all(needle in (e or "") for e in rows[name]["errors"].values()), (name, rows[name]["errors"])
+    # one agreement each: every rank raised within seconds, naming what it must
+    for name in ("nan-gradient-finite-loss", "rank-calls-save-others-train", "rank-calls-forward-others-train",
+                 "save-format-differs", "ctrl-c-in-validation"):
+        assert rows[name]["seconds_to_exit"] <= 5.0, rows[name]
+    # Ctrl-C on rank 1 during validation, its process alive: it raises its KeyboardInterrupt, the others name it,
+    # and then every rank saves (the engine stayed in step)
+    ctrl_c = rows["ctrl-c-in-validation"]
+    assert ctrl_c["interrupted_rank_error"].startswith("KeyboardInterrupt"), ctrl_c
+    assert ctrl_c["peers_name_rank_1"] and ctrl_c["save_after_on_every_rank"], ctrl_c
     assert report["checks"] == {"dist-4-to-2-ranks": True}
 
 
@@ -95,11 +109,14 @@ def test_verl_engine_faults_through_the_cli() -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout)
     rows = {r["fault"]: r for r in report["faults"]}
-    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss",
+    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-nan-gradient",
                          "verl-own-error-in-round"}, rows
     for name, row in rows.items():
         assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
-    assert rows["verl-nan-loss"]["skipped_with_nan_grad_norm"] and rows["verl-nan-loss"]["usable_after"]
+    for name in ("verl-nan-loss", "verl-nan-gradient"):  # a finite loss with a NaN gradient: skipped alike
+        r = rows[name]
+        assert r["skipped_with_nan_grad_norm"] and r["nonfinite_skipped_metric"] and r["usable_after"], r
+        assert r["ranks_raised"] == [], r
     assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]
     # a rank's own error inside a round, its process alive (a Ray actor): every rank raises naming it and its
     # error within seconds (the peer waits in a CP ring on hdp's copy of the domain, which the failing rank

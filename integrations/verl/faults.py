@@ -7,7 +7,10 @@ and, on rank 1 only, inject:
 * ``verl-planning-runtime-error``: planning raises ``RuntimeError`` (not an input error);
 * ``verl-loss-fn-raises``: verl's loss function raises in a round;
 * ``verl-nan-loss``: verl's loss is NaN on rank 1's groups — as verl's FSDP engine, the update is skipped
-  on every rank and ``grad_norm`` is NaN (nothing raises; ``ok`` also needs both);
+  on every rank and ``grad_norm`` is NaN (nothing raises; ``ok`` also needs both, and
+  ``hdp/nonfinite_skipped`` = 1);
+* ``verl-nan-gradient``: verl's loss stays finite on rank 1 but its gradient is NaN (``+ sqrt(0 · loss)``):
+  skipped on every rank alike, ``grad_norm`` NaN, ``hdp/nonfinite_skipped`` = 1;
 * ``verl-own-error-in-round`` (last: the engine is unusable after it): rank 1 raises inside a round's
   forward and its process lives on, as a Ray actor does; every rank raises naming it within seconds: the
   peer is blocked in a CP ring on hdp's copy of the domain group, which the failing rank frees.  (On gloo
@@ -125,6 +128,8 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
                 value, metrics = loss_function(*a, **k)
                 if kind == "raises":
                     raise RuntimeError("injected: verl loss function bug on rank 1")
+                if kind == "nan-grad":  # the loss stays finite (+ sqrt(0) = 0), its gradient is NaN (inf x 0)
+                    return value + torch.sqrt(value * 0.0), metrics
                 return value * float("nan"), metrics
             return real(data, loss)
 
@@ -150,7 +155,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     out: dict[str, Any] = {}
     for name, kind in (("verl-planning-runtime-error", "planning"), ("verl-loss-fn-raises", "raises"),
-                       ("verl-nan-loss", "nan")):
+                       ("verl-nan-loss", "nan"), ("verl-nan-gradient", "nan-grad")):
         out[name] = attempt(kind)
     m = update()  # the engine is still usable and in step
     out["after"] = {"finite": m is None or math.isfinite(float(m["grad_norm"]))}
@@ -185,20 +190,24 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     work.mkdir(parents=True, exist_ok=True)
     res = spawn(_worker, 2, str(work), timeout_s, timeout=600.0)
     rows = []
-    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-own-error-in-round"):
+    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-nan-gradient",
+                  "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
-        if fault == "verl-nan-loss":  # verl semantics: skipped everywhere, nothing raised
+        if fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
             row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
             grad = [v["grad_norm"] for v in per.values() if v["grad_norm"] is not None]
             row["ranks_raised"] = sorted(r for r, v in per.items() if v["raised"])
             row["skipped_with_nan_grad_norm"] = bool(grad) and all(math.isnan(g) for g in grad)
-            row["ok"] = bool(row["state_unchanged"] and not row["ranks_raised"] and row["skipped_with_nan_grad_norm"])
+            skipped = [v["skipped"] for v in per.values() if v["skipped"] is not None]
+            row["nonfinite_skipped_metric"] = bool(skipped) and all(x == 1.0 for x in skipped)
+            row["ok"] = bool(row["state_unchanged"] and not row["ranks_raised"] and row["skipped_with_nan_grad_norm"]
+                             and row["nonfinite_skipped_metric"])
         else:
             row = _row(fault, 2, per, [], timeout_s)
         row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= 5.0)
         rows.append(row)
-    rows[2]["usable_after"] = all(res[r]["after"]["finite"] for r in range(2))
-    own = rows[3]
+    rows[2]["usable_after"] = rows[3]["usable_after"] = all(res[r]["after"]["finite"] for r in range(2))
+    own = rows[4]
     own["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
                                       for v in (res[r]["verl-own-error-in-round"] for r in range(2)))
     own["ok"] = bool(own["ok"] and own["names_rank_and_error"])

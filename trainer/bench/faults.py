@@ -19,7 +19,12 @@ checkpoint-writer process outlives a killed rank.
 
 Scenarios (each one spawn of local processes): ``in-process`` (4 ranks: loss_fn raising /
 detached / NaN on one rank, a RuntimeError in validation on one rank, different token ids under
-the same lengths on one rank, truncated and corrupted checkpoint files in both formats, a
+the same lengths on one rank, a finite loss with a NaN gradient on one rank (skipped on every rank:
+``NonFiniteGradientError``), one rank calling ``save_checkpoint`` or ``forward`` while the others train
+and a save whose ``format`` differs on one rank (every rank names the calls: ``CallMismatchError``), a
+real SIGINT on one rank during validation with its process alive (every rank raises within seconds, the
+interrupted one its ``KeyboardInterrupt``, and then every rank saves: ``save_after_on_every_rank``) —
+these rows also need ``seconds_to_exit`` <= 5 and the error named on every rank —, truncated and corrupted checkpoint files in both formats, a
 checkpoint of another model — verified by the manifest, and with a forged manifest so that
 Megatron itself fails half-way and the engine must roll back); ``other-world`` (2 ranks load the
 4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
@@ -60,6 +65,14 @@ __all__ = ["SCENARIOS", "run_faults"]
 SCENARIOS = ("in-process", "other-world", "sigkill-mid-step", "sigstop-mid-step", "sigkill-during-save",
              "own-error-in-round", "sigint-during-dist-checkpoint", "sigstop-during-validation",
              "calibration-log-full-disk", "verl")
+_AGREED_AT_ONCE = {
+    "nan-gradient-finite-loss": "the gradient is not finite",
+    "rank-calls-save-others-train": "call mismatch",
+    "rank-calls-forward-others-train": "call mismatch",
+    "save-format-differs": "call mismatch",
+    "ctrl-c-in-validation": "",
+}
+"""In-process rows that must end on every rank within 5 s (one agreement), and what every error names."""
 OWN_ERROR_TIMEOUT_S = 300.0
 """The collective timeout of the own-error rows: every rank must raise within seconds, long before it."""
 SLACK_S = 15.0
@@ -122,6 +135,21 @@ def digest_of(tensors: list[tuple[str, torch.Tensor]]) -> str:
         h.update(name.encode())
         h.update(v.detach().cpu().contiguous().reshape(-1).numpy().tobytes())
     return h.hexdigest()
+
+
+class _InterruptedTokens(list):
+    """Sample tensors whose iteration raises a real SIGINT (Python's handler turns it into KeyboardInterrupt)."""
+
+    def __iter__(self):
+        signal.raise_signal(signal.SIGINT)
+        return super().__iter__()
+
+
+def _Interrupting(batch):
+    """``batch`` whose tokens are read under a Ctrl-C (the engine's validation reads them first)."""
+    from hdp.trainer.engine import Batch
+
+    return Batch(tokens=_InterruptedTokens(batch.tokens), loss_mask=batch.loss_mask, extras=batch.extras)
 
 
 def _state_digest(engine) -> str:
@@ -202,6 +230,28 @@ def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[s
         engine.train_step(b, nll_loss)
 
     out["different-token-ids"] = _attempt(engine, other_tokens)
+
+    def sqrt_at_zero(local, logprobs, weights):  # a finite loss (+ 0) whose gradient is NaN (d sqrt/dx = inf at 0)
+        loss = -(weights * logprobs).sum()
+        return loss + torch.sqrt(logprobs.sum() * 0.0) if rank == 1 else loss
+
+    out["nan-gradient-finite-loss"] = _attempt(engine, lambda: engine.train_step(_batch(1), sqrt_at_zero))
+    # one rank calls another method, or the same with other arguments, while the others train
+    train = lambda: engine.train_step(_batch(1), nll_loss)  # noqa: E731
+    out["rank-calls-save-others-train"] = _attempt(
+        engine, (lambda: engine.save_checkpoint(root / "lone", format="per-rank")) if rank == 0 else train)
+    out["rank-calls-forward-others-train"] = _attempt(engine, (lambda: engine.forward(_batch(1))) if rank == 0 else train)
+    out["save-format-differs"] = _attempt(
+        engine, lambda: engine.save_checkpoint(root / "fmt", format="dist" if rank == 0 else "per-rank"))
+
+    def ctrl_c_in_validation():  # a real SIGINT on rank 1 while its validation reads the batch
+        b = _batch(1)
+        engine.train_step(_Interrupting(b) if rank == 1 else b, nll_loss)
+
+    out["ctrl-c-in-validation"] = _attempt(engine, ctrl_c_in_validation)
+    # the trainer caught it and saves on every rank: the engine is still in step
+    out["ctrl-c-in-validation"]["save_after"] = _first_line(
+        _error_of(lambda: engine.save_checkpoint(root / "after-ctrl-c", format="per-rank")))
     engine.train_step(_batch(1), nll_loss)  # the engine is still in step after every fault above
 
     # checkpoints: save both formats at this step, train on, then load damaged copies
@@ -648,6 +698,17 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         res = spawn(_in_process, 4, str(d), timeout_s, timeout=limit)
         for fault in res[0]:
             rows.append(_row(fault, 4, {r: res[r][fault] for r in range(4)}, [], timeout_s))
+            errors = [res[r][fault]["error"] or "" for r in range(4)]
+            if fault in _AGREED_AT_ONCE:  # agreed in the call's first collective or the step's reduce: seconds
+                rows[-1]["names"] = all(_AGREED_AT_ONCE[fault] in e for e in errors)
+                rows[-1]["ok"] = bool(rows[-1]["ok"] and rows[-1]["names"] and rows[-1]["seconds_to_exit"] <= 5.0)
+            if fault == "ctrl-c-in-validation":
+                rows[-1]["interrupted_rank_error"] = errors[1]
+                rows[-1]["peers_name_rank_1"] = all("world ranks [1]" in e and "KeyboardInterrupt" in e
+                                                    for r, e in enumerate(errors) if r != 1)
+                rows[-1]["save_after_on_every_rank"] = all(res[r][fault]["save_after"] is None for r in range(4))
+                rows[-1]["ok"] = bool(rows[-1]["ok"] and errors[1].startswith("KeyboardInterrupt")
+                                      and rows[-1]["peers_name_rank_1"] and rows[-1]["save_after_on_every_rank"])
         if "other-world" in chosen:
             res2 = spawn(_other_world, 2, str(d), timeout_s, timeout=limit)
             rows.append(_row("other-world-per-rank", 2, {r: res2[r]["other-world-per-rank"] for r in range(2)}, [], timeout_s))
