@@ -23,10 +23,14 @@ single-process loss), its loss adapter (``loss_fn`` on each round's local tokens
 :meth:`HdpEngine.forward` and checkpoints (:mod:`hdp.trainer.checkpoint`).
 
 Errors (README "Failure behaviour").  Whatever fails on one rank fails on every rank of the job,
-before the next collective and with nothing applied: validation and planning errors of any type are
-agreed before the rounds; a ``loss_fn`` failure is recorded where it happens, the rounds go on with
-a zero loss so the collectives line up, and the step guard raises it everywhere after the reduce; a
-NaN/inf loss skips the update everywhere and raises :class:`NonFiniteLossError`.  A phase that breaks
+before the next collective and with nothing applied: every public call that communicates starts with
+one fixed-size agreement over the job carrying the call's name and arguments, its validation and
+planning outcome (errors of any type, ``BaseException`` included), the plan checksum and the batch
+digest — a rank that calls something else is named on every rank (:class:`CallMismatchError`); a
+``loss_fn`` failure is recorded where it happens, the rounds go on with a zero loss so the collectives
+line up, and the step guard raises it everywhere after the reduce; a NaN/inf loss, or a NaN/inf
+gradient on any rank (checked on the device and carried by the step's one reduce), skips the update
+everywhere and raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientError`).  A phase that breaks
 off inside its collectives (a peer died or hangs: ``EngineConfig.collective_timeout_s``) raises
 :class:`~hdp.guard.DomainUnreachableError` and leaves the engine refusing further calls.
 
