@@ -11,11 +11,18 @@ checked in one place.  Private upstream state used here, and why:
   ``strategy == "megatron"`` (verl/workers/config/engine.py:217); hdp's engine config subclasses it
   and keeps the rest of its validation by running it with the strategy set to ``"megatron"`` for the
   duration of the call.  Can go when verl drops the assert or accepts registered strategies.
+* :func:`own_mini_batch_loop` — wraps ``TrainingWorker.train_mini_batch`` and
+  ``tensordict_utils.make_iterator`` so an hdp engine's worker trains stock verl's mini-batches (and
+  plans each next one ahead).
+* :func:`dispatch_dp_size` / :func:`balance_batch_for_stock_dp` — a worker group's cached dispatch info
+  (``_dispatch_info``), reported with stock's DP size while verl's trainer balances the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import os
 import weakref
@@ -180,41 +187,143 @@ def megatron_group_timeout(seconds: float) -> Iterator[None]:
 
 
 _AHEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()
-"""hdp training engines of this process that verl's mini-batch iterator announces to."""
+"""hdp training engines of this process whose mini-batch loop hdp runs (`own_mini_batch_loop`)."""
+_LOOP: "contextvars.ContextVar[Any]" = contextvars.ContextVar("hdp_mini_batch_loop", default=None)
+"""The hdp engine whose ``TrainingWorker.train_mini_batch`` is running (None: verl's own loop)."""
 
 
-def plan_ahead_iterators(engine: Any) -> None:
-    """Make verl's mini-batch loop (``TrainingWorker.train_mini_batch`` iterates
-    ``tensordict_utils.make_iterator``, its only caller) announce each next mini-batch to ``engine``
-    before handing out the current one, so hdp plans it on a background thread while the current one
-    trains (`hdp.trainer.plan_ahead`).  The iterator yields the same mini-batches in the same order; it
-    holds one mini-batch ahead.  Installed once per process; engines are held weakly."""
+def own_mini_batch_loop(engine: Any) -> None:
+    """Make verl's mini-batch loop (``TrainingWorker.train_mini_batch``, the only caller of
+    ``tensordict_utils.make_iterator``) of a worker whose engine is ``engine``:
+
+    * iterate **stock verl's mini-batches** for ``engine``'s domain of D ranks
+      (:mod:`hdp.integrations.verl.minibatches`: the loop sees a DP size of 1 and would otherwise cut
+      contiguous slices of the whole batch), and
+    * announce each next mini-batch to ``engine`` before handing out the current one, so hdp plans it on
+      a background thread while the current one trains (`hdp.trainer.plan_ahead`; the iterator holds one
+      mini-batch ahead).
+
+    Why a patch: verl 0.9.1 forms the mini-batches in the worker from the engine's DP rank and size
+    alone (``workers/engine_workers.py``, ``train_mini_batch``).  Wraps ``TrainingWorker.train_mini_batch``
+    (marks the running engine in a context variable; verl's ``register`` attributes are kept) and
+    ``make_iterator`` (answers for the marked engine only; any other caller gets verl's).  Installed
+    once per process; engines are held weakly.  Can go when verl asks the engine for its mini-batches."""
     _AHEAD.add(engine)
     tu = tensordict_utils()
-    if getattr(tu.make_iterator, "_hdp_ahead", False):
-        return
-    orig = tu.make_iterator
+    if not getattr(tu.make_iterator, "_hdp_loop", False):
+        orig = tu.make_iterator
 
-    def make_iterator(*args: Any, **kwargs: Any) -> Any:
-        return _one_ahead(orig(*args, **kwargs))
+        def make_iterator(tensordict: Any, mini_batch_size: int, epochs: int, seed: Any = None,
+                          dataloader_kwargs: Any = None) -> Any:
+            owner = _LOOP.get()
+            if owner is None:
+                return orig(tensordict, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs)
+            return _one_ahead(_stock_iterator(owner, orig, tensordict, mini_batch_size, epochs, seed,
+                                              dataloader_kwargs), owner)
 
-    make_iterator._hdp_ahead = True  # type: ignore[attr-defined]
-    tu.make_iterator = make_iterator
+        make_iterator._hdp_loop = True  # type: ignore[attr-defined]
+        make_iterator.__doc__ = orig.__doc__
+        tu.make_iterator = make_iterator
+    from verl.workers.engine_workers import TrainingWorker
+
+    loop = TrainingWorker.train_mini_batch
+    if not getattr(loop, "_hdp_loop", False):
+
+        @functools.wraps(loop)
+        def train_mini_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            engine = getattr(self, "engine", None)
+            token = _LOOP.set(engine if engine is not None and engine in _AHEAD else None)
+            try:
+                return loop(self, *args, **kwargs)
+            finally:
+                _LOOP.reset(token)
+
+        train_mini_batch._hdp_loop = True  # type: ignore[attr-defined]
+        TrainingWorker.train_mini_batch = train_mini_batch
 
 
-def _one_ahead(it: Any) -> Iterator[Any]:
+_WARNED: set[tuple[int, int, int]] = set()
+
+
+def _stock_iterator(engine: Any, make_iterator: Any, data: Any, mini_batch_size: int, epochs: int, seed: Any,
+                    dataloader_kwargs: Any) -> Iterator[Any]:
+    from hdp.integrations.verl import minibatches
+
+    dp = int(engine.domain.size)
+    n = int(data.batch_size[0])
+    idx = minibatches.stock_minibatch_indices(n, dp, int(mini_batch_size), int(epochs), seed, dataloader_kwargs,
+                                              make_iterator)
+    if idx is None:
+        if dp > 1 and (n, int(mini_batch_size), dp) not in _WARNED:
+            _WARNED.add((n, int(mini_batch_size), dp))
+            logger.warning(
+                "hdp engine: a batch of %d samples in mini-batches of %d does not split over the %d data-parallel "
+                "ranks stock verl would use (its worker asserts); training contiguous mini-batches of the batch",
+                n, mini_batch_size, dp)
+        return iter(make_iterator(data, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs))
+    return minibatches.stock_minibatches(data, idx, tensordict_utils().index_select_tensor_dict)
+
+
+def _one_ahead(it: Any, engine: Any) -> Iterator[Any]:
     it = iter(it)
     cur = next(it, None)
     if cur is None:
         return
-    for engine in list(_AHEAD):
-        engine.announce([cur])
+    engine.announce([cur])
     for nxt in it:
-        for engine in list(_AHEAD):
-            engine.announce([nxt], extend=True)
+        engine.announce([nxt], extend=True)
         yield cur
         cur = nxt
     yield cur
+
+
+@contextlib.contextmanager
+def dispatch_dp_size(worker_group: Any, mesh: str, dp_size: int) -> Iterator[None]:
+    """While active, ``worker_group`` reports ``dp_size`` data-parallel ranks for ``mesh`` to code that
+    reads verl's cached dispatch info (``_dispatch_info[mesh]``: the DP rank of every worker; verl's DP
+    size is its maximum + 1).  The real mapping is queried first if verl has not cached it yet and is
+    restored on exit, so verl's dispatch is unchanged."""
+    info = worker_group._dispatch_info
+    if mesh not in info:
+        info[mesh] = worker_group._query_dispatch_info(mesh)
+    real = info[mesh]
+    info[mesh] = list(range(dp_size))
+    try:
+        yield
+    finally:
+        info[mesh] = real
+
+
+def balance_batch_for_stock_dp(trainer_cls: type) -> bool:
+    """Make ``trainer_cls._balance_batch`` balance for stock verl's DP size when the actor runs on hdp;
+    True if this call patched.
+
+    Why: verl 0.9.1's trainers read the DP size to balance for from the actor's dispatch info
+    (``trainer/ppo/v1/trainer_base.py`` ``_balance_batch``, ``trainer/ppo/ray_trainer.py``
+    ``_get_dp_size``), and an hdp engine reports 1 (every domain rank receives the whole batch), so the
+    batch would be balanced for one part: other samples would train together than under stock verl at
+    the same world size.  For the call only, the actor's dispatch info reports
+    :func:`hdp.integrations.verl.minibatches.trainer_dp_size` ranks (`dispatch_dp_size`); the batch is
+    then ordered as stock's, part after part, and the hdp worker's loop (`own_mini_batch_loop`) cuts the
+    same mini-batches from it.  Can go when verl asks the engine for the DP size to balance for."""
+    orig = trainer_cls.__dict__.get("_balance_batch")
+    if orig is None or getattr(orig, "_hdp_guard", False):
+        return False
+
+    @functools.wraps(orig)
+    def _balance_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        from hdp.integrations.verl.minibatches import trainer_dp_size
+
+        wg = self.actor_rollout_wg
+        dp = trainer_dp_size(self.config, int(wg.world_size))
+        if dp is None:
+            return orig(self, batch, *args, **kwargs)
+        with dispatch_dp_size(wg, "actor", dp):
+            return orig(self, batch, *args, **kwargs)
+
+    _balance_batch._hdp_guard = True  # type: ignore[attr-defined]
+    trainer_cls._balance_batch = _balance_batch
+    return True
 
 
 def release_engine(engine: Any) -> None:

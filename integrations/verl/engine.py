@@ -218,8 +218,8 @@ class HdpMegatronEngine(_MegatronLM):
     def initialize(self) -> None:
         super().initialize()
         self._build_core(None)
-        if not getattr(self.engine_config, "forward_only", False):  # verl's mini-batch loop announces the next one
-            compat.plan_ahead_iterators(self)
+        if not getattr(self.engine_config, "forward_only", False):  # stock's mini-batches, each planned ahead
+            compat.own_mini_batch_loop(self)
 
     def _build_core(self, shape: ModelShape | None) -> None:
         """The round core and the one planner of this engine (settings resolved once, here)."""

@@ -20,6 +20,9 @@ reward processes never need.  So this module only
   actor config fail with an error that names the override to use (:func:`guard_megatron_actor`),
   and runs hdp's config checks on verl's other actor configs with ``strategy=hdp``
   (:func:`guard_hdp_strategy_actor`: token budgets, Ulysses, ``model.use_remove_padding``);
+* when verl's trainers (``verl.trainer.ppo.ray_trainer``, ``verl.trainer.ppo.v1.trainer_base``) are
+  imported, makes their ``_balance_batch`` balance for stock verl's data-parallel size when the actor
+  runs on hdp (:func:`hdp.integrations.verl.compat.balance_batch_for_stock_dp`);
 * makes Hydra's "Key 'hdp' is not in struct" for an ``actor_rollout_ref.actor.hdp.*`` override on a
   config without hdp's options name the missing ``model_engine=hdp`` (:func:`guard_hydra_overrides`).
 
@@ -260,7 +263,11 @@ def guard_hydra_overrides() -> bool:
     return True
 
 
-_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn"}
+_TRAINERS = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
+"""verl's trainer base classes whose ``_balance_batch`` balances for stock's DP size under hdp (the
+separate-, fully-async and one-step-off trainers inherit the legacy one)."""
+_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn",
+          **{m: "_balance_or_warn" for m in _TRAINERS}}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -331,6 +338,19 @@ def _guard_or_warn(module: ModuleType) -> bool:
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
+def _balance_or_warn(module: ModuleType) -> bool:
+    try:
+        from hdp.integrations.verl import compat
+
+        compat.balance_batch_for_stock_dp(getattr(module, _TRAINERS[module.__name__]))
+        return True
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not make %s balance for stock verl's data-parallel size (%s: %s); "
+                       "under hdp its mini-batches then differ from stock verl's", module.__name__,
+                       type(exc).__name__, exc)
         return False
 
 

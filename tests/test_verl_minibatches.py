@@ -1,0 +1,325 @@
+"""hdp trains the mini-batches stock verl trains at the same world size (``hdp.integrations.verl.minibatches``).
+
+Through verl's own code: the trainer's ``_balance_batch`` (v1 ``PPOTrainer`` and the legacy
+``RayPPOTrainer``, patched by the plugin when they are imported) and the worker's
+``TrainingWorker.train_mini_batch`` loop (``compat.own_mini_batch_loop``), each run for an hdp actor
+(verl sees DP size 1) and for stock verl's D data-parallel ranks (each rank its contiguous part, as
+verl's dispatch hands it), on the same batch.  The sets of samples per mini-batch must be equal; the
+same batch under verl's unpatched DP-1 grouping must differ (the check can fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("verl")
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+LENGTHS = [30, 3, 17, 9, 25, 4, 12, 40, 7, 22, 5, 14]  # 12 samples of one batch, uneven workloads
+
+
+def _config(strategy: str, *, tp: int = 1, pp: int = 1, mini: int = 3, n: int = 2):
+    return OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"strategy": strategy, "ppo_mini_batch_size": mini,
+                                        "megatron": {"tensor_model_parallel_size": tp,
+                                                     "pipeline_model_parallel_size": pp}},
+                              "rollout": {"n": n}},
+        "trainer": {"critic_warmup": 0},
+    })
+
+
+class _Group:
+    """The worker-group surface verl's ``_balance_batch`` reads: world size and the actor's dispatch info."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.world_size = len(ranks)
+        self._ranks = ranks
+        self._dispatch_info: dict[str, list[int]] = {}
+
+    def _query_dispatch_info(self, mesh: str) -> list[int]:
+        return list(self._ranks)
+
+
+def _legacy_order(strategy: str, ranks: list[int], *, tp: int = 1) -> list[int]:
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    width = max(LENGTHS) + 2
+    mask = torch.zeros(len(LENGTHS), width, dtype=torch.int64)
+    for i, n in enumerate(LENGTHS):
+        mask[i, :n] = 1
+    batch = DataProto.from_dict({"attention_mask": mask, "sid": torch.arange(len(LENGTHS))})
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config, trainer.actor_rollout_wg = _config(strategy, tp=tp), _Group(ranks)
+    trainer._balance_batch(batch, metrics={})
+    assert trainer.actor_rollout_wg._dispatch_info["actor"] == ranks  # verl's dispatch info is left as it was
+    return batch.batch["sid"].tolist()
+
+
+def _v1_order(strategy: str, ranks: list[int]) -> list[int]:
+    pytest.importorskip("transfer_queue")
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import PPOTrainerSync  # main_ppo's sync trainer; _balance_batch is PPOTrainer's
+
+    batch = KVBatchMeta(keys=[str(i) for i in range(len(LENGTHS))], tags=[{"seq_len": n} for n in LENGTHS],
+                        partition_id="train")
+    trainer = object.__new__(PPOTrainerSync)
+    trainer.config, trainer.actor_rollout_wg = _config(strategy), _Group(ranks)
+    trainer.use_critic, trainer.global_steps, trainer.tokenizer = False, 1, SimpleNamespace(eos_token_id=0)
+    out = trainer._balance_batch(batch, metrics={})
+    assert trainer.actor_rollout_wg._dispatch_info["actor"] == ranks
+    return [int(k) for k in out.keys]
+
+
+@pytest.mark.parametrize("order", [_legacy_order, _v1_order], ids=["legacy", "v1"])
+def test_trainer_balances_an_hdp_batch_for_stock_dp_size(order):
+    stock = order("megatron", [0, 1])  # stock verl, DP 2
+    hdp = order("hdp", [0, 0])  # hdp: every rank is DP rank 0
+    one = order("megatron", [0, 0])  # what verl does with the DP size hdp reports, unpatched
+    assert hdp == stock
+    assert one != stock
+
+
+def test_trainer_dp_size_follows_tp_and_pp():
+    # 8 ranks of TP 2: stock verl's DP is 4, the hdp domain's size
+    stock = _legacy_order("megatron", [0, 0, 1, 1, 2, 2, 3, 3])
+    assert _legacy_order("hdp", [0] * 8, tp=2) == stock
+    from hdp.integrations.verl.minibatches import trainer_dp_size
+
+    assert trainer_dp_size(_config("hdp", tp=2, pp=2), 8) == 2
+    assert trainer_dp_size(_config("megatron"), 8) is None
+    with pytest.raises(ValueError, match="not a multiple of TP 2 x PP 2"):
+        trainer_dp_size(_config("hdp", tp=2, pp=2), 6)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+class _Engine:
+    """The engine surface ``TrainingWorker.train_mini_batch`` uses; records each mini-batch's sample ids."""
+
+    def __init__(self, dp_rank: int, dp_size: int, group, domain: int | None = None) -> None:
+        self.rank, self.size, self.group, self.seen = dp_rank, dp_size, group, []
+        if domain is not None:  # an hdp engine: DP 1 to verl, a domain of `domain` ranks
+            self.domain = SimpleNamespace(size=domain)
+        self.announced = 0
+
+    def get_data_parallel_size(self):
+        return self.size
+
+    def get_data_parallel_rank(self):
+        return self.rank
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def is_mp_src_rank_with_outputs(self):
+        return False
+
+    def train_mode(self, **kwargs):
+        return contextlib.nullcontext()
+
+    def announce(self, batches, extend=False):
+        self.announced += len(batches)
+
+
+def _loop(engine, data) -> list[list[int]]:
+    from verl.workers.engine_workers import TrainingWorker
+
+    worker = object.__new__(TrainingWorker)
+    worker.engine, worker.profiler = engine, SimpleNamespace(step=lambda: None)
+    worker.train_batch = lambda td: engine.seen.append(td["sid"].tolist())
+    TrainingWorker.train_mini_batch(worker, data)
+    return engine.seen
+
+
+def _batch(rows: range, *, mini: int, epochs: int, shuffle: bool):
+    from verl.utils import tensordict_utils as tu
+
+    ids = [torch.arange(LENGTHS[i]) for i in rows]
+    return tu.get_tensordict({"input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+                              "sid": torch.tensor(list(rows))},
+                             non_tensor_dict={"mini_batch_size": mini, "epochs": epochs, "seed": 7,
+                                              "dataloader_kwargs": {"shuffle": shuffle}})
+
+
+@pytest.mark.parametrize("shuffle,epochs", [(False, 1), (True, 2)])
+def test_worker_loop_trains_stock_minibatches(shuffle, epochs):
+    from hdp.integrations.verl import compat
+
+    n, dp, mini = len(LENGTHS), 3, 6  # 12 samples, 3 stock DP ranks, mini-batches of 6: 2 per epoch
+    with _one_rank_group() as group:
+        ranks = []
+        for r in range(dp):  # stock verl: rank r gets its contiguous part and cuts mini / dp per mini-batch
+            part = range(r * n // dp, (r + 1) * n // dp)
+            ranks.append(_loop(_Engine(r, dp, group), _batch(part, mini=mini, epochs=epochs, shuffle=shuffle)))
+        stock = [sorted(sum(shares, [])) for shares in zip(*ranks)]
+        plain = _loop(_Engine(0, 1, group), _batch(range(n), mini=mini, epochs=epochs, shuffle=shuffle))
+        hdp_engine = _Engine(0, 1, group, domain=dp)
+        compat.own_mini_batch_loop(hdp_engine)
+        hdp = _loop(hdp_engine, _batch(range(n), mini=mini, epochs=epochs, shuffle=shuffle))
+    assert len(stock) == 2 * epochs
+    assert [sorted(m) for m in hdp] == stock
+    assert [sorted(m) for m in plain] != stock  # verl's loop at DP 1 groups other samples
+    assert hdp_engine.announced == len(hdp)  # each mini-batch was announced ahead to this engine
+
+
+def test_worker_loop_keeps_contiguous_minibatches_where_stock_cannot_split():
+    from hdp.integrations.verl import compat
+
+    with _one_rank_group() as group:
+        engine = _Engine(0, 1, group, domain=5)  # 5 does not divide 12 (stock verl's worker would assert)
+        compat.own_mini_batch_loop(engine)
+        got = _loop(engine, _batch(range(12), mini=6, epochs=1, shuffle=False))
+    assert got == [list(range(6)), list(range(6, 12))]
+
+
+# ---- hdp against stock verl's engine through verl's worker (2 CPU ranks) ----------------------------
+
+SAMPLES = [(5, 9), (3, 30), (7, 12), (4, 20), (6, 4), (2, 26), (5, 15), (3, 8)]  # (prompt, response)
+MINI = 4  # two mini-batches of 4: stock DP rank r trains 2 of its part per mini-batch
+STOCK_FSDP = [  # verl's own FSDP2 engine on CPU: padded (no flash-attn), torch SDPA, fp32 compute
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.model.use_remove_padding=False",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+]
+
+
+def _update_worker(rank: int, world: int, model_path: str, engine: str, extra_path: str) -> list[float]:
+    """One ``update_actor`` of two mini-batches by verl's ``ActorRolloutRefWorker`` on ``engine`` (``hdp`` or
+    stock ``fsdp``); returns each mini-batch's grad norm.  Stock ranks receive their contiguous half of the
+    batch (verl's dispatch at DP 2); hdp ranks the whole batch (DP 1)."""
+    from hdp.integrations.verl.cpu import install, worker as W
+
+    W.environment_for_rank(rank, world)
+    install()
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    import verl.trainer.config as vtc
+    from verl.utils import tensordict_utils as tu
+    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.cpu.tiny import VOCAB
+
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    common = [f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.optim.lr=1e-6",
+              "actor_rollout_ref.actor.optim.weight_decay=0.0"]
+    if engine == "hdp":
+        cfg = W.compose(model_path, budget=64, records=None, overrides=[
+            *common, "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo", "actor_rollout_ref.actor.hdp.auto_calibrate=false"])
+    else:
+        os.environ["VERL_ENGINE_DEVICE"] = "cuda"  # verl registers its FSDP engine for cuda; it runs on CPU
+        with initialize_config_dir(config_dir=os.path.dirname(vtc.__file__), version_base=None):
+            cfg = compose("ppo_trainer", overrides=[
+                "algorithm.adv_estimator=grpo", f"actor_rollout_ref.model.path={model_path}", *STOCK_FSDP, *common,
+                "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
+                "actor_rollout_ref.actor.optim.total_training_steps=100"])
+    act = W.actor_worker(cfg)
+    samples = B.random_samples(SAMPLES, VOCAB, seed=1)
+    extra = torch.load(extra_path)
+    rows = slice(None) if engine == "hdp" else slice(rank * len(SAMPLES) // world, (rank + 1) * len(SAMPLES) // world)
+    padded = B.padded_batch(samples, pad_id=0)
+    width = padded["responses"].shape[1]
+    mine = {k: v[rows] for k, v in padded.items()}
+    mine_extra = {k: v[rows, :width] for k, v in extra.items()}
+    out = act.update_actor(B.update_batch(mine, mine_extra, mini_batch_size=MINI, calculate_entropy=True))
+    if out is None:
+        return []
+    return [float(g) for g in tu.get(out, "metrics")["grad_norm"]]
+
+
+def _hf_grad_norms(model_path: str, extra: dict, groups: list[list[int]]) -> list[float]:
+    """fp32 HF + verl's ppo_loss, each mini-batch of ``groups`` whole in one process, no optimizer step:
+    the grad norm of the first mini-batch of each grouping."""
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+    from hdp.integrations.verl.cpu import batches as B, worker as W
+    from hdp.integrations.verl.cpu.tiny import VOCAB
+
+    cfg = W.compose(model_path, budget=64, records=None, overrides=[
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01"])
+    actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    samples = B.random_samples(SAMPLES, VOCAB, seed=1)
+    out = []
+    for group in groups:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        sub = [samples[i] for i in group]
+        padded = B.padded_batch(samples, pad_id=0)
+        width = padded["responses"].shape[1]
+        padded = {k: v[group] for k, v in padded.items()}
+        data = B.update_batch(padded, {k: v[group, :width] for k, v in extra.items()}, mini_batch_size=len(group),
+                              calculate_entropy=True)
+        logps, ents = [], []
+        for p, r in sub:
+            ids = torch.tensor(p + r)[None]
+            full = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            lp = full[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            logps.append(torch.cat([lp, lp.new_zeros(1)]))
+            ents.append(-(full.exp() * full).sum(-1))
+        mask = data["loss_mask"]
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.values().sum() if mask.is_nested else mask.sum()))
+        loss, _ = partial(ppo_loss, config=actor_cfg)(
+            model_output={"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged),
+                          "entropy": torch.nested.as_nested_tensor(ents, layout=torch.jagged)}, data=data)
+        loss.backward()
+        out.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                                if p.grad is not None]))))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_hdp_trains_stock_verls_minibatches_through_the_worker(tmp_path):
+    """verl's ``ActorRolloutRefWorker.update_actor`` on 2 ranks, two mini-batches: stock verl's FSDP engine
+    (DP 2) and the hdp engine (DP 1 to verl, a domain of 2) train the same mini-batches — each
+    mini-batch's grad norm equal to fp32 round-off (1e-4 relative, the worker-path test's tolerance for
+    HF against hdp).  The first mini-batch contiguous (verl's loop at DP 1) has another grad norm."""
+    pytest.importorskip("mbridge")
+    from dist_helper import run_distributed
+    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+
+    model = str(build_tiny(tmp_path / "model"))
+    padded = B.padded_batch(B.random_samples(SAMPLES, VOCAB, seed=1), pad_id=0)
+    g = torch.Generator().manual_seed(3)
+    shape = padded["responses"].shape
+    old = -torch.rand(shape, generator=g) * padded["response_mask"]
+    extra = {"old_log_probs": old, "advantages": torch.randn(shape, generator=g) * padded["response_mask"],
+             "ref_log_prob": old - 0.1 * torch.rand(shape, generator=g)}
+    torch.save(extra, tmp_path / "extra.pt")
+    stock = [x for x in run_distributed(_update_worker, 2, model, "fsdp", str(tmp_path / "extra.pt"), timeout=600) if x][0]
+    hdp = [x for x in run_distributed(_update_worker, 2, model, "hdp", str(tmp_path / "extra.pt"), timeout=600) if x][0]
+    assert len(stock) == len(hdp) == 2, (stock, hdp)
+    for a, b in zip(stock, hdp):
+        assert abs(a - b) <= 1e-4 * a, (stock, hdp)
+    # stock's first mini-batch is rank 0's first 2 samples and rank 1's first 2; at DP 1 it would be samples 0-3
+    ref_stock, ref_contiguous = _hf_grad_norms(model, extra, [[0, 1, 4, 5], [0, 1, 2, 3]])
+    assert abs(ref_stock - stock[0]) <= 1e-4 * ref_stock, (ref_stock, stock)
+    assert abs(ref_contiguous - hdp[0]) > 1e-2 * ref_contiguous, (ref_contiguous, hdp)
+    print(f"grad norms: stock {stock}, hdp {hdp}, HF stock's first {ref_stock}, HF contiguous first {ref_contiguous}")
