@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
@@ -164,11 +165,22 @@ class DomainGroups:
     """This process's rank inside the domain."""
     blocks: Mapping[tuple[int, int], dist.ProcessGroup]
     """(start, size) -> process group, for the blocks this rank belongs to (read-only)."""
+    _rings: "weakref.WeakSet[RingSpec]" = field(default_factory=weakref.WeakSet, compare=False, repr=False)
 
     @property
     def size(self) -> int:
         """Number of ranks in the domain (N)."""
         return len(self.global_ranks)
+
+    def detach(self) -> None:
+        """Drop every reference this object and the rings it made hold to the process groups (before the
+        groups are destroyed).  A failed step can leave its autograd graph alive for a while (a CP attention
+        node keeps its ring); on gloo a group closes its connections — which is what releases a peer blocked
+        on it — only with its last reference, so the rings must not keep it.  The object is unusable after."""
+        for ring in list(self._rings):
+            object.__setattr__(ring, "group", None)
+        object.__setattr__(self, "domain", None)
+        object.__setattr__(self, "blocks", MappingProxyType({}))
 
     @classmethod
     def build(cls, domain_group: dist.ProcessGroup, *, timeout_s: float | None = None) -> "DomainGroups":
@@ -232,12 +244,14 @@ class DomainGroups:
                 f"ring (start={start}, size={size}) does not contain domain rank {self.domain_rank}; "
                 "only members build their ring"
             )
-        return RingSpec(
+        ring = RingSpec(
             group=self.domain,
             start=start,
             ranks=self.global_ranks[start : start + size],
             position=self.domain_rank - start,
         )
+        self._rings.add(ring)
+        return ring
 
 
 @dataclass(frozen=True)

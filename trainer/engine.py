@@ -646,6 +646,7 @@ class HdpEngine:
         self._core.close()
         for chunk in self._chunks:
             mc.release_ddp(chunk)
+        self._groups.domain.detach()  # rings a failed step's autograd graph still holds keep no group alive
         if self._shared is not None:
             self._shared.release()
         if self._ledger is not None:
