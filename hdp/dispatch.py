@@ -556,6 +556,8 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
     if local.shape[0] != meta.num_tokens:
         raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
                          f"{meta.num_tokens} tokens")
+    if meta.k == 1:  # a rank alone holds its samples whole, in group order (chunks 0 and 1 of each, in turn)
+        return local
     lengths = torch.tensor(meta.group_lengths, dtype=torch.int64)  # [Sg]
     first = torch.zeros(plan.num_samples, dtype=torch.int64)  # [S]: a group sample's first row in the flat output
     if meta.samples:
@@ -565,19 +567,18 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
         return (first[m.sample_index] + m.position_ids).to(local.device)
 
     flat = local.new_zeros((int(lengths.sum()), *local.shape[1:]))  # [Σ L_i, ...]
-    if meta.k > 1:
-        peers = [local_meta(plan, q, meta.round_index) for q in range(meta.group_start, meta.group_start + meta.k)]
-        peers = [m for m in peers if m.rank != meta.rank and m.num_tokens > 0]
-        bufs = [local.new_empty((m.num_tokens, *local.shape[1:])) for m in peers]
-        send = local.detach().contiguous()
-        ops = []
-        for m, buf in zip(peers, bufs):
-            peer = groups.global_ranks[m.rank]
-            if send.shape[0]:
-                ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, _TAG_GROUP))
-            ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
-        for work in (dist.batch_isend_irecv(ops) if ops else []):
-            work.wait()
-        for m, buf in zip(peers, bufs):
-            flat[rows(m)] = buf  # the peers' rows, detached
+    peers = [local_meta(plan, q, meta.round_index) for q in range(meta.group_start, meta.group_start + meta.k)]
+    peers = [m for m in peers if m.rank != meta.rank and m.num_tokens > 0]
+    bufs = [local.new_empty((m.num_tokens, *local.shape[1:])) for m in peers]
+    send = local.detach().contiguous()
+    ops = []
+    for m, buf in zip(peers, bufs):
+        peer = groups.global_ranks[m.rank]
+        if send.shape[0]:
+            ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, _TAG_GROUP))
+        ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
+    for work in (dist.batch_isend_irecv(ops) if ops else []):
+        work.wait()
+    for m, buf in zip(peers, bufs):
+        flat[rows(m)] = buf  # the peers' rows, detached
     return flat.index_put((rows(meta),), local)  # out-of-place: grad flows to `local`

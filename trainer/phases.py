@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-__all__ = ["PHASES", "LATE_PHASES", "PhaseTimer", "metric_name"]
+__all__ = ["PHASES", "LATE_PHASES", "PhaseTimer", "metric_name", "median_phases"]
 
 PHASES: tuple[str, ...] = ("plan", "agree", "rounds", "loss", "exchange", "reduce", "optimizer", "calibrate", "collect")
 """Every phase, in step order (``loss`` and ``exchange`` are parts of ``rounds``)."""
@@ -89,3 +91,18 @@ class PhaseTimer:
         if len(slowest) != len(PHASES):
             raise ValueError(f"slowest has {len(slowest)} entries; one per phase of {PHASES}")
         return {metric_name(p): float(s) for p, s in zip(PHASES, slowest)}
+
+
+def median_phases(steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Median over steps of each phase's ``hdp/time/<phase>`` metric (a bench's per-phase summary;
+    a value may be a verl-style one-element list; NaN and absent entries skipped, NaN when none)."""
+    out = {}
+    for p in PHASES:
+        vals = []
+        for m in steps:
+            v = m.get(metric_name(p), math.nan)
+            v = float(v[0] if isinstance(v, (list, tuple)) else v)
+            if math.isfinite(v):
+                vals.append(v)
+        out[p] = statistics.median(vals) if vals else math.nan
+    return out

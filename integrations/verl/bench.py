@@ -27,7 +27,9 @@ relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (
 verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
 ``ppo_loss``) on **one** model and optimizer (the verl engine wraps the library engine's chunks)
 and the same plan (``same_plan``, from both doors' ``hdp/plan_id``; ``loss_match``: their losses on
-the same weights), alternating; ``verl_over_library`` is the ratio of their median steps.
+the same weights), alternating; ``verl_over_library`` is the ratio of their median steps (wall
+clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other work
+on a shared machine distorts least).  ``speedup_cpu_time``: the paths' ratio of CPU seconds.
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
 few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
@@ -45,6 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hdp.trainer.phases import median_phases
+
 __all__ = [
     "BASELINE",
     "tiny_model_config",
@@ -56,7 +60,6 @@ __all__ = [
     "library_ppo_loss",
     "library_batch",
     "plan_that_ran",
-    "phase_medians",
     "main_grads",
     "reference_step",
     "bench_verl",
@@ -349,14 +352,17 @@ def library_batch(lengths: Sequence[tuple[int, int]], data: Any) -> Any:
                          "advantages": [per_token(adv, i, p, r) for i, (p, r) in enumerate(lengths)]})
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(the slowest rank's wall seconds of ``fn()``, its result), the ranks started together."""
+def _timed(fn: Callable[[Any], Any], arg: Any) -> tuple[float, float, Any]:
+    """(the slowest rank's wall seconds of ``fn(arg)``, the CPU seconds of all ranks on it, its result),
+    the ranks started together.  CPU time is what other work on a shared machine distorts least."""
     dist.barrier(group=dist.group.WORLD)
-    t0 = time.perf_counter()
-    out = fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-    return float(dt), out
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(arg)
+    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+    return float(wall), float(cpu), out
 
 
 def _scalar(metrics: dict[str, Any], key: str) -> float:
@@ -377,17 +383,6 @@ def plan_that_ran(metrics: dict[str, Any]) -> dict[str, Any]:
             "max_tokens_per_rank": _scalar(metrics, "hdp/max_tokens_per_rank"),
             "mean_tokens_per_rank": _scalar(metrics, "hdp/mean_tokens_per_rank"),
             "efficiency_planned": _scalar(metrics, "hdp/efficiency_planned")}
-
-
-def phase_medians(steps: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Median over steps of each ``hdp/time/<phase>`` metric (the slowest rank's seconds; NaN skipped)."""
-    from hdp.trainer.phases import PHASES, metric_name
-
-    out = {}
-    for p in PHASES:
-        vals = [v for v in (_scalar(m, metric_name(p)) for m in steps) if math.isfinite(v)]
-        out[p] = statistics.median(vals) if vals else math.nan
-    return out
 
 
 def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) -> dict[str, Any]:
@@ -411,12 +406,14 @@ def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) 
     for eng in engines.values():  # one untimed step each (the optimizer's state, first calls)
         eng.train_batch(data.clone(recurse=False), loss_fn)
     times: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}
     metrics: dict[str, list[dict[str, Any]]] = {k: [] for k in engines}
     for i in range(steps):  # alternate, starting with a different path each step
         order = list(engines.items())
         for name, eng in order if i % 2 == 0 else order[::-1]:
-            dt, out = _timed(lambda: eng.train_batch(data.clone(recurse=False), loss_fn))
+            dt, dc, out = _timed(lambda d, eng=eng: eng.train_batch(d, loss_fn), data.clone(recurse=False))
             times[name].append(dt)
+            cpu[name].append(dc)
             metrics[name].append(out.get("metrics", {}))
     if dist.get_rank() != 0:
         return {}
@@ -425,9 +422,10 @@ def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) 
     hdp_ids = {r["plan_id"] for r in ran["hdp"]}
     return {
         "grad_match": bool(match), "grad_max_abs_diff": worst, "step_s_median": med, "step_s_all": times,
+        "cpu_s_median": {k: statistics.median(v) for k, v in cpu.items()},
         "plans": {k: v[-1] for k, v in ran.items()},
         "plans_differ": not hdp_ids & {r["plan_id"] for r in ran["baseline"]},
-        "phases": {k: phase_medians(v) for k, v in metrics.items()},
+        "phases": {k: median_phases(v) for k, v in metrics.items()},
         "verl_micro_batches": static_cp_dynamic_bsz_plan(data, world, budget).num_rounds,
     }
 
@@ -456,14 +454,16 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
     first_lib = lib.train_step(batch, library_ppo_loss)
     door.train_batch(data.clone(recurse=False), loss_fn)  # untimed, as the library's first step
     times: dict[str, list[float]] = {"library": [], "verl": []}
+    cpu: dict[str, list[float]] = {"library": [], "verl": []}
     metrics: dict[str, list[dict[str, Any]]] = {"library": [], "verl": []}
-    runs = {"library": lambda: lib.train_step(batch, library_ppo_loss),
-            "verl": lambda: door.train_batch(data.clone(recurse=False), loss_fn).get("metrics", {})}
+    runs = {"library": (lambda b: lib.train_step(b, library_ppo_loss), lambda: batch),
+            "verl": (lambda d: door.train_batch(d, loss_fn).get("metrics", {}), lambda: data.clone(recurse=False))}
     for i in range(steps):
         order = list(runs.items())
-        for name, fn in order if i % 2 == 0 else order[::-1]:
-            dt, m = _timed(fn)
+        for name, (fn, arg) in order if i % 2 == 0 else order[::-1]:
+            dt, dc, m = _timed(fn, arg())  # verl's batch is a fresh shallow copy each step (outside the timing)
             times[name].append(dt)
+            cpu[name].append(dc)
             metrics[name].append(m)
     lib.close()
     if dist.get_rank() != 0:
@@ -479,8 +479,10 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
         "loss": {"library": loss_l, "verl": loss_v},
         "step_s_median": med, "step_s_all": times,
         "verl_over_library": med["verl"] / med["library"],
+        "cpu_s_median": (cmed := {k: statistics.median(v) for k, v in cpu.items()}),
+        "verl_over_library_cpu": cmed["verl"] / cmed["library"],
         "plans": {k: v[-1] for k, v in ran.items()},
-        "phases": {k: phase_medians(v) for k, v in metrics.items()},
+        "phases": {k: median_phases(v) for k, v in metrics.items()},
     }
 
 
@@ -512,6 +514,8 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
         "tokens_per_s": tps,
         "step_s_median": med,
         "step_s_all": paths["step_s_all"],
+        "cpu_s_median": paths["cpu_s_median"],
+        "speedup_cpu_time": paths["cpu_s_median"]["baseline"] / paths["cpu_s_median"]["hdp"],
         "ranks": world,
         "steps": steps,
         "tokens": tokens,

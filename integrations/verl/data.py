@@ -30,16 +30,22 @@ class SampleRows:
     """The rows of one verl batch for many sample subsets (a group's samples, round after round).
 
     `select` returns what ``verl.utils.tensordict_utils.index_select_tensor_dict`` does — every field
-    indexed by the samples, a nested one rebuilt from its selected samples — but unbinds each nested
-    field once per batch (verl's function unbinds every nested field of the whole batch at each call)
-    and indexes the other fields in one TensorDict indexing (verl's: one per field).
+    indexed by the samples, a nested one rebuilt from its selected samples — with less work per call:
+    each nested field is unbound once per batch (verl's function unbinds every nested field of the
+    whole batch at each call), the tensors and per-sample non-tensor stacks are indexed in one
+    TensorDict indexing, and the batch-wide non-tensor data (the same value on every row: verl's
+    settings such as ``temperature``, ``dp_size``) is sliced once per subset size.
     """
 
     def __init__(self, data: Any) -> None:
         import torch
+        from tensordict import NonTensorData
 
         nested = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested]
-        self._rest = data.exclude(*nested)  # dense tensors and non-tensor data
+        same = [k for k, v in data.items() if isinstance(v, NonTensorData)]
+        self._rows = data.exclude(*nested, *same)  # tensors and per-sample non-tensor stacks
+        self._same = data.select(*same)
+        self._same_of_size: dict[int, Any] = {}
         self._nested = [(k, data[k].unbind(), getattr(data[k], "_ragged_idx", data[k].dim() - 1)) for k in nested]
 
     def select(self, samples: Sequence[int]) -> Any:
@@ -47,7 +53,12 @@ class SampleRows:
         import torch
         from verl.utils.tensordict_utils import nested_tensor_from_tensor_list
 
-        sub = self._rest[torch.tensor(list(samples), dtype=torch.int64)]
+        n = len(samples)
+        sub = self._rows[torch.tensor(list(samples), dtype=torch.int64)]
+        same = self._same_of_size.get(n)
+        if same is None:
+            same = self._same_of_size[n] = self._same[:n]  # every row holds the same value
+        sub.update(same)
         for key, per_sample, ragged in self._nested:
             sub[key] = nested_tensor_from_tensor_list([per_sample[i] for i in samples], ragged_idx=ragged)
         return sub

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hdp.trainer.phases import median_phases
+
 __all__ = ["MemoryCase", "CASES", "bench_memory", "bench_limit", "CALIBRATION_STEPS"]
 
 CALIBRATION_STEPS = 4
@@ -147,7 +149,7 @@ def _worker(rank: int, world: int, case: MemoryCase, records: str, steps: int) -
     engine = HdpEngine.build(_engine_config(case, records), dist.group.WORLD, init_fn=_init)
     n = engine.num_ranks
     rng = np.random.default_rng(7)
-    out: dict[str, Any] = {"domain": n, "loss": []}
+    out: dict[str, Any] = {"domain": n, "loss": [], "steps": []}
     for s in range(steps):
         if s < CALIBRATION_STEPS - 1:  # the planner's own plans of seeded batches
             lengths = [int(x) for x in rng.integers(16, n * BUDGET, size=6 * n)]
@@ -158,6 +160,7 @@ def _worker(rank: int, world: int, case: MemoryCase, records: str, steps: int) -
             plan = _spread_plan(n, lengths)
         m = engine.train_step(Batch(tokens=_tokens(lengths, case.vocab_size, 1000 + s)), nll_loss, plan=plan)
         out["loss"].append(m["loss"])
+        out["steps"].append({k: v for k, v in m.items() if k.startswith("hdp/time/")})
     engine.close()
     return out
 
@@ -205,8 +208,9 @@ def bench_memory(cases: tuple[MemoryCase, ...] = CASES, steps: int = CALIBRATION
         for case in cases:
             path = Path(tmp) / f"{case.name}.jsonl"
             t0 = time.perf_counter()
-            spawn(_worker, case.ranks, case, str(path), steps, timeout=timeout)
+            ran = spawn(_worker, case.ranks, case, str(path), steps, timeout=timeout)
             res = _evaluate(case, _records(path))
+            res["phases"] = median_phases(ran[0]["steps"])  # the slowest rank's seconds per phase
             res["seconds"] = time.perf_counter() - t0
             out.append(res)
     return {"cases": out, "passed": all(c["passed"] for c in out), "tolerance": 0.10,

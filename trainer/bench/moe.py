@@ -62,12 +62,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["MoEBenchConfig", "build_moe_layer", "moe_transformer_config", "flop_model", "bench_moe"]
+__all__ = ["MoEBenchConfig", "SMOKE", "build_moe_layer", "moe_transformer_config", "flop_model", "bench_moe"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "level0", "level1", "full_recompute")
 COSTLY = ("level0", "level1", "full_recompute")
+
+SMOKE: dict[str, Any] = {"tokens": 256, "seq_length": 128, "hidden_size": 64, "num_attention_heads": 2,
+                         "ffn_hidden_size": 32, "num_experts": 8, "topk": 2, "num_layers": 1, "vocab_size": 64,
+                         "iters": 1, "layer_iters": 1}
+"""`MoEBenchConfig` fields of the smallest mode (``--smoke``): does the benchmark run and is its result
+complete, in seconds; its figures are not the benchmark's."""
 
 
 @dataclass(frozen=True, kw_only=True)

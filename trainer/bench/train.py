@@ -11,7 +11,7 @@ layout and plans over the domain of ``ranks / (tp · pp)`` ranks.
 
 Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
 step time per policy,
-the planned efficiency, the losses of every step (they must agree across policies: the update is
+its median seconds per phase of the step (``phases``: the slowest rank's ``hdp/time/*``), the planned efficiency, the losses of every step (they must agree across policies: the update is
 exact whatever the plan), the environment, — from the calibration records the engines write — a
 cost model fitted to this machine with the ratio of simulated to measured step time per policy, and
 ``plan_ahead``: the timed batches once more as one step of several mini-batches planned ahead
@@ -39,11 +39,17 @@ import torch
 import torch.distributed as dist
 
 from hdp.packing.cost import CostModel
+from hdp.trainer.phases import median_phases
 
-__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "bench_train", "compare_with_baseline", "domain_size",
+__all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "SMOKE", "bench_train", "compare_with_baseline", "domain_size",
            "train_batch_lengths"]
 
 logger = logging.getLogger(__name__)
+
+SMOKE: dict[str, Any] = {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "vocab_size": 256,
+                         "samples": 12, "max_tokens_per_rank": 256}
+"""`TrainBenchSpec` fields of the smallest mode (``--smoke``): does the benchmark run and is its result
+complete, in seconds; its figures are not throughput figures."""
 
 TRAIN_WORKLOADS = ("short-tail", "long-response")
 """Synthetic batches: most samples on one rank with a few needing all ranks, or most needing 2-4."""
@@ -317,6 +323,7 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
             "rounds": [m["hdp/rounds"] for m in steps],
             "efficiency_planned": statistics.mean(m["hdp/efficiency_planned"] for m in steps),
             "cp_degree_hist": steps[0]["hdp/cp_degree_hist"],
+            "phases": median_phases(timed),  # the slowest rank's seconds per phase (hdp.trainer.phases)
         }
     pols = list(hist)
     speedup = {

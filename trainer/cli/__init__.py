@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=positive_int, default=None, help="local gloo ranks (default 4; --verl: 2)")
     d.add_argument("--steps", type=positive_int, default=None, help="steps (default 3; the first a warm-up)")
     d.add_argument("--out", default="out/demo", help="folder for the Gantt chart and the JSON result")
+    d.add_argument("--smoke", action="store_true", help="the library demo with a tiny GPT and batch (seconds; checks "
+                                                        "that it runs, its figures are not the demo's)")
     d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("calibrate", help="fit the cost model (and the memory model, from memory records) to measured "

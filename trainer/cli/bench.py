@@ -69,6 +69,8 @@ def add_moe(sub: Any) -> argparse.ArgumentParser:
                    help="sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
     p.add_argument("--system-malloc", action="store_true", dest="system_malloc",
                    help="glibc's default malloc instead of reusing freed memory like a GPU allocator")
+    p.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny MoE, one timed step (seconds; "
+                                                        "checks that it runs, its figures are not the benchmark's)")
     return p
 
 
@@ -83,6 +85,8 @@ def add_train(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="FILE", help="stored result to compare with")
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed regression vs --baseline (default 0.05)")
     p.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny GPT and batch (seconds; checks "
+                                                        "that it runs, its figures are not throughput figures)")
     return p
 
 
@@ -115,8 +119,19 @@ def add_device(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def add_regress(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "regress", "every benchmark in a short mode: each ratio or flag against a baseline file, "
+                                      "one tolerance per row (guard your throughput)", _bench_regress)
+    p.add_argument("--baseline", default=None, metavar="FILE",
+                   help="baseline file (default the committed one: the CI machine's, hdp/trainer/bench/"
+                        "regress_baseline.json)")
+    p.add_argument("--only", default=None, metavar="A,B", help="rows or benchmarks to run (default all)")
+    p.add_argument("--update", action="store_true", help="write this run's figures to the baseline file instead")
+    return p
+
+
 BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory,
-                                   add_device)
+                                   add_device, add_regress)
 """The benches of the trainer, in ``hdp bench --help`` order; a new one appends its adder here."""
 
 ENTRY_POINT_GROUP = "hdp.benchmarks"
@@ -190,10 +205,51 @@ def _run_entry_point(name: str, runner: Callable[..., dict[str, Any]], args: arg
     return 0
 
 
+def _fmt_figure(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return f"{v:.4g}"
+
+
+def _bench_regress(args: argparse.Namespace) -> int:
+    """``hdp bench regress``: the table (row, baseline, now, tolerance, verdict); exit 1 naming each failed row."""
+    from hdp.trainer.bench.regress import BASELINE_FILE, run_regress
+
+    only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
+    try:
+        report = run_regress(baseline=args.baseline or BASELINE_FILE, only=only or None, update=args.update)
+    except (ValueError, RuntimeError) as exc:
+        raise CliError(f"bench regress: {exc}") from exc
+    if args.json:
+        _emit_json(report)
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"hdp bench regress against {report['baseline_file']}")
+        for col in ("row", "baseline", "now", "tolerance", "verdict"):
+            table.add_column(col, justify="right" if col in ("baseline", "now", "tolerance") else "left")
+        for r in report["rows"]:
+            table.add_row(r["row"], _fmt_figure(r["baseline"]), _fmt_figure(r["now"]), r["tolerance"], r["verdict"])
+        con = _console()
+        con.print(table)
+        con.print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+    for r in report["rows"]:
+        if r["row"] in report["failed"]:
+            print(f"regression: {r['row']} ({r['meaning']}): now {_fmt_figure(r['now'])}, baseline "
+                  f"{_fmt_figure(r['baseline'])}, tolerance {r['tolerance']}: {r['verdict']}", file=sys.stderr)
+    return 1 if report["failed"] else 0
+
+
 def _bench_moe(args: argparse.Namespace) -> int:
     from hdp.trainer.bench.moe import bench_moe
 
-    shape = {"seq_length": args.seq_length} if args.seq_length else {}
+    from hdp.trainer.bench.moe import SMOKE
+
+    shape = dict(SMOKE) if args.smoke else {}
+    if args.seq_length:
+        shape["seq_length"] = args.seq_length
     result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
     if args.json:
         _emit_json(result)
@@ -284,9 +340,11 @@ def _bench_train(args: argparse.Namespace) -> int:
 
     # every check before any rank is spawned: bad input never costs a run, nor loses one
     try:
+        from hdp.trainer.bench.train import SMOKE
+
         spec = TrainBenchSpec(
             ranks=args.ranks, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=args.steps, workload=args.workload, tp=args.tp, pp=args.pp,
+            steps=args.steps, workload=args.workload, tp=args.tp, pp=args.pp, **(SMOKE if args.smoke else {}),
         )
     except ValueError as exc:
         raise CliError(f"bench train: {exc}") from exc

@@ -15,16 +15,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.verl and args.out == "out/demo":
         args.out = "out/verl-demo"
     check_output_dir("--out", args.out)  # before the run, not after it
+    if args.verl and args.smoke:
+        raise CliError("--smoke: the library demo's smallest mode; for verl's use hdp demo --verl --steps 1")
     if args.verl:
         return _verl_demo(args)
     from hdp.packing.cost import CostModel
     from hdp.packing.plan import Plan
-    from hdp.trainer.bench.train import TrainBenchSpec, bench_train
+    from hdp.trainer.bench.train import SMOKE, TrainBenchSpec, bench_train
     from hdp.trainer.cli.gantt import plot_gantt
 
     try:
         spec = TrainBenchSpec(ranks=args.ranks if args.ranks is not None else 4,
-                              steps=args.steps if args.steps is not None else 3, alternate=False, workload="short-tail")
+                              steps=args.steps if args.steps is not None else 3, alternate=False, workload="short-tail",
+                              **(SMOKE if args.smoke else {}))
     except ValueError as exc:
         raise CliError(f"demo: {exc} (--ranks / --steps)") from exc
     _check_capacity(spec.ranks)

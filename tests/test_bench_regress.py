@@ -1,0 +1,133 @@
+"""`hdp bench regress`: the verdicts, the baseline file, and a planted regression through the CLI.
+
+The verdict logic runs on stand-in runners (no benchmark); the planted regression runs the real
+``planner`` rows in a subprocess where static CP's assignment replaces the hdp policy's (a
+``sitecustomize`` on the subprocess's path patches `hdp.packing.policies.hdp` when it is imported):
+the command must exit 1 naming ``planner-efficiency``, and the same row holds without the plant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hdp.trainer.bench import regress as R
+
+
+def _fake(speedup: float, exact: bool = True):
+    return {"train-pp1": lambda: {"speedup_cpu_time": {"hdp_vs_static-cp": speedup}, "loss_match": exact}}
+
+
+def test_rows_name_their_bench_tolerance_and_meaning() -> None:
+    names = [r.name for r in R.ROWS]
+    assert len(names) == len(set(names))
+    assert {r.bench for r in R.ROWS} == set(R.RUNNERS)
+    for r in R.ROWS:
+        assert r.meaning and r.tolerance_text()
+        assert (r.tolerance == 0.0) == (r.better == "true"), r.name
+    committed = R.load_baseline(R.BASELINE_FILE)  # every row but the device ones has a committed figure
+    assert set(committed) == {r.name for r in R.ROWS if r.bench != "device"}
+
+
+def test_verdicts_against_a_baseline(tmp_path: Path) -> None:
+    base = tmp_path / "b.json"
+    R.write_baseline(base, {"train-pp1-speedup": 1.40, "train-pp1-exact": True}, {"cpu_count": 2})
+    ok = R.run_regress(baseline=base, only=["train-pp1"], runners=_fake(1.25))  # -11%: within -15%
+    assert ok["failed"] == [] and [r["verdict"] for r in ok["rows"]] == ["ok", "ok"]
+    slow = R.run_regress(baseline=base, only=["train-pp1"], runners=_fake(1.15))  # -18%
+    assert slow["failed"] == ["train-pp1-speedup"]
+    wrong = R.run_regress(baseline=base, only=["train-pp1-exact"], runners=_fake(1.5, exact=False))
+    assert wrong["failed"] == ["train-pp1-exact"] and wrong["rows"][0]["now"] is False
+
+    def crash() -> dict:
+        raise RuntimeError("rank 2 died")
+
+    broke = R.run_regress(baseline=base, only=["train-pp1"], runners={"train-pp1": crash})
+    assert broke["failed"] == ["train-pp1-speedup", "train-pp1-exact"]
+    assert broke["rows"][0]["verdict"].startswith("error: RuntimeError: rank 2 died")
+    with pytest.raises(RuntimeError, match="train-pp1-exact"):  # a failing flag is never recorded as the baseline
+        R.run_regress(baseline=base, only=["train-pp1"], update=True, runners=_fake(1.5, exact=False))
+    up = R.run_regress(baseline=base, only=["train-pp1-speedup"], update=True, runners=_fake(1.6))
+    assert up["failed"] == [] and R.load_baseline(base) == {"train-pp1-speedup": 1.6, "train-pp1-exact": True}
+
+
+def test_bad_baselines_and_rows_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'nope' unknown"):
+        R.select_rows(["nope"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": {"train-pp1-speedup": "fast"}}))
+    with pytest.raises(ValueError, match="rows.train-pp1-speedup' is 'fast'"):
+        R.load_baseline(bad)
+    bad.write_text(json.dumps({"rows": {"warp-speed": 9.0}}))
+    with pytest.raises(ValueError, match="row 'warp-speed' is unknown"):
+        R.load_baseline(bad)
+    with pytest.raises(ValueError, match="no such file"):
+        R.run_regress(baseline=tmp_path / "missing.json", only=["train-pp1"], runners=_fake(1.0))
+
+
+def test_device_rows_skip_without_a_device(tmp_path: Path) -> None:
+    from hdp.device import select_device
+
+    if select_device(None).type != "cpu":
+        pytest.skip("an accelerator is present: the device rows run (minutes) instead of skipping")
+    out = R.run_regress(baseline=R.BASELINE_FILE, only=["device"])
+    assert out["failed"] == [] and {r["verdict"] for r in out["rows"]} == {"skipped: no device"}
+
+
+PLANT = textwrap.dedent('''
+    """Test plant: the hdp policy replaced by static CP (every process of the run imports this)."""
+    import importlib, importlib.abc, importlib.machinery, sys
+
+    class _Plant(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "hdp.packing.policies.hdp":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module.assign = importlib.import_module("hdp.packing.policies.static_cp").assign
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Plant())
+''')
+
+
+def test_a_planted_regression_exits_nonzero_naming_the_row(tmp_path: Path) -> None:
+    """static CP in place of hdp's policy: the planner rows' plans are static CP's (less efficient), so
+    ``planner-efficiency`` fails and the command names it (``planner-time`` then times another policy:
+    not asserted)."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "planner", "--json"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    verdicts = {r["row"]: r["verdict"] for r in report["rows"]}
+    assert set(verdicts) == {"planner-time", "planner-efficiency"} and verdicts["planner-efficiency"] == "REGRESSION"
+    assert "planner-efficiency" in report["failed"] and "regression: planner-efficiency" in out.stderr
+    eff = next(r for r in report["rows"] if r["row"] == "planner-efficiency")
+    assert eff["now"] < eff["baseline"] - 0.005  # beyond the row's tolerance
+    clean = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "planner-efficiency"],
+                           capture_output=True, text=True, timeout=600)
+    assert clean.returncode == 0, clean.stderr[-3000:]  # without the plant the same row holds
+
+
+def test_the_cli_prints_the_table_and_exits_zero_on_a_holding_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "attention-exact,device"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in ("row", "baseline", "now", "tolerance", "verdict", "attention-exact", "must hold", "skipped: no device"):
+        assert text in out.stdout, (text, out.stdout)

@@ -1,0 +1,118 @@
+"""Every ``hdp bench`` benchmark and ``hdp demo`` once through the command line, in its smallest mode:
+does it run, and is its JSON complete (the keys each documents).  Not a timing check.
+
+Run as users run them: ``python -m hdp.trainer ...`` in a subprocess.  The other commands run through
+the command line elsewhere: ``hdp plan`` / ``simulate`` (tests/test_cli_structure.py,
+tests/test_cli_outputs.py), ``hdp calibrate`` (tests/test_cli_bad_input.py), ``hdp bench faults``
+(tests/test_faults.py), ``hdp bench device --dry-run`` (tests/test_bench_device.py), ``hdp bench
+regress`` (tests/test_bench_regress.py), ``hdp demo --verl`` (tests/test_verl_main_ppo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hdp.trainer.phases import PHASES
+
+
+def _json(*args: str, timeout: float = 600) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"hdp {' '.join(args)} exited {out.returncode}:\n{out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _has(d: dict[str, Any], keys: set[str], where: str) -> None:
+    missing = keys - set(d)
+    assert not missing, f"{where}: missing keys {sorted(missing)}"
+
+
+def _phases(d: dict[str, Any], where: str) -> None:
+    assert set(d) == set(PHASES), f"{where}: phases {sorted(d)}"
+    assert d["rounds"] > 0.0, where
+
+
+def test_bench_attention() -> None:
+    r = _json("bench", "attention", "--ranks", "2", "--tokens", "1024", "--json")
+    _has(r, {"algo", "ranks", "tokens", "t1_s", "tk_s", "efficiency", "max_abs_err", "load_1m", "cpu_efficiency",
+             "t1_cpu_s", "tk_cpu_s"}, "bench attention")
+    assert r["max_abs_err"] <= 1e-4 and r["ranks"] == 2 and r["tokens"] == 1024
+
+
+def test_bench_exact_and_planner() -> None:
+    r = _json("bench", "exact", "--instances", "3", "--json")
+    _has(r, {"gaps", "instances", "mean_gap", "worst_gap", "proven_optimal"}, "bench exact")
+    assert r["instances"] == 3 and len(r["gaps"]) == 3
+    r = _json("bench", "planner", "--families", "lognormal", "--repeats", "1", "--small-only", "--no-peers", "--json")
+    _has(r, {"planner", "passed", "notes", "megatron_core", "search_budget"}, "bench planner")
+    assert r["planner"] and all(row["family"] == "lognormal" for row in r["planner"])
+    for row in r["planner"]:
+        _has(row, {"family", "ranks", "samples", "median_ms", "median_cpu_ms", "efficiency", "target_ms", "passed"},
+             "bench planner row")
+
+
+@pytest.mark.dist
+def test_bench_moe_smoke() -> None:
+    r = _json("bench", "moe", "--smoke", "--json")
+    _has(r, {"saved_bytes", "freed_fraction_of_full", "step_time_s", "step_overhead_vs_none",
+             "step_overhead_paired_median", "step_cpu_overhead_paired_median", "layer_time_s", "flop_model",
+             "targets", "shape", "config"}, "bench moe")
+    assert set(r["freed_fraction_of_full"]) == {"level0", "level1"}
+
+
+@pytest.mark.dist
+def test_bench_train_smoke() -> None:
+    r = _json("bench", "train", "--ranks", "2", "--steps", "2", "--smoke", "--json")
+    _has(r, {"spec", "results", "speedup", "speedup_cpu_time", "loss_match", "loss_max_rel_diff", "environment",
+             "plans", "calibration", "plan_ahead", "regressions"}, "bench train")
+    assert r["loss_match"] and set(r["results"]) == {"static-cp", "hdp"}
+    for policy, res in r["results"].items():
+        _has(res, {"tokens_per_s", "step_time_s", "cpu_tokens_per_s", "losses", "rounds", "efficiency_planned",
+                   "cp_degree_hist", "phases"}, f"bench train results.{policy}")
+        _phases(res["phases"], f"bench train results.{policy}.phases")
+
+
+@pytest.mark.dist
+def test_bench_memory_one_case() -> None:
+    r = _json("bench", "memory", "--only", "dense-pp1-recompute-none", "--json")
+    _has(r, {"cases", "passed", "tolerance", "measured"}, "bench memory")
+    (case,) = r["cases"]
+    _has(case, {"name", "predicted_bytes", "measured_bytes", "max_rel_err", "group_sizes", "passed", "phases"},
+         "bench memory case")
+    _phases(case["phases"], "bench memory case phases")
+
+
+@pytest.mark.dist
+def test_bench_verl_smallest() -> None:
+    pytest.importorskip("verl")
+    r = _json("bench", "verl", "--ranks", "2", "--steps", "1", "--json")
+    _has(r, {"speedup", "speedup_cpu_time", "grad_match", "plans_differ", "plans", "phases", "rounds",
+             "verl_micro_batches", "tokens_per_s", "step_s_median", "baseline", "doors", "passed"}, "bench verl")
+    assert r["passed"] and r["grad_match"] and r["plans_differ"]
+    for path in ("hdp", "baseline"):
+        _has(r["plans"][path], {"plan_id", "rounds", "cp_degree_hist", "max_tokens_per_rank", "mean_tokens_per_rank"},
+             f"bench verl plans.{path}")
+        _phases(r["phases"][path], f"bench verl phases.{path}")
+    assert r["plans"]["hdp"]["plan_id"] != r["plans"]["baseline"]["plan_id"]
+    doors = r["doors"]
+    _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases"},
+         "bench verl doors")
+    assert doors["same_plan"] and doors["loss_match"]
+    for door in ("library", "verl"):
+        _phases(doors["phases"][door], f"bench verl doors.phases.{door}")
+    assert doors["phases"]["verl"]["exchange"] > 0.0 and doors["phases"]["library"]["exchange"] == 0.0
+
+
+@pytest.mark.dist
+def test_demo_smoke(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "demo", "--ranks", "2", "--steps", "2", "--smoke",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "static CP vs HDP" in out.stdout
+    written = {p.name for p in tmp_path.iterdir()}
+    assert any(name.endswith(".json") for name in written), written

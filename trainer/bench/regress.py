@@ -1,0 +1,387 @@
+"""`hdp bench regress`: every benchmark in a short mode, each ratio or flag against a committed baseline.
+
+Each row is one figure a benchmark measures **side by side in the same run** — a speedup over the
+baseline policy, an efficiency, an exactness flag, the planner's time over a fixed reference
+computation timed in the same process, the memory model's prediction error, a fault's seconds to
+exit over its collective timeout — so a slower or busier machine moves both sides alike and the
+figure stays comparable between runs.  Speedups and overheads are taken in CPU seconds of all ranks
+(the benchmarks report both): other work on a shared machine stretches wall-clock steps unevenly
+but leaves a rank's own CPU time nearly alone; each benchmark's own command prints the wall-clock
+figures.  Every row states its tolerance (`Row.tolerance`, relative or
+absolute); `run_regress` compares the figures with the baseline file and reports one verdict per
+row: ``ok``, ``REGRESSION``, ``new`` (no baseline value: record one with ``--update``), ``error``
+(the benchmark raised) or ``skipped: no device`` (a row that needs a GPU or NPU, on a machine
+without one).  ``hdp bench regress`` prints the table and exits 1 naming every failed row;
+``--update`` rewrites the baseline with this run's figures (review it in the diff like code).
+
+The committed baseline (`BASELINE_FILE`) was measured on this project's CI machine (2 CPU cores,
+gloo); on your own cluster record yours once (``hdp bench regress --update --baseline FILE``) and
+run ``hdp bench regress --baseline FILE`` to guard your throughput.
+
+The short modes (`RUNNERS`) together take a few minutes on 2 cores; rows select what runs (``--only``:
+row or benchmark names), and each benchmark runs at most once per call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["Row", "ROWS", "RUNNERS", "BASELINE_FILE", "run_regress", "load_baseline", "write_baseline",
+           "reference_ms", "NoDevice"]
+
+logger = logging.getLogger(__name__)
+
+BASELINE_FILE = Path(__file__).with_name("regress_baseline.json")
+"""The committed baseline: the figures of this project's CI machine (2 CPU cores)."""
+
+
+class NoDevice(Exception):
+    """Raised by a runner whose rows need a GPU or NPU on a machine without one."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of one benchmark run, compared with its baseline value."""
+
+    name: str
+    """Row name (``--only`` takes it)."""
+    bench: str
+    """The short-mode runner in `RUNNERS` whose result it reads."""
+    meaning: str
+    """What the figure is, in a few words."""
+    better: Literal["higher", "lower", "true"]
+    """Which way is good: a larger figure, a smaller one, or a flag that must hold."""
+    tolerance: float
+    """How far from the baseline the figure may move the bad way before it is a regression."""
+    absolute: bool
+    """``tolerance`` in the figure's own units (True) or as a fraction of the baseline (False)."""
+    get: Callable[[dict[str, Any]], Any]
+    """The figure from the runner's result."""
+
+    def tolerance_text(self) -> str:
+        """``-15%``, ``+0.05``, ``must hold``: how far the figure may move the bad way."""
+        if self.better == "true":
+            return "must hold"
+        sign = "-" if self.better == "higher" else "+"
+        return f"{sign}{self.tolerance:g}" if self.absolute else f"{sign}{self.tolerance:.0%}"
+
+    def verdict(self, baseline: Any, now: Any) -> str:
+        """``ok``, ``REGRESSION`` or ``new``."""
+        if self.better == "true":
+            return "ok" if now is True else "REGRESSION"
+        if baseline is None:
+            return "new"
+        now, baseline = float(now), float(baseline)
+        if not math.isfinite(now):
+            return "REGRESSION"
+        if self.better == "higher":
+            floor = baseline - self.tolerance if self.absolute else baseline * (1.0 - self.tolerance)
+            return "ok" if now >= floor else "REGRESSION"
+        ceiling = baseline + self.tolerance if self.absolute else baseline * (1.0 + self.tolerance)
+        return "ok" if now <= ceiling else "REGRESSION"
+
+
+# ---- the short modes ------------------------------------------------------------------------------
+
+REFERENCE_N = 1 << 20
+"""Elements of the fixed reference computation the planner row is timed against."""
+
+
+def reference_ms(repeats: int = 5) -> float:
+    """Median CPU milliseconds of a fixed single-threaded numpy computation (sort 1M floats, then a
+    cumulative sum): the yardstick the planner's CPU time is divided by, timed in the same process."""
+    import numpy as np
+
+    data = np.random.default_rng(0).random(REFERENCE_N)
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        np.cumsum(np.sort(data))
+        times.append((time.process_time() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _attention() -> dict[str, Any]:
+    from hdp.trainer.bench.attention import bench_attention
+
+    return bench_attention(ranks=2, tokens=8192, algo="ring", repeats=3)
+
+
+def _train(ranks: int, tp: int, pp: int) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        from hdp.trainer.bench.train import TrainBenchSpec, bench_train
+
+        return bench_train(TrainBenchSpec(ranks=ranks, tp=tp, pp=pp, steps=4, samples=32, num_layers=2,
+                                          vocab_size=512))
+
+    return run
+
+
+def _verl() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+    if not found:
+        raise RuntimeError("no 'hdp.benchmarks' entry point 'verl': install hdp-engine with the verl extra")
+    return found[0].load()(ranks=4, steps=5)
+
+
+def _moe() -> dict[str, Any]:
+    from hdp.trainer.bench.moe import bench_moe
+
+    return bench_moe(ep=2, tokens=1024, seq_length=512, num_experts=32, topk=4, iters=4, layer_iters=3)
+
+
+def _memory() -> dict[str, Any]:
+    from hdp.trainer.bench.memory import CASES, bench_limit, bench_memory, summary
+
+    cases = tuple(c for c in CASES if c.name in ("dense-pp1-recompute-none", "moe-pp1-zero-memory-level1"))
+    result = summary(bench_memory(cases))
+    result["limit"] = bench_limit()
+    return result
+
+
+def _planner() -> dict[str, Any]:
+    import statistics
+
+    from hdp.trainer.bench.planner import FAMILIES, bench_planner
+
+    chosen = [f for f in FAMILIES if f.name in ("lognormal", "bimodal", "short-reasoning")]
+    ref = reference_ms()
+    result = bench_planner(chosen, repeats=3, peers=False)
+    ref = min(ref, reference_ms())  # before and after: the quieter of the two
+    ms = [r["median_cpu_ms"] for r in result["planner"]]
+    return {**result, "reference_ms": ref, "planner_over_reference": statistics.median(ms) / ref,
+            "efficiency_mean": statistics.mean(r["efficiency"] for r in result["planner"])}
+
+
+def _faults() -> dict[str, Any]:
+    from hdp.trainer.bench.faults import run_faults
+
+    result = run_faults(timeout_s=10.0, only=("in-process", "sigkill-mid-step", "own-error-in-round"))
+
+    def over(rows: list[dict[str, Any]]) -> float:  # seconds to exit / the row's collective timeout, the worst
+        return max(r["seconds_to_exit"] / r.get("collective_timeout_s", result["collective_timeout_s"]) for r in rows)
+
+    own = [r for r in result["faults"] if r["fault"].startswith("own-error")]
+    return {**result, "worst_seconds_over_timeout": over(result["faults"]), "own_error_seconds_over_timeout": over(own)}
+
+
+def _device() -> dict[str, Any]:
+    """`hdp bench device`'s kernel and engine rows on this machine's accelerator."""
+    from hdp import device as _dev
+    from hdp.trainer.bench.device import bench_device
+
+    if _dev.select_device(None).type == "cpu":
+        raise NoDevice("no GPU or NPU")
+    result = bench_device(rows=("kernel_exactness", "kernel_speed", "engine_pp1"))
+    rows = {r["row"]: r for r in result["rows"]}
+    speeds = [max(v for k, v in length.items() if k.endswith("_speed_over_sdpa"))
+              for length in rows["kernel_speed"].get("figures", {}).get("lengths", [])
+              if any(k.endswith("_speed_over_sdpa") for k in length)]
+    return {**result, "by_row": rows, "kernel_speed_over_sdpa": min(speeds) if speeds else math.nan}
+
+
+RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
+    "attention": _attention,
+    "train-pp1": _train(4, 1, 1),
+    "train-pp2": _train(4, 1, 2),
+    "train-tp2-pp2": _train(8, 2, 2),
+    "verl": _verl,
+    "moe": _moe,
+    "memory": _memory,
+    "planner": _planner,
+    "faults": _faults,
+    "device": _device,
+}
+"""Each benchmark's short mode (the rows read their results)."""
+
+
+def _train_rows(bench: str, layout: str) -> tuple[Row, ...]:
+    return (
+        Row(f"{bench}-speedup", bench, f"hdp vs static-cp tokens per CPU-second, {layout}", "higher", 0.15, False,
+            lambda r: r["speedup_cpu_time"]["hdp_vs_static-cp"]),
+        Row(f"{bench}-exact", bench, "losses of both policies equal (rel 1e-4)", "true", 0.0, False,
+            lambda r: bool(r["loss_match"])),
+    )
+
+
+ROWS: tuple[Row, ...] = (
+    Row("attention-efficiency", "attention", "ring CP2 fwd+bwd of 8K tokens, T1 / (2 T2) in CPU seconds", "higher",
+        0.25, False, lambda r: r["cpu_efficiency"]),
+    Row("attention-exact", "attention", "CP output and grads vs one process, max abs err <= 1e-4", "true", 0.0, False,
+        lambda r: r["max_abs_err"] <= 1e-4),
+    *_train_rows("train-pp1", "4 ranks, domain 4"),
+    *_train_rows("train-pp2", "PP 2, domain 2"),
+    *_train_rows("train-tp2-pp2", "TP 2 x PP 2, domain 2"),
+    Row("verl-speedup", "verl", "verl door: hdp vs stock scheduling (verl-kk, static CP), per CPU-second", "higher",
+        0.15, False, lambda r: r["speedup_cpu_time"]),
+    Row("verl-exact", "verl", "both paths' gradients equal (rtol 1e-4)", "true", 0.0, False,
+        lambda r: bool(r["grad_match"])),
+    Row("verl-plans-differ", "verl", "the two paths ran different plans", "true", 0.0, False,
+        lambda r: bool(r["plans_differ"])),
+    Row("verl-door-overhead", "verl", "verl door step / library door step, same plan and model, CPU seconds",
+        "lower", 0.10, False, lambda r: r["doors"]["verl_over_library_cpu"]),
+    Row("verl-doors-same-plan", "verl", "both doors ran one plan, losses equal", "true", 0.0, False,
+        lambda r: bool(r["doors"]["same_plan"] and r["doors"]["loss_match"])),
+    Row("moe-level1-freed", "moe", "zero-memory level1: activation bytes freed / full recompute's", "higher",
+        0.02, True, lambda r: r["freed_fraction_of_full"]["level1"]),
+    Row("moe-level1-overhead", "moe", "zero-memory level1 step CPU time over none - 1 (paired median)", "lower",
+        0.05, True, lambda r: r["step_cpu_overhead_paired_median"]["level1"]),
+    Row("memory-prediction-error", "memory", "largest held-out round's |predicted - measured| / measured",
+        "lower", 0.03, True, lambda r: max(c["max_rel_err"] for c in r["cases"])),
+    Row("memory-limit-holds", "memory", "a plan to a memory limit stays within it, losses equal", "true", 0.0, False,
+        lambda r: bool(r["limit"]["passed"])),
+    Row("planner-time", "planner", "planner median CPU ms / a fixed numpy reference's (same process)", "lower",
+        0.30, False, lambda r: r["planner_over_reference"]),
+    Row("planner-efficiency", "planner", "mean planned efficiency T*/T over the batches", "higher", 0.005, True,
+        lambda r: r["efficiency_mean"]),
+    Row("faults-ok", "faults", "every rank raises, state unchanged, nothing hangs", "true", 0.0, False,
+        lambda r: bool(r["ok"])),
+    Row("faults-time", "faults", "slowest fault's seconds to exit / its collective timeout", "lower", 0.25, True,
+        lambda r: r["worst_seconds_over_timeout"]),
+    Row("faults-own-error-time", "faults", "a rank's own error: peers' seconds to exit / the 300 s timeout", "lower",
+        0.02, True, lambda r: r["own_error_seconds_over_timeout"]),
+    Row("device-kernel-exact", "device", "each accelerator attention kernel vs fp64 reference (hdp bench device)",
+        "true", 0.0, False, lambda r: r["by_row"]["kernel_exactness"]["status"] == "ok"),
+    Row("device-kernel-speed", "device", "fastest hdp kernel / torch SDPA, the slowest length's (4K-32K)", "higher",
+        0.15, False, lambda r: r["kernel_speed_over_sdpa"]),
+    Row("device-engine", "device", "the engine on the device (bf16) vs CPU fp32: losses, peak memory", "true",
+        0.0, False, lambda r: r["by_row"]["engine_pp1"]["status"] == "ok"),
+)
+"""Every row, in table order."""
+
+
+# ---- the baseline file ----------------------------------------------------------------------------
+
+
+def load_baseline(path: str | Path) -> dict[str, Any]:
+    """``{row name: figure}`` of a baseline file (``{"rows": {...}, ...}``); ValueError naming the file and field."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"--baseline={str(p)!r}: cannot read a JSON baseline ({exc}); write one with "
+                         "hdp bench regress --update --baseline FILE") from exc
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not isinstance(rows, dict):
+        raise ValueError(f"--baseline={str(p)!r}: field 'rows' is {rows!r}; it must map row names to figures")
+    known = {r.name: r for r in ROWS}
+    for name, value in rows.items():
+        row = known.get(name)
+        if row is None:
+            raise ValueError(f"--baseline={str(p)!r}: row {name!r} is unknown; rows are {', '.join(known)}")
+        ok = isinstance(value, bool) if row.better == "true" else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+        if not ok:
+            raise ValueError(f"--baseline={str(p)!r}: field 'rows.{name}' is {value!r}; it must be "
+                             + ("true or false" if row.better == "true" else "a finite number"))
+    return rows
+
+
+def write_baseline(path: str | Path, figures: Mapping[str, Any], note: Mapping[str, Any]) -> None:
+    """Write ``figures`` (merged over the file's existing rows) and ``note`` (the machine) to ``path``."""
+    p = Path(path)
+    rows: dict[str, Any] = {}
+    if p.exists():
+        rows.update(load_baseline(p))
+    rows.update(figures)
+    order = [r.name for r in ROWS]
+    doc = {"rows": {k: rows[k] for k in order if k in rows}, "measured_on": dict(note),
+           "command": "hdp bench regress --update"}
+    p.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def select_rows(only: Sequence[str] | None) -> tuple[Row, ...]:
+    """The rows ``only`` names (row names or benchmark names), in table order; all without it."""
+    if not only:
+        return ROWS
+    names = {r.name for r in ROWS} | set(RUNNERS)
+    unknown = [x for x in only if x not in names]
+    if unknown:
+        raise ValueError(f"--only={','.join(only)}: {', '.join(map(repr, unknown))} unknown; rows: "
+                         f"{', '.join(r.name for r in ROWS)}; benchmarks: {', '.join(RUNNERS)}")
+    return tuple(r for r in ROWS if r.name in only or r.bench in only)
+
+
+def run_regress(*, baseline: str | Path = BASELINE_FILE, only: Sequence[str] | None = None, update: bool = False,
+                runners: Mapping[str, Callable[[], dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Run the benchmarks the rows need (each once) and compare with ``baseline``; with ``update``,
+    write this run's figures to it instead of judging them (refused when a flag row fails).
+
+    Returns ``{"rows": [{"row", "bench", "meaning", "baseline", "now", "tolerance", "verdict"}, ...],
+    "failed": [row names], "seconds": {bench: s}, "baseline_file", "updated"}``.
+    """
+    rows = select_rows(only)
+    run_with = dict(RUNNERS if runners is None else runners)
+    base = load_baseline(baseline) if Path(baseline).exists() else {}
+    if not update and not Path(baseline).exists():
+        raise ValueError(f"--baseline={str(baseline)!r}: no such file; record one with hdp bench regress --update "
+                         f"--baseline {baseline}")
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for bench in dict.fromkeys(r.bench for r in rows):
+        t0 = time.perf_counter()
+        try:
+            results[bench] = run_with[bench]()
+        except NoDevice as exc:
+            results[bench] = exc
+        except Exception as exc:  # noqa: BLE001 - a crashing benchmark is a failed row, named in the table
+            logger.exception("bench regress: %s raised", bench)
+            results[bench] = exc
+        seconds[bench] = time.perf_counter() - t0
+        logger.info("bench regress: %s took %.1f s", bench, seconds[bench])
+    table, failed, figures = [], [], {}
+    for row in rows:
+        got = results[row.bench]
+        entry = {"row": row.name, "bench": row.bench, "meaning": row.meaning, "baseline": base.get(row.name),
+                 "tolerance": row.tolerance_text()}
+        if isinstance(got, NoDevice):
+            entry.update(now=None, verdict="skipped: no device")
+        elif isinstance(got, Exception):
+            entry.update(now=None, verdict=f"error: {type(got).__name__}: {str(got).splitlines()[0] if str(got) else ''}"[:160])
+            failed.append(row.name)
+        else:
+            try:
+                now = row.get(got)
+            except (KeyError, TypeError, ValueError) as exc:
+                entry.update(now=None, verdict=f"error: the result has no figure ({type(exc).__name__}: {exc})")
+                failed.append(row.name)
+            else:
+                now = bool(now) if row.better == "true" else float(now)
+                entry.update(now=now, verdict=row.verdict(base.get(row.name), now))
+                figures[row.name] = now
+                if entry["verdict"] == "REGRESSION":
+                    failed.append(row.name)
+        table.append(entry)
+    if update:
+        broken = [r["row"] for r in table if r["row"] in failed and (r["verdict"].startswith("error")
+                                                                     or (r["now"] is False))]
+        if broken:
+            raise RuntimeError(f"bench regress --update: rows {', '.join(broken)} failed (a flag does not hold or the "
+                               "benchmark raised); fix them before recording a baseline")
+        write_baseline(baseline, figures, _machine())
+        for r in table:
+            r["verdict"] = "updated" if r["row"] in figures else r["verdict"]
+        failed = []
+    return {"rows": table, "failed": failed, "seconds": seconds, "baseline_file": str(baseline), "updated": update}
