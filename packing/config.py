@@ -13,6 +13,7 @@ import numpy as np
 from hdp.packing.cost import CostModel
 from hdp.packing.memory import MemoryBudget, MemoryModel
 from hdp.packing.profiles import cost_model
+from hdp.packing.topology import check_node_of
 
 __all__ = [
     "Policy", "GroupShape", "SearchBudget", "PlannerOptions", "PlannerConfig", "parse_enum", "check_token_budget",
@@ -233,6 +234,12 @@ class PlannerConfig(PlannerOptions):
     memory_model: MemoryModel | None = None
     """The per-rank memory model of the job's model and layout (needed with ``memory_limit``; given
     alone, plans still carry its predicted peaks)."""
+    node_of: tuple[int, ...] | None = None
+    """The node of every domain rank (`hdp.packing.topology`: contiguous runs of ranks, given by the
+    engine from its layout like N, or ``hdp plan --ranks-per-node``); the planner prices a ring that
+    crosses nodes by the cost model's inter-node link and places groups inside nodes when that is
+    cheaper.  ``None`` (or every rank on one node, normalised to ``None``): one node, planned
+    exactly as without a topology."""
     memory_limit_name: str = field(default="memory_limit", compare=False)
     """The setting the limit came from, as errors name it (``PlanningConfig.max_memory_gb``, verl's
     ``actor_rollout_ref.actor.hdp.max_memory_gb``, ``--memory-gb``); a label, not part of the plan's
@@ -243,6 +250,7 @@ class PlannerConfig(PlannerOptions):
         n = self.num_ranks
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"config.num_ranks={n!r}: the domain needs at least 1 rank; pass an integer N >= 1")
+        object.__setattr__(self, "node_of", check_node_of(self.node_of, n, "config.node_of"))
         check_token_budget(self.max_tokens_per_rank, "config.max_tokens_per_rank",
                            none_means="the budget derived from memory_limit" if self.memory_limit is not None else None)
         self._check_memory()

@@ -16,7 +16,12 @@ rank's share; sums over the group's samples)
       + merge_per_token * (k - 1) * sum Lp / k                per-token work of every ring step
       + cp_per_token * sum Lp / k                             per-token work of being split at all
 
-and a rank of a group of k = 1 costs ``sum work(L)``.  A round costs its busiest rank plus
+and a rank of a group of k = 1 costs ``sum work(L)``.  **Two link classes.**  A ring step's
+transfer runs over the slowest link the ring crosses: inside one node the intra-node link
+(``step_latency``, ``comm_per_token``: NVLink, HCCS); a group whose ranks span two or more nodes
+(`hdp.packing.topology`) pays ``max(step_latency + comm_per_token * sum Lp / k, node_step_latency
++ node_comm_per_token * sum Lp / k)`` in that term instead (InfiniBand, RoCE), hidden behind
+compute the same way.  With both node terms 0 there is one level (every older model).  A round costs its busiest rank plus
 ``round_cost`` (beta); a step is the sum of its rounds (the rounds model of docs/design.md).
 
 The two per-token terms are the memory-bound work that the K/V transfer does not hide and that
@@ -38,8 +43,8 @@ part ``s0 * L / k`` is in ``a`` (fitted on single-rank records) and the rest,
 fits records made under such a law).
 
 Units: ``linear_coef`` is dimensionless (units per token per unit of L**2 / L); ``round_cost``,
-``step_overhead`` and ``step_latency`` are units; ``comm_per_token``, ``merge_per_token`` and
-``cp_per_token`` are units per token; ``unit_time_s`` is seconds per unit.
+``step_overhead``, ``step_latency`` and ``node_step_latency`` are units; ``comm_per_token``,
+``node_comm_per_token``, ``merge_per_token`` and ``cp_per_token`` are units per token; ``unit_time_s`` is seconds per unit.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ MIN_UNIT_TIME_S = 1e-30
 MAX_UNIT_TIME_S = 1.0
 """Range of `CostModel.unit_time_s` (seconds per token pair of attention)."""
 
-__all__ = ["CostModel", "PARAMETERS", "work", "padded_length", "padded_float", "max_rank_tokens", "min_group_size", "pow2_ceil"]
+__all__ = ["CostModel", "SizePricedCost", "PARAMETERS", "work", "padded_length", "padded_float", "max_rank_tokens", "min_group_size", "pow2_ceil"]
 
 
 def work(lengths: np.ndarray | float, linear_coef: float) -> np.ndarray:
@@ -140,7 +145,7 @@ def min_group_size(lengths: np.ndarray, budget: int, max_k: int, pow2: bool = Fa
 
 PARAMETERS = (
     "linear_coef", "round_cost", "step_overhead", "step_latency", "comm_per_token",
-    "merge_per_token", "cp_per_token", "unit_time_s",
+    "merge_per_token", "cp_per_token", "node_step_latency", "node_comm_per_token", "unit_time_s",
 )
 """Names of the `CostModel` fields, in the order of `CostModel.to_vector`."""
 
@@ -166,6 +171,13 @@ class CostModel:
     cp_per_token: float = 0.0
     """Work per local token of a sample that is split at all (k >= 2: zigzag split and re-assembly,
     fp32 output/LSE buffers); enters as ``sum Lp / k`` per rank, units per token."""
+    node_step_latency: float = 0.0
+    """Latency of one ring step's K/V transfer over the inter-node link (InfiniBand, RoCE), units per
+    step: a group whose ring crosses a node boundary pays ``max`` of the two links' transfer time per
+    step (its slowest link); 0 with `node_comm_per_token` 0: no slower link (one level)."""
+    node_comm_per_token: float = 0.0
+    """K/V transfer time per token of a ring step over the inter-node link, units per token per step
+    (the intra-node link's is `comm_per_token`)."""
     unit_time_s: float = 1.0e-9
     """Seconds per unit on the target hardware (converts step times to seconds)."""
 
@@ -216,16 +228,21 @@ class CostModel:
         return work(lengths, self.linear_coef)
 
     def group_cost(
-        self, sum_work: np.ndarray, sum_len: np.ndarray, sum_sq: np.ndarray, k: np.ndarray
+        self, sum_work: np.ndarray, sum_len: np.ndarray, sum_sq: np.ndarray, k: np.ndarray,
+        cross: np.ndarray | bool = False,
     ) -> np.ndarray:
         """Per-rank cost of groups from their sums over samples of padded work, length, length².
 
         ``sum_work = sum_i work(Lp_i)``, ``sum_len = sum_i Lp_i``, ``sum_sq = sum_i Lp_i**2``,
-        all taken with Lp padded for the group size ``k`` (arrays broadcast together).
+        all taken with Lp padded for the group size ``k`` (arrays broadcast together); ``cross``:
+        the group's ring crosses a node boundary, so a ring step's transfer takes the slower of the
+        two links (`node_step_latency`, `node_comm_per_token`).
         """
         k = np.asarray(k, dtype=np.float64)
         local = np.asarray(sum_len, dtype=np.float64) / k  # tokens per rank
         comm = self.step_latency + self.comm_per_token * local
+        if np.any(cross):
+            comm = np.where(cross, np.maximum(comm, self.node_step_latency + self.node_comm_per_token * local), comm)
         hidden = np.asarray(sum_sq, dtype=np.float64) / (k * k)
         per_step = self.step_overhead + np.maximum(0.0, comm - hidden)
         if self.merge_per_token:
@@ -235,12 +252,15 @@ class CostModel:
             ring = ring + self.cp_per_token * local
         return np.asarray(sum_work, dtype=np.float64) / k + np.where(k > 1, ring, 0.0)
 
-    def group_cost_one(self, sum_work: float, sum_len: float, sum_sq: float, k: int) -> float:
+    def group_cost_one(self, sum_work: float, sum_len: float, sum_sq: float, k: int, cross: bool = False) -> float:
         """`group_cost` of one group, in plain Python floats (for scalar search loops)."""
         if k <= 1:
             return float(sum_work)
         local = sum_len / k
-        comm = self.step_latency + self.comm_per_token * local - sum_sq / (k * k)
+        link = self.step_latency + self.comm_per_token * local
+        if cross:
+            link = max(link, self.node_step_latency + self.node_comm_per_token * local)
+        comm = link - sum_sq / (k * k)
         per_step = self.step_overhead + (comm if comm > 0.0 else 0.0) + self.merge_per_token * local
         return sum_work / k + (k - 1) * per_step + self.cp_per_token * local
 
@@ -251,16 +271,27 @@ class CostModel:
         k = np.asarray(k, dtype=np.float64)
         return np.where(k > 1, (k - 1.0) * self.merge_per_token + self.cp_per_token, 0.0)
 
-    def packed_cost(self, lengths: np.ndarray | list[int], k: int) -> float:
-        """Per-rank cost (units) of one group of ``k`` ranks running ``lengths`` packed in one round."""
+    def packed_cost(self, lengths: np.ndarray | list[int], k: int, cross: bool = False) -> float:
+        """Per-rank cost (units) of one group of ``k`` ranks running ``lengths`` packed in one round
+        (``cross``: its ring crosses a node boundary)."""
         lp = padded_float(np.asarray(lengths, dtype=np.int64), k)
-        return float(self.group_cost(self.work(lp).sum(), lp.sum(), (lp * lp).sum(), k))
+        return float(self.group_cost(self.work(lp).sum(), lp.sum(), (lp * lp).sum(), k, cross))
 
-    def sample_cost(self, lengths: np.ndarray | float, k: np.ndarray | int) -> np.ndarray:
-        """Per-rank cost of each sample alone on a group of k ranks (units)."""
+    def sample_cost(self, lengths: np.ndarray | float, k: np.ndarray | int,
+                    cross: np.ndarray | bool = False) -> np.ndarray:
+        """Per-rank cost of each sample alone on a group of k ranks (units; ``cross``: the ring
+        crosses a node boundary)."""
         k = np.asarray(k, dtype=np.int64)
         padded = padded_float(lengths, k)
-        return self.group_cost(self.work(padded), padded, padded * padded, k)
+        return self.group_cost(self.work(padded), padded, padded * padded, k, cross)
+
+    def wide_cost(self, lengths: np.ndarray | float, k: np.ndarray | int, node_ranks: int | None) -> np.ndarray:
+        """`sample_cost` on groups that cross a node boundary exactly when they are wider than
+        ``node_ranks`` (the largest node: such a group spans two wherever it sits; ``None``: one
+        node) -- the least height a sample has on k ranks of that domain."""
+        if node_ranks is None:
+            return self.sample_cost(lengths, k)
+        return self.sample_cost(lengths, k, np.asarray(k) > node_ranks)
 
     def cheapest_rank_time(self, lengths: np.ndarray, k_min: np.ndarray, k_max: int) -> np.ndarray:
         """min over k in [k_min, k_max] of k * sample_cost(L, k): each sample's least rank-time."""
@@ -273,3 +304,24 @@ class CostModel:
             k = np.minimum(k_min + extra, k_max)
             best = np.minimum(best, k * self.sample_cost(length, k))
         return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizePricedCost(CostModel):
+    """A `CostModel` that knows the largest node of the domain (``node_ranks`` ranks) and prices a
+    group by its size alone: one wider than a node crosses a boundary wherever it sits (the
+    inter-node link), a narrower one is priced inside a node.  How the hdp policy's passes see
+    groups before they are placed (`hdp.packing.policies.hdp.placement` then lays them out, and
+    prices every group where it sits)."""
+
+    node_ranks: int = 1 << 62
+    """Ranks of the largest node."""
+
+    def group_cost(self, sum_work: np.ndarray, sum_len: np.ndarray, sum_sq: np.ndarray, k: np.ndarray,
+                   cross: np.ndarray | bool = False) -> np.ndarray:
+        """`CostModel.group_cost`, a group wider than the largest node crossing nodes."""
+        return super().group_cost(sum_work, sum_len, sum_sq, k, np.logical_or(cross, np.asarray(k) > self.node_ranks))
+
+    def group_cost_one(self, sum_work: float, sum_len: float, sum_sq: float, k: int, cross: bool = False) -> float:
+        """`CostModel.group_cost_one`, a group wider than the largest node crossing nodes."""
+        return super().group_cost_one(sum_work, sum_len, sum_sq, k, cross or k > self.node_ranks)

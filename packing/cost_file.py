@@ -5,7 +5,7 @@ key documents where the numbers come from)::
 
     {
       "format": "hdp-cost-model",
-      "version": 2,
+      "version": 3,
       "parameters": {                  # every CostModel field (hdp.packing.cost.PARAMETERS)
         "linear_coef": ...,            #   a, dimensionless
         "round_cost": ...,             #   beta, units per round
@@ -14,6 +14,8 @@ key documents where the numbers come from)::
         "comm_per_token": ...,         #   K/V transfer per token per ring step (hideable), units
         "merge_per_token": ...,        #   per-token work per ring step after the first, units
         "cp_per_token": ...,           #   per-token work of a split sample (k >= 2), units
+        "node_step_latency": ...,      #   the inter-node link's latency per ring step (a ring crossing nodes), units
+        "node_comm_per_token": ...,    #   the inter-node link's transfer per token per ring step, units
         "unit_time_s": ...             #   seconds per unit
       },
       "fitted": ["unit_time_s", ...],  # parameters fitted from measured records
@@ -40,7 +42,8 @@ Units are the token² units of `hdp.packing.cost` (one unit: ``6 * n_layers * d_
 attention).  ``parameters`` must hold exactly the fields of `CostModel`; a missing or unknown field
 is an error naming it, as is a file of another format or version.  Version 1 files (written before
 the per-token ring terms existed) are read with ``merge_per_token = cp_per_token = 0``, which is
-exactly the model they describe.  The ``memory`` section is optional (absent or null: no fitted
+exactly the model they describe; version 1 and 2 files (written before the inter-node link existed)
+with ``node_step_latency = node_comm_per_token = 0``: no slower link, the one-level model they describe.  The ``memory`` section is optional (absent or null: no fitted
 memory model; `load_memory_coefficients` returns None); when present it is checked on load like
 ``parameters``: exactly the five coefficients, each a finite number >= 0.
 """
@@ -62,10 +65,12 @@ __all__ = ["FORMAT", "VERSION", "METADATA_KEYS", "cost_document", "save_cost_mod
 
 FORMAT = "hdp-cost-model"
 """Value of the ``format`` key of a cost-model file."""
-VERSION = 2
-"""Version of the layout written by this hdp; a file of another version is rejected (version 1 is read)."""
+VERSION = 3
+"""Version of the layout written by this hdp; a file of another version is rejected (versions 1 and 2 are read)."""
 _ADDED_IN_2 = {"merge_per_token": 0.0, "cp_per_token": 0.0}
 """Parameters version 1 files lack, and the value that reproduces the model they describe."""
+_ADDED_IN_3 = {"node_step_latency": 0.0, "node_comm_per_token": 0.0}
+"""Parameters version 1 and 2 files lack (the inter-node link), and the value that reproduces their model."""
 
 
 METADATA_KEYS = ("fitted", "from_base", "base", "fit")
@@ -183,16 +188,16 @@ def read_cost_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             "`hdp calibrate --records R.jsonl --out COST.json` or CostModel.save"
         )
     version = doc.get("version")
-    if isinstance(version, bool) or version not in (1, VERSION):
+    if isinstance(version, bool) or version not in (1, 2, VERSION):
         raise ValueError(
-            f"cost-model file {str(p)!r}: version={version!r}, this hdp reads versions 1 and {VERSION}; "
+            f"cost-model file {str(p)!r}: version={version!r}, this hdp reads versions 1 to {VERSION}; "
             "re-run hdp calibrate with this hdp to rewrite it"
         )
     params = doc.get("parameters")
     if not isinstance(params, dict):
         raise ValueError(f"cost-model file {str(p)!r}: 'parameters' must be an object of CostModel fields")
-    if version == 1:
-        params = {**_ADDED_IN_2, **params}
+    if version in (1, 2):
+        params = {**(_ADDED_IN_2 if version == 1 else {}), **_ADDED_IN_3, **params}
         doc = {**doc, "parameters": params, "version": VERSION}
     names = [f.name for f in dataclasses.fields(CostModel)]
     missing = [n for n in names if n not in params]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hdp.packing.chunks import rank_chunks, zigzag_bounds
+from hdp.packing.topology import check_node_of
 
 __all__ = ["Plan", "Round", "Group", "PlanStats"]
 
@@ -116,6 +117,12 @@ class PlanStats:
     """T*_tight / T (``None`` unless asked for)."""
     token_budget: int = 0
     """B the plan was made with (tokens per rank per round; derived from the memory limit when one is set)."""
+    nodes: int = 1
+    """Nodes the domain spans (``Plan.node_of``; 1: one node)."""
+    cross_node_fraction: float = 0.0
+    """Fraction of the ring traffic (K/V blocks x ring steps) that runs between nodes (0 on one node)."""
+    cross_node_groups: int = 0
+    """Groups whose ring crosses a node boundary (their steps run at the inter-node link)."""
     memory: dict[str, Any] | None = None
     """Predicted memory of the plan when the planner has a memory model (`hdp.packing.memory.memory_stats`:
     ``peak_bytes``, ``round_peak_bytes``, ``limit_bytes``, ``token_budget``, ...); ``None`` without."""
@@ -143,6 +150,9 @@ class PlanStats:
             "lower_bound_tight_units": self.lower_bound_tight,
             "efficiency_tight": self.efficiency_tight,
             "token_budget": self.token_budget,
+            "nodes": self.nodes,
+            "cross_node_fraction": self.cross_node_fraction,
+            "cross_node_groups": self.cross_node_groups,
             "memory": self.memory,
         }
 
@@ -170,6 +180,9 @@ class Plan:
     """[S] size k of each sample's group."""
     num_rounds: int
     stats: PlanStats | None = None
+    node_of: tuple[int, ...] | None = None
+    """The node of every domain rank the plan was made for (`hdp.packing.topology`; ``None``: one
+    node); the simulator prices a group whose ring crosses nodes by the inter-node link."""
 
     def __post_init__(self) -> None:
         """Columns are 1-D int64, one entry per sample; sizes and counts are positive integers."""
@@ -190,6 +203,7 @@ class Plan:
                 raise ValueError(f"Plan.{name} has {col.shape[0]} entries but Plan.lengths has {n}: every column "
                                  "holds one entry per sample (build it from the same assignment)")
             object.__setattr__(self, name, _frozen(col))
+        object.__setattr__(self, "node_of", check_node_of(self.node_of, int(self.num_ranks), "Plan.node_of"))
 
     @classmethod
     def from_columns(
@@ -203,6 +217,7 @@ class Plan:
         group_start: np.ndarray,
         group_size: np.ndarray,
         num_rounds: int | None = None,
+        node_of: tuple[int, ...] | None = None,
     ) -> "Plan":
         """Build a plan from per-sample columns; rounds are renumbered to drop empty ones."""
         lengths, round_of = _frozen(lengths), np.asarray(round_of)
@@ -227,6 +242,7 @@ class Plan:
             group_start=_frozen(group_start),
             group_size=_frozen(group_size),
             num_rounds=int(num_rounds),
+            node_of=node_of,
         )
 
     def with_stats(self, stats: PlanStats) -> "Plan":
@@ -235,7 +251,17 @@ class Plan:
             num_ranks=self.num_ranks, max_tokens_per_rank=self.max_tokens_per_rank,
             policy=self.policy, lengths=self.lengths, round_of=self.round_of,
             group_start=self.group_start, group_size=self.group_size,
-            num_rounds=self.num_rounds, stats=stats,
+            num_rounds=self.num_rounds, stats=stats, node_of=self.node_of,
+        )
+
+    def on_nodes(self, node_of: tuple[int, ...] | None) -> "Plan":
+        """The same groups on a domain whose ranks sit on the nodes ``node_of`` (stats dropped): how
+        a plan made without the topology runs on one that has it (`hdp.packing.simulate` prices it)."""
+        return Plan(
+            num_ranks=self.num_ranks, max_tokens_per_rank=self.max_tokens_per_rank,
+            policy=self.policy, lengths=self.lengths, round_of=self.round_of,
+            group_start=self.group_start, group_size=self.group_size,
+            num_rounds=self.num_rounds, node_of=node_of,
         )
 
     @property
@@ -300,6 +326,9 @@ class Plan:
         h.update(self.policy.encode())
         for col in (self.lengths, self.round_of, self.group_start, self.group_size):
             h.update(col.tobytes())
+        if self.node_of is not None:  # the topology is an input of the plan (one node: as before it existed)
+            h.update(b"nodes")
+            h.update(np.asarray(self.node_of, np.int64).tobytes())
         return h.hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -310,6 +339,7 @@ class Plan:
             "policy": self.policy,
             "num_rounds": self.num_rounds,
             "checksum": self.checksum(),
+            **({"node_of": list(self.node_of)} if self.node_of is not None else {}),
             "lengths": self.lengths.tolist(),
             "rounds": [
                 [{"ranks": [g.start, g.start + g.size - 1], "samples": list(g.samples)} for g in rnd.groups]
@@ -336,7 +366,7 @@ class Plan:
         return cls.from_columns(
             num_ranks=data["num_ranks"], max_tokens_per_rank=data["max_tokens_per_rank"],
             policy=data["policy"], lengths=lengths, round_of=round_of, group_start=start,
-            group_size=size, num_rounds=data["num_rounds"],
+            group_size=size, num_rounds=data["num_rounds"], node_of=data.get("node_of"),
         )
 
     def to_json(self) -> str:
@@ -351,6 +381,7 @@ class Plan:
             and self.max_tokens_per_rank == other.max_tokens_per_rank
             and self.policy == other.policy
             and self.num_rounds == other.num_rounds
+            and self.node_of == other.node_of
             and all(
                 np.array_equal(a, b)
                 for a, b in (

@@ -30,7 +30,9 @@ POLICY_MODULES: dict[Policy, str] = {
 def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
     """Plan one step: which samples run on which ranks in which round.
 
-    Pure and deterministic: the same (lengths, config) give an identical plan on every rank.  A
+    Pure and deterministic: the same (lengths, config) give an identical plan on every rank.  With
+    ``config.node_of`` the plan carries the topology (its checksum covers it) and its figures price a
+    ring across nodes on the inter-node link.  A
     domain of one rank is plain packing at the fewest rounds, whatever the policy
     (`hdp.packing.single_rank`).
     With ``config.memory_limit`` the token budget B is derived from the memory model (the plan's
@@ -65,6 +67,7 @@ def plan(lengths: Sequence[int] | np.ndarray, config: PlannerConfig) -> Plan:
         round_of=a.round_of,
         group_start=a.group_start,
         group_size=a.group_size,
+        node_of=config.node_of,
     )
     stats = simulate(p, config.cost, planner_ms, config.pipeline_stages)
     if config.memory_model is not None:

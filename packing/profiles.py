@@ -35,6 +35,13 @@ varlen index work) reached 0.902; we model the varlen path because packed traini
 ``ascend-910b-hccs`` has no public ring-attention measurement we know of: its per-token ring work
 is the H800 figure scaled by HBM bandwidth (the merge is memory-bound: 3.35 / 1.6 TB/s), the rest
 are spec sheets and stated assumptions.  Replace both with ``hdp calibrate`` on your own records.
+
+**Between nodes** every profile has a second link (``node_link_gbps``, ``node_link_latency_us``,
+``node_source``): a ring that crosses a node boundary runs each step at the slower one
+(`CostModel.node_step_latency`, `CostModel.node_comm_per_token`).  ``h100-nvlink`` (H100/H200 DGX):
+NDR InfiniBand, 400 Gb/s per GPU, against NVLink's 450 GB/s one way (9x less); ``ascend-910b-hccs``:
+200 GbE RoCE per NPU against HCCS's 56 GB/s per peer; ``cpu-gloo``: what the two-node CPU emulation
+adds (`CPU_NODE_LINK_US` per ring exchange).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from hdp.packing.cost import CostModel
 
 __all__ = [
     "HardwareProfile", "ModelPreset", "PROFILES", "MODELS", "get_profile", "get_model", "cost_model",
-    "RING_FLASH_ATTENTION_VARLEN",
+    "RING_FLASH_ATTENTION_VARLEN", "CPU_NODE_LINK_US",
 ]
 
 RING_FLASH_ATTENTION_VARLEN: dict = {
@@ -92,6 +99,9 @@ def _from_ring_flash_attention(step_overhead_us: float) -> tuple[float, float]:
 _H100_STEP_US = 10.0
 _H100_TFLOPS, _H100_MERGE_PS = _from_ring_flash_attention(_H100_STEP_US)
 _ASCEND_HBM_TB_PER_S = 1.6
+CPU_NODE_LINK_US = 2000.0
+"""Microseconds the CPU emulation of two nodes (`hdp.trainer.bench.nodes`) waits on every ring
+exchange between ranks of different emulated nodes; ``cpu-gloo``'s inter-node latency is gloo's plus this."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +129,14 @@ class HardwareProfile:
     backward, picoseconds: zigzag split/re-assembly, fp32 buffers (becomes `CostModel.cp_per_token`)."""
     source: str
     """Where the figures come from."""
+    node_link_gbps: float = 0.0
+    """Unidirectional bandwidth per rank of the inter-node link (InfiniBand, RoCE), GB/s: a ring step
+    that crosses a node boundary runs at the slower link (`CostModel.node_comm_per_token`); 0: no
+    inter-node link known (one level)."""
+    node_link_latency_us: float = 0.0
+    """Latency of one point-to-point transfer between nodes, microseconds (`CostModel.node_step_latency`)."""
+    node_source: str = ""
+    """Where the inter-node figures come from."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +177,12 @@ PROFILES: dict[str, HardwareProfile] = {
                 "by HBM bandwidth 3.35/1.6; HCCL P2P latency and per-step launch costs are assumptions "
                 "to be calibrated"
             ),
+            node_link_gbps=25.0,
+            node_link_latency_us=30.0,
+            node_source=(
+                "Atlas 800T A2: one 200 GbE RoCE v2 port per NPU (8 x 200GE per server, Huawei spec sheet): "
+                "25 GB/s per rank one way; HCCL P2P latency over RoCE ~30 us an assumption to be calibrated"
+            ),
         ),
         HardwareProfile(
             name="h100-nvlink",
@@ -175,6 +199,13 @@ PROFILES: dict[str, HardwareProfile] = {
                 "GPU); NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA datasheet); NCCL P2P latency "
                 "~8 us (nccl-tests); 10 us launch cost per ring step an assumption to be calibrated"
             ),
+            node_link_gbps=50.0,
+            node_link_latency_us=15.0,
+            node_source=(
+                "DGX H100/H200: one ConnectX-7 NDR InfiniBand port per GPU, 400 Gb/s = 50 GB/s per rank one "
+                "way (NVIDIA DGX H100 user guide); NCCL P2P latency across nodes ~15 us (nccl-tests order of "
+                "magnitude) an assumption to be calibrated"
+            ),
         ),
         HardwareProfile(
             name="cpu-gloo",
@@ -187,6 +218,12 @@ PROFILES: dict[str, HardwareProfile] = {
                 "2-core x86 CPU, one intra-op thread per process, torch fp32 blocked attention "
                 "(~30 GFLOP/s measured order of magnitude); gloo over loopback TCP; replace with "
                 "`calibrate()` on records from `hdp bench train`"
+            ),
+            node_link_gbps=2.0,
+            node_link_latency_us=150.0 + CPU_NODE_LINK_US,
+            node_source=(
+                "the two-node CPU emulation (hdp.trainer.bench.nodes): loopback gloo plus "
+                "CPU_NODE_LINK_US of waiting on every ring exchange between emulated nodes"
             ),
         ),
     )
@@ -297,5 +334,7 @@ def cost_model(
         comm_per_token=bytes_per_token / (hw.link_gbps * 1e9) / unit_time_s,
         merge_per_token=elems * hw.ring_merge_ps_per_elem * 1e-12 / unit_time_s,
         cp_per_token=elems * hw.cp_split_ps_per_elem * 1e-12 / unit_time_s,
+        node_step_latency=passes * spec.n_layers * hw.node_link_latency_us * 1e-6 / unit_time_s,
+        node_comm_per_token=bytes_per_token / (hw.node_link_gbps * 1e9) / unit_time_s if hw.node_link_gbps > 0 else 0.0,
         unit_time_s=unit_time_s,
     )

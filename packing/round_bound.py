@@ -68,7 +68,8 @@ class FirstFit:
     sample alone is no taller than a given height: the [V, N] table of heights is built once (its
     rows' prefix minima), every query is one sorted search."""
 
-    def __init__(self, length: np.ndarray, k_lo: np.ndarray, num_ranks: int, cost: CostModel) -> None:
+    def __init__(self, length: np.ndarray, k_lo: np.ndarray, num_ranks: int, cost: CostModel,
+                 node_ranks: int | None = None) -> None:
         N = int(num_ranks)
         V = int(length.size)
         self.V, self.N = V, N
@@ -76,7 +77,7 @@ class FirstFit:
             return
         kk = np.arange(1, N + 1)
         Lv = np.broadcast_to(np.asarray(length)[:, None], (V, N))
-        H = cost.sample_cost(Lv, np.broadcast_to(kk, Lv.shape))  # [V, N]
+        H = cost.wide_cost(Lv, np.broadcast_to(kk, Lv.shape), node_ranks)  # [V, N]
         H = np.minimum.accumulate(np.where(kk[None, :] >= np.asarray(k_lo)[:, None], H, np.inf), axis=1)
         self.big = 4.0 * float(np.nanmax(np.where(np.isfinite(H), H, 0.0))) + 1.0
         self.span = 2.0 * self.big
@@ -125,10 +126,13 @@ class TallBatch:
     var: np.ndarray  # samples (s* aside) taller than t0 at their fewest ranks, tabulated
     var_fit: FirstFit  # their first fitting size under a height
     cost: CostModel
+    node_ranks: int | None = None  # the largest node (None: one): wider groups are priced across nodes
 
     @classmethod
-    def of(cls, length: np.ndarray, num_ranks: int, budget: int, cost: CostModel) -> TallBatch:
-        """The pieces of ``length`` (n >= 1) on ``num_ranks`` ranks of ``budget`` tokens."""
+    def of(cls, length: np.ndarray, num_ranks: int, budget: int, cost: CostModel,
+           node_ranks: int | None = None) -> TallBatch:
+        """The pieces of ``length`` (n >= 1) on ``num_ranks`` ranks of ``budget`` tokens (``node_ranks``:
+        the largest node of the domain, None for one node: heights of wider groups on the inter-node link)."""
         N, B = int(num_ranks), int(budget)
         length = np.asarray(length, dtype=np.int64)
         L = length.astype(np.float64)
@@ -137,15 +141,15 @@ class TallBatch:
         fixed = cost.work(L) + cost.step_overhead * d * (d + 1.0)
         star = int(np.argmax(length))
         ks = np.arange(int(k_min[star]), N + 1)
-        h_star = cost.sample_cost(np.full(ks.size, length[star]), ks)
+        h_star = cost.wide_cost(np.full(ks.size, length[star]), ks, node_ranks)
         t0 = float(h_star.min())
-        h_kmin = cost.sample_cost(length, k_min)
+        h_kmin = cost.wide_cost(length, k_min, node_ranks)
         var = np.flatnonzero(h_kmin > t0)
         var = tabulated(var[var != star], k_min, h_kmin, N)
         return cls(length=length, L=L, k_min=k_min, fixed=fixed, rho=fixed + cost.split_per_token(k_min) * L,
                    star=star, ks=ks, h_star=h_star, e_star=fixed[star] + cost.split_per_token(ks) * L[star], t0=t0,
-                   r_min=min_rounds(length, N, B), var=var, var_fit=FirstFit(length[var], k_min[var], N, cost),
-                   cost=cost)
+                   r_min=min_rounds(length, N, B), var=var,
+                   var_fit=FirstFit(length[var], k_min[var], N, cost, node_ranks), cost=cost, node_ranks=node_ranks)
 
     def e(self, i: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         """e(L_i, k): the rank-time floor of sample i on a group of k ranks."""
@@ -184,20 +188,21 @@ def _knapsack(values: np.ndarray, weights: np.ndarray, capacity: np.ndarray) -> 
 
 def round_capacity_bound(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
-    *, upper: float = 0.0, batch: TallBatch | None = None,
+    *, upper: float = 0.0, batch: TallBatch | None = None, node_ranks: int | None = None,
 ) -> float:
     """T (units) no plan beats, from the ranks the round of the longest sample can give the other
     samples (module docstring); ``-inf`` where it does not apply (one rank, fewer than two samples, a
     batch too large for its work cap).  The intervals of t' run geometrically from the longest
     sample's least height to ``max(4 x that, upper)`` (any ``upper`` gives a valid bound: a
     known lower bound is a good one), then one interval to infinity.  ``batch``: the batch's
-    `TallBatch` when the caller has it (`lower_bound_tight` does)."""
+    `TallBatch` when the caller has it (`lower_bound_tight` does); ``node_ranks``: the domain's largest
+    node (None: one node), heights of wider groups priced on the inter-node link."""
     length = np.asarray(lengths, dtype=np.int64)
     n, N, B = int(length.size), int(num_ranks), int(budget)
     cols_left = _WORK // max(1, n)
     if n < 2 or N < 2 or cols_left < _MIN_COLUMNS:
         return -np.inf
-    tb = TallBatch.of(length, N, B, cost) if batch is None else batch
+    tb = TallBatch.of(length, N, B, cost, node_ranks) if batch is None else batch
     thetas = np.asarray(_THETAS, dtype=np.float64)  # [Th, 2]
     p, beta, r_min = pipeline_stages - 1, cost.round_cost, tb.r_min
     L, k_min, fixed, star = tb.L, tb.k_min, tb.fixed, tb.star
@@ -209,9 +214,9 @@ def round_capacity_bound(
     one_ok = k_min[others] == 1
     # option k >= 2: the first size >= max(2, fewest) that fits; tabulated for samples taller than t0 there
     k2_lo = np.maximum(2, k_min[others])
-    h2_lo = cost.sample_cost(length[others], k2_lo)
+    h2_lo = cost.wide_cost(length[others], k2_lo, node_ranks)
     tall = tabulated(np.flatnonzero(h2_lo > t0), k2_lo, h2_lo, N)
-    fit2 = FirstFit(length[others][tall], k2_lo[tall], N, cost)
+    fit2 = FirstFit(length[others][tall], k2_lo[tall], N, cost, node_ranks)
 
     cheap = beta * r_min  # every column's bound is at least t'_lo + (PP - 1) t_lo + this
 

@@ -13,6 +13,12 @@ PP - 1 more micro-batches on the critical path, the slowest one at worst:
 
 so with PP the best plan may use more, smaller rounds.  (Times are per stage: a cost model
 calibrated on a PP job measures a stage; a preset for the whole model scales every plan alike.)
+
+On a domain over several nodes (``plan.node_of``) a group whose ranks span two or more nodes pays
+the inter-node link on every ring step (`CostModel.group_cost`'s ``cross``), and the figures say
+how much of the ring traffic crosses nodes: a group of k ranks over m >= 2 nodes moves its K/V
+blocks over k ring edges, m of them between nodes (`hdp.packing.topology`), (k - 1) steps of
+``sum Lp / k`` tokens each.  The bounds know that a group wider than the largest node crosses one.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import numpy as np
 
 from hdp.packing.cost import CostModel, min_group_size, padded_float
 from hdp.packing.plan import Plan, PlanStats
+from hdp.packing.topology import Nodes
 
-__all__ = ["simulate", "lower_bound", "lower_bound_tight", "rank_time_floor", "min_rounds", "rank_loads", "round_times", "step_time"]
+__all__ = ["simulate", "lower_bound", "lower_bound_tight", "rank_time_floor", "min_rounds", "rank_loads", "round_times",
+           "step_time", "ring_traffic"]
 
 
 def min_rounds(lengths: np.ndarray, num_ranks: int, budget: int) -> int:
@@ -75,6 +83,7 @@ def rank_time_floor(lengths: np.ndarray, num_ranks: int, budget: int, cost: Cost
 
 def lower_bound(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
+    node_ranks: int | None = None,
 ) -> float:
     """T* (units): no plan of these lengths under this budget is faster.
 
@@ -83,7 +92,8 @@ def lower_bound(
     group can avoid): W = their sum / N, plus the minimum rounds * beta.  With PP stages, R rounds also
     pay (PP - 1) times a round at least max(W / R, h) tall, h the longest sample's least height on
     any group -- minimised over R >= the minimum rounds.  The bound ignores shapes, so one T*
-    serves every policy of a case.
+    serves every policy of a case.  ``node_ranks``: the largest node of the domain (``None``: one
+    node); a group wider than it crosses nodes and is priced so (`CostModel.wide_cost`).
     """
     length = np.asarray(lengths, dtype=np.int64)
     k_min = np.minimum(min_group_size(length, budget, num_ranks), num_ranks)
@@ -95,7 +105,7 @@ def lower_bound(
     p = pipeline_stages - 1
     i = int(np.argmax(length))  # a sample's least height grows with its length: the longest decides
     ks = np.arange(int(k_min[i]), num_ranks + 1)
-    h = float(cost.sample_cost(np.full(ks.size, length[i]), ks).min())
+    h = float(cost.wide_cost(np.full(ks.size, length[i]), ks, node_ranks).min())
     cands = {r_min, max(r_min, int(np.floor(W / h))), max(r_min, int(np.ceil(W / h)))}
     if beta > 0:
         r0 = np.sqrt(p * W / beta)
@@ -108,6 +118,7 @@ _TIGHT_GRID = 64  # rounds' heights the tight bound tries (geometric), fewer on 
 
 def lower_bound_tight(
     lengths: np.ndarray, num_ranks: int, budget: int, cost: CostModel, pipeline_stages: int = 1,
+    node_ranks: int | None = None,
 ) -> float:
     """T*_tight (units): the largest of `lower_bound`, the bound below and
     `hdp.packing.round_bound.round_capacity_bound` (the token slots a tall round strands); every
@@ -157,13 +168,19 @@ def lower_bound_tight(
     bound of T.  The intervals are geometric between t_0 and the height above which no sample needs
     a wider group; samples tall enough to vary are tabulated over every group size (at most
     `hdp.packing.round_bound.tabulated`'s cap; the rest keep rho at their fewest ranks, which is lower: still valid).
+
+    On a domain over nodes (``node_ranks``: its largest node) every height h is that of a group
+    wider than the largest node priced with the inter-node link (`CostModel.wide_cost`): such a
+    group crosses a boundary wherever it sits, and one no wider may sit inside a node, so h stays
+    a lower bound of the group's height and every step above holds as written.
     """
     length = np.ascontiguousarray(lengths, dtype=np.int64)
-    return _tight_cached(length.tobytes(), int(num_ranks), int(budget), cost, int(pipeline_stages))
+    nodes = None if node_ranks is None or node_ranks >= num_ranks else int(node_ranks)
+    return _tight_cached(length.tobytes(), int(num_ranks), int(budget), cost, int(pipeline_stages), nodes)
 
 
 @functools.lru_cache(maxsize=8)  # the suite asks once per policy of a case in turn; keys hold the lengths
-def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages: int) -> float:
+def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages: int, node_ranks: int | None) -> float:
     """`lower_bound_tight` of the batch whose int64 lengths are ``data``."""
     from hdp.packing.round_bound import TallBatch, round_capacity_bound  # it imports this module
 
@@ -171,12 +188,12 @@ def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages:
     n = int(length.size)
     if n == 0:
         return 0.0
-    plain = lower_bound(length, N, B, cost, pipeline_stages)
+    plain = lower_bound(length, N, B, cost, pipeline_stages, node_ranks)
     p, beta = pipeline_stages - 1, cost.round_cost
-    tb = TallBatch.of(length, N, B, cost)  # fewest ranks, floors, s* on every size, the varying samples
+    tb = TallBatch.of(length, N, B, cost, node_ranks)  # fewest ranks, floors, s* on every size, the varying samples
     r_min, L, k_min, star, e = tb.r_min, tb.L, tb.k_min, tb.star, tb.e
     ks, h_star, e_star, t0, rho0, var = tb.ks, tb.h_star, tb.e_star, tb.t0, tb.rho, tb.var
-    h_kmin = cost.sample_cost(length[var], k_min[var])
+    h_kmin = cost.wide_cost(length[var], k_min[var], node_ranks)
     t_top = float(max(h_kmin.max(initial=t0), t0))
     grid_n = max(4, min(_TIGHT_GRID, (1 << 21) // n))
     grid = np.unique(np.concatenate([
@@ -235,10 +252,13 @@ def _tight_cached(data: bytes, N: int, B: int, cost: CostModel, pipeline_stages:
         rounds = r_min if not np.isfinite(hi) else max(r_min, int(np.ceil(S / hi - 1e-12)))
         best = min(best, S + p * lo + beta * rounds)
     best = max(best, plain)
-    return float(max(best, round_capacity_bound(length, N, B, cost, pipeline_stages, upper=best, batch=tb)))
+    return float(max(best, round_capacity_bound(length, N, B, cost, pipeline_stages, upper=best, batch=tb,
+                                                node_ranks=node_ranks)))
+
 
 def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(round, first rank, size, per-rank cost) of every group of the plan (exact group costs)."""
+    """(round, first rank, size, per-rank cost) of every group of the plan (exact group costs, a ring
+    across nodes on the inter-node link)."""
     N = plan.num_ranks
     if plan.num_samples == 0:
         z = np.zeros(0, dtype=np.int64)
@@ -253,8 +273,32 @@ def _groups(plan: Plan, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.nda
     sum_sq = np.bincount(inv, weights=padded * padded, minlength=n_groups)
     g_k = np.zeros(n_groups, dtype=np.int64)
     g_k[inv] = k
-    g_cost = cost.group_cost(sum_work, sum_len, sum_sq, g_k)
-    return uniq // (N + 1), uniq % (N + 1), g_k, np.asarray(g_cost, dtype=np.float64)
+    g_start = uniq % (N + 1)
+    nodes = Nodes.of(plan.node_of, N)
+    cross = False if nodes is None else nodes.crosses(g_start, g_k)
+    g_cost = cost.group_cost(sum_work, sum_len, sum_sq, g_k, cross)
+    return uniq // (N + 1), g_start, g_k, np.asarray(g_cost, dtype=np.float64)
+
+
+def ring_traffic(plan: Plan) -> tuple[float, float, int]:
+    """(ring traffic, the part of it between nodes, groups whose ring crosses nodes) of the plan, the
+    traffic in token-steps: a group of k >= 2 ranks moves (k - 1) * sum Lp tokens over its k ring
+    edges, m of them between nodes when it spans m >= 2 nodes (module docstring)."""
+    k = plan.group_size
+    multi = k > 1
+    if not multi.any():
+        return 0.0, 0.0, 0
+    lp = padded_float(plan.lengths[multi], k[multi])
+    km = k[multi].astype(np.float64)
+    total = float(((km - 1.0) * lp).sum())
+    nodes = Nodes.of(plan.node_of, plan.num_ranks)
+    if nodes is None:
+        return total, 0.0, 0
+    m = nodes.spans(plan.group_start[multi], k[multi]).astype(np.float64)
+    edges = np.where(m > 1, m, 0.0)
+    crossing = float(((km - 1.0) * lp * edges / km).sum())
+    keys = np.unique(plan.round_of[multi][m > 1] * (plan.num_ranks + 1) + plan.group_start[multi][m > 1])
+    return total, crossing, int(keys.size)
 
 
 def round_times(plan: Plan, cost: CostModel, groups: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
@@ -291,9 +335,12 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
     compute_time = float(round_max.sum())
     fill = (pipeline_stages - 1) * float(round_max.max()) if round_max.size else 0.0
     total = step_time(round_max, cost, pipeline_stages)
-    bound = lower_bound(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
-    tight_lb = (lower_bound_tight(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages)
+    nodes = Nodes.of(plan.node_of, plan.num_ranks)
+    cap = None if nodes is None else nodes.largest
+    bound = lower_bound(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages, cap)
+    tight_lb = (lower_bound_tight(plan.lengths, plan.num_ranks, plan.max_tokens_per_rank, cost, pipeline_stages, cap)
                 if tight else None)
+    traffic, crossing, crossing_groups = ring_traffic(plan)
     busy = loads.sum(axis=0) if plan.num_rounds else np.zeros(plan.num_ranks)
     idle = 1.0 - busy / compute_time if compute_time > 0 else np.zeros(plan.num_ranks)
     sizes, counts = np.unique(plan.group_size, return_counts=True)
@@ -318,4 +365,7 @@ def simulate(plan: Plan, cost: CostModel, planner_ms: float = 0.0, pipeline_stag
         lower_bound_tight=tight_lb,
         efficiency_tight=None if tight_lb is None else (tight_lb / total if total > 0 else 1.0),
         token_budget=int(plan.max_tokens_per_rank),
+        nodes=1 if nodes is None else nodes.count,
+        cross_node_fraction=crossing / traffic if traffic > 0 else 0.0,
+        cross_node_groups=crossing_groups,
     )

@@ -28,7 +28,9 @@ pass after the first returns a plan at least as good as its input.  Work is coun
 config's `SearchBudget` (construction candidates, search moves, rivals), never timed: every rank
 stops at the same point and gets the same plan.  The cost model, not the group shape, decides:
 CP3/CP5/CP6 groups appear whenever they are cheaper.  All steps are deterministic (ties broken
-by index).  The inner loops run compiled (`kernels`, numba; the cost arithmetic is `CostModel`'s
+by index).  On a domain over several nodes (``config.node_of``) the passes price a group wider than
+a node across nodes, and every plan is scored -- and handed out -- as `placement.place` lays its
+rounds out, groups inside nodes where that is cheaper.  The inner loops run compiled (`kernels`, numba; the cost arithmetic is `CostModel`'s
 own, in its order); their machine code is loaded from numba's on-disk cache -- or compiled, once per
 machine, when it is cold -- when this package is imported.
 """
@@ -68,7 +70,7 @@ def plan_columns(lengths: np.ndarray, config: PlannerConfig, *, memo: dict | Non
     cols = Columns.empty(problem.n)
     for step in PIPELINE:
         cols = step(cols, problem)
-    return cols
+    return problem.placed(cols)
 
 
 def assign(lengths: np.ndarray, config: PlannerConfig) -> Assignment:

@@ -7,6 +7,10 @@ The objective is the simulator's step time (`hdp.packing.simulate`):
 
 where ``top_r`` is the round's tallest column (its groups are disjoint, so its slowest rank) and
 the last term is the pipeline's fill and drain with PP stages (``config.pipeline_stages``).
+
+On a domain over several nodes (``config.node_of``) the passes price a group by its size
+(`cost.SizePricedCost`: wider than the largest node, across nodes), and `Problem.step_time` scores
+a plan as `placement.place` lays it out, every group priced where it sits.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hdp.packing.config import GroupShape, PlannerConfig, SearchBudget
-from hdp.packing.cost import CostModel, min_group_size
+from hdp.packing.cost import PARAMETERS, CostModel, SizePricedCost, min_group_size
 from hdp.packing.policies.common import allowed_sizes
 from hdp.packing.kernels.jit import int_array
 from hdp.packing.kernels.sums import max_at
 from hdp.packing.policies.hdp.kernels import costs as compiled
 from hdp.packing.policies.hdp.columns import Columns
+from hdp.packing.topology import Nodes
 
 __all__ = ["Problem", "Meter", "POOLS"]
 
@@ -72,6 +77,20 @@ class Problem:
     """Work spent so far (shared with sub-problems)."""
     memo: dict = field(default_factory=dict)
     """Plans of the rival policies, by name, once built (`rivals`; shared with hdp-pow2's run)."""
+    nodes: Nodes | None = None
+    """Where the domain's ranks sit (``None``: one node)."""
+    cost: CostModel = None  # type: ignore[assignment]
+    """The cost model plans are scored with: ``config.cost``, on several nodes as a `SizePricedCost`."""
+    params: np.ndarray = None  # type: ignore[assignment]
+    """`kernels.costs.cost_params` of `cost` (what the compiled passes price groups with)."""
+
+    def __post_init__(self) -> None:
+        if self.cost is None:
+            self.cost = (self.config.cost if self.nodes is None else
+                         SizePricedCost(**{n: getattr(self.config.cost, n) for n in PARAMETERS},
+                                       node_ranks=self.nodes.largest))
+        if self.params is None:
+            self.params = compiled.cost_params(self.cost)
 
     @classmethod
     def of(
@@ -93,7 +112,7 @@ class Problem:
             )
         return cls(lengths=lengths, config=config, k_min=k_min, sizes=sizes,
                    meter=meter if meter is not None else Meter(config.search_budget),
-                   memo=memo if memo is not None else {})
+                   memo=memo if memo is not None else {}, nodes=Nodes.of(config.node_of, N))
 
     def sub(self, samples: np.ndarray) -> Problem:
         """The same problem for the given samples only (same config and meter)."""
@@ -105,11 +124,6 @@ class Problem:
     def n(self) -> int:
         """Samples."""
         return int(self.lengths.size)
-
-    @property
-    def cost(self) -> CostModel:
-        """The cost model plans are scored with."""
-        return self.config.cost
 
     @property
     def num_ranks(self) -> int:
@@ -137,14 +151,14 @@ class Problem:
         """([n] per-rank cost, [n] busiest-rank tokens) of every sample alone on k[i] ranks."""
         k = int_array(np.broadcast_to(k, self.lengths.shape))
         cost, tokens = np.empty(self.n), np.empty(self.n, dtype=np.int64)
-        compiled.sample_costs(compiled.cost_params(self.cost), self.lengths, k, cost, tokens)
+        compiled.sample_costs(self.params, self.lengths, k, cost, tokens)
         return cost, tokens
 
     def heights(self, cols: Columns) -> np.ndarray:
         """[C] exact per-rank time of every column (its samples share the ring steps,
-        `CostModel.group_cost`); 0 for an empty column."""
-        return compiled.column_heights(compiled.cost_params(self.cost), self.lengths, int_array(cols.col_of),
-                                       int_array(cols.width))
+        `CostModel.group_cost`; on several nodes priced by its size, `cost.SizePricedCost`); 0 for an
+        empty column."""
+        return compiled.column_heights(self.params, self.lengths, int_array(cols.col_of), int_array(cols.width))
 
     def tokens(self, cols: Columns) -> np.ndarray:
         """[C] busiest-rank tokens of every column."""
@@ -167,9 +181,28 @@ class Problem:
 
     def step_time(self, cols: Columns, heights: np.ndarray | None = None) -> float:
         """T of a plan (empty rounds dropped), the simulator's step time; ``heights``: its columns'
-        (`heights`) when already known."""
+        (`heights`) when already known.  On several nodes: of the plan as `placement.place` lays it
+        out, every group priced where it sits (``heights`` unused)."""
+        if self.nodes is not None:
+            from hdp.packing.policies.hdp.placement import place  # it imports this module
+
+            placed, h = place(self, cols)
+            return self.step_time_at(placed, h)
         top = self.tops(cols, heights)
         return self.objective(top[top > 0] if np.any(top <= 0) else top)
+
+    def step_time_at(self, cols: Columns, heights: np.ndarray) -> float:
+        """T of a plan whose columns are ``heights`` tall (no placement)."""
+        top = self.tops(cols, heights)
+        return self.objective(top[top > 0] if np.any(top <= 0) else top)
+
+    def placed(self, cols: Columns) -> Columns:
+        """``cols`` as the plan runs: on several nodes laid out by `placement.place`, else as they are."""
+        if self.nodes is None:
+            return cols
+        from hdp.packing.policies.hdp.placement import place
+
+        return place(self, cols)[0]
 
     def better(self, new: Columns, old: Columns) -> Columns:
         """``new`` when its step time is lower than ``old``'s (beyond round-off), else ``old``."""

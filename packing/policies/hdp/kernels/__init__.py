@@ -5,6 +5,7 @@
 * `balance` -- balancing items over bins (`bins`), exact LPT in waves, the shelf layout;
 * `widening` -- the size a tall sample is widened to (`sizes`);
 * `gaps`, `swaps` -- the level pass's gap filling and round swaps;
+* `placement` -- where a round's groups sit on a domain over several nodes (`placement`);
 * `polish_state`, `polish_survey`, `polish_steps`, `polish_search` -- the polish pass's search: its
   state (one structure per part, `polish_state`), its view of the columns, its steps, its loop.
 
@@ -14,11 +15,11 @@ one, for the types it declares.
 """
 
 from hdp.packing.kernels import jit, kk, sums
-from hdp.packing.policies.hdp.kernels import balance, costs, gaps, polish_search, swaps, widening
+from hdp.packing.policies.hdp.kernels import balance, costs, gaps, placement, polish_search, swaps, widening
 
 __all__ = ["MODULES", "warm_up"]
 
-MODULES = (sums, kk, costs, balance, widening, gaps, swaps, polish_search)
+MODULES = (sums, kk, costs, balance, widening, gaps, swaps, polish_search, placement)
 """Every module declaring a kernel the hdp policy calls."""
 
 

@@ -3,30 +3,42 @@
 `padded`, `busiest_tokens`, `group_cost` and `sample_cost` do the operations of `cost.padded_float`,
 `cost.max_rank_tokens`, `CostModel.group_cost` and `CostModel.sample_cost` in the same order, so
 they return the same doubles (tests/test_planner_kernels.py compares them to the bit on random cost
-models).  The parameters travel as one float64 vector (`cost_params`; `A` .. `CP` index it).
+models).  The parameters travel as one float64 vector (`cost_params`; `A` .. `NODE_RANKS` index it).
 `sample_costs`, `rank_tokens`, `column_heights` and `column_tokens` are `Problem`'s figures over a
 whole batch.
+
+On a domain over several nodes a group's ring crosses a node boundary where it sits across one
+(`group_cost_at`, given where); every kernel that prices a group by its size alone (`group_cost`)
+takes it to cross exactly when it is wider than the largest node (``NODE_RANKS``): such a group
+crosses wherever it sits, and a narrower one can sit inside a node -- which the placement
+(`hdp.packing.policies.hdp.placement`) then arranges where it is cheaper.
 """
 
 import numpy as np
 
-from hdp.packing.kernels.jit import F8_1D, I64_1D, helper, kernel
+from hdp.packing.kernels.jit import B1_1D, F8_1D, I64_1D, helper, kernel
 
 __all__ = [
     "cost_params", "padded", "busiest_tokens", "group_cost", "sample_values", "sample_cost",
     "sample_costs", "rank_tokens", "column_heights", "column_tokens",
-    "A", "STEP_OVERHEAD", "STEP_LATENCY", "COMM", "MERGE", "CP",
+    "A", "STEP_OVERHEAD", "STEP_LATENCY", "COMM", "MERGE", "CP", "NODE_LATENCY", "NODE_COMM", "NODE_RANKS",
+    "group_cost_at", "column_heights_at",
 ]
 
-A, STEP_OVERHEAD, STEP_LATENCY, COMM, MERGE, CP = range(6)
+A, STEP_OVERHEAD, STEP_LATENCY, COMM, MERGE, CP, NODE_LATENCY, NODE_COMM, NODE_RANKS = range(9)
 """Positions in `cost_params`'s vector."""
 
 
-def cost_params(cost) -> np.ndarray:
-    """[6] float64: the `CostModel` fields the kernels price groups with (``linear_coef``,
-    ``step_overhead``, ``step_latency``, ``comm_per_token``, ``merge_per_token``, ``cp_per_token``)."""
+def cost_params(cost, node_ranks: int | None = None) -> np.ndarray:
+    """[9] float64: the `CostModel` fields the kernels price groups with (``linear_coef``,
+    ``step_overhead``, ``step_latency``, ``comm_per_token``, ``merge_per_token``, ``cp_per_token``,
+    ``node_step_latency``, ``node_comm_per_token``) and the ranks of the domain's largest node
+    (``node_ranks``, else a `cost.SizePricedCost`'s; inf for one node: no group is wider)."""
+    if node_ranks is None:
+        node_ranks = getattr(cost, "node_ranks", None)
     return np.array([cost.linear_coef, cost.step_overhead, cost.step_latency, cost.comm_per_token,
-                     cost.merge_per_token, cost.cp_per_token], dtype=np.float64)
+                     cost.merge_per_token, cost.cp_per_token, cost.node_step_latency, cost.node_comm_per_token,
+                     np.inf if node_ranks is None else float(node_ranks)], dtype=np.float64)
 
 
 @helper
@@ -56,13 +68,25 @@ def busiest_tokens(length, k):
 
 @helper
 def group_cost(p, sum_work, sum_len, sum_sq, k):
+    """`group_cost_at` of a group of k ranks that crosses a node boundary exactly when it is wider
+    than the domain's largest node (module docstring)."""
+    return group_cost_at(p, sum_work, sum_len, sum_sq, k, float(k) > p[NODE_RANKS])
+
+
+@helper
+def group_cost_at(p, sum_work, sum_len, sum_sq, k, cross):
     """`CostModel.group_cost` of one group of k ranks from its sums (the same operations, in order;
-    for k = 1 ``sum_work / 1.0 + 0.0``, which is ``sum_work``)."""
+    for k = 1 ``sum_work / 1.0 + 0.0``, which is ``sum_work``); ``cross``: its ring crosses a node
+    boundary, so a step's transfer takes the slower link."""
     if k == 1:
         return sum_work
     kf = float(k)
     local = sum_len / kf
     comm = p[STEP_LATENCY] + p[COMM] * local
+    if cross:
+        slow = p[NODE_LATENCY] + p[NODE_COMM] * local
+        if slow > comm:
+            comm = slow
     hidden = sum_sq / (kf * kf)
     d = comm - hidden
     per_step = p[STEP_OVERHEAD] + (d if d > 0.0 else 0.0)
@@ -130,6 +154,28 @@ def column_heights(p, lengths, col_of, width):
     for c in range(C):
         if count[c] > 0:
             out[c] = group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c])
+    return out
+
+
+@kernel(F8_1D, I64_1D, I64_1D, I64_1D, B1_1D)
+def column_heights_at(p, lengths, col_of, width, cross):
+    """`column_heights` with every column's ring crossing nodes where ``cross[c]`` says (its place)."""
+    C = width.size
+    sums = np.zeros((C, 3))
+    count = np.zeros(C, dtype=np.int64)
+    for i in range(lengths.size):
+        c = col_of[i]
+        if c < 0:
+            continue
+        lp = padded(lengths[i], width[c])
+        sums[c, 0] += p[A] * lp + lp * lp
+        sums[c, 1] += lp
+        sums[c, 2] += lp * lp
+        count[c] += 1
+    out = np.zeros(C)
+    for c in range(C):
+        if count[c] > 0:
+            out[c] = group_cost_at(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c], cross[c])
     return out
 
 
