@@ -4,8 +4,9 @@ The engine times every round on every rank; `hdp.trainer.planning` gathers those
 rank of the job holds the same ``[N, R]`` table (a domain rank's slowest TP rank and stage) and feeds it here:
 
 * `CostWindow` turns a step's plan and its ``[N, R]`` round times into calibration records
-  (`hdp.packing.calibrate` schema: a group record per group, the slowest of its ranks; a round
-  record per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
+  (`hdp.packing.calibrate` schema: a group record per group, the slowest of its ranks, with the
+  nodes it spans on a domain over several, so refits fit the inter-node link too; a round record
+  per round, the slowest rank of the domain) and keeps the most recent ones (a sliding
   window of at most `AutoCalibrate.window_groups` group records);
 * every `AutoCalibrate.every_steps` steps, `refit` fits the family to the window's training rounds
   (one of every `AutoCalibrate.holdout_every` rounds of the window is held out; a round's weight halves
@@ -41,6 +42,7 @@ import numpy as np
 from hdp.packing.calibrate import calibrate, group_seconds
 from hdp.packing.cost import MAX_UNIT_TIME_S, MIN_UNIT_TIME_S, CostModel
 from hdp.packing.plan import Plan
+from hdp.packing.topology import Nodes
 
 __all__ = [
     "AutoCalibrate", "CostWindow", "Refit", "refit", "round_error", "records_r2", "auto_calibrate_config",
@@ -162,6 +164,7 @@ class CostWindow:
         self._step = step
         times = np.asarray(times, dtype=np.float64)
         assert times.shape == (plan.num_ranks, plan.num_rounds), (times.shape, plan.num_ranks, plan.num_rounds)
+        nodes = Nodes.of(plan.node_of, plan.num_ranks)
         for rnd in plan.rounds:
             col = times[:, rnd.index]  # [N]
             if not np.all(np.isfinite(col)) or col.max() <= 0:
@@ -170,8 +173,9 @@ class CostWindow:
             for g in rnd.groups:
                 secs = float(col[g.start : g.start + g.size].max())
                 if secs > 0:
+                    span = {} if nodes is None else {"nodes": int(nodes.spans(g.start, g.size))}
                     groups.append({"kind": "group", "lengths": [int(x) for x in g.lengths], "group_size": int(g.size),
-                                   "seconds": secs})
+                                   "seconds": secs, **span})
             if not groups:
                 continue
             self._rounds.append(_Round(self._next, step, tuple(groups), float(col.max())))
@@ -245,13 +249,15 @@ def _records(rounds: Sequence[_Round], newest: int = 0, half_life: int = 0) -> l
         extra = {"weight": 0.5 ** (max(0, newest - r.step) / half_life)} if half_life > 0 else {}
         out.extend({**g, **extra} for g in r.groups)
         out.append({"kind": "round", "seconds": r.seconds, **extra,
-                    "groups": [{"lengths": g["lengths"], "group_size": g["group_size"]} for g in r.groups]})
+                    "groups": [{"lengths": g["lengths"], "group_size": g["group_size"], "nodes": g.get("nodes", 1)}
+                               for g in r.groups]})
     return out
 
 
 def _round_predictions(cost: CostModel, rounds: Sequence[_Round]) -> np.ndarray:
     beta = cost.round_cost * cost.unit_time_s
-    return np.array([max(group_seconds(cost, g["lengths"], g["group_size"]) for g in r.groups) + beta for r in rounds])
+    return np.array([max(group_seconds(cost, g["lengths"], g["group_size"], g.get("nodes", 1)) for g in r.groups) + beta
+                     for r in rounds])
 
 
 def round_error(cost: CostModel, rounds: Sequence[_Round]) -> float:
@@ -299,7 +305,7 @@ def records_r2(cost: CostModel, rounds: Sequence[_Round]) -> float:
     pred, meas = [], []
     for r in rounds:
         for g in r.groups:
-            pred.append(group_seconds(cost, g["lengths"], g["group_size"]))
+            pred.append(group_seconds(cost, g["lengths"], g["group_size"], g.get("nodes", 1)))
             meas.append(g["seconds"])
     if rounds:
         pred.extend(_round_predictions(cost, rounds))

@@ -13,7 +13,9 @@ For fixed (step_latency, comm_per_token) this is linear in (u, u*a, u*step_overh
 u*merge_per_token, u*cp_per_token); the fit solves that non-negative least-squares problem exactly
 (active sets enumerated, u > 0) with rows weighted by sqrt(weight)/t (relative error), on a grid over the two
 hideable communication parameters refined by a pattern search; beta comes last from the round
-records.
+records.  Records of groups whose ranks spanned two or more nodes (``"nodes"`` >= 2) are left out of
+that fit and fit the inter-node link afterwards (`hdp.packing.calibrate_nodes`); records inside one
+node alone fit as before.
 
 **What the records cannot say.**  A parameter is *fitted* only when the records determine it:
 moving it by 2x either way (from 0: to the value where it would add 5% to the typical record)
@@ -40,9 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from hdp.packing.calibrate_nodes import NODE_PARAMS, fit_node_link
 from hdp.packing.calibration_records import (
-    MAX_GROUP_SIZE, MAX_LENGTH, MAX_SECONDS, MAX_WEIGHT, MEMORY_FEATURES, MIN_SECONDS, group_fields, load_records,
-    record_weight, validate_record,
+    MAX_GROUP_SIZE, MAX_LENGTH, MAX_SECONDS, MAX_WEIGHT, MEMORY_FEATURES, MIN_SECONDS, group_fields, group_nodes,
+    load_records, record_weight, validate_record,
 )
 from hdp.packing.cost import PARAMETERS, CostModel, padded_float
 
@@ -120,9 +123,15 @@ class CalibrationResult:
         return {"fitted": list(self.fitted), "from_base": list(self.from_base), "base": base, "fit": self.fit_report()}
 
 
-def group_seconds(cost: CostModel, lengths: Sequence[int], k: int) -> float:
-    """Predicted per-rank seconds of one group of k ranks running ``lengths`` packed."""
-    return cost.packed_cost(np.asarray(lengths, dtype=np.int64), k) * cost.unit_time_s
+def group_seconds(cost: CostModel, lengths: Sequence[int], k: int, nodes: int = 1) -> float:
+    """Predicted per-rank seconds of one group of k ranks running ``lengths`` packed (``nodes``: the
+    nodes its ranks span; 2 or more: its ring steps take the slower link)."""
+    return cost.packed_cost(np.asarray(lengths, dtype=np.int64), k, nodes > 1) * cost.unit_time_s
+
+
+def _record_seconds(cost: CostModel, rec: Mapping[str, Any]) -> float:
+    """`group_seconds` of a group record or a round record's group."""
+    return group_seconds(cost, *group_fields(rec, "group"), group_nodes(rec, "group"))
 
 
 # ------------------------------------------------------------------------------------- the design
@@ -534,10 +543,10 @@ def _trim(recs: list[dict[str, Any]], cost: CostModel, notes: list[str]) -> list
     pred = []
     for r in recs:
         if r["kind"] == "group":
-            pred.append(group_seconds(cost, r["lengths"], r["group_size"]))
+            pred.append(_record_seconds(cost, r))
         else:
             beta = cost.round_cost * cost.unit_time_s
-            pred.append(max(group_seconds(cost, g["lengths"], g["group_size"]) for g in r["groups"]) + beta)
+            pred.append(max(_record_seconds(cost, g) for g in r["groups"]) + beta)
     dev = np.abs(np.log(np.array(pred) / np.array([float(r["seconds"]) for r in recs])))
     limit = max(0.05, 3.0 * 1.4826 * float(np.median(dev)), float(np.quantile(dev, 0.8)))
     kept = [r for r, d in zip(recs, dev) if d <= limit]
@@ -556,7 +565,10 @@ def _report(result: "CalibrationResult", warn: bool) -> "CalibrationResult":
 
 def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequence[str]) -> "CalibrationResult":
     """One fit of ``recs`` (validated): see :func:`calibrate`."""
-    groups = [r for r in recs if r["kind"] == "group"]
+    every_group = [r for r in recs if r["kind"] == "group"]
+    inside = [r for r in every_group if group_nodes(r, "record") == 1]
+    across = [r for r in every_group if group_nodes(r, "record") > 1]  # the inter-node link's (`calibrate_nodes`)
+    groups = inside or every_group  # every term but the inter-node link's, from the records inside one node
     rounds = [r for r in recs if r["kind"] == "round"]
     des = _design(groups)
     warnings: list[str] = [*notes, *_check_order(des, base)]
@@ -660,10 +672,19 @@ def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequ
         cost = replace(base, **values)
     except ValueError as exc:
         raise ValueError(f"calibrate: the records fit no physical cost model ({exc}); check the records") from None
+    if inside:
+        cost = fit_node_link(across, cost, base, base_per_unit=1.0 if in_units else u_base / cost.unit_time_s,
+                             reasons=reasons)
+    else:  # no record inside one node: the fit above is of rings across nodes, the inter-node terms the base's
+        cost = replace(cost, **{n: getattr(base, n) * (1.0 if in_units else u_base / cost.unit_time_s)
+                                for n in NODE_PARAMS})
+        for n in NODE_PARAMS:
+            reasons[n] = ("every group record spans two nodes: no record inside one node tells the links apart (the "
+                          "fitted step_latency and comm_per_token are those rings')")
 
     if rounds:
         excess = np.array([
-            float(r["seconds"]) - max(group_seconds(cost, *group_fields(g, "group")) for g in r["groups"])
+            float(r["seconds"]) - max(_record_seconds(cost, g) for g in r["groups"])
             for r in rounds
         ])
         wr = np.array([record_weight(r, "round") / float(r["seconds"]) ** 2 for r in rounds])  # relative-error weights
@@ -672,11 +693,11 @@ def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequ
     else:
         reasons["round_cost"] = "no round records"
 
-    measured = np.concatenate([des.t, [float(r["seconds"]) for r in rounds]])
+    measured = np.array([float(r["seconds"]) for r in every_group] + [float(r["seconds"]) for r in rounds])
     predicted = np.array(
-        [group_seconds(cost, *group_fields(r, "group")) for r in groups]
+        [_record_seconds(cost, r) for r in every_group]
         + [
-            max(group_seconds(cost, *group_fields(g, "group")) for g in r["groups"])
+            max(_record_seconds(cost, g) for g in r["groups"])
             + cost.round_cost * cost.unit_time_s
             for r in rounds
         ]
@@ -704,5 +725,5 @@ def _fit(recs: list[dict[str, Any]], base: CostModel, *, warn: bool, notes: Sequ
         cost=cost, r2=r2, median_rel_err=float(np.median(rel)), n_records=len(recs),
         fitted=fitted, from_base=from_base, reasons={n: reasons[n] for n in from_base},
         rel_err_p90=float(np.quantile(rel, 0.9)), max_rel_err=float(rel.max()),
-        n_group_records=len(groups), n_round_records=len(rounds), warnings=tuple(warnings),
+        n_group_records=len(every_group), n_round_records=len(rounds), warnings=tuple(warnings),
     )

@@ -10,7 +10,9 @@ Record schema (one JSON object per line of a ``.jsonl`` file):
   ``lengths`` are the samples one group of ``k`` ranks ran packed in one round (forward +
   backward), ``t`` the measured time of the slowest rank of that group for that work, without
   the fixed per-round cost.  k = 1 records fix a (linear coefficient) and the unit time; k >= 2
-  records of at least two group sizes fix the ring-attention terms.
+  records of at least two group sizes fix the ring-attention terms.  Optional ``"nodes": m``
+  (default 1): the nodes the group's ranks spanned; records with m >= 2 fit the inter-node link
+  (`hdp.packing.calibrate_nodes`), the others everything else.
 
 * **round** record::
 
@@ -52,7 +54,7 @@ from hdp.packing.memory import _FEATURES as _MEMORY_FEATURES  # one list of the 
 from hdp.packing.validate import MAX_LENGTH
 
 __all__ = [
-    "load_records", "validate_record", "group_fields", "record_weight", "MEMORY_FEATURES", "MAX_LENGTH",
+    "load_records", "validate_record", "group_fields", "group_nodes", "record_weight", "MEMORY_FEATURES", "MAX_LENGTH",
     "MAX_GROUP_SIZE", "MIN_SECONDS", "MAX_SECONDS", "MAX_WEIGHT", "MAX_RECORDS_BYTES",
 ]
 
@@ -86,6 +88,17 @@ def group_fields(rec: Mapping[str, Any], where: str) -> tuple[np.ndarray, int]:
             f"[1, {MAX_GROUP_SIZE}], got {k!r}"
         )
     return np.asarray(lengths, dtype=np.int64), k
+
+
+def group_nodes(rec: Mapping[str, Any], where: str) -> int:
+    """The nodes a group record's (or a round record's group's) ranks spanned, 1 when it does not
+    say; ValueError naming the field."""
+    m = rec.get("nodes", 1)
+    k = rec.get("group_size")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (isinstance(k, int) and m > k):
+        raise ValueError(f"{where}.nodes={m!r}: the nodes the group's ranks spanned, an integer in [1, group_size]; "
+                         "leave it out for 1 (a group inside one node)")
+    return m
 
 
 def _seconds(rec: Mapping[str, Any], where: str) -> float:
@@ -161,6 +174,7 @@ def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
         return {**rec, "kind": kind}
     if kind == "group":
         group_fields(rec, where)
+        group_nodes(rec, where)
     elif kind == "round":
         groups = rec.get("groups")
         if not isinstance(groups, list) or not groups:
@@ -169,6 +183,7 @@ def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
             if not isinstance(g, Mapping):
                 raise ValueError(f"{where}.groups[{i}]: expected an object with lengths and group_size")
             group_fields(g, f"{where}.groups[{i}]")
+            group_nodes(g, f"{where}.groups[{i}]")
     else:
         raise ValueError(f"{where}.kind={kind!r} is unknown; use 'group', 'round' or 'memory'")
     _seconds(rec, where)

@@ -264,7 +264,7 @@ def test_cli_calibrate_writes_the_cost_model_file_that_plan_reads(tmp_path, caps
     printed = json.loads(capsys.readouterr().out)
     doc = json.loads(out.read_text())
     assert printed == doc
-    assert doc["format"] == "hdp-cost-model" and doc["version"] == 2 and doc["base"] == "deepseek-v3@h100-nvlink"
+    assert doc["format"] == "hdp-cost-model" and doc["version"] == 3 and doc["base"] == "deepseek-v3@h100-nvlink"
     assert set(doc["parameters"]) == set(PARAMETERS)
     assert set(doc["fitted"]) | set(doc["from_base"]) == set(PARAMETERS)
     assert not set(doc["fitted"]) & set(doc["from_base"])

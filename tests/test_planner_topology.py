@@ -215,3 +215,52 @@ def test_nodes_arrays():
     nd = Nodes.of(node_map(10, 4), 10)
     assert nd.count == 3 and nd.largest == 4 and nd.first.tolist() == [0, 4, 8, 10]
     assert nd.spans(np.array([0, 3, 2, 8]), np.array([4, 2, 7, 2])).tolist() == [1, 2, 3, 1]
+
+
+# ---------------------------------------------------------------------------------- calibration
+
+
+def _records(truth: CostModel, rng: np.random.Generator, across: bool) -> list[dict]:
+    out = []
+    for i in range(160):
+        k = int(rng.integers(1, 7))
+        m = int(rng.integers(2, min(k, 3) + 1)) if across and k >= 2 and i % 2 else 1
+        lengths = rng.integers(64, 2048, int(rng.integers(1, 5))).tolist()
+        t = truth.packed_cost(lengths, k, cross=m > 1) * truth.unit_time_s * float(np.exp(rng.normal(0, 0.01)))
+        out.append({"kind": "group", "lengths": lengths, "group_size": k, "seconds": t, **({"nodes": m} if m > 1 else {})})
+    return out
+
+
+def test_calibration_fits_both_links_from_records_that_say_their_nodes():
+    from hdp.packing.calibrate import calibrate
+
+    base = cost_model("dense-8b", "h100-nvlink")
+    truth = dataclasses.replace(base, comm_per_token=base.comm_per_token * 3, node_comm_per_token=base.comm_per_token * 60,
+                                node_step_latency=base.step_latency * 4)
+    rng = np.random.default_rng(0)
+    res = calibrate(_records(truth, rng, across=True), base)
+    assert "node_comm_per_token" in res.fitted, res.reasons
+    seconds = lambda c, name: getattr(c, name) * c.unit_time_s  # noqa: E731 - the fit may rescale the unit
+    assert seconds(res.cost, "node_comm_per_token") == pytest.approx(seconds(truth, "node_comm_per_token"), rel=0.1)
+    assert res.r2 > 0.99
+    # a domain inside one node: the inter-node terms are the base's, and the fit says why
+    inside = calibrate(_records(truth, np.random.default_rng(1), across=False), base)
+    assert {"node_step_latency", "node_comm_per_token"} <= set(inside.from_base)
+    assert "spans two nodes" in inside.reasons["node_comm_per_token"]
+    assert inside.cost.node_comm_per_token == pytest.approx(base.node_comm_per_token * base.unit_time_s
+                                                            / inside.cost.unit_time_s)
+    with pytest.raises(ValueError, match="nodes"):
+        calibrate([{"lengths": [100], "group_size": 2, "seconds": 1.0, "nodes": 3}], base)
+
+
+def test_the_self_calibration_window_records_each_groups_nodes():
+    from hdp.packing.autocal import CostWindow
+
+    p = Plan.from_columns(num_ranks=8, max_tokens_per_rank=4096, policy="hand", lengths=np.array([8000, 4000, 100]),
+                          round_of=np.array([0, 0, 0]), group_start=np.array([2, 0, 6]), group_size=np.array([4, 2, 1]),
+                          node_of=node_map(8, 4))
+    w = CostWindow(64)
+    w.add_step(p, np.full((8, 1), 0.5))
+    (rnd,) = w.rounds()
+    spans = sorted((g["group_size"], g.get("nodes", 1)) for g in rnd.groups)
+    assert spans == [(1, 1), (2, 1), (4, 2)]
