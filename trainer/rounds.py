@@ -5,10 +5,12 @@ schedules.
 A step (`hdp.trainer.engine.HdpEngine.train_step`, the verl engine's ``train_batch`` /
 ``infer_batch``) is
 
-1. **agree** (:meth:`RoundCore.agree`): the engine's own validation and planning run inside it and
-   may raise anything; one fixed-size all-reduce over the job (:func:`hdp.checksum.agree_step`)
-   agrees on failures and compares the plan checksum and the batch digest over the domain, the
-   pipeline and the TP ranks at once; when any rank failed, the step guard
+1. **agree** (:meth:`RoundCore.agree_call`, the first collective of every engine call): the engine's own
+   validation and planning run inside it and may raise anything, ``BaseException`` included; one
+   fixed-size all-reduce over the job (:func:`hdp.checksum.agree_step`) compares the call (its name and
+   arguments: another call on some rank is named on every rank), agrees on failures and compares the
+   plan checksum and the batch digest over the domain, the pipeline and the TP ranks at once; when any
+   rank failed, the step guard
    (:mod:`hdp.guard`) shares the messages and every rank raises, naming the failed world ranks;
 2. **rounds** (:meth:`RoundCore.run`): every round is one micro-batch of Megatron's schedule
    (``forward_backward_no_pipelining`` at PP = 1, 1F1B, or interleaved with virtual stages; every
@@ -22,8 +24,9 @@ A step (`hdp.trainer.engine.HdpEngine.train_step`, the verl engine's ``train_bat
    domain of the shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches``
    and DDP's ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
    the rounds go on with a zero loss, so every collective lines up;
-3. **reduce** (:meth:`RoundCore.reduce`): one all-reduce over the job of (loss, adapter failed,
-   per-sample non-finite flags) — the step's one host synchronisation;
+3. **reduce** (:meth:`RoundCore.reduce`): one all-reduce over the job of (loss, adapter failed, ranks
+   whose gradient buffers hold a NaN/inf — each rank's own device-side check —, per-sample non-finite
+   flags) — the step's one host synchronisation;
 4. **optimizer** (:meth:`RoundCore.optimizer_step`) or :meth:`RoundCore.skip_update` (gradients
    zeroed, parameters unchanged) — the engine decides from the reduced flags, alike on every rank.
 
