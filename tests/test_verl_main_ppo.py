@@ -28,6 +28,8 @@ pytest.importorskip("transfer_queue")
 
 @pytest.mark.slow
 def test_hdp_demo_verl_runs_grpo_steps_on_hdp(tmp_path):
+    from hdp.trainer.phases import PHASES
+
     hdp = [sys.executable, "-m", "hdp.trainer"]
     out = subprocess.run([*hdp, "demo", "--verl", "--out", str(tmp_path), "--steps", "2"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=1200)
@@ -39,8 +41,10 @@ def test_hdp_demo_verl_runs_grpo_steps_on_hdp(tmp_path):
         for key in ("actor/pg_loss", "actor/hdp/rounds", "actor/hdp/planner_ms", "actor/hdp/efficiency_planned",
                     "actor/hdp/predicted_over_measured", "actor/hdp/cost_model_version",
                     "actor/hdp/idle_fraction_measured", "actor/hdp/max_tokens_per_rank", "actor/hdp/planner_ms_exposed",
-                    "actor/hdp/memory_peak_gb", "actor/hdp/token_budget"):
+                    "actor/hdp/memory_peak_gb", "actor/hdp/token_budget",
+                    *(f"actor/hdp/time/{p}" for p in PHASES)):  # the step's phases, the slowest rank's seconds
             assert key in line, (key, line[:3000])
     assert "step 2: actor/hdp/" in out.stdout  # the demo's own summary
+    assert "actor/hdp/time/rounds=" in out.stdout  # its printed metrics carry the phases
     records = [json.loads(x) for x in (tmp_path / "hdp_calibration" / "actor.jsonl").read_text().splitlines()]
     assert {r["kind"] for r in records} == {"group", "round", "memory"}
