@@ -49,7 +49,9 @@ def verl_memory(model_config: Any, engine_config: Any, *, world: int, device: to
     vpp = vpp or int(getattr(engine_config, "virtual_pipeline_model_parallel_size", None) or 1)
     model = engine_memory_model(
         shape, tp=tp, pp=pp, vpp=vpp, ep=int(engine_config.expert_model_parallel_size or 1),
-        etp=int(getattr(engine_config, "expert_tensor_parallel_size", None) or tp), domain=max(1, world // (tp * pp)),
+        # Megatron's expert TP defaults to TP; a dense model has no experts, so none of its layout
+        etp=int(getattr(engine_config, "expert_tensor_parallel_size", None) or tp) if shape.is_moe else 1,
+        domain=max(1, world // (tp * pp)),
         recompute=recompute_mode(engine_config), zero_memory=opts.zero_memory.value,
         cp_algorithm=opts.cp_algorithm.value, param_bytes=shape.dtype_bytes)
     if limit is not None:
