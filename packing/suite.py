@@ -22,7 +22,7 @@ from hdp.packing.profiles import cost_model
 from hdp.packing.simulate import simulate
 from hdp.packing.workloads import get_workload
 
-__all__ = ["Case", "SUITE", "run_case", "plan_entry", "policy_options", "RESULT_FIELDS", "SAMPLES_PER_RANK", "HDP_POW2"]
+__all__ = ["Case", "SUITE", "run_case", "ClusterCase", "cluster_cases", "run_cluster_case", "CLUSTER_POLICIES", "plan_entry", "policy_options", "RESULT_FIELDS", "SAMPLES_PER_RANK", "HDP_POW2"]
 
 HDP_POW2 = "hdp-pow2"
 """The hdp policy with aligned power-of-two groups (``group_shape=pow2``), compared like a policy."""
@@ -157,7 +157,8 @@ def plan_entry(plan: Any, cost: Any = None) -> dict[str, Any]:
         "policy": plan.policy,
         "ranks": plan.num_ranks,
         **{k: s[k] for k in ("rounds", "step_time", "lower_bound", "efficiency", "lower_bound_tight",
-                             "efficiency_tight", "max_idle_ratio", "cp_degree_hist", "planner_ms")},
+                             "efficiency_tight", "max_idle_ratio", "cp_degree_hist", "planner_ms", "nodes",
+                             "cross_node_fraction", "cross_node_groups")},
     }
 
 
@@ -181,4 +182,89 @@ def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str
             continue
         out.append({"case": case.name, **plan_entry(p, case.config(name).cost), "policy": str(name),
                     "longest_needs_ranks": needs})
+    return out
+
+
+# ----------------------------------------------------------------------------------- cluster cases
+
+CLUSTER_RANKS = (16, 64, 256, 1024)
+"""Domain sizes of the cluster cases (8 ranks per node: 2 to 128 nodes)."""
+CLUSTER_BUDGETS = (4_608, 12_288)
+"""B of the cluster cases: the longest RL sample (4,096 + 32,768 tokens) fits CP8 at the first (the seed's
+regime without MoE zero-memory) and CP4 at the second (with level1, docs/memory.md's seed case)."""
+CLUSTER_FAMILIES: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = (
+    ("rl-32k", "rl", (("prompt_mean", 1024.0), ("response_cap", 32_768), ("response_mean", 12_288.0))),
+    ("short-reasoning", "short-reasoning", ()),
+    ("wikipedia", "wikipedia", (("max_len", 32_768),)),
+    ("bimodal", "bimodal", (("long_frac", 0.05), ("long_mean", 16_384.0), ("max_len", 32_768), ("short_mean", 1024.0))),
+)
+"""(name, workload, params): RL rollouts with 32K responses, short reasoning with a long tail, real Wikipedia
+lengths (``packing/data``) and a bimodal mix -- held-out families (the planner was not tuned on them at
+these sizes)."""
+CLUSTER_POLICIES = ("hdp", "hdp-node-blind", "static-cp-8", "static-cp-4", "megatron-dcp", "ascend-hdp", "verl-kk")
+"""Every cluster case's plans: hdp with the topology, hdp without it (its plan priced on the nodes), static
+CP8 and CP4 (node-local: aligned blocks inside a node), and the peers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterCase:
+    """A domain over nodes of ``ranks_per_node`` ranks, under the two-level cost model of the seed's model
+    and layout (Qwen3-235B-A22B, PP 8)."""
+
+    name: str
+    workload: str
+    params: tuple[tuple[str, Any], ...] = ()
+    num_ranks: int
+    max_tokens_per_rank: int
+    ranks_per_node: int = 8
+    model: str = "qwen3-235b-a22b"
+    profile: str = "h100-nvlink"
+    pipeline_stages: int = 8
+    seed: int = 0
+
+    def lengths(self) -> np.ndarray:
+        """The case's batch: 16 samples per rank (deterministic)."""
+        return get_workload(self.workload)(n=SAMPLES_PER_RANK * self.num_ranks, seed=self.seed, **dict(self.params))
+
+    def config(self, policy: str) -> PlannerConfig:
+        """The planner configuration of one of `CLUSTER_POLICIES` (every one on the case's nodes)."""
+        from hdp.packing.topology import node_map
+
+        opts: dict[str, Any] = {"policy": "hdp" if policy.startswith("hdp") else policy}
+        if policy.startswith("static-cp-"):
+            opts = {"policy": "static-cp", "static_cp_size": int(policy.rsplit("-", 1)[1])}
+        return PlannerConfig(num_ranks=self.num_ranks, max_tokens_per_rank=self.max_tokens_per_rank,
+                             cost=cost_model(self.model, self.profile), pipeline_stages=self.pipeline_stages,
+                             node_of=node_map(self.num_ranks, self.ranks_per_node), **opts)
+
+
+def cluster_cases(model: str = "qwen3-235b-a22b", ranks: tuple[int, ...] = CLUSTER_RANKS) -> tuple[ClusterCase, ...]:
+    """Every family x domain size x budget of the cluster cases, under ``model`` on h100-nvlink."""
+    return tuple(ClusterCase(name=f"{fam}-N{n}-B{b}", workload=wl, params=params, num_ranks=n, max_tokens_per_rank=b,
+                             model=model)
+                 for fam, wl, params in CLUSTER_FAMILIES for n in ranks for b in CLUSTER_BUDGETS)
+
+
+def run_cluster_case(case: ClusterCase, policies: tuple[str, ...] = CLUSTER_POLICIES) -> list[dict[str, Any]]:
+    """Plan the case's batch with every policy, each priced on the case's nodes (``hdp-node-blind``: the
+    hdp plan made without the topology); one entry per policy, like `run_case`'s, with ``nodes``,
+    ``cross_node_fraction`` (of the ring traffic) and ``cross_node_groups``, or ``error``."""
+    lengths = case.lengths()
+    out: list[dict[str, Any]] = []
+    for name in policies:
+        cfg = case.config(name)
+        try:
+            if name == "hdp-node-blind":
+                import dataclasses
+
+                p = plan(lengths, dataclasses.replace(cfg, node_of=None))
+                p = p.on_nodes(cfg.node_of).with_stats(simulate(p.on_nodes(cfg.node_of), cfg.cost, p.stats.planner_ms,
+                                                                cfg.pipeline_stages))
+            else:
+                p = plan(lengths, cfg)
+        except (ImportError, NotImplementedError, ValueError, MemoryError) as exc:
+            out.append({"case": case.name, "policy": name, "error": (str(exc).splitlines() or [type(exc).__name__])[0]})
+            continue
+        out.append({"case": case.name, **plan_entry(p, cfg.cost), "policy": name, "ranks_per_node": case.ranks_per_node,
+                    "max_tokens_per_rank": case.max_tokens_per_rank, "cost_model": f"{case.model}@{case.profile}"})
     return out

@@ -264,3 +264,48 @@ def test_the_self_calibration_window_records_each_groups_nodes():
     (rnd,) = w.rounds()
     spans = sorted((g["group_size"], g.get("nodes", 1)) for g in rnd.groups)
     assert spans == [(1, 1), (2, 1), (4, 2)]
+
+
+# ------------------------------------------------------------------------- the doors: job, CLI
+
+
+def test_the_job_node_map_follows_megatrons_rank_order():
+    from hdp.trainer.planning import job_node_map, launcher_ranks_per_node
+
+    # the seed's layout: TP 1 x PP 8 x domain 16 on nodes of 8: a stage's 16 domain ranks on two nodes
+    assert job_node_map(1, 8, 16, 8) == node_map(16, 8)
+    # TP 2 x domain 8 on nodes of 4: two domain ranks per node
+    assert job_node_map(2, 1, 8, 4) == node_map(8, 2)
+    assert job_node_map(1, 1, 8, 8) is None and job_node_map(2, 2, 4, None) is None
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        job_node_map(1, 1, 12, 8)
+    assert launcher_ranks_per_node({}) is None
+    assert launcher_ranks_per_node({"RAY_LOCAL_WORLD_SIZE": "8"}) == 8  # verl's Ray workers
+    assert launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "4", "RAY_LOCAL_WORLD_SIZE": "8"}) == 4
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "zero"})
+
+
+def _hdp(*args: str) -> dict:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_cli_plans_and_simulates_on_nodes():
+    common = ["--workload", "rl-32k", "--samples", "256", "-N", "16", "-B", "4096", "--model", "deepseek-v3"]
+    on_nodes = _hdp("plan", *common, "--ranks-per-node", "8", "--json")
+    flat = _hdp("plan", *common, "--json")
+    assert on_nodes["node_of"] == list(node_map(16, 8)) and "node_of" not in flat
+    assert on_nodes["checksum"] != flat["checksum"]
+    assert on_nodes["stats"]["nodes"] == 2 and flat["stats"]["nodes"] == 1
+    sim = _hdp("simulate", *common, "--ranks-per-node", "8", "--json", "--no-peers")
+    rows = {c["policy"]: c for c in sim["cases"] if "error" not in c}
+    assert {"hdp", "hdp-node-blind", "static-cp", "megatron-dcp"} <= set(rows)
+    assert all("cross_node_fraction" in r and r["nodes"] == 2 for r in rows.values())
+    assert rows["hdp"]["step_time"] <= rows["hdp-node-blind"]["step_time"] * (1 + 1e-9)
+    assert rows["hdp"]["cross_node_fraction"] < rows["hdp-node-blind"]["cross_node_fraction"]
+    assert sim["cost_model"] == "deepseek-v3@h100-nvlink"

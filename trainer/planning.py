@@ -19,6 +19,11 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
   - carries each rank's seconds per phase of the step (`hdp.trainer.phases`) in the same gather and
     returns the slowest rank's as ``hdp/time/<phase>`` (no collective of their own).
 
+The topology (`job_node_map`): a job launched over several nodes -- ``LOCAL_WORLD_SIZE`` ranks per node
+(torchrun), or ``RAY_LOCAL_WORLD_SIZE`` (verl's Ray workers: its ``trainer.n_gpus_per_node``) -- plans
+with the node of every domain rank (`hdp.packing.PlannerConfig.node_of`), derived from Megatron's rank
+order and that count; the same environment on every rank gives every rank the same map.
+
 Default cost model (``cost_model="auto"`` in both engines): the engine's own model shape
 (`hdp.packing.model_shape.ModelShape`) on its device kind's profile — ``cpu-gloo`` on CPU,
 ``h100-nvlink`` on CUDA, ``ascend-910b-hccs`` on NPU — then refined by auto-calibration.  The
@@ -32,7 +37,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,11 +57,12 @@ from hdp.packing.cost import PARAMETERS
 from hdp.packing.model_shape import ModelShape
 from hdp.packing.memory import GB
 from hdp.packing.profiles import cost_model as preset_cost
+from hdp.packing.topology import Nodes, domain_node_map
 from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
 from hdp.trainer.phases import PHASES, PhaseTimer
 from hdp.trainer.plan_ahead import PlanAhead, Taken
 
-__all__ = ["DomainPlanner", "auto_cost_model", "plan_id"]
+__all__ = ["DomainPlanner", "auto_cost_model", "plan_id", "job_node_map", "launcher_ranks_per_node", "MEGATRON_ORDER"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,52 @@ def plan_id(plan: Plan) -> float:
     """The metric ``hdp/plan_id``: the first 48 bits of ``plan.checksum()`` as a float (exact; equal plans,
     equal ids), so a run's metrics say which plan ran."""
     return float(int(plan.checksum()[:12], 16))
+
+
+MEGATRON_ORDER = "tp-cp-ep-dp-pp"
+"""The rank order the engines initialise Megatron with (megatron-core 0.16.1's default of
+``initialize_model_parallel``); with CP = 1 the domain is its DP dimension."""
+RANKS_PER_NODE_KEYS = ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE")
+"""Where launchers say how many consecutive global ranks share a node: torchrun, then verl's Ray worker
+group (``RAY_LOCAL_WORLD_SIZE``, from its resource pool: ``trainer.n_gpus_per_node``)."""
+
+
+def launcher_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
+    """The ranks per node the launcher set (`RANKS_PER_NODE_KEYS`, the first present), None when it says
+    nothing (one node is assumed, as without a topology); ValueError naming the variable when it is not a
+    positive integer."""
+    env = os.environ if env is None else env
+    for key in RANKS_PER_NODE_KEYS:
+        text = env.get(key)
+        if text is None or text == "":
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{key}={text!r}: the launcher's ranks per node must be an integer >= 1; unset it for one node")
+        return value
+    return None
+
+
+def job_node_map(tp: int, pp: int, domain: int, ranks_per_node: int | None, order: str = MEGATRON_ORDER
+                 ) -> tuple[int, ...] | None:
+    """The node of every domain rank of a TP x PP x ``domain`` job whose launcher puts ``ranks_per_node``
+    consecutive global ranks on a node (None: one node): the domains' global ranks from Megatron's
+    ``RankGenerator`` in ``order`` (one domain per TP rank and stage), then
+    `hdp.packing.topology.domain_node_map`.  ValueError when the world is no whole number of nodes."""
+    if ranks_per_node is None:
+        return None
+    world = tp * pp * domain
+    if world % ranks_per_node and world > ranks_per_node:
+        raise ValueError(f"{RANKS_PER_NODE_KEYS[0]}={ranks_per_node}: the job's {world} ranks (TP {tp} x PP {pp} x "
+                         f"domain {domain}) are no whole number of nodes of {ranks_per_node}; launch the same number "
+                         "of ranks on every node")
+    from megatron.core.parallel_state import RankGenerator
+
+    domains = RankGenerator(tp=tp, ep=1, dp=domain, pp=pp, cp=1, order=order).get_ranks("dp")
+    return domain_node_map(domains, ranks_per_node)
 
 
 def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
@@ -87,6 +141,9 @@ class DomainPlanner:
                  memory: MemoryCalibration | None = None) -> None:
         if not isinstance(settings, AutoCalibrate):
             raise TypeError(f"settings is {type(settings).__name__}; pass a hdp.packing.autocal.AutoCalibrate")
+        if config.node_of is None:  # the job's topology, alike on every rank (module docstring)
+            config = dataclasses.replace(config, node_of=job_node_map(
+                groups.tp_size, groups.pp_size, groups.domain.size, launcher_ranks_per_node()))
         self.config = config
         self.settings = settings
         self.groups = groups
@@ -319,16 +376,18 @@ class DomainPlanner:
                memory_records: Sequence[dict[str, Any]] = ()) -> bool:
         """Append this step's timing and memory records (world rank 0); False (logged) when the write failed."""
         pp = self.groups.pp_size
+        nodes = Nodes.of(plan.node_of, plan.num_ranks)
         lines = []
         for rnd in plan.rounds:
             groups = []
             for g in rnd.groups:
                 sel = (dom >= g.start) & (dom < g.start + g.size)
                 per_stage = [float(times[sel & (stage == s), rnd.index].max()) for s in range(pp)]
-                rec = {"kind": "group", "lengths": list(g.lengths), "group_size": g.size, "seconds": max(per_stage)}
+                span = {} if nodes is None else {"nodes": int(nodes.spans(g.start, g.size))}
+                rec = {"kind": "group", "lengths": list(g.lengths), "group_size": g.size, "seconds": max(per_stage), **span}
                 lines.append({**rec, "step": step, "round": rnd.index, "policy": plan.policy,
                               "pp": pp, "tp": self.groups.tp_size, "stage_seconds": per_stage})
-                groups.append({"lengths": list(g.lengths), "group_size": g.size})
+                groups.append({"lengths": list(g.lengths), "group_size": g.size, **span})
             per_stage = [float(times[stage == s, rnd.index].max()) for s in range(pp)]
             lines.append({"kind": "round", "seconds": max(per_stage), "groups": groups, "step": step,
                           "round": rnd.index, "policy": plan.policy, "pp": pp, "tp": self.groups.tp_size,

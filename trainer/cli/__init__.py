@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_domain_args(s, required=False)
     s.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated policies")
     s.add_argument("--suite", action="store_true", help="run the built-in benchmark suite")
-    s.add_argument("--quick", action="store_true", help="suite: only N in {8, 64}")
+    s.add_argument("--quick", action="store_true", help="suite: only N in {8, 64}; cluster: only N in {16, 64}")
+    s.add_argument("--cluster", action="store_true",
+                   help="run the cluster cases: domains of 16-1,024 ranks on nodes of 8 under the two-level cost model "
+                        "(--model, default the seed's qwen3-235b-a22b; -N picks one size)")
     s.add_argument("--strict", action="store_true", help="suite: exit 1 when a check fails")
     s.add_argument("--no-peers", action="store_true", help="skip the megatron-core reference entry")
     s.add_argument("--json", action="store_true", help="print one JSON object")

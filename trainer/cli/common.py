@@ -129,6 +129,9 @@ def _add_domain_args(p: argparse.ArgumentParser, *, required: bool = True) -> No
     p.add_argument("--pp", type=positive_int, default=None, dest="pp", metavar="P",
                    help="pipeline stages: the step time counts (P - 1) x the longest round more, and hdp plans for it "
                         "(default 1, or the PP of --layout)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, dest="ranks_per_node", metavar="R",
+                   help="consecutive domain ranks per node (hdp.packing.topology.node_map): a CP ring across nodes runs "
+                        "at the profile's inter-node link and hdp keeps groups inside nodes where cheaper (default: one node)")
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -217,7 +220,16 @@ def _config(args: argparse.Namespace, policy: str, cost: Any = None, memory: Any
         static_cp_size=args.static_cp,
         search_budget=args.search_budget,
         pipeline_stages=args.pp,
+        node_of=_node_of(args),
     )
+
+
+def _node_of(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The node map of --ranks-per-node over --ranks (None: one node)."""
+    from hdp.packing.topology import node_map
+
+    per = getattr(args, "ranks_per_node", None)
+    return None if per is None else node_map(args.ranks, per)
 
 
 def _entry(plan: Any, cost: Any) -> dict[str, Any]:

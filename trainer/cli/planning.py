@@ -14,7 +14,8 @@ import numpy as np
 
 from hdp.trainer.cli.memory import derive_budget, gib, layout_text, memory_requested, memory_setup, print_whatif, whatif
 from hdp.trainer.cli.output import check_output_dir, check_output_file
-from hdp.trainer.cli.common import ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
+from hdp.packing.topology import node_of_text
+from hdp.trainer.cli.common import ASCEND_TARGET, CliError, EFFICIENCY_TARGET, _check_domain_args, _config, _node_of, _console, _cost, _emit_json, _entry, _fmt_s, _hist_text, _load_lengths, logger
 
 
 def _memory_and_budget(args: argparse.Namespace, command: str) -> Any:
@@ -70,6 +71,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ("max idle ratio", f"{s['max_idle_ratio']:.2%}"),
         ("max tokens/rank", s["max_tokens_per_rank"]), ("CP degrees", _hist_text(s["cp_degree_hist"])),
         ("planner", f"{s['planner_ms']:.1f} ms"), ("checksum", p.checksum()),
+        *((("nodes", node_of_text(p.node_of)), ("cross-node ring traffic", f"{s['cross_node_fraction']:.1%} "
+           f"({s['cross_node_groups']} groups)")) if p.node_of is not None else ()),
     ):
         summary.add_row(key, str(value))
     con.print(summary)
@@ -123,6 +126,8 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
     from hdp.packing.simulate import simulate
 
     if isinstance(result, Plan):
+        if config.node_of is not None:  # its groups on the job's nodes, priced there
+            result = result.on_nodes(config.node_of)
         p = result if result.stats is not None else result.with_stats(simulate(result, config.cost))
         entry = _entry(p, config.cost)
         # its memory model is per sample: a rank may hold more than B tokens in one of our rounds
@@ -135,7 +140,71 @@ def _peer_entry(lengths: np.ndarray, config: Any) -> tuple[dict[str, Any] | None
     return entry, None
 
 
+def simulate_on(plan: Any, cost: Any, pipeline_stages: int, planner_ms: float = 0.0) -> Any:
+    """The figures of ``plan`` (on its own nodes) under ``cost``, with the tight bound."""
+    from hdp.packing.simulate import simulate
+
+    return simulate(plan, cost, planner_ms, pipeline_stages, tight=True)
+
+
+def _cost_name(args: argparse.Namespace) -> str:
+    """The cost model the figures name (a file, MODEL@PROFILE, or the presets of --model/--profile)."""
+    if getattr(args, "cost_model", None):
+        return str(args.cost_model)
+    model = args.linear_coef if args.linear_coef is not None else (args.model or getattr(args, "shape", None) or "deepseek-v3")
+    return f"{model}@{args.profile or 'h100-nvlink'}"
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    """``hdp simulate --cluster``: every cluster case (`hdp.packing.suite.cluster_cases`), node-aware hdp beside
+    node-blind hdp and the peers under the two-level model, with each plan's cross-node ring traffic."""
+    from hdp.packing.suite import CLUSTER_RANKS, cluster_cases, run_cluster_case
+
+    ranks = (args.ranks,) if args.ranks is not None else (16, 64) if args.quick else CLUSTER_RANKS
+    cases = cluster_cases(args.model or "qwen3-235b-a22b", ranks)
+    results: list[dict[str, Any]] = []
+    for case in cases:
+        results.extend(run_cluster_case(case))
+    summary = []
+    for case in cases:
+        row = {r["policy"]: r for r in results if r["case"] == case.name and "error" not in r}
+        if "hdp" in row and "hdp-node-blind" in row:
+            ref = row["hdp"]["step_time"]
+            summary.append({"case": case.name, "node_blind_over_aware": row["hdp-node-blind"]["step_time"] / ref,
+                            "best_peer_over_aware": min(r["step_time"] for k, r in row.items() if not k.startswith("hdp"))
+                            / ref})
+    if args.json:
+        _emit_json({"cases": results, "summary": summary, "ranks_per_node": 8,
+                    "cost_model": f"{cases[0].model}@{cases[0].profile}" if cases else None,
+                    "pipeline_stages": cases[0].pipeline_stages if cases else None})
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"cluster cases: T(policy)/T(hdp) and cross-node ring traffic, nodes of 8, "
+                        f"{cases[0].model}@{cases[0].profile}, PP {cases[0].pipeline_stages}" if cases else "cluster")
+    table.add_column("case")
+    for name in ("hdp-node-blind", "static-cp-8", "static-cp-4", "megatron-dcp", "ascend-hdp", "verl-kk", "hdp"):
+        table.add_column(name, justify="right")
+    for case in cases:
+        row = {r["policy"]: r for r in results if r["case"] == case.name}
+        h = row.get("hdp")
+        ref = h["step_time"] if h is not None and "error" not in h else None
+        cells = []
+        for name in ("hdp-node-blind", "static-cp-8", "static-cp-4", "megatron-dcp", "ascend-hdp", "verl-kk", "hdp"):
+            r = row.get(name)
+            if r is None or "error" in r or ref is None:
+                cells.append("-")
+                continue
+            cells.append(f"{r['step_time'] / ref:.3f} ({r['cross_node_fraction']:.0%})" if name != "hdp"
+                         else f"{_fmt_s(r['step_time'])} ({r['cross_node_fraction']:.0%})")
+        table.add_row(case.name, *cells)
+    _console().print(table)
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if getattr(args, "cluster", False):
+        return _cmd_cluster(args)
     if args.suite:
         given = [f for f, v in (("--cost-model", args.cost_model), ("--profile", args.profile),
                                 ("--model", args.model), ("--linear-coef", args.linear_coef),
@@ -224,6 +293,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 entry["policy"] = "hdp-no-pp" + suffix
                 entry["max_tokens_per_rank"] = flat.max_tokens_per_rank
                 cases.append(entry)
+            if name in ("hdp", "hdp-pow2") and config.node_of is not None:
+                # the same planner with the topology withheld, its plan priced on the nodes: what knowing them buys
+                blind = make_plan(lengths, dataclasses.replace(config, node_of=None))
+                blind_ms = blind.stats.planner_ms
+                blind = blind.on_nodes(config.node_of)
+                blind = blind.with_stats(simulate_on(blind, cost, run_args.pp, blind_ms))
+                plans[f"{name}-node-blind{suffix}"] = blind
+                entry = _entry(blind, cost)
+                entry["policy"] = f"{name}-node-blind{suffix}"
+                entry["max_tokens_per_rank"] = blind.max_tokens_per_rank
+                cases.append(entry)
     if not args.no_peers:
         peer, note = _peer_entry(lengths, _config(fixed, policies[0], cost))
         if peer is not None:
@@ -240,7 +320,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             plot_gantt(p, cost, out / f"gantt_{name}.png", flag="--plot-dir")
         logger.info("wrote %d Gantt charts to %s", len(plans), out)
     if args.json:
-        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp, "token_budget": budget}
+        obj: dict[str, Any] = {"cases": cases, "pipeline_stages": args.pp, "token_budget": budget,
+                               "nodes": node_of_text(_node_of(args)), "ranks_per_node": args.ranks_per_node,
+                               "cost_model": _cost_name(args)}
         if setup is not None:
             obj["memory"] = {"limit_bytes": setup.limit_bytes, "model": setup.model.shape.name,
                              "layout": layout_text(setup.model.layout), "static_bytes": setup.model.worst_static(),
@@ -255,14 +337,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     t_ref = next((c["step_time"] for c in cases if c["policy"] == "hdp" and "error" not in c), None)
     pp = f", PP={args.pp} (T counts {args.pp - 1} x the longest round more)" if args.pp > 1 else ""
     mem = "" if setup is None or setup.limit_bytes is None else f" (derived from {args.memory_gb:g} GiB per device)"
-    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}, B={budget}{mem}{pp}")
+    nodes = "" if args.ranks_per_node is None else f", {node_of_text(_node_of(args))}"
+    table = Table(title=f"simulate: {lengths.size} samples, N={args.ranks}{nodes}, B={budget}{mem}{pp}")
     peak_col = ("peak (worst rank)",) if setup is not None else ()
+    node_col = ("x-node",) if args.ranks_per_node is not None else ()
     for col in ("policy", "rounds", "T", "T*", "efficiency", "eff. (tight T*)", "T/T(hdp)", "max idle", "CP degrees",
-                "planner", *peak_col):
+                "planner", *node_col, *peak_col):
         table.add_column(col, justify="left" if col in ("policy", "CP degrees") else "right")
     for c in cases:
         if "error" in c:
-            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "-", "skipped (see note)", "-", *("-" for _ in peak_col))
+            table.add_row(c["policy"], "-", "-", "-", "-", "-", "-", "-", "skipped (see note)", "-",
+                          *("-" for _ in node_col + peak_col))
             continue
         ratio = f"{c['step_time'] / t_ref:.3f}" if t_ref else "-"
         tight = c.get("efficiency_tight")
@@ -270,6 +355,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             c["policy"], str(c["rounds"]), _fmt_s(c["step_time"]), _fmt_s(c["lower_bound"]),
             f"{c['efficiency']:.2%}", f"{tight:.2%}" if tight is not None else "-", ratio, f"{c['max_idle_ratio']:.1%}",
             _hist_text(c["cp_degree_hist"]), f"{c['planner_ms']:.1f} ms",
+            *((f"{c['cross_node_fraction']:.1%}",) if node_col else ()),
             *((gib(c.get("peak_bytes")),) if peak_col else ()),
         )
     con = _console()
