@@ -221,9 +221,10 @@ class MemoryModel:
             raise ValueError(
                 f"MemoryModel: {n} layers of {s.name} do not split over pp={lay.pp} x vpp={lay.vpp} = "
                 f"{lay.pp * lay.vpp} virtual stages (each needs the same layers); choose pp x vpp dividing {n}")
-        if not s.is_moe and (lay.ep > 1 or lay.etp > 1):
+        # a dense model holds no expert weights: Megatron's default expert TP (= tp) or 1 is harmless there
+        if not s.is_moe and (lay.ep > 1 or lay.etp not in (1, lay.tp)):
             raise ValueError(f"MemoryModel: {s.name} is dense (no experts) but the layout has ep={lay.ep}, "
-                             f"etp={lay.etp}; expert parallelism needs a MoE model: set ep=1 and etp=1")
+                             f"etp={lay.etp}; expert parallelism needs a MoE model: set ep=1 and etp=1 (or etp=tp)")
         if s.is_moe and s.num_experts % lay.ep:
             raise ValueError(f"MemoryModel: {s.num_experts} experts of {s.name} do not split over ep={lay.ep}; "
                              f"choose ep in {', '.join(map(str, _divisors(s.num_experts)))}")
