@@ -130,8 +130,8 @@ class _VerlLoss:
         tu = compat.tensordict_utils()
         self.engine, self.plan, self.data, self.loss_function, self.train = engine, plan, data, loss_function, train
         self.entropy = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
-        samples = list(data["input_ids"].unbind())  # S x [L_i]
-        self.targets = next_token_targets(samples, engine.pad_token_id)  # verl: position p predicts p+1
+        self.samples = list(data["input_ids"].unbind())  # S x [L_i]: the rounds' tokens (unbound once a step)
+        self.targets = next_token_targets(self.samples, engine.pad_token_id)  # verl: position p predicts p+1
         temp = data["temperature"] if "temperature" in data.keys() else 1.0
         self.temperature = torch.as_tensor(temp, dtype=torch.float32)  # [] or [S]
         self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, 2] (log-prob, entropy)
@@ -374,7 +374,7 @@ class HdpMegatronEngine(_MegatronLM):
         self._prepare_data(data)
         adapter = _VerlLoss(self, plan, data, loss_function, train=not forward_only)
         with self.core.collectives("rounds", self.step):
-            state = self.core.run(plan, list(data["input_ids"].unbind()), adapter, train=not forward_only)
+            state = self.core.run(plan, adapter.samples, adapter, train=not forward_only)
             red = self.core.reduce(state)
         self.core.raise_adapter_error(state, red, self.step, "verl loss function")
         if not forward_only:  # optimizer_step skips an update whose loss or gradient was not finite on any rank
@@ -395,7 +395,7 @@ class HdpMegatronEngine(_MegatronLM):
             core.skip_update()
             meter, static = start_measure(core.device, self.module, getattr(self, "optimizer", None),
                                           self.hdp_config.hdp.measure_memory and self.planner.memory is not None)
-            state = core.run(plan, list(data["input_ids"].unbind()), adapter, train=True, meter=meter)
+            state = core.run(plan, adapter.samples, adapter, train=True, meter=meter)
             red = core.reduce(state)
         seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, self.step, "verl loss function")
