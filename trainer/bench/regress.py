@@ -174,6 +174,12 @@ def _faults() -> dict[str, Any]:
     return {**result, "worst_seconds_over_timeout": over(result["faults"]), "own_error_seconds_over_timeout": over(own)}
 
 
+def _nodes() -> dict[str, Any]:
+    from hdp.trainer.bench.nodes import NodesBenchSpec, bench_nodes
+
+    return bench_nodes(NodesBenchSpec(steps=7))["nodes"]
+
+
 def _device() -> dict[str, Any]:
     """`hdp bench device`'s kernel and engine rows on this machine's accelerator."""
     from hdp import device as _dev
@@ -199,6 +205,7 @@ RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
     "memory": _memory,
     "planner": _planner,
     "faults": _faults,
+    "nodes": _nodes,
     "device": _device,
 }
 """Each benchmark's short mode (the rows read their results)."""
@@ -249,6 +256,10 @@ ROWS: tuple[Row, ...] = (
         lambda r: r["worst_seconds_over_timeout"]),
     Row("faults-own-error-time", "faults", "a rank's own error: peers' seconds to exit / the 300 s timeout", "lower",
         0.02, True, lambda r: r["own_error_seconds_over_timeout"]),
+    Row("nodes-speedup", "nodes", "two emulated nodes: node-blind / node-aware timed steps' wall seconds (the slow "
+        "link is a wait, no CPU)", "higher", 0.2, False, lambda r: r["blind_over_aware"]),
+    Row("nodes-exact", "nodes", "node-aware and node-blind losses equal (rel 1e-5)", "true", 0.0, False,
+        lambda r: bool(r["max_loss_rel_diff"] <= 1e-5)),
     Row("device-kernel-exact", "device", "each accelerator attention kernel vs fp64 reference (hdp bench device)",
         "true", 0.0, False, lambda r: r["by_row"]["kernel_exactness"]["status"] == "ok"),
     Row("device-kernel-speed", "device", "fastest hdp kernel / torch SDPA, the slowest length's (4K-32K)", "higher",

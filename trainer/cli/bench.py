@@ -119,6 +119,16 @@ def add_device(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def add_nodes(sub: Any) -> argparse.ArgumentParser:
+    p = _bench_parser(sub, "nodes", "CP rings on 4 gloo ranks emulating two nodes with a slow link: node-aware vs "
+                                    "node-blind plans, step time and losses", _bench_nodes)
+    p.add_argument("--steps", type=positive_int, default=7, help="steps per engine, the first untimed (default 7)")
+    p.add_argument("--link-us", type=float, default=None, dest="link_us",
+                   help="microseconds a ring exchange between the emulated nodes takes at least (default the "
+                        "cpu-gloo profile's, hdp.packing.profiles.CPU_NODE_LINK_US)")
+    return p
+
+
 def add_regress(sub: Any) -> argparse.ArgumentParser:
     p = _bench_parser(sub, "regress", "every benchmark in a short mode: each ratio or flag against a baseline file, "
                                       "one tolerance per row (guard your throughput)", _bench_regress)
@@ -131,7 +141,7 @@ def add_regress(sub: Any) -> argparse.ArgumentParser:
 
 
 BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory,
-                                   add_device, add_regress)
+                                   add_device, add_nodes, add_regress)
 """The benches of the trainer, in ``hdp bench --help`` order; a new one appends its adder here."""
 
 ENTRY_POINT_GROUP = "hdp.benchmarks"
@@ -211,6 +221,36 @@ def _fmt_figure(v: Any) -> str:
     if isinstance(v, bool):
         return "yes" if v else "NO"
     return f"{v:.4g}"
+
+
+def _bench_nodes(args: argparse.Namespace) -> int:
+    """``hdp bench nodes``: median step time of node-aware and node-blind plans, side by side, and their losses."""
+    from hdp.trainer.bench.nodes import NodesBenchSpec, bench_nodes
+
+    try:
+        spec = NodesBenchSpec(steps=args.steps, **({} if args.link_us is None else {"link_us": args.link_us}))
+    except ValueError as exc:
+        raise CliError(f"bench nodes: {exc}") from exc
+    if not math.isfinite(spec.link_us) or spec.link_us < 0:
+        raise CliError(f"--link-us={args.link_us}: pass microseconds >= 0")
+    from hdp.trainer.launch import check_local_capacity
+
+    check_local_capacity(spec.ranks)
+    result = bench_nodes(spec)
+    if args.json:
+        _emit_json(result)
+        return 0
+    n = result["nodes"]
+    _print_dict({"median step, node-aware": _fmt_s(n["median_step_s"]["node-aware"]),
+                 "median step, node-blind": _fmt_s(n["median_step_s"]["node-blind"]),
+                 "node-blind / node-aware (measured, timed steps' wall seconds)": f"{n['blind_over_aware']:.3f}",
+                 "node-blind / node-aware (cost model)": f"{n['predicted_blind_over_aware']:.3f}",
+                 "cross-node ring traffic, aware / blind": f"{n['cross_node_fraction']['node-aware']:.0%} / "
+                                                           f"{n['cross_node_fraction']['node-blind']:.0%}",
+                 "largest relative loss difference": f"{n['max_loss_rel_diff']:.2e}"},
+                f"two emulated nodes of {n['spec']['ranks_per_node']} ranks, {n['spec']['link_us']:g} us per ring "
+                "exchange between them")
+    return 0
 
 
 def _bench_regress(args: argparse.Namespace) -> int:
