@@ -156,10 +156,14 @@ def _peer(fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
 def bench_planner(
     families: Sequence[Family] = FAMILIES, sizes: Sequence[tuple[int, float]] = SIZES, *, repeats: int = 7,
     peer_repeats: int = 3, seed: int = 0, policy: str = "hdp", search_budget: SearchBudget | None = None,
-    peers: bool = True,
+    peers: bool = True, ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """Time ``plan()`` on every family at every size (module docstring); the peers with
-    ``peer_repeats`` calls each (one on 512 ranks, where megatron-core takes seconds)."""
+    ``peer_repeats`` calls each (one on 512 ranks, where megatron-core takes seconds).  With
+    ``ranks_per_node`` every domain is on nodes of that many ranks (`PlannerConfig.node_of`): the
+    planner prices rings across nodes and places groups (the topology on)."""
+    from hdp.packing.topology import node_map
+
     from hdp.trainer.bench.peers import megatron_core_plan
 
     budget = search_budget or SearchBudget()
@@ -169,13 +173,15 @@ def bench_planner(
     for fam in families:
         for ranks, target in sizes:
             lengths = fam.lengths(SAMPLES_PER_RANK * ranks, seed)
-            config = fam.config(ranks, policy=policy, search_budget=budget)
+            config = fam.config(ranks, policy=policy, search_budget=budget,
+                                node_of=None if ranks_per_node is None else node_map(ranks, ranks_per_node))
             plan(lengths[:256], config)  # warm-up: imports, caches
             figures, p = _timed(lambda: plan(lengths, config), repeats)
             row: dict[str, Any] = {
                 "family": fam.name, "in_suite": fam.in_suite, "samples": int(lengths.size), "ranks": ranks,
                 "max_tokens_per_rank": config.max_tokens_per_rank, "cost_model": f"{fam.model}@{fam.profile}",
-                "policy": policy, **figures, "policy_ms": p.stats.planner_ms, "efficiency": p.stats.efficiency,
+                "policy": policy, "ranks_per_node": ranks_per_node, "cross_node_fraction": p.stats.cross_node_fraction,
+                **figures, "policy_ms": p.stats.planner_ms, "efficiency": p.stats.efficiency,
                 "target_ms": target, "passed": figures["median_ms"] <= target,
             }
             if peers:

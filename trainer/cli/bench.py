@@ -52,6 +52,10 @@ def add_planner(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--search-budget", default="default", dest="search_budget", metavar="SPEC",
                    help="hdp's search budget ('default', 'off' or key=value pairs)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed (default 0)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, dest="ranks_per_node", metavar="R",
+                   help="the topology on: every domain on nodes of R ranks (default: one node)")
+    p.add_argument("--large-families", default="lognormal", dest="large_families", metavar="A,B",
+                   help="families of the 131,072-sample, 8,192-rank case (default lognormal; 'all': every family)")
     return p
 
 
@@ -507,11 +511,17 @@ def _bench_planner(args: argparse.Namespace) -> int:
         raise CliError(f"--families: {', '.join(map(repr, unknown))} unknown; choose from: {', '.join(by_name)}")
     families = [by_name[w] for w in wanted]
     result = bench_planner(families, repeats=args.repeats, seed=args.seed, policy=args.policy,
-                           search_budget=budget, peers=not args.no_peers)
-    if not args.small_only:  # the large lognormal batch of the earlier benchmark: 131,072 samples on 8,192 ranks
-        large = replace(by_name["lognormal"], name="lognormal-large", budgets=((8_192, 4_096),))
-        more = bench_planner([large], ((8_192, 1_000.0),), repeats=args.large_repeats, seed=args.seed,
-                             policy=args.policy, search_budget=budget, peers=False)
+                           search_budget=budget, peers=not args.no_peers, ranks_per_node=args.ranks_per_node)
+    large_names = list(by_name) if args.large_families == "all" else [
+        s.strip() for s in args.large_families.split(",") if s.strip()]
+    unknown = [w for w in large_names if w not in by_name]
+    if unknown:
+        raise CliError(f"--large-families: {', '.join(map(repr, unknown))} unknown; choose from: all, {', '.join(by_name)}")
+    if not args.small_only:  # the large batches: 131,072 samples on 8,192 ranks (lognormal: the earlier benchmark's)
+        large = [replace(by_name[w], name=f"{w}-large", budgets=((8_192, dict(by_name[w].budgets)[512]),))
+                 for w in large_names]
+        more = bench_planner(large, ((8_192, 1_000.0),), repeats=args.large_repeats, seed=args.seed,
+                             policy=args.policy, search_budget=budget, peers=False, ranks_per_node=args.ranks_per_node)
         result["planner"] += more["planner"]
         result["passed"] = result["passed"] and more["passed"]
     logger.info("planner bench: %d batches, passed=%s", len(result["planner"]), result["passed"])
