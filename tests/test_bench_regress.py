@@ -21,7 +21,8 @@ from hdp.trainer.bench import regress as R
 
 
 def _fake(speedup: float, exact: bool = True):
-    return {"train-pp1": lambda: {"speedup_cpu_time": {"hdp_vs_static-cp": speedup}, "loss_match": exact}}
+    return {"train-pp1": lambda: {"speedup_cpu_time": {"hdp_vs_static-cp": speedup}, "loss_match": exact,
+                                  "plans_differ": True}}
 
 
 def test_rows_name_their_bench_tolerance_and_meaning() -> None:

@@ -97,6 +97,9 @@ CASES = [
     (["calibrate", "--records", "{noise}"], "the fit explains nothing"),
     (["calibrate", "--records", "/dev/zero"], "records file '/dev/zero' is not a regular file"),
     (["calibrate", "--records", "{dir}"], "is not a regular file (a directory or a device)"),
+    (["bench", "regress", "--only", "attention,warp"], "'warp' unknown"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{text-tps}"], "field 'rows' is None"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{dir}/missing.json"], "no such file"),
 ]
 
 

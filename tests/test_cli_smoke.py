@@ -68,9 +68,10 @@ def test_bench_moe_smoke() -> None:
 @pytest.mark.dist
 def test_bench_train_smoke() -> None:
     r = _json("bench", "train", "--ranks", "2", "--steps", "2", "--smoke", "--json")
-    _has(r, {"spec", "results", "speedup", "speedup_cpu_time", "loss_match", "loss_max_rel_diff", "environment",
+    _has(r, {"spec", "results", "speedup", "speedup_cpu_time", "loss_match", "loss_max_rel_diff", "plans_differ",
+             "environment",
              "plans", "calibration", "plan_ahead", "regressions"}, "bench train")
-    assert r["loss_match"] and set(r["results"]) == {"static-cp", "hdp"}
+    assert r["loss_match"] and r["plans_differ"] and set(r["results"]) == {"static-cp", "hdp"}
     for policy, res in r["results"].items():
         _has(res, {"tokens_per_s", "step_time_s", "cpu_tokens_per_s", "losses", "rounds", "efficiency_planned",
                    "cp_degree_hist", "phases"}, f"bench train results.{policy}")

@@ -10,10 +10,12 @@ warm-up records has seen every group size.  With ``tp``/``pp`` every policy runs
 layout and plans over the domain of ``ranks / (tp · pp)`` ranks.
 
 Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
-step time per policy,
-its median seconds per phase of the step (``phases``: the slowest rank's ``hdp/time/*``), the planned efficiency, the losses of every step (they must agree across policies: the update is
-exact whatever the plan), the environment, — from the calibration records the engines write — a
-cost model fitted to this machine with the ratio of simulated to measured step time per policy, and
+step time per policy, its median seconds per phase of the step (``phases``: the slowest rank's
+``hdp/time/*``), the planned efficiency, the losses of every step (they must agree across policies:
+the update is exact whatever the plan), ``plans_differ`` (the policies' first timed plans are not one
+plan: otherwise the comparison compares nothing), the environment, — from the calibration records the
+engines write — a cost model fitted to this machine with the ratio of simulated to measured step time
+per policy, and
 ``plan_ahead``: the timed batches once more as one step of several mini-batches planned ahead
 (`HdpEngine.train_steps`), each mini-batch's ``hdp/planner_ms`` and ``hdp/planner_ms_exposed``.
 
@@ -339,6 +341,8 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
     result = {
         "spec": asdict(spec), "results": results, "speedup": speedup, "speedup_cpu_time": speedup_cpu,
         "loss_match": loss_diff <= 1e-4, "loss_max_rel_diff": loss_diff,
+        # the comparison means something only when the policies ran different plans (first timed step's)
+        "plans_differ": len({p["checksum"] for p in out["plans"].values()}) == len(out["plans"]),
         "environment": _environment(spec), "plans": out["plans"],
     }
     result["calibration"] = _calibration(spec, hist, records_dir, out["cost"], out["cost_source"])
