@@ -21,6 +21,8 @@ from hdp.packing.policies.hdp.reshelve import reshelve
 from hdp.packing.policies.hdp.rivals import rivals
 from hdp.packing.policies.hdp.tall_round import needs_tall_round, tall_round
 
+from hdp.packing.topology import node_map
+
 ASCEND = cost_model("deepseek-v3", "ascend-910b-hccs")
 COSTS = {"h100": cost_model("deepseek-v3", "h100-nvlink"), "ascend": ASCEND, "cpu": cost_model("cpu-tiny", "cpu-gloo")}
 
@@ -35,9 +37,11 @@ def problems(draw):
         n_ranks = 1 << int(np.log2(n_ranks))
     lengths = draw(st.lists(st.integers(1, n_ranks * (budget - 1)), min_size=n, max_size=n).map(
         lambda xs: [max(1, x // 7) if i % 3 else x for i, x in enumerate(xs)]))
+    per_node = draw(st.sampled_from([None, None, 2, 3, 4]))  # a domain over nodes too (node_map: None for one)
     cfg = PlannerConfig(num_ranks=n_ranks, max_tokens_per_rank=budget, group_shape=shape,
                         cost=COSTS[draw(st.sampled_from(sorted(COSTS)))],
-                        pipeline_stages=draw(st.sampled_from([1, 1, 3])))
+                        pipeline_stages=draw(st.sampled_from([1, 1, 3])),
+                        node_of=None if per_node is None else node_map(n_ranks, per_node))
     try:
         return Problem.of(np.asarray(lengths), cfg)
     except ValueError:  # a sample fits no power-of-two block
@@ -99,7 +103,7 @@ def test_every_pass_keeps_plans_valid_and_never_raises_the_step_time(problem):
 
 
 def test_pipeline_order():
-    assert [p.__name__ for p in PIPELINE] == ["construct", "level", "tall_round", "polish", "reshelve", "rivals"]
+    assert [p.__name__ for p in PIPELINE] == ["construct", "level", "tall_round", "polish", "reshelve", "rivals", "repair"]
 
 
 def test_construct_plans_only_the_unplanned_samples_after_the_given_rounds():

@@ -20,7 +20,9 @@ the `Problem` (batch, config, objective, work meter) and returns new columns:
    and searched once more, when that is faster (the search cannot move a round's roof column into
    another round step by step when every round has one);
 6. **rivals** (`rivals.py`): the plans the other policies (and hdp with power-of-two groups) build
-   for the batch, so hdp is never worse than any of them under its own cost model.
+   for the batch, so hdp is never worse than any of them under its own cost model;
+7. **repair** (`placement.py`, a domain over nodes only): the plan placed and searched once more with
+   every group priced where it sits.
 
 The objective of every pass is the simulator's step time (`problem.py`): the sum of round maxima,
 plus rounds * beta, plus (PP - 1) times the tallest round with a pipeline of PP stages.  Every
@@ -43,7 +45,7 @@ import numpy as np
 
 from hdp.packing.config import PlannerConfig
 from hdp.packing.policies.common import Assignment
-from hdp.packing.policies.hdp import construct, kernels, level, polish, reshelve, rivals, tall_round
+from hdp.packing.policies.hdp import construct, kernels, level, placement, polish, reshelve, rivals, tall_round
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.problem import Meter, Problem
 
@@ -60,6 +62,7 @@ class Pass(Protocol):
 
 PIPELINE: tuple[Pass, ...] = (
     construct.construct, level.level, tall_round.tall_round, polish.polish, reshelve.reshelve, rivals.rivals,
+    placement.repair,
 )
 """The passes, in order."""
 

@@ -122,9 +122,23 @@ def _variants(problem) -> list[tuple[str, Variant]]:
         if int(k2.max()) <= N and not np.array_equal(k2, k_min):
             p2 = allowed_sizes(N, GroupShape.POW2)
             h2 = cost.sample_cost(lengths, k2)
-            out += [("pow2-k_min", lambda rounds, k2=k2, h2=h2: (k2, h2)),
+            pow2 = [("pow2-k_min", lambda rounds, k2=k2, h2=h2: (k2, h2)),
                     ("pow2-grow-tau", grown(k2, h2, p2, lambda tau: tau))]
+            # on nodes, where a ring across them costs more than inside one for some sample on its fewest
+            # ranks, aligned blocks (of at most a node) stay inside nodes: likely winners, built early
+            out = out[:1] + pow2[::-1] + out[1:] if _crossing_costs(problem) else out + pow2
     return out
+
+
+def _crossing_costs(problem) -> bool:
+    """On a domain over nodes: whether some sample alone on its fewest ranks (at least 2) is taller with
+    its ring across nodes than inside one (its transfer does not hide behind its attention)."""
+    if problem.nodes is None:
+        return False
+    multi = problem.k_min > 1
+    lengths, k = problem.lengths[multi], problem.k_min[multi]
+    inside = problem.cost.sample_cost(lengths, k)
+    return bool(np.any(problem.cost.sample_cost(lengths, k, cross=True) > inside * (1 + 1e-9)))
 
 
 def _floor(problem, k: np.ndarray, rounds: int) -> float:

@@ -11,6 +11,13 @@ the step time is a sum of round tops and the pipeline's term grows with each), t
 ties (it crosses no more).  Its result is never slower than its input, so `Problem.step_time`
 scores every plan as placed, and the pipeline hands out placed columns.
 
+A round's groups may not fit its nodes without one crossing (widths 5, 5 and 6 on two nodes of 8),
+and the passes, pricing by size, do not see it.  The last pass, `repair`, places the plan and
+searches it once more with every group priced where it sits (`polish` with ``placed``: the
+polish pass's search keeps each group's crossing, `kernels.polish_state.Cols.cross`), so samples
+leave groups that crossing made tall; it may spend a sixteenth of the search pool beyond what the
+earlier passes left (counted like the rest, so every rank stops at the same point).
+
 A contiguous group spanning m nodes crosses each boundary once and back once on the ring's
 closing edge (`hdp.packing.topology`): m crossing edges, the fewest a ring over m nodes has.
 """
@@ -23,9 +30,10 @@ from hdp.packing.kernels.jit import int_array
 from hdp.packing.policies.hdp.columns import Columns
 from hdp.packing.policies.hdp.kernels import costs as compiled
 from hdp.packing.policies.hdp.kernels.placement import place_any, place_pow2
+from hdp.packing.policies.hdp.polish import polish
 from hdp.packing.topology import Nodes
 
-__all__ = ["place", "exact_heights"]
+__all__ = ["place", "exact_heights", "repair"]
 
 
 def exact_heights(problem, cols: Columns) -> tuple[np.ndarray, np.ndarray]:
@@ -75,3 +83,11 @@ def place(problem, cols: Columns) -> tuple[Columns, np.ndarray]:
     use = take[c.round]
     out = Columns(col_of=c.col_of, round=c.round, start=np.where(use, start, c.start), width=c.width)
     return out, np.where(use, h_new, h)
+
+
+def repair(cols: Columns, problem) -> Columns:
+    """The last pass (module docstring): on a domain over nodes the plan placed and searched with every
+    group priced where it sits; ``cols`` unchanged on one node."""
+    if problem.nodes is None or not cols.complete:
+        return cols
+    return polish(problem.placed(cols), problem, placed=True)

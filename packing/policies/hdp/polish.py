@@ -47,7 +47,6 @@ import numpy as np
 
 from hdp.packing.kernels.jit import int_array
 from hdp.packing.policies.hdp.columns import Columns
-from hdp.packing.policies.hdp.kernels.costs import cost_params
 from hdp.packing.policies.hdp.kernels.polish_search import polish_search
 from hdp.packing.policies.hdp.kernels.polish_state import Batch, Settings
 
@@ -64,15 +63,20 @@ _TRADE_COLUMNS = 8  # trades look at the samples of the this many roomiest colum
 _TRADE_MOVERS = 32  # ... for this many of the longest samples of the roof columns
 _TABLE_SAMPLES = 16_384  # batches up to this size keep every width's per-sample values in a table
 _CALL_UNITS = 1_500  # fixed work of one evaluation (the survey of the columns, the scan of the samples), in pairs
+_REPAIR = 16  # the search of a placed plan (a domain over nodes) may spend 1 / this of the pool beyond what is left
 
 
-def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
+def polish(cols: Columns, problem, *, limit: int | None = None, placed: bool = False) -> Columns:
     """The polish pass: lower the step time of ``cols`` (every sample planned) by moves, trades and
     widenings (module docstring) until no step helps, the ``search`` pool is spent, or ``limit``
-    units are.  Never a higher step time than ``cols``."""
+    units are.  Never a higher step time than ``cols``.  ``placed``: ``cols`` sit where they run on a
+    domain over nodes, so every column is priced there (across nodes where it crosses) and keeps its
+    place unless the search widens it or opens a column in its round (such a round is laid out again)."""
     assert cols.complete, "polish needs every sample planned"
     meter = problem.meter
     left = max(0, meter.left("search"))
+    if placed:  # the search of a placed plan may go a share of the pool beyond it (`placement.repair`)
+        left += problem.config.search_budget.search // _REPAIR
     stop_at = meter.spent["search"] + (left if limit is None else min(left, limit))
     setup = problem.n // 4 + cols.n_columns  # setting up the state
     if problem.n == 0 or meter.spent["search"] + setup > stop_at:
@@ -81,19 +85,31 @@ def polish(cols: Columns, problem, *, limit: int | None = None) -> Columns:
     c = cols.compact()
     spent0 = meter.spent["search"]
     batch = Batch(lengths=int_array(problem.lengths), k_min=int_array(problem.k_min), sizes=int_array(problem.sizes),
-                  p=cost_params(problem.cost), num_ranks=int(problem.num_ranks), budget=int(problem.budget),
+                  p=problem.params, num_ranks=int(problem.num_ranks), budget=int(problem.budget),
                   stages=int(problem.stages))
     settings = Settings(stop_at=int(stop_at), call_units=_CALL_UNITS,
                         patience=max(_PATIENCE_MIN, problem.n // _PATIENCE_DIV), windows=_WINDOWS,
                         progress=_PROGRESS, n_targets=_TARGETS, n_sources=_SOURCES, trade_columns=_TRADE_COLUMNS,
                         trade_movers=_TRADE_MOVERS, table_samples=_TABLE_SAMPLES)
+    cross = (problem.nodes.crosses(c.start, c.width) if placed and problem.nodes is not None and c.n_columns
+             else np.zeros(c.n_columns, dtype=bool))
     col_of, rnd, width, alive, opened, steps, spent = polish_search(
-        batch, settings, int_array(c.col_of), int_array(c.round), int_array(c.width), c.num_rounds, spent0)
+        batch, settings, int_array(c.col_of), int_array(c.round), int_array(c.width), np.array(cross, dtype=np.bool_),
+        c.num_rounds, spent0)
     meter.charge("search", spent - spent0)
     if steps == 0:
         return cols
     live = np.flatnonzero(alive[:opened])
     remap = np.full(opened, -1, dtype=np.int64)
     remap[live] = np.arange(live.size)
-    out = Columns.from_groups(remap[col_of], rnd[live], width[live]).compact()
-    return problem.better(out, cols)
+    out = Columns.from_groups(remap[col_of], rnd[live], width[live])
+    if placed:  # columns keep their ranks in rounds where the search neither widened nor opened one
+        old = live < c.n_columns
+        same = old.copy()
+        same[old] = width[live[old]] == c.width[live[old]]
+        redo = np.zeros(int(rnd[live].max(initial=0)) + 1, dtype=bool)
+        redo[rnd[live][~same]] = True
+        keep = ~redo[rnd[live]]
+        start = np.where(keep, c.start[np.minimum(live, c.n_columns - 1)], out.start)
+        out = Columns(col_of=out.col_of, round=out.round, start=start, width=out.width)
+    return problem.better(out.compact(), cols)

@@ -8,7 +8,7 @@ no step is good, the pool is spent, or a window of steps or units barely lowered
 
 import numpy as np
 
-from hdp.packing.kernels.jit import I64, I64_1D, helper, kernel
+from hdp.packing.kernels.jit import B1_1D, I64, I64_1D, helper, kernel
 from hdp.packing.kernels.sums import pairwise_sum
 from hdp.packing.policies.hdp.kernels.polish_state import BATCH, SETTINGS, ensure, grow, start
 from hdp.packing.policies.hdp.kernels.polish_steps import best_move, best_trade, widen
@@ -17,16 +17,17 @@ from hdp.packing.policies.hdp.kernels.polish_survey import roomiest, survey
 __all__ = ["polish_search"]
 
 
-@kernel(BATCH, SETTINGS, I64_1D, I64_1D, I64_1D, I64, I64)
-def polish_search(batch, settings, col_of, rnd0, width0, n_rounds, spent):
+@kernel(BATCH, SETTINGS, I64_1D, I64_1D, I64_1D, B1_1D, I64, I64)
+def polish_search(batch, settings, col_of, rnd0, width0, cross0, n_rounds, spent):
     """The search on a compact plan of ``batch`` (`polish_state.Batch`): ``col_of`` [n] column of every
-    sample, ``rnd0`` / ``width0`` [C] round and width of every column, ``n_rounds`` rounds; ``spent``
+    sample, ``rnd0`` / ``width0`` / ``cross0`` [C] round, width and crossing (`polish_state.Cols.cross`)
+    of every column, ``n_rounds`` rounds; ``spent``
     units of the search pool spent so far, ``settings.stop_at`` the most it may reach.  Returns
     (col_of [n], round [cap], width [cap], alive [cap], columns opened, steps taken, spent): the
     searched plan's columns (``alive`` marks those left)."""
     n = batch.lengths.size
     R = n_rounds
-    cols, surv, values = start(batch, col_of, rnd0, width0, n_rounds, settings.table_samples)
+    cols, surv, values = start(batch, col_of, rnd0, width0, cross0, n_rounds, settings.table_samples)
     opened = rnd0.size
     steps = 0
     stale = 0

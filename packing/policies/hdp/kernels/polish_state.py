@@ -18,11 +18,11 @@ from typing import NamedTuple
 import numpy as np
 
 from hdp.packing.kernels.jit import F8_1D, F8_2D, F8_3D, I64, I64_1D, B1_1D, F8, helper, struct_type
-from hdp.packing.policies.hdp.kernels.costs import A, group_cost, sample_values
+from hdp.packing.policies.hdp.kernels.costs import A, NODE_RANKS, group_cost_at, sample_values
 
 __all__ = [
     "TOL", "Batch", "Settings", "Cols", "Survey", "Values", "BATCH", "SETTINGS",
-    "start", "grow", "ensure", "value", "move", "settle",
+    "start", "grow", "ensure", "value", "move", "settle", "column_cost",
 ]
 
 TOL = 1e-9
@@ -93,6 +93,10 @@ class Cols(NamedTuple):
     """[cap] samples of every column."""
     free: I64_1D
     """[R] ranks no column of the round takes."""
+    cross: B1_1D
+    """[cap] the column's ring crosses a node boundary where the plan put it (a domain over nodes; a
+    column the search opens is priced inside a node, one it widens keeps its flag): priced so, beside
+    every column wider than the largest node (`column_cost`)."""
 
 
 class Survey(NamedTuple):
@@ -135,10 +139,17 @@ BATCH, SETTINGS = struct_type(Batch), struct_type(Settings)
 
 
 @helper
-def start(batch, col_of, rnd0, width0, n_rounds, table_samples):
+def column_cost(p, cols, c, sum_work, sum_len, sum_sq, k):
+    """`costs.group_cost_at` of column c holding these sums on k ranks: across nodes where it crosses
+    (`Cols.cross`) or is wider than the largest node."""
+    return group_cost_at(p, sum_work, sum_len, sum_sq, k, cols.cross[c] or float(k) > p[NODE_RANKS])
+
+
+@helper
+def start(batch, col_of, rnd0, width0, cross0, n_rounds, table_samples):
     """The search's state of a compact plan -- ``col_of`` [n] column of every sample, ``rnd0`` / ``width0``
-    [C] round and width of every column, ``n_rounds`` rounds -- with room for 2 C + R + 8 columns:
-    (`Cols`, `Survey`, `Values`)."""
+    / ``cross0`` [C] round, width and crossing of every column, ``n_rounds`` rounds -- with room for
+    2 C + R + 8 columns: (`Cols`, `Survey`, `Values`)."""
     lengths, p, N = batch.lengths, batch.p, batch.num_ranks
     n = lengths.size
     R = n_rounds
@@ -169,12 +180,14 @@ def start(batch, col_of, rnd0, width0, n_rounds, table_samples):
             sums[c, q] += v[q]
         count[c] += 1
     h = np.zeros(cap)
-    for c in range(n_cols):
-        h[c] = group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c])
+    cross = np.zeros(cap, dtype=np.bool_)
+    cross[:n_cols] = cross0
     free = np.full(R, N, dtype=np.int64)
     for c in range(n_cols):
         free[rnd[c]] -= width[c]
-    cols = Cols(col_of, rnd, width, alive, h, sums, count, free)
+    cols = Cols(col_of, rnd, width, alive, h, sums, count, free, cross)
+    for c in range(n_cols):
+        h[c] = column_cost(p, cols, c, sums[c, 0], sums[c, 1], sums[c, 2], width[c])
     surv = Survey(np.zeros(R), np.zeros(R), np.zeros(cap, dtype=np.bool_), np.zeros(cap, dtype=np.bool_),
                   np.zeros(cap, dtype=np.int64), np.zeros(cap))
     return cols, surv, Values(tab, row_of, n_rows, work1, v, v2)
@@ -184,7 +197,7 @@ def start(batch, col_of, rnd0, width0, n_rounds, table_samples):
 def grow(cols, surv):
     """``cols`` and ``surv`` with twice the columns' capacity (the new columns unused: width 1, empty)."""
     cols = Cols(cols.col_of, _grow_i(cols.rnd, 0), _grow_i(cols.width, 1), _grow_b(cols.alive), _grow_f(cols.h),
-                _grow_2(cols.sums), _grow_i(cols.count, 0), cols.free)
+                _grow_2(cols.sums), _grow_i(cols.count, 0), cols.free, _grow_b(cols.cross))
     surv = Survey(surv.roof, surv.second, _grow_b(surv.at_roof), _grow_b(surv.source), _grow_i(surv.depth, 0),
                   _grow_f(surv.below))
     return cols, surv
@@ -250,7 +263,7 @@ def settle(p, cols, c):
     if count[c] == 0 and alive[c]:
         alive[c] = False
         cols.free[cols.rnd[c]] += width[c]
-    cols.h[c] = group_cost(p, sums[c, 0], sums[c, 1], sums[c, 2], width[c]) if count[c] > 0 else 0.0
+    cols.h[c] = column_cost(p, cols, c, sums[c, 0], sums[c, 1], sums[c, 2], width[c]) if count[c] > 0 else 0.0
 
 
 @helper

@@ -14,8 +14,8 @@ import numpy as np
 
 from hdp.packing.kernels.jit import F8_2D, I64_2D, helper
 from hdp.packing.kernels.sort import argsort_stable
-from hdp.packing.policies.hdp.kernels.costs import busiest_tokens, group_cost, sample_cost, sample_values
-from hdp.packing.policies.hdp.kernels.polish_state import TOL, move, settle, value
+from hdp.packing.policies.hdp.kernels.costs import busiest_tokens, sample_cost, sample_values
+from hdp.packing.policies.hdp.kernels.polish_state import TOL, column_cost, move, settle, value
 from hdp.packing.policies.hdp.kernels.polish_survey import max_roof, pipeline_gain
 
 __all__ = ["Good", "good_buffers", "push", "pick", "best_move", "best_trade", "widen"]
@@ -143,7 +143,7 @@ def best_move(batch, settings, cols, surv, values, movers, targets, spent, opene
         c = col_of[i]
         src[m] = c
         value(values, batch, i, width[c], v)
-        hs = group_cost(p, sums[c, 0] - v[0], sums[c, 1] - v[1], sums[c, 2] - v[2], width[c])
+        hs = column_cost(p, cols, c, sums[c, 0] - v[0], sums[c, 1] - v[1], sums[c, 2] - v[2], width[c])
         h_src[m] = hs if count[c] > 1 else 0.0
         base[m] = max(below[c], h_src[m])
         k0_min = min(k0_min, k_min[i])
@@ -179,7 +179,7 @@ def best_move(batch, settings, cols, surv, values, movers, targets, spent, opene
                 value(values, batch, i, w_c, v)
                 if not (sums[col, 3] + v[3] <= B):
                     continue
-                h_new = group_cost(p, sums[col, 0] + v[0], sums[col, 1] + v[1], sums[col, 2] + v[2], w_c)
+                h_new = column_cost(p, cols, col, sums[col, 0] + v[0], sums[col, 1] + v[1], sums[col, 2] + v[2], w_c)
                 r_c = rnd[col]
                 same = r_c == r_src
                 lim = h_s * (1 - TOL) if same else roof[r_c]
@@ -220,7 +220,7 @@ def best_move(batch, settings, cols, surv, values, movers, targets, spent, opene
         else:  # a new group of the sample's fewest ranks on free ranks of round t - C
             tgt = opened
             opened += 1
-            rnd[tgt], width[tgt], alive[tgt] = t - C, k_min[i], True
+            rnd[tgt], width[tgt], alive[tgt], cols.cross[tgt] = t - C, k_min[i], True, False
             free[t - C] -= k_min[i]
         move(batch, cols, values, i, s, tgt)
         settle(p, cols, s)
@@ -306,13 +306,13 @@ def best_trade(batch, settings, cols, surv, values, movers, roomy_cols, spent):
             if not (rest1[m, 3] + v[3] <= B):
                 continue
             hc = h[c]
-            h_c = group_cost(p, rest1[m, 0] + v[0], rest1[m, 1] + v[1], rest1[m, 2] + v[2], w1)
+            h_c = column_cost(p, cols, c, rest1[m, 0] + v[0], rest1[m, 1] + v[1], rest1[m, 2] + v[2], w1)
             if not (h_c < hc * (1 - TOL)):
                 continue
             value(values, batch, movers[m], w2, v2)
             if not (r3 + v2[3] <= B):
                 continue
-            h_c2 = group_cost(p, r0 + v2[0], r1 + v2[1], r2 + v2[2], w2)
+            h_c2 = column_cost(p, cols, c2, r0 + v2[0], r1 + v2[1], r2 + v2[2], w2)
             same = rnd[c2] == rnd[c]
             lim = hc * (1 - TOL) if same else roof[rnd[c2]]
             if not (h_c2 <= lim):
@@ -386,7 +386,7 @@ def widen(batch, settings, cols, surv, values, opened, spent):
                     sample_values(p, lengths[i], w2, v)
                     for q in range(4):
                         acc[q] += v[q]
-            h2 = group_cost(p, acc[0], acc[1], acc[2], w2)
+            h2 = column_cost(p, cols, c, acc[0], acc[1], acc[2], w2)
             top = max(other, h2)
             if acc[3] <= B and top < roof[r] * (1 - TOL):
                 key0 = np.rint(top / (TOL * roof[r]))
