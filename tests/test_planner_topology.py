@@ -309,3 +309,26 @@ def test_cli_plans_and_simulates_on_nodes():
     assert rows["hdp"]["step_time"] <= rows["hdp-node-blind"]["step_time"] * (1 + 1e-9)
     assert rows["hdp"]["cross_node_fraction"] < rows["hdp-node-blind"]["cross_node_fraction"]
     assert sim["cost_model"] == "deepseek-v3@h100-nvlink"
+
+
+def test_the_kernels_price_rings_across_nodes_as_the_cost_model_to_the_bit():
+    from hdp.packing.cost import PARAMETERS, SizePricedCost, padded_float
+    from hdp.packing.policies.hdp.kernels import costs
+
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        values = {f: 0.0 if rng.random() < 0.3 else float(10 ** rng.uniform(-3, 6)) for f in PARAMETERS[:-1]}
+        cost = CostModel(**values)
+        k = rng.integers(1, 40, 400)
+        lengths = rng.integers(1, 2**20, 400)
+        lp = padded_float(lengths, k)
+        sw, sl, sq = cost.work(lp) * 2.5, lp * 2.5, lp * lp * 2.5
+        cross = rng.random(400) < 0.5
+        p = costs.cost_params(cost)
+        got = np.array([costs.group_cost_at(p, sw[i], sl[i], sq[i], k[i], cross[i]) for i in range(k.size)])
+        assert np.array_equal(got, cost.group_cost(sw, sl, sq, k, cross))
+        sized = SizePricedCost(**values, node_ranks=8)
+        p8 = costs.cost_params(sized)
+        got8 = np.array([costs.group_cost(p8, sw[i], sl[i], sq[i], k[i]) for i in range(k.size)])
+        assert np.array_equal(got8, cost.group_cost(sw, sl, sq, k, k > 8))
+        assert np.array_equal(got8, sized.group_cost(sw, sl, sq, k))
