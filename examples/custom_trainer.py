@@ -47,11 +47,11 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     config = EngineConfig(
         model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=512),
         optim=OptimConfig(lr=1e-3, clip_grad=1.0),
-        planning=PlanningConfig(max_tokens_per_rank=args.tokens_per_rank, policy=args.policy),
+        planning=PlanningConfig(max_tokens_per_rank=args.tokens_per_rank, policy=args.policy,
+                                calibration_path=args.records),  # measured round records for hdp calibrate
         parallel=ParallelConfig(tp=args.tp, pp=args.pp),  # world = TP x PP x domain; hdp plans the domain
         loss_aggregation="token-mean",
         device=args.device,
-        calibration_path=args.records,  # measured (lengths, group size, seconds) records for hdp calibrate
     )
     engine = HdpEngine.build(config, dist.group.WORLD)  # the whole job; the domain is world / (TP x PP)
     history = []

@@ -55,8 +55,9 @@ def _engine_cfg(policy: str = "hdp", agg: str = "token-mean", cp_algorithm: str 
         parallel=ParallelConfig(ep=ep),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0),
         # deepseek-v3's cost makes the hdp policy mix CP3, CP2 and CP1 groups on these lengths
+        # all-gather CP runs on aligned power-of-two groups only, so it needs pow2 plans (a given plan may mix)
         planning=PlanningConfig(max_tokens_per_rank=B, policy=policy, cost_model=cost_model("deepseek-v3", "h100-nvlink"),
-                                cp_algorithm=cp_algorithm),
+                                cp_algorithm=cp_algorithm, group_shape="pow2" if cp_algorithm == "allgather" else "any"),
         loss_aggregation=agg,
     )
 
@@ -281,10 +282,9 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
             assert torch.equal(v, uninterrupted[k]), f"moe {fmt} checkpoint resume differs at {k}"
     # MoE zero-memory recomputation under the engine: the same update (level1 on the first MoE
     # layer, level0 on the others)
-    cfg = dataclasses.replace(
-        _engine_cfg(policy="hdp", ep=2, **MOE),
-        moe_zero_memory="level1", moe_zero_memory_num_layers=1,
-    )
+    base = _engine_cfg(policy="hdp", ep=2, **MOE)
+    cfg = dataclasses.replace(base, planning=dataclasses.replace(base.planning, zero_memory="level1",
+                                                                 zero_memory_num_layers=1))
     engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init_param)
     assert type(engine.model.module.decoder.layers[0].mlp).__name__ == "ZeroMemoryMoELayer"
     losses = [engine.train_step(b, nll_loss)["loss"] for b in batches]
@@ -384,7 +384,9 @@ def _bad_inputs(rank: int, world: int, records: str) -> None:
     from hdp.packing.calibrate import calibrate, load_records
     from hdp.trainer.engine import Batch, HdpEngine, NonFiniteLossError, nll_loss
 
-    engine = HdpEngine.build(dataclasses.replace(_engine_cfg(), calibration_path=records), dist.group.WORLD, init_fn=init_param)
+    base = _engine_cfg()
+    engine = HdpEngine.build(dataclasses.replace(base, planning=dataclasses.replace(base.planning, calibration_path=records)),
+                             dist.group.WORLD, init_fn=init_param)
     good = _batch(0, extras=True)
     before = _params(engine)
 
@@ -519,11 +521,15 @@ def test_engine_config_validation_names_the_field() -> None:
         EngineConfig(loss_aggregation="mean")
     with pytest.raises(ValueError, match="EngineConfig.device='tpu'"):
         EngineConfig(device="tpu")
-    with pytest.raises(ValueError, match="EngineConfig.moe_zero_memory='level0' needs a MoE model"):
-        EngineConfig(moe_zero_memory="level0")
-    with pytest.raises(ValueError, match="EngineConfig.moe_zero_memory='level2' is unknown|moe_zero_memory"):
-        EngineConfig(moe_zero_memory="level2")
-    cfg = EngineConfig(planning=PlanningConfig(policy="static-cp", cp_algorithm="allgather"))
+    with pytest.raises(ValueError, match="EngineConfig.planning.zero_memory='level0' needs a MoE model"):
+        EngineConfig(planning=PlanningConfig(zero_memory="level0"))
+    with pytest.raises(ValueError, match="PlanningConfig.zero_memory='level2' is unknown"):
+        PlanningConfig(zero_memory="level2")
+    with pytest.raises(ValueError, match="PlanningConfig.zero_memory_num_layers=1: only with"):
+        PlanningConfig(zero_memory="level0", zero_memory_num_layers=1)
+    with pytest.raises(ValueError, match="PlanningConfig.collective_timeout_s=0: pass seconds in"):
+        PlanningConfig(collective_timeout_s=0)
+    cfg = EngineConfig(planning=PlanningConfig(policy="static-cp", group_shape="pow2", cp_algorithm="allgather"))
     assert cfg.planning.planner_config(4).num_ranks == 4
     with pytest.raises(Exception):
         cfg.seed = 3  # frozen

@@ -42,8 +42,8 @@ def _config(**kw: object):
     optim.update(kw.pop("optim", {}))
     return EngineConfig(model=ModelConfig(**model), optim=OptimConfig(**optim),
                         parallel=ParallelConfig(**kw.pop("parallel", {})),
-                        planning=PlanningConfig(max_tokens_per_rank=32, auto_calibrate=False),
-                        collective_timeout_s=TIMEOUT_S, **kw)
+                        planning=PlanningConfig(max_tokens_per_rank=32, auto_calibrate=False,
+                                                collective_timeout_s=TIMEOUT_S), **kw)
 
 
 def _init(name: str, p: torch.Tensor) -> None:

@@ -56,8 +56,7 @@ def _config(records: str | None = None, **planning):
         model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, max_sequence_length=4096),
         optim=OptimConfig(lr=1e-4),
         planning=PlanningConfig(**{"max_tokens_per_rank": 512, "auto_calibrate": False, "cost_model": "cpu-tiny@cpu-gloo",
-                                   **planning}),
-        calibration_path=records,
+                                   "calibration_path": records, **planning}),
     )
 
 

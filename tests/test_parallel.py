@@ -56,7 +56,7 @@ def _model_cfg(**kw: object):
     return ModelConfig(**{**base, **kw})
 
 
-def _engine_cfg(parallel: dict, model_kw: dict | None = None, **kw: object):
+def _engine_cfg(parallel: dict, model_kw: dict | None = None, **planning: object):
     from hdp.packing import cost_model
     from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
     from hdp.trainer.model import OptimConfig
@@ -64,9 +64,8 @@ def _engine_cfg(parallel: dict, model_kw: dict | None = None, **kw: object):
     return EngineConfig(
         model=_model_cfg(**(model_kw or {})),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0),
-        planning=PlanningConfig(max_tokens_per_rank=B, cost_model=cost_model("deepseek-v3", "h100-nvlink")),
+        planning=PlanningConfig(max_tokens_per_rank=B, cost_model=cost_model("deepseek-v3", "h100-nvlink"), **planning),
         parallel=ParallelConfig(**parallel),
-        **kw,
     )
 
 
@@ -300,7 +299,7 @@ def _pp(rank: int, world: int, tmp: str) -> None:
     # MoE, EP 2 inside each stage's domain, zero-memory level1
     moe_ref = _reference(batches, 1, MOE)
     _layout_run(dict(pp=2, ep=2), moe_ref, batches, "moe pp2 ep2 zero-memory", model_kw=MOE, forward=False,
-                moe_zero_memory="level1")
+                zero_memory="level1")
 
 
 def test_pp2_domain2_1f1b_interleaved_moe_forward_checkpoint_and_bad_layouts(tmp_path) -> None:
@@ -369,7 +368,7 @@ def _tp(rank: int, world: int, tmp: str) -> None:
     moe_ref = _reference(batches, 1, MOE)
     # EP 2 with expert-TP 1 under TP 2 (each EP group spans the two TP ranks of a domain rank), zero-memory
     _layout_run(dict(tp=2, ep=2), moe_ref, batches, "moe tp2 ep2 zero-memory", model_kw=MOE, forward=False,
-                moe_zero_memory="level0")
+                zero_memory="level0")
     # an entropy bonus through LocalTensors.entropy(): its gradient reaches the model, over the full
     # vocabulary under TP 2 (the shard's log_softmax would be off) and at TP 1
     from hdp.trainer.engine import HdpEngine

@@ -1,13 +1,18 @@
-"""The planner's options are declared once (`PlannerOptions`) and shared by every config that plans."""
+"""The planner's options are declared once (`PlannerOptions`) and shared by every config that plans; the
+engine options both doors share are declared once (`hdp.trainer.options.HdpOptions`), and verl's shipped
+YAML holds exactly that declaration's defaults."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 
 from hdp.packing import CostModel, PlannerConfig
 from hdp.packing.config import PlannerOptions
+from hdp.trainer import options
 from hdp.trainer.config import PlanningConfig
 
 pytest.importorskip("verl")  # verl first: it loads hdp's plugin, which registers the engine
@@ -52,7 +57,7 @@ def test_engine_and_verl_options_build_the_same_planner_config(tmp_path):
                 search_budget={"construct": 100, "search": 0})
     engine = PlanningConfig(max_tokens_per_rank=512, cost_model=str(path), **opts).planner_config(8)
     vo = verl_config.HdpOptions(max_tokens_per_rank=512, cost_model=str(path), **opts)
-    verl = vo.planner_config(8, 512, vo.cost(None))
+    verl = vo.planner_config(8, door_budget=4096)  # hdp's own budget wins over verl's per-GPU one
     direct = PlannerConfig(num_ranks=8, max_tokens_per_rank=512, cost=cost, **opts)
     assert engine == verl == direct
 
@@ -67,3 +72,49 @@ def test_bad_cost_model_and_impossible_cp_settings_fail_at_configuration(tmp_pat
     assert verl_config.HdpOptions(cp_algorithm="allgather", group_shape="pow2").cost_model == "auto"
     with pytest.raises(ValueError, match=r"PlanningConfig\.cost_model"):
         PlanningConfig(cost_model=str(tmp_path / "missing.json"))
+
+
+def test_cp_algorithm_allgather_needs_pow2_groups_on_both_doors():
+    for cls, prefix in ((PlanningConfig, r"PlanningConfig"), (verl_config.HdpOptions, r"actor_rollout_ref\.actor\.hdp")):
+        with pytest.raises(ValueError, match=rf"^{prefix}\.cp_algorithm=allgather with {prefix}\.group_shape=any"):
+            cls(cp_algorithm="allgather")
+        assert cls(cp_algorithm="allgather", group_shape="pow2").cp_algorithm.value == "allgather"
+
+
+SHARED = [f.name for f in dataclasses.fields(options.HdpOptions)]
+
+
+@pytest.mark.parametrize("cls", [PlanningConfig, verl_config.HdpOptions])
+def test_both_doors_extend_the_one_engine_options_declaration(cls):
+    assert issubclass(cls, options.HdpOptions)
+    shared = {f.name: f for f in dataclasses.fields(options.HdpOptions)}
+    mine = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(shared) <= set(mine)
+    overrides = options.VERL_DEFAULTS if cls is verl_config.HdpOptions else {}
+    for name, f in shared.items():  # the declaration's default, or the documented door default
+        want = overrides.get(name, f.default)
+        assert mine[name].default == want, (cls.__name__, name)
+        assert mine[name].default_factory == f.default_factory, (cls.__name__, name)
+    own = set(mine) - set(shared)  # what is the door's own
+    assert own == ({"memory_coefficients"} if cls is PlanningConfig else {"_target_"}), own
+    # the documented overrides really differ (a default that agrees needs no entry)
+    for name, value in options.VERL_DEFAULTS.items():
+        assert value != shared[name].default, name
+
+
+def test_the_shipped_verl_yaml_holds_the_declarations_defaults():
+    from hdp.integrations.verl import config_dir
+    from hdp.integrations.verl.config import HDP_STRATEGY
+
+    actor = yaml.safe_load((Path(config_dir()) / "actor" / "hdp_actor.yaml").read_text())
+    hdp = dict(actor["hdp"])
+    assert hdp.pop("_target_") == "hdp.integrations.verl.config.HdpOptions"
+    names = {f.name for f in dataclasses.fields(verl_config.HdpOptions)} - {"_target_"}
+    assert set(hdp) == names, set(hdp) ^ names  # every option shipped, nothing else
+    assert verl_config.HdpOptions(**hdp) == verl_config.HdpOptions()  # and each with the declared default
+    assert actor["strategy"] == actor["megatron"]["strategy"] == HDP_STRATEGY
+    ref = yaml.safe_load((Path(config_dir()) / "ref" / "hdp_ref.yaml").read_text())
+    assert ref["hdp"] == "${actor_rollout_ref.actor.hdp}"  # the ref follows the actor's options
+    for path in Path(config_dir()).rglob("*.yaml"):  # no other file ships hdp options to drift
+        if path.name not in ("hdp_actor.yaml", "hdp_ref.yaml"):
+            assert "hdp" not in (yaml.safe_load(path.read_text()) or {}), path

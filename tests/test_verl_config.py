@@ -139,7 +139,7 @@ def test_bad_options_name_the_field():
         HdpEngineConfig(context_parallel_size=4)
     with pytest.raises(ValueError, match=r"strategy='megatron'"):
         HdpEngineConfig(strategy="megatron")
-    with pytest.raises(ValueError, match=r"hdp.max_tokens_per_rank is null"):
+    with pytest.raises(ValueError, match=r"hdp.max_tokens_per_rank=None: this device has no memory limit"):
         HdpOptions().token_budgets(None, None)
     assert HdpOptions().token_budgets(4096, None) == (4096, 4096)
     assert HdpOptions().token_budgets(4096, 8192) == (4096, 8192)

@@ -31,7 +31,7 @@ digest — a rank that calls something else is named on every rank (:class:`Call
 line up, and the step guard raises it everywhere after the reduce; a NaN/inf loss, or a NaN/inf
 gradient on any rank (checked on the device and carried by the step's one reduce), skips the update
 everywhere and raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientError`).  A phase that breaks
-off inside its collectives (a peer died or hangs: ``EngineConfig.collective_timeout_s``) raises
+off inside its collectives (a peer died or hangs: ``PlanningConfig.collective_timeout_s``) raises
 :class:`~hdp.guard.DomainUnreachableError` and leaves the engine refusing further calls.
 
 Token alignment.  Per-token tensors of a :class:`Batch` (loss mask, advantages, old log-probs)
@@ -272,7 +272,7 @@ def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tu
     par = config.parallel
     model = engine_memory_model(
         config.model.shape(), tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.expert_tp, domain=domain,
-        recompute=config.model.recompute, zero_memory=config.moe_zero_memory.value,
+        recompute=config.model.recompute, zero_memory=config.planning.zero_memory.value,
         cp_algorithm=config.planning.cp_algorithm.value, param_bytes=4 if config.model.params_dtype == "float32" else 2,
         coef=config.planning.memory_coefficients)
     limit = resolve_memory_limit(config.planning.max_memory_gb, device)
@@ -458,7 +458,7 @@ class HdpEngine:
         self._shared = shared  # Megatron's parallel state, held while the engine is open
         self._core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self._chunks, device=device,
                                pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
-                               timeout_s=config.collective_timeout_s, optimizer=optimizer,
+                               timeout_s=config.planning.collective_timeout_s, optimizer=optimizer,
                                abort_groups=self._groups_to_abort, on_broken=self.close)
         par = config.parallel
         self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
@@ -466,10 +466,9 @@ class HdpEngine:
         token budget only)."""
         self._planner = DomainPlanner(
             config.planning.planner_config(self.num_ranks, pipeline_stages=par.pp, memory_model=self.memory_model,
-                                           memory_limit=self.memory_limit,
-                                           memory_limit_name="PlanningConfig.max_memory_gb"),
+                                           memory_limit=self.memory_limit),
             config.planning.auto_calibrate, groups, collective_device=self._core.collective_device,
-            records_path=config.calibration_path, memory=MemoryCalibration())
+            records_path=config.planning.records_path("engine"), memory=MemoryCalibration())
 
     def _groups_to_abort(self) -> set[dist.ProcessGroup]:
         """The groups a failure inside a phase aborts: the engine's own, and Megatron's while no other engine
@@ -576,7 +575,7 @@ class HdpEngine:
                   "expert_tp": par.expert_tp}
         _SharedMegatron.check(layout)  # another open engine with another layout: ValueError, before any collective
         fields = _compared_fields(config)
-        timeout_s = float(config.collective_timeout_s)
+        timeout_s = float(config.planning.collective_timeout_s)
         ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
         shared: _SharedMegatron | None = None
         try:
@@ -607,10 +606,11 @@ class HdpEngine:
                 for chunk in chunks:
                     init_parameters(chunk, init_fn, tp_rank=pgc.tp.rank(), tp_size=pgc.tp.size(),
                                     ep_rank=pgc.ep.rank(), experts_per_rank=per_rank)
-            if config.moe_zero_memory is not ZeroMemoryLevel.NONE:
+            opts = config.planning
+            if opts.zero_memory is not ZeroMemoryLevel.NONE:
                 # MoE layers become ZeroMemoryMoELayer (same parameters and names) before DDP wraps them
                 for chunk in chunks:
-                    apply_zero_memory(chunk, config.moe_zero_memory, config.moe_zero_memory_num_layers)
+                    apply_zero_memory(chunk, opts.zero_memory, opts.zero_memory_num_layers)
             ddp = [wrap_ddp(c, config.optim, groups=pgc, chunk=i) for i, c in enumerate(chunks)]
             for d in ddp:
                 d.broadcast_params()  # replicas start identical even if the init was rank-dependent
@@ -836,7 +836,7 @@ class HdpEngine:
         this one raises its ``KeyboardInterrupt``, and the engine stays usable on every rank (a trainer may
         then save a checkpoint on every rank).  A rank that dies or hangs mid-step makes
         the others raise :class:`~hdp.guard.DomainUnreachableError` within
-        ``EngineConfig.collective_timeout_s``.
+        ``PlanningConfig.collective_timeout_s``.
         """
         return self._train_step(batch, loss_fn, plan, "train_step")
 

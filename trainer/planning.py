@@ -3,7 +3,7 @@
 Both engines (`hdp.trainer.engine.HdpEngine`, the verl engine) hold one, built at construction from
 their resolved settings; nothing is re-read or rebuilt per step.  It
 
-* plans a batch (`plan`; a per-call token budget only where verl's passes have their own);
+* plans a batch (`plan`; verl's log-prob passes with their own token budget, resolved once at build);
 * after every training step, `observe` takes every rank's measured seconds of every round
   (**one all-gather over the whole job**), and from the same ``[W, R]`` table on every rank:
   a round's time is its slowest rank over all TP ranks and pipeline stages, a group's the slowest
@@ -131,14 +131,15 @@ def auto_cost_model(shape: ModelShape, device: torch.device | str) -> CostModel:
 class DomainPlanner:
     """Plans every step of one engine and learns its cost model from the timed rounds (see the module docstring).
 
-    ``config``: the planner config (domain size, default token budget, cost model, PP stages, options);
-    ``settings``: auto-calibration; ``groups``: the job's groups (``world`` carries the two collectives
-    of `observe`); ``records_path``: where calibration records go (``None``: nowhere).
+    ``config``: the planner config (domain size, the training passes' token budget, cost model, PP stages,
+    options); ``settings``: auto-calibration; ``groups``: the job's groups (``world`` carries the two
+    collectives of `observe`); ``records_path``: where calibration records go (``None``: nowhere);
+    ``infer_budget``: the token budget of forward-only passes where it differs (verl's log-prob passes).
     """
 
     def __init__(self, config: PlannerConfig, settings: AutoCalibrate, groups: LayoutGroups, *,
                  collective_device: torch.device, records_path: str | None = None,
-                 memory: MemoryCalibration | None = None) -> None:
+                 memory: MemoryCalibration | None = None, infer_budget: int | None = None) -> None:
         if not isinstance(settings, AutoCalibrate):
             raise TypeError(f"settings is {type(settings).__name__}; pass a hdp.packing.autocal.AutoCalibrate")
         if config.node_of is None:  # the job's topology, alike on every rank (module docstring)
@@ -146,6 +147,8 @@ class DomainPlanner:
                 groups.tp_size, groups.pp_size, groups.domain.size, launcher_ranks_per_node()))
         self.config = config
         self.settings = settings
+        self.infer_budget = config.max_tokens_per_rank if infer_budget is None else int(infer_budget)
+        """The token budget of forward-only passes (the training passes' unless the door has its own)."""
         self.groups = groups
         self.device = collective_device
         self.records_path = None if records_path is None else Path(records_path)
@@ -167,28 +170,26 @@ class DomainPlanner:
         """The cost model in use (the adopted one; not an exploration variant)."""
         return self.config.cost
 
-    def planner_config(self, max_tokens_per_rank: int | None = None) -> PlannerConfig:
-        """The planner config of the next plan (``max_tokens_per_rank`` overrides the default budget)."""
+    def planner_config(self, *, infer: bool = False) -> PlannerConfig:
+        """The planner config of the next plan (``infer``: of a forward-only pass, with its budget)."""
         cfg = self.config if self._plan_cost is self.config.cost else dataclasses.replace(self.config, cost=self._plan_cost)
-        if max_tokens_per_rank is not None and max_tokens_per_rank != cfg.max_tokens_per_rank:
-            cfg = dataclasses.replace(cfg, max_tokens_per_rank=int(max_tokens_per_rank))
+        if infer and self.infer_budget != cfg.max_tokens_per_rank:
+            cfg = dataclasses.replace(cfg, max_tokens_per_rank=self.infer_budget)
         return cfg
 
-    def plan(self, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> Plan:
+    def plan(self, lengths: Sequence[int], *, infer: bool = False) -> Plan:
         """The plan of ``lengths`` (pure; identical on every rank); its stats carry ``planner_ms``."""
-        return make_plan(lengths, self.planner_config(max_tokens_per_rank))
+        return make_plan(lengths, self.planner_config(infer=infer))
 
-    def announce(self, batches: Sequence[Sequence[int]], budgets: Sequence[int | None] | None = None, *,
-                 extend: bool = False) -> None:
-        """The lengths of the next mini-batches (and each one's budget override): planned one ahead on a
-        background thread (`hdp.trainer.plan_ahead.PlanAhead`); ``extend``: after those announced before."""
-        config_of = lambda i: self.planner_config(budgets[i] if budgets else None)  # noqa: E731
-        (self.ahead.extend if extend else self.ahead.announce)(batches, config_of)
+    def announce(self, batches: Sequence[Sequence[int]], *, extend: bool = False) -> None:
+        """The lengths of the next training mini-batches: planned one ahead on a background thread
+        (`hdp.trainer.plan_ahead.PlanAhead`); ``extend``: after those announced before."""
+        (self.ahead.extend if extend else self.ahead.announce)(batches, lambda i: self.planner_config())
 
-    def take(self, lengths: Sequence[int], max_tokens_per_rank: int | None = None) -> Taken:
+    def take(self, lengths: Sequence[int], *, infer: bool = False) -> Taken:
         """The plan of the mini-batch about to run: made ahead when it was announced and the config is
         unchanged, else in line (the same plan either way); with the planning and the exposed time."""
-        return self.ahead.take(lengths, self.planner_config(max_tokens_per_rank))
+        return self.ahead.take(lengths, self.planner_config(infer=infer))
 
     def close(self) -> None:
         """Stop the plan-ahead thread (idempotent)."""

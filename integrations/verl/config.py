@@ -26,7 +26,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from hdp.cp import CPAlgorithm
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.checks import (
     check_actor_config,
@@ -37,12 +36,7 @@ from hdp.integrations.verl.checks import (
     role_key,
 )
 from hdp.moe.zero_memory import ZeroMemoryLevel
-from hdp.packing import CostModel, PlannerConfig
-from hdp.packing.autocal import auto_calibrate_config
-from hdp.packing.config import PlannerOptions, check_token_budget, parse_enum
-from hdp.packing.cost_file import AUTO, resolve_cost
-from hdp.packing.memory import MemoryModel
-from hdp.trainer.memory import check_max_memory_gb
+from hdp.trainer import options
 
 __all__ = [
     "HDP_STRATEGY",
@@ -65,92 +59,23 @@ _FUSED = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class HdpOptions(PlannerOptions):
-    """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): the planner's options (declared once in
-    `hdp.packing.PlannerOptions`: policy, group_shape, static_cp_size, max_extra_rounds, search_budget)
-    plus the token budget, the cost model and its self-calibration, CP attention and MoE zero-memory.
-    The domain size comes from Megatron."""
+class HdpOptions(options.HdpOptions):
+    """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): every field is declared, checked and
+    documented once for both doors in `hdp.trainer.options.HdpOptions`; the defaults that differ on
+    verl's door, and why, are `hdp.trainer.options.VERL_DEFAULTS`.  What is verl's: the Hydra target.
+    The domain size comes from Megatron; a null token budget defers to verl's per-GPU ones."""
 
     _FIELD_PREFIX: ClassVar[str] = f"{_KEY}.hdp"
+    _DOOR_BUDGET: ClassVar[str | None] = "verl's ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu"
 
     _target_: str = "hdp.integrations.verl.config.HdpOptions"
     """Hydra instantiation target (verl builds configs with ``hydra.utils.instantiate``)."""
-    max_tokens_per_rank: Optional[int] = None
-    """B: tokens one rank holds in one round; None: verl's per-GPU budget (ppo/log_prob_max_token_len_per_gpu)."""
-    cp_algorithm: CPAlgorithm = CPAlgorithm.RING
-    """CP attention: ``ring`` everywhere, or ``allgather`` on aligned power-of-two groups."""
-    zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
-    """MoE expert-path recomputation: none, level0, level1 (MindSpeed ``--moe-zero-memory`` semantics)."""
-    cost_model: str = AUTO
-    """Where the planner's cost model comes from (the same meaning in the library and the CLI):
-    ``auto`` (default: this model's shape on the device's profile, refined by auto-calibration), a
-    preset ``MODEL@PROFILE`` (e.g. ``qwen3-235b-a22b@h100-nvlink``) or the path of a cost-model file
-    (``hdp calibrate --records R.jsonl --out COST.json``)."""
-    auto_calibrate: Any = True
-    """Refit the cost model from the timed rounds of training steps (`hdp.packing.autocal.AutoCalibrate`:
-    true/false, or a mapping of its fields such as ``{every_steps: 20}``)."""
-    calibration_path: Optional[str] = "hdp_calibration/{role}.jsonl"
-    """Where each training step's calibration records go (``hdp calibrate --records``); relative paths are
-    taken from the worker's working directory, ``{role}`` is ``actor``; null: no records."""
-    collective_timeout_s: float = 600.0
-    """Seconds hdp's own collectives (agreement, CP groups, the whole-sample exchange) may wait before
-    every rank raises naming the step and phase."""
-    max_memory_gb: Any = "auto"
-    """GB per device every round's predicted peak stays within (`hdp.packing.memory`: this model on this
-    layout, calibrated from measured peaks); ``auto``: the device's memory ×
-    `hdp.trainer.memory.DEVICE_MEMORY_FRACTION` (none on CPU); null: the token budget only.  The token
-    budget (``max_tokens_per_rank`` or verl's per-GPU one) still caps the derived budget."""
-    measure_memory: bool = True
-    """Measure each round's peak memory (allocator peaks on CUDA/NPU), record it and calibrate the model."""
-
-    def __post_init__(self) -> None:
-        self._check_planner_options()
-        object.__setattr__(self, "cp_algorithm", parse_enum(CPAlgorithm, self.cp_algorithm, f"{_KEY}.hdp.cp_algorithm"))
-        object.__setattr__(
-            self, "zero_memory", parse_enum(ZeroMemoryLevel, self.zero_memory, f"{_KEY}.hdp.zero_memory")
-        )
-        check_token_budget(
-            self.max_tokens_per_rank, f"{_KEY}.hdp.max_tokens_per_rank",
-            none_means="actor.ppo_max_token_len_per_gpu (log-prob passes: their budget)",
-        )
-        if self.cp_algorithm is CPAlgorithm.ALLGATHER and self.group_shape.value != "pow2":
-            raise ValueError(
-                f"{_KEY}.hdp.cp_algorithm=allgather with {_KEY}.hdp.group_shape={self.group_shape.value}: the "
-                "all-gather runs only on aligned power-of-two groups, so most groups of 'any' would silently run "
-                f"the ring; set {_KEY}.hdp.group_shape=pow2 or {_KEY}.hdp.cp_algorithm=ring")
-        object.__setattr__(self, "auto_calibrate", auto_calibrate_config(self.auto_calibrate, f"{_KEY}.hdp.auto_calibrate"))
-        t = self.collective_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1.0 <= float(t) <= 86400.0:
-            raise ValueError(f"{_KEY}.hdp.collective_timeout_s={t!r}: pass seconds in [1, 86400]")
-        if self.cost_model != AUTO:
-            self.cost(None)  # a bad preset or file fails at configuration time, naming the key
-        check_max_memory_gb(self.max_memory_gb, f"{_KEY}.hdp.max_memory_gb")
-        if not isinstance(self.measure_memory, bool):
-            raise ValueError(f"{_KEY}.hdp.measure_memory={self.measure_memory!r}: pass true or false")
-
-    def cost(self, auto: Any) -> CostModel:
-        """The planner's cost model (read once, by the engine); ``auto()`` builds the ``auto`` model."""
-        return resolve_cost(self.cost_model, f"{_KEY}.hdp.cost_model", auto=auto)
-
-    def token_budgets(self, train: int | None, infer: int | None) -> tuple[int, int]:
-        """(training, log-prob passes) token budgets: ``max_tokens_per_rank`` for both, else verl's
-        ``ppo_max_token_len_per_gpu`` / ``log_prob_max_token_len_per_gpu`` (each falling back on the other)."""
-        if self.max_tokens_per_rank is not None:
-            return self.max_tokens_per_rank, self.max_tokens_per_rank
-        if train is None and infer is None:
-            raise ValueError(
-                f"{_KEY}.hdp.max_tokens_per_rank is null and verl set no per-GPU token budget "
-                "(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu): set one of them")
-        return int(train or infer), int(infer or train)
-
-    def planner_config(self, num_ranks: int, budget: int, cost: CostModel, *, pipeline_stages: int = 1,
-                       memory_model: MemoryModel | None = None, memory_limit: float | None = None) -> PlannerConfig:
-        """The planner config for a domain of ``num_ranks`` under ``pipeline_stages`` (PP) with token budget
-        ``budget`` (``max_tokens_per_rank``, or verl's per-GPU budget when it is null: the engine resolves it)
-        and the job's memory model and limit in bytes (`hdp.trainer.memory.resolve_memory_limit`)."""
-        return PlannerConfig(num_ranks=num_ranks, max_tokens_per_rank=int(budget), cost=cost,
-                             pipeline_stages=pipeline_stages, memory_model=memory_model, memory_limit=memory_limit,
-                             memory_limit_name=f"{_KEY}.hdp.max_memory_gb", **self.planner_options())
+    max_tokens_per_rank: Optional[int] = options.VERL_DEFAULTS["max_tokens_per_rank"]
+    """As `hdp.trainer.options.HdpOptions.max_tokens_per_rank`; verl's default: null (`VERL_DEFAULTS`)."""
+    calibration_path: Optional[str] = options.VERL_DEFAULTS["calibration_path"]
+    """As `hdp.trainer.options.HdpOptions.calibration_path`; verl's default keeps the records (`VERL_DEFAULTS`)."""
+    collective_timeout_s: float = options.VERL_DEFAULTS["collective_timeout_s"]
+    """As `hdp.trainer.options.HdpOptions.collective_timeout_s`; verl's default: 600 s (`VERL_DEFAULTS`)."""
 
 
 @dataclass

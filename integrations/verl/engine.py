@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -237,19 +236,16 @@ class HdpMegatronEngine(_MegatronLM):
             dtype = str(getattr(self.engine_config, "dtype", "bfloat16"))
             return auto_cost_model(shape or ModelShape.from_hf_config(hf, dtype=dtype), dev)
 
-        budget, self._infer_budget = opts.token_budgets(self.engine_config.max_token_len_per_gpu,
-                                                        self.engine_config.infer_max_token_len_per_gpu)
-        records = opts.calibration_path
-        if records is not None and not getattr(self.engine_config, "forward_only", False):
-            records = os.path.abspath(records.format(role="actor"))
-            logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
-        else:
-            records = None
         mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev, vpp=len(self.module))
-        self.planner = DomainPlanner(opts.planner_config(dom.size, budget, opts.cost(auto), pipeline_stages=dom.layout.pp_size,
+        train, infer = opts.token_budgets(self.engine_config.max_token_len_per_gpu,
+                                          self.engine_config.infer_max_token_len_per_gpu, memory_limit=limit)
+        records = None if getattr(self.engine_config, "forward_only", False) else opts.records_path("actor")
+        if records is not None:
+            logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
+        self.planner = DomainPlanner(opts.planner_config(dom.size, dom.layout.pp_size, door_budget=train, cost=opts.with_cost(auto),
                                                          memory_model=mem, memory_limit=limit),
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
-                                     records_path=records, memory=MemoryCalibration())
+                                     records_path=records, memory=MemoryCalibration(), infer_budget=infer)
         self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
 
     def _groups_to_abort(self) -> list[dist.ProcessGroup]:
@@ -306,7 +302,8 @@ class HdpMegatronEngine(_MegatronLM):
             from hdp.moe import apply_zero_memory
 
             for chunk in module:
-                apply_zero_memory(compat.unwrap_model(chunk), self.hdp_config.hdp.zero_memory)
+                apply_zero_memory(compat.unwrap_model(chunk), self.hdp_config.hdp.zero_memory,
+                                  self.hdp_config.hdp.zero_memory_num_layers)
         return module
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
@@ -347,7 +344,7 @@ class HdpMegatronEngine(_MegatronLM):
         box: list[dict[str, list[float]]] = []
 
         def work() -> tuple[Plan, int]:
-            taken = self.planner.take(sample_lengths(data), None if train else self._infer_budget)
+            taken = self.planner.take(sample_lengths(data), infer=not train)
             plan = taken.plan
             box.append({"hdp/planner_ms": [taken.planner_ms], "hdp/planner_ms_exposed": [taken.exposed_ms]})
             mask = data["loss_mask"]

@@ -91,8 +91,7 @@ def _config(timeout_s: float, hidden: int = 32):
     return EngineConfig(
         model=ModelConfig(vocab_size=64, hidden_size=hidden, num_layers=2, num_attention_heads=4,
                           max_sequence_length=512),
-        planning=PlanningConfig(max_tokens_per_rank=_B, auto_calibrate=False),
-        collective_timeout_s=timeout_s,
+        planning=PlanningConfig(max_tokens_per_rank=_B, auto_calibrate=False, collective_timeout_s=timeout_s),
     )
 
 
@@ -646,7 +645,8 @@ def _full_disk(rank: int, world: int, workdir: str, timeout_s: float) -> dict[st
 
     from hdp.trainer.engine import HdpEngine, nll_loss
 
-    cfg = dataclasses.replace(_config(timeout_s), calibration_path="/dev/full")
+    base = _config(timeout_s)
+    cfg = dataclasses.replace(base, planning=dataclasses.replace(base.planning, calibration_path="/dev/full"))
     engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=_init)
     before = _state_digest(engine)
     metrics: dict[str, Any] = {}

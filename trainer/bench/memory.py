@@ -93,10 +93,9 @@ def _engine_config(case: MemoryCase, records: str | None, **planning: Any):
                           activation="swiglu", **moe),
         optim=OptimConfig(lr=1e-4),
         planning=PlanningConfig(**{"max_tokens_per_rank": BUDGET, "auto_calibrate": False, "max_memory_gb": None,
-                                   "cost_model": "cpu-tiny@cpu-gloo", **planning}),
+                                   "cost_model": "cpu-tiny@cpu-gloo", "zero_memory": case.zero_memory,
+                                   "calibration_path": records, **planning}),
         parallel=ParallelConfig(pp=case.pp),
-        moe_zero_memory=case.zero_memory,
-        calibration_path=records,
     )
 
 

@@ -175,10 +175,9 @@ def _engine_config(spec: TrainBenchSpec, policy: str, records: str | None):
             max_sequence_length=max(4096, longest),
         ),
         optim=OptimConfig(lr=1e-4),
-        planning=PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank, policy=policy),
+        planning=PlanningConfig(max_tokens_per_rank=spec.max_tokens_per_rank, policy=policy, calibration_path=records),
         parallel=ParallelConfig(tp=spec.tp, pp=spec.pp),
         device=spec.device,
-        calibration_path=records,
     )
 
 
