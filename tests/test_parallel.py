@@ -174,13 +174,10 @@ def _check_grads(engine, batch, ref: dict, what: str, plan=None, loss_fn=None) -
     from hdp import megatron_compat as mc
     from hdp.trainer.engine import nll_loss
 
-    from hdp.trainer.engine import _LossAdapter
-
-    prep = engine._prepare(batch, "grad check", plan)
+    prep = engine._prepare(batch, plan, loss_fn or nll_loss)()  # validation, the plan, the library's loss adapter
     core = engine.core
     core.skip_update()
-    adapter = _LossAdapter(prep, loss_fn or nll_loss, engine.groups.tp, engine.device)
-    state = core.run(prep.plan, prep.tokens, adapter, train=True)
+    state = core.run(prep.plan, prep.tokens, prep.adapter, train=True)
     red = core.reduce(state)
     np.testing.assert_allclose(float(red[0]), ref["loss"][0], rtol=LOSS_RTOL, err_msg=f"{what} loss")
     seconds = core.round_seconds(state)

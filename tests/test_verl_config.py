@@ -504,7 +504,7 @@ def test_megatron_groups_of_the_verl_engine_get_hdps_timeout(monkeypatch):
         compat.mpu().initialize_model_parallel(tensor_model_parallel_size=1)
 
     monkeypatch.setattr(E._MegatronLM, "_init_device_mesh", parent_mesh)
-    monkeypatch.setattr(E._Domain, "build", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(E.VerlDomain, "build", staticmethod(lambda *a, **k: None))
     monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda *a, **k: None)
     monkeypatch.setattr(E.mc, "megatron_groups", lambda: None)
     eng = E.HdpMegatronEngine.__new__(E.HdpMegatronEngine)

@@ -116,6 +116,25 @@ def _worker(rank: int, world: int) -> None:
         got = {p: out["metrics"][metric_name(p)][0] for p in PHASES}
         assert all(math.isnan(v) if p in LATE_PHASES else v >= 0.0 for p, v in got.items()), got
         assert got["rounds"] > got["loss"] > got["exchange"] > 0.0, got
+
+    # verl's split primitives (a Tinker-style worker): the passes between optimizer_zero_grad and optimizer_step
+    # are one update, skipped on every rank when any of them was not finite
+    loss_fn = partial(ppo_loss, actor_config(MODES[-1]))
+
+    def nan_loss(*a, **k):
+        value, metrics = loss_fn(*a, **k)
+        return value * float("nan"), metrics
+
+    held = [p.detach().clone() for p in model2.parameters()]
+    engine2.optimizer_zero_grad()
+    engine2.forward_backward_batch(batch(), nan_loss)
+    engine2.forward_backward_batch(batch(), loss_fn)
+    assert math.isnan(engine2.optimizer_step())
+    assert all(torch.equal(a, p.detach()) for a, p in zip(held, model2.parameters()))  # nothing applied
+    engine2.optimizer_zero_grad()
+    engine2.forward_backward_batch(batch(), loss_fn)
+    assert math.isfinite(engine2.optimizer_step())
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(held, model2.parameters()))
     mc.destroy_megatron()
 
 

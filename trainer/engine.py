@@ -13,10 +13,10 @@ schedule (1F1B, or interleaved with virtual stages), under TP each domain rank's
 split over its TP group by Megatron (sequence parallel), and hdp's CP rings / all-gathers connect
 the domain ranks of the same TP rank and stage.
 
-A step is the round core's (:mod:`hdp.trainer.rounds`, shared with the verl engine): agree on
-validation, plan checksum and batch digest; every round through Megatron's schedule; one
-all-reduce of the loss and its non-finite flags; the optimizer step or an agreed skip; round
-timing, calibration records and auto-calibration (:mod:`hdp.trainer.planning`).  What is this
+A step is the one step sequence both doors run (:mod:`hdp.trainer.step` on the round core,
+:mod:`hdp.trainer.rounds`): agree on the call, validation, plan checksum and batch digest; every round
+through Megatron's schedule; one all-reduce of the loss and its non-finite flags; the optimizer step or
+an agreed skip; calibration records and auto-calibration (:mod:`hdp.trainer.planning`).  What is this
 engine's own: the :class:`Batch` it takes, its validation, the per-token loss weights of the
 configured aggregation (:mod:`hdp.loss`: Σ over the domain of Σ_t w_t ℓ_t is the exact
 single-process loss), its loss adapter (``loss_fn`` on each round's local tokens), the outputs of
@@ -88,17 +88,10 @@ from hdp.trainer.optim_state import (
     to_device,
     to_host,
 )
-from hdp.trainer.memory import (
-    MemoryCalibration,
-    check_static_fits,
-    engine_memory_model,
-    measured_row,
-    resolve_memory_limit,
-    start_measure,
-    static_bytes,
-)
-from hdp.trainer.planning import DomainPlanner, plan_id
+from hdp.trainer.memory import MemoryCalibration, check_static_fits, engine_memory_model, resolve_memory_limit, static_bytes
+from hdp.trainer.planning import DomainPlanner
 from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundInput, next_token_targets
+from hdp.trainer.step import Pass, Prepared, Steps
 
 __all__ = [
     "Batch",
@@ -212,17 +205,14 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True, eq=False)
-class _Prepared:
-    """A validated, planned batch with the per-sample tensors shifted to target alignment."""
+class _Inputs:
+    """A validated batch's per-sample tensors, shifted to target alignment (what the loss adapter reads)."""
 
-    plan: Plan
     tokens: list[torch.Tensor]  # S x [L_i] int64
     targets: list[torch.Tensor]  # S x [L_i] int64 (token p+1; pad at the end)
     mask: list[torch.Tensor]  # S x [L_i] float32 (mask of token p+1)
     weights: list[torch.Tensor]  # S x [L_i] float32 loss weights (target aligned)
     extras: dict[str, list[torch.Tensor]]  # name -> S x [L_i, ...] (target aligned)
-    planner_ms: float
-    planner_exposed_ms: float = 0.0
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +224,7 @@ class _LossAdapter:
     """The library engine's round loss: ``loss_fn`` on this rank's local tokens with hdp's weights; in a
     forward pass, the round's (log-prob, entropy) kept for :meth:`HdpEngine.forward`."""
 
-    def __init__(self, prep: _Prepared, loss_fn: LossFn | None, tp_group: dist.ProcessGroup, device: torch.device):
+    def __init__(self, prep: _Inputs, loss_fn: LossFn | None, tp_group: dist.ProcessGroup, device: torch.device):
         self.prep, self.loss_fn, self.tp, self.device = prep, loss_fn, tp_group, device
         self.outputs: dict[int, torch.Tensor] = {}  # forward: round -> [Tr, 2] (log-prob, entropy)
 
@@ -451,8 +441,6 @@ class HdpEngine:
         self.device = device
         self.rank = groups.domain.domain_rank
         self.num_ranks = groups.domain.size
-        self.step = 0
-        self.round_seconds: list[float] = []
         self._closed = False
         self._ledger = ledger  # the groups close() destroys (build() makes it)
         self._shared = shared  # Megatron's parallel state, held while the engine is open
@@ -469,6 +457,7 @@ class HdpEngine:
                                            memory_limit=self.memory_limit),
             config.planning.auto_calibrate, groups, collective_device=self._core.collective_device,
             records_path=config.planning.records_path("engine"), memory=MemoryCalibration())
+        self._steps = Steps(self._core, self._planner, measure_memory=config.planning.measure_memory, loss_name="loss_fn")
 
     def _groups_to_abort(self) -> set[dist.ProcessGroup]:
         """The groups a failure inside a phase aborts: the engine's own, and Megatron's while no other engine
@@ -478,6 +467,20 @@ class HdpEngine:
         return own | (shared.ledger.created() if shared is not None and shared.holders == 1 else set())
 
     # -- public attributes (refused once closed) --
+
+    @property
+    def step(self) -> int:
+        """Training steps that passed their agreement (non-finite ones included; a checkpoint restores it)."""
+        return self._steps.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._steps.step = int(value)
+
+    @property
+    def round_seconds(self) -> list[float]:
+        """This rank's measured seconds per round of the last training step."""
+        return self._steps.round_seconds
 
     @property
     def core(self) -> RoundCore:
@@ -642,11 +645,9 @@ class HdpEngine:
         if self._closed:
             return
         self._closed = True
-        self._planner.close()  # the plan-ahead thread
-        self._core.close()
+        self._steps.close()  # the plan-ahead thread, the core's watcher and hooks, every reference to the groups
         for chunk in self._chunks:
             mc.release_ddp(chunk)
-        self._groups.domain.detach()  # rings a failed step's autograd graph still holds keep no group alive
         if self._shared is not None:
             self._shared.release()
         if self._ledger is not None:
@@ -656,7 +657,6 @@ class HdpEngine:
         self._chunks = []
         for name in ("_optimizer", "_runtime", "_groups", "_planner", "_ledger", "_shared"):
             setattr(self, name, None)
-        self._core.groups = self._core.guard = self._core.megatron_groups = None  # type: ignore[assignment]
 
     def _open(self, what: str) -> None:
         """Raise :class:`EngineClosedError` (no collective) once the engine is closed: after :meth:`close`,
@@ -779,15 +779,14 @@ class HdpEngine:
             )
         check_plan(plan)  # PlanError (a ValueError) naming the column, the sample or round, and the fix
 
-    def _prepare(self, batch: Batch, what: str, given: Plan | None = None, *, call: str | None = None,
-                 check: Callable[[], None] | None = None) -> _Prepared:
-        """Validate, plan and digest the batch inside the core's agreement (every rank raises alike); ``call``
-        describes the public call and its arguments (agreed over the job with the plan), ``check`` validates
-        them first."""
-        self._usable(what)
-        box: list[_Prepared] = []
+    def _prepare(self, batch: Batch, given: Plan | None, loss_fn: LossFn | None,
+                 check: Callable[[], None] | None = None) -> Callable[[], Prepared]:
+        """This door's part of a pass, run inside its agreement (every rank raises alike): ``check`` (the
+        call's own arguments), validation, the plan (made ahead or in line, or ``given``, checked), the
+        per-sample tensors shifted to target alignment and the loss adapter (``loss_fn``; ``None``: a
+        forward pass that keeps the log-probs and entropies)."""
 
-        def work() -> tuple[Plan, int]:
+        def prepare() -> Prepared:
             if check is not None:
                 check()
             self._validate(batch)
@@ -800,13 +799,13 @@ class HdpEngine:
                 plan = given if given.stats is not None else given.with_stats(simulate(given, self.planner.cost, 0.0))
                 exposed = (time.perf_counter() - t0) * 1e3
                 ms = exposed if given.stats is None else given.stats.planner_ms
-            box.append(dataclasses.replace(self._shifted(batch, plan, ms), planner_exposed_ms=exposed))
-            return plan, batch_digest(batch.tokens, batch.loss_mask, batch.extras)
+            inputs = self._shifted(batch)
+            return Prepared(plan, batch_digest(batch.tokens, batch.loss_mask, batch.extras), inputs.tokens,
+                            _LossAdapter(inputs, loss_fn, self.groups.tp, self.device), ms, exposed)
 
-        self.core.agree(what, self.step + 1, work, call=call)
-        return box[0]
+        return prepare
 
-    def _shifted(self, batch: Batch, plan: Plan, planner_ms: float) -> _Prepared:
+    def _shifted(self, batch: Batch) -> _Inputs:
         tokens = [t.to(torch.int64) for t in batch.tokens]
         targets = next_token_targets(tokens, self.config.pad_token_id)
         masks = [
@@ -817,7 +816,7 @@ class HdpEngine:
         weights = sample_token_weights(mask, self.config.loss_aggregation,
                                        loss_scale_factor=self.config.loss_scale_factor, dtype=torch.float32)
         extras = {name: [_shift(x) for x in xs] for name, xs in batch.extras.items()}
-        return _Prepared(plan, tokens, targets, mask, weights, extras, planner_ms)
+        return _Inputs(tokens, targets, mask, weights, extras)
 
     # -- public steps --
 
@@ -853,35 +852,13 @@ class HdpEngine:
 
         call = (f"{name}(step={self.step + 1}, loss_fn={_callable_name(loss_fn)}, "
                 f"plan={'given' if plan is not None else 'None'})")
-        prep = self._prepare(batch, name.split("[", 1)[0], plan, call=call, check=check_loss_fn)
-        self.step += 1  # counts steps that passed validation (NaN-skipped ones included)
-        core = self.core
-        with core.collectives("rounds", self.step):
-            core.skip_update()  # zero the grad buffers and the optimizer's grads
-            meter, static = start_measure(self.device, self.model_chunks, self.optimizer,
-                                          self.config.planning.measure_memory)
-            state = core.run(prep.plan, prep.tokens, _LossAdapter(prep, loss_fn, self.groups.tp, self.device), train=True,
-                             meter=meter)
-            red = core.reduce(state)  # loss, failures, and every rank's gradient checked for NaN/inf
-        self.round_seconds = core.round_seconds(state)
-        core.raise_adapter_error(state, red, self.step, "loss_fn")
-        bad = core.nonfinite(state, red)
-        if bad or not torch.isfinite(red[0]):
-            core.skip_update()
-            raise NonFiniteLossError(self.step, bad, core.ranks_of(prep.plan, bad))
-        grad_ranks = core.nonfinite_grad_ranks(state, red, self.step)
-        if grad_ranks:
-            core.skip_update()
-            raise NonFiniteGradientError(self.step, grad_ranks, float(red[0]))
-        with core.collectives("optimizer", self.step):
-            ok, grad_norm = core.optimizer_step()
-        if not ok:
-            raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
-        with core.collectives("calibrate", self.step):
-            cal = self.planner.observe(prep.plan, self.round_seconds, step=self.step,
-                                       memory_row=measured_row(prep.plan, meter, static), phases=core.phases)
-        step_s = time.perf_counter() - t_start
-        return {**self._metrics(prep, float(red[0]), grad_norm, step_s, state.num_microbatches), **cal}
+        what = name.split("[", 1)[0]
+        self._usable(what)
+        done = self._steps.train(what, call, self._prepare(batch, plan, loss_fn, check_loss_fn))
+        assert done.outcome is not None
+        if done.outcome.skipped is not None:  # skipped on every rank: nothing applied
+            raise done.outcome.skipped
+        return {**self._metrics(done, time.perf_counter() - t_start), **done.outcome.calibration}
 
     def plan_ahead(self, batches: Sequence[Batch]) -> None:
         """Announce the next mini-batches (in the order ``train_step`` will get them): each one's plan is
@@ -909,14 +886,11 @@ class HdpEngine:
         Computed on the last pipeline stage and sent to every stage, so every rank of the job
         returns the same outputs.
         """
-        prep = self._prepare(batch, "forward", plan,
-                             call=f"forward(step={self.step}, plan={'given' if plan is not None else 'None'})")
+        self._usable("forward")
+        call = f"forward(step={self.step}, plan={'given' if plan is not None else 'None'})"
+        done = self._steps.forward("forward", call, self._prepare(batch, plan, None), label="forward")
         with self.core.collectives("forward", self.step):
-            adapter = _LossAdapter(prep, None, self.groups.tp, self.device)
-            state = self.core.run(prep.plan, prep.tokens, adapter, train=False)
-            red = self.core.reduce(state)
-            self.core.raise_adapter_error(state, red, self.step, "forward")
-            return self._forward_outputs(prep.plan, adapter.outputs)
+            return self._forward_outputs(done.plan, done.adapter.outputs)
 
     def _forward_outputs(self, plan: Plan, outputs: Mapping[int, torch.Tensor]) -> ForwardOutput:
         lengths = plan.lengths.tolist()
@@ -935,25 +909,21 @@ class HdpEngine:
         ents = [torch.cat([x.new_zeros(1), x[:-1, 1]]) for x in full]
         return ForwardOutput(logprobs=lps, entropies=ents)
 
-    def _metrics(self, prep: _Prepared, loss: float, grad_norm: Any, step_s: float, microbatches: int) -> dict[str, Any]:
-        plan = prep.plan
+    def _metrics(self, done: Pass, step_s: float) -> dict[str, Any]:
+        assert done.outcome is not None
+        plan = done.plan
         stats = plan.stats
         tokens = int(plan.lengths.sum())
         return {
-            "loss": loss,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "loss": done.loss,
+            "grad_norm": done.outcome.grad_norm,
             "perf/step_time": step_s,
             "perf/throughput": tokens / max(step_s, 1e-12) / self.groups.world_size,
             "perf/tokens": tokens,
-            "perf/round_time_max": max(self.round_seconds, default=0.0),
-            "hdp/rounds": plan.num_rounds,
-            "hdp/plan_id": plan_id(plan),
-            "hdp/microbatches": microbatches,
-            "hdp/efficiency_planned": float(stats.efficiency) if stats else float("nan"),
+            "perf/round_time_max": max(done.round_seconds, default=0.0),
+            **done.metrics(),
+            "hdp/microbatches": done.state.num_microbatches,
             "hdp/idle_ratio_max": float(stats.max_idle_ratio) if stats else float("nan"),
-            "hdp/cp_degree_hist": {int(k): int(v) for k, v in sorted(stats.cp_degree_hist.items())} if stats else {},
-            "hdp/planner_ms": prep.planner_ms,
-            "hdp/planner_ms_exposed": prep.planner_exposed_ms,
             "hdp/step": self.step,
         }
 

@@ -1,9 +1,9 @@
-"""The one round core both engines run: agree → rounds through Megatron's schedule → reduce →
-optimizer step or an agreed skip.  The only place in hdp that calls Megatron's forward/backward
-schedules.
+"""The one round core both engines run: the phases of a step — agree → rounds through Megatron's
+schedule → reduce → optimizer step or an agreed skip.  The only place in hdp that calls Megatron's
+forward/backward schedules; the sequence of the phases, with the non-finite rules, calibration and the
+release, is written once in :mod:`hdp.trainer.step`, which both doors call.
 
-A step (`hdp.trainer.engine.HdpEngine.train_step`, the verl engine's ``train_batch`` /
-``infer_batch``) is
+A step's phases are
 
 1. **agree** (:meth:`RoundCore.agree_call`, the first collective of every engine call): the engine's own
    validation and planning run inside it and may raise anything, ``BaseException`` included; one
@@ -28,7 +28,8 @@ A step (`hdp.trainer.engine.HdpEngine.train_step`, the verl engine's ``train_bat
    whose gradient buffers hold a NaN/inf — each rank's own device-side check —, per-sample non-finite
    flags) — the step's one host synchronisation;
 4. **optimizer** (:meth:`RoundCore.optimizer_step`) or :meth:`RoundCore.skip_update` (gradients
-   zeroed, parameters unchanged) — the engine decides from the reduced flags, alike on every rank.
+   zeroed, parameters unchanged) — decided from the reduced flags, alike on every rank
+   (`hdp.trainer.step.Steps.finish`).
 
 A phase that breaks off inside its collectives marks the core unusable
 (:meth:`RoundCore.collectives`): every later call raises at once, without touching the network.
@@ -241,13 +242,14 @@ class RoundCore:
         return dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=float(timeout_s)))
 
     def close(self) -> None:
-        """Stop the alarm's watcher, remove the core's hooks and drop its references (the engine destroys
-        the groups)."""
+        """Stop the alarm's watcher, remove the core's hooks and drop every reference it holds: the model
+        chunks, the optimizer, the job's groups and the guard on them (the engine destroys the groups)."""
         self.alarm.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks, self.chunks, self._chunk_index, self._p2p, self._state = [], [], {}, None, None
         self.optimizer = None
+        self.groups = self.guard = self.megatron_groups = None  # type: ignore[assignment]
 
     # -- failure bookkeeping --
 

@@ -326,30 +326,6 @@ def balance_batch_for_stock_dp(trainer_cls: type) -> bool:
     return True
 
 
-def release_engine(engine: Any) -> None:
-    """After a phase of ``engine`` broke off inside its collectives (it refuses every later call), free the
-    process groups hdp made for it (its agreement group, its copy of the domain and the CP blocks) and drop
-    every reference the engine holds to them: on gloo only a freed group closes this rank's connections,
-    which is what ends a peer's blocked collective (an abort does not).  Megatron's groups stay: verl's
-    worker holds the model and optimizer that use them (a peer blocked on one of those — a TP all-reduce,
-    a pipeline send, the gradient reduce — waits ``hdp.collective_timeout_s``, which they were built with)."""
-    import torch.distributed as dist
-
-    megatron = {id(g) for g in vars(engine.domain.megatron).values() if isinstance(g, dist.ProcessGroup)}
-    ours = [g for g in engine._groups_to_abort() if id(g) not in megatron and g is not engine.domain.verl_dp_group]
-    engine.core.close()
-    for g in ours:
-        try:
-            dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-    # the layout holds the agreement group (the step's reduce waits on it) and the domain copy (the rings)
-    engine._domain = None
-    engine.core.groups = engine.core.guard = engine.core.megatron_groups = None
-    engine.planner.groups = None  # its all-gather and broadcast run on the agreement group
-    del ours
-
-
 def unwrap_model(chunk: Any) -> Any:
     """The bare GPTModel inside verl's DDP/Float16 wrappers (``verl.utils.megatron_utils.unwrap_model``)."""
     from verl.utils.megatron_utils import unwrap_model as _unwrap

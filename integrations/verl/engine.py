@@ -1,34 +1,28 @@
-"""``HdpMegatronEngine``: verl's Megatron engine whose steps run on hdp's round core.
+"""``HdpMegatronEngine``: verl's Megatron engine whose steps run on hdp's step sequence.
 
 Reused from verl's ``MegatronEngineWithLMHead`` unchanged: Megatron initialisation with the TP / PP /
 EP layout of verl's own Megatron config (``actor_rollout_ref.actor.megatron.*``) and CP = 1, model
 building (vanilla mbridge or Megatron-Bridge), optimizer and LR scheduler, checkpointing, HF weight
 export to the rollout, offloading, train/eval contexts.
 
-The step itself is the library engine's (:mod:`hdp.trainer.rounds`, :mod:`hdp.trainer.planning`):
-the agreement over the job (validation and planning errors of any type, plan checksum, batch
-digest), every round through Megatron's schedule, one reduce, the optimizer step or an agreed skip
-of a non-finite loss, round timing, calibration records and auto-calibration.  What stays here is
-verl's:
+The step is the library engine's, written once (:mod:`hdp.trainer.step` on the round core and the
+planner): the agreement over the job, every round through Megatron's schedule, one reduce, the
+non-finite rules, the optimizer step or an agreed skip, calibration.  verl's primitives map onto its
+halves: ``forward_backward_batch`` (agree, rounds, reduce), ``optimizer_step`` (the update or the skip,
+then calibration), ``optimizer_zero_grad``; ``train_batch`` is verl's ``BaseEngine.train_batch`` on them.
+What stays here is verl's:
 
-* **its data-parallel view.**  Like verl's dynamic-CP mode, every rank of the domain (Megatron's DP
-  group: the N ranks of one TP rank and PP stage) receives the whole mini-batch
-  (``get_data_parallel_size() == 1``, a one-rank group), so the single controller sends it unsplit
-  and hdp decides who runs what;
-* **its loss** (:class:`_VerlLoss`): after a round's logits, the ranks of each group exchange their
-  chunk log-probs (and entropies) among themselves only (:func:`hdp.dispatch.group_samples`) so each
-  holds its samples whole, its own chunk differentiable; verl's *real* loss function then runs on
-  those whole samples with the global normalisers of the mini-batch (``batch_num_tokens``,
-  ``global_batch_size``, ``dp_size = 1``): each group's loss is its share of the mini-batch's, so the
-  domain sum of gradients is the single-process gradient for every ``loss_agg_mode`` whose
-  normalisers are global;
-* **its outputs**: log-probs / entropies gathered to verl's collect rank (TP rank 0 of the last
-  stage, domain rank 0) in verl's sample order; verl's metrics reduced over the groups; hdp's
-  (``hdp/rounds``, ``hdp/planner_ms[_exposed]``, ``hdp/predicted_over_measured``, ``hdp/memory_*``, ...) added.
+* **its data-parallel view** (:mod:`hdp.integrations.verl.domain`): as in verl's dynamic-CP mode, every
+  domain rank receives the whole mini-batch (``get_data_parallel_size() == 1``) and hdp decides who runs what;
+* **its loss** (:class:`_VerlLoss`): after a round's logits, the ranks of each group exchange their chunk
+  log-probs (and entropies) among themselves only, so each holds its samples whole, its own chunk
+  differentiable; verl's *real* loss function then runs on those whole samples with the mini-batch's
+  global normalisers (``batch_num_tokens``, ``global_batch_size``, ``dp_size = 1``): each group's loss is
+  its share of the mini-batch's, so the domain sum of gradients is the single-process gradient;
+* **its outputs** (:func:`hdp.integrations.verl.batch.verl_outputs`) in verl's sample order on its collect
+  rank, verl's metrics reduced over the groups, hdp's added;
 * **verl's semantics on a non-finite loss or gradient**: as verl's FSDP engine, the update is skipped on
-  every rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1) when the loss is NaN/inf, or when it
-  is finite but a gradient is NaN/inf on any rank (checked in the round core's one reduce, before the
-  update); Megatron's own optimizer would have applied it (its NaN check is off outside FSDP).
+  every rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1); Megatron's optimizer would apply it.
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
 
@@ -39,85 +33,38 @@ building (``vanilla_mbridge=False``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hdp import megatron_compat as mc
-from hdp.device import abort_ends_collectives
 from hdp.digest import batch_digest
-from hdp.dispatch import gather_outputs, gather_whole_samples, group_samples_flat, pack
-from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
+from hdp.dispatch import group_samples_flat, pack
 from hdp.integrations.verl import compat
+from hdp.integrations.verl.batch import verl_outputs
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
-from hdp.integrations.verl.data import (
-    _UNSUPPORTED,
-    SampleRows,
-    check_engine_settings,
-    install_hdp_attention,
-    reduce_metrics,
-    reject_unsupported,
-    sample_lengths,
-)
+from hdp.integrations.verl.data import _UNSUPPORTED, SampleRows, check_engine_settings, install_hdp_attention
+from hdp.integrations.verl.data import reject_unsupported, sample_lengths
+from hdp.integrations.verl.domain import VerlDomain
+from hdp.integrations.verl.memory import verl_memory
+from hdp.device import select_device
 from hdp.logprobs import logprobs_entropy
 from hdp.packing import Plan
-
 from hdp.packing.model_shape import ModelShape
-from hdp.device import select_device
-from hdp.integrations.verl.memory import verl_memory
-from hdp.trainer.memory import MemoryCalibration, measured_row, start_measure, static_bytes
+from hdp.trainer.memory import MemoryCalibration, static_bytes
 from hdp.trainer.optim_state import optimizers, restore_adam_steps
-from hdp.trainer.planning import DomainPlanner, auto_cost_model, plan_id
+from hdp.trainer.planning import DomainPlanner, auto_cost_model
 from hdp.trainer.rounds import RoundCore, RoundInput, next_token_targets
+from hdp.trainer.step import Pass, Prepared, Steps
 
 __all__ = ["HdpMegatronEngine", "npu_engine_class"]
 
 logger = logging.getLogger(__name__)
 
 _MegatronLM = compat.megatron_lm_engine()
-
-
-@dataclass(frozen=True, eq=False)
-class _Domain:
-    """The job's groups (world = TP x PP x domain; the domain is Megatron's DP group with CP = 1),
-    Megatron's ``ProcessGroupCollection``, and the one-rank group verl sees as "DP"."""
-
-    layout: LayoutGroups
-    megatron: Any
-    verl_dp_group: dist.ProcessGroup
-
-    @property
-    def rank(self) -> int:
-        return self.layout.domain.domain_rank
-
-    @property
-    def size(self) -> int:
-        return self.layout.domain.size
-
-    @classmethod
-    def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any, timeout_s: float) -> "_Domain":
-        """Collective over the world: hdp's agreement group with its timeout, a copy of the domain
-        (Megatron's data-parallel group, which verl's model holds; not where an abort suffices) with the CP blocks, and
-        this rank's one-rank group (local synchronisation: no O(world) groups).  hdp's rings, CP
-        collectives and output exchange run on the copy, so a rank that fails can free it and release the
-        peers blocked there (`compat.release_engine`; on gloo an abort does not); Megatron's groups carry
-        only the model's own collectives."""
-        me = dist.get_rank()
-        job = RoundCore.job_group(dist.get_world_size(), timeout_s)
-        # where the alarm's abort ends a blocked collective on Megatron's group itself, a copy would hold a
-        # second communicator's buffers for nothing
-        own = dp_group if abort_ends_collectives(dp_group) else copy_of_group(dp_group, job, timeout_s)
-        layout = LayoutGroups(
-            world=job,
-            domain=DomainGroups.build(own, timeout_s=timeout_s),
-            tp=megatron_groups.tp, pp=megatron_groups.pp, ep=megatron_groups.ep,
-        )
-        mine = dist.new_group([me], use_local_synchronization=True)
-        return cls(layout=layout, megatron=megatron_groups, verl_dp_group=mine)
 
 
 class _VerlLoss:
@@ -178,10 +125,10 @@ class HdpMegatronEngine(_MegatronLM):
         verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
                     device=select_device(None), check_only=True)  # a limit below the static memory: ValueError
         self.hdp_config: HdpEngineConfig = engine_config
-        self._domain: _Domain | None = None  # built by _init_device_mesh, which super().__init__ calls
+        self._domain: VerlDomain | None = None  # built by _init_device_mesh, which super().__init__ calls
         self.core: RoundCore | None = None  # built once the model exists (initialize)
         self.planner: DomainPlanner | None = None
-        self.step = 0
+        self.steps: Steps | None = None  # the step sequence on the core and the planner
         super().__init__(model_config, engine_config, to_mcore_optimizer_config(optimizer_config),
                          to_mcore_checkpoint_config(checkpoint_config))
         logger.info("hdp engine: %s", engine_config.hdp)
@@ -201,8 +148,8 @@ class HdpMegatronEngine(_MegatronLM):
         self = cls.__new__(cls)
         self.engine_config = self.hdp_config = to_hdp_engine_config(engine_config)
         self.model_config = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=int(pad_token_id)), hf_config=None)
-        self.module, self.optimizer, self.step = module, optimizer, 0
-        self._domain = _Domain.build(domain_group, mc.megatron_groups(), self.hdp_config.hdp.collective_timeout_s)
+        self.module, self.optimizer = module, optimizer
+        self._domain = VerlDomain.build(domain_group, mc.megatron_groups(), self.hdp_config.hdp.collective_timeout_s)
         self._build_core(shape)
         return self
 
@@ -211,7 +158,7 @@ class HdpMegatronEngine(_MegatronLM):
     def _init_device_mesh(self) -> None:
         with compat.megatron_group_timeout(self.hdp_config.hdp.collective_timeout_s):
             super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
-        self._domain = _Domain.build(compat.mpu().get_data_parallel_group(), mc.megatron_groups(),
+        self._domain = VerlDomain.build(compat.mpu().get_data_parallel_group(), mc.megatron_groups(),
                                      self.hdp_config.hdp.collective_timeout_s)
 
     def initialize(self) -> None:
@@ -227,7 +174,7 @@ class HdpMegatronEngine(_MegatronLM):
         self.core = RoundCore(groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, device=dev,
                               pad_token_id=self.pad_token_id, cp_algorithm=opts.cp_algorithm,
                               timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None),
-                              abort_groups=self._groups_to_abort, on_broken=lambda: compat.release_engine(self))
+                              abort_groups=lambda: self.domain.groups_to_abort(), on_broken=self._release)
 
         def auto() -> Any:
             hf = getattr(self.model_config, "hf_config", None)
@@ -247,16 +194,22 @@ class HdpMegatronEngine(_MegatronLM):
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
                                      records_path=records, memory=MemoryCalibration(), infer_budget=infer)
         self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
+        self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function")
 
-    def _groups_to_abort(self) -> list[dist.ProcessGroup]:
-        """Every group a step of this engine communicates on: hdp's, and Megatron's (not verl's WORLD)."""
-        dom = self.domain
-        groups = [dom.layout.world, dom.verl_dp_group, *dom.layout.domain.blocks.values()]
-        groups += [g for g in vars(dom.megatron).values() if isinstance(g, dist.ProcessGroup)]
-        return list({id(g): g for g in groups if g is not dist.group.WORLD}.values())
+    def _release(self) -> None:
+        """After a phase broke off inside its collectives (the engine then refuses every call): the step's
+        teardown, then free the groups hdp made for this engine — on gloo only a freed group ends a peer's
+        blocked collective (an abort does not).  Megatron's stay: verl's worker holds the model that uses
+        them, so a peer blocked on one waits ``hdp.collective_timeout_s``, which they were built with."""
+        dom, self._domain = self.domain, None
+        ours = dom.groups_to_free()
+        self.steps.close()
+        for group in ours:
+            with contextlib.suppress(Exception):  # already gone
+                dist.destroy_process_group(group)
 
     @property
-    def domain(self) -> _Domain:
+    def domain(self) -> VerlDomain:
         """hdp's domain; raises if Megatron was not initialised by this engine."""
         if self._domain is None:
             raise RuntimeError("HdpMegatronEngine.domain: Megatron groups are not built (engine not constructed?)")
@@ -336,143 +289,70 @@ class HdpMegatronEngine(_MegatronLM):
         with self.core.collectives("save", self.step), self.core.checkpoint_collectives(), compat.mkdir_locks_removed():
             return super().save_checkpoint(*args, **kwargs)
 
-    # -- steps --
+    # -- steps: verl's primitives on the one step sequence (hdp.trainer.step) --
 
-    def _agreed_plan(self, data: Any, what: str, train: bool) -> tuple[Plan, dict[str, list[float]]]:
-        """Plan the mini-batch inside the core's agreement (any error on any rank raises on every rank);
-        made ahead when announced (`announce`); returns the plan and its ``hdp/planner_ms*`` metrics."""
-        box: list[dict[str, list[float]]] = []
-
-        def work() -> tuple[Plan, int]:
-            taken = self.planner.take(sample_lengths(data), infer=not train)
-            plan = taken.plan
-            box.append({"hdp/planner_ms": [taken.planner_ms], "hdp/planner_ms_exposed": [taken.exposed_ms]})
-            mask = data["loss_mask"]
-            return plan, batch_digest(list(data["input_ids"].unbind()), None,
-                                      {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
-
-        plan = self.core.agree(what, self.step + 1, work)
-        return plan, box[0]
+    @property
+    def step(self) -> int:
+        """Training passes that passed their agreement."""
+        return self.steps.step if getattr(self, "steps", None) is not None else 0
 
     def announce(self, batches: Sequence[Any], extend: bool = False) -> None:
         """The next training mini-batches, in order: each is planned while the one before it trains."""
         self.planner.announce([sample_lengths(b) for b in batches], extend=extend)
 
-    def _prepare_data(self, data: Any) -> None:
-        tu = compat.tensordict_utils()
-        mask = data["loss_mask"]
-        n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
-        tu.assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # each group's loss: its share
+    def _prepare(self, data: Any, loss_function: Callable | None, train: bool) -> Callable[[], Prepared]:
+        """This door's part of a pass, run inside its agreement: the plan (made ahead when announced), the
+        loss adapter on verl's batch, the batch digest, verl's global normalisers for each group's loss."""
+
+        def prepare() -> Prepared:
+            taken = self.planner.take(sample_lengths(data), infer=not train)
+            mask = data["loss_mask"]
+            n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
+            compat.tensordict_utils().assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # a group's share
+            adapter = _VerlLoss(self, taken.plan, data, loss_function, train)
+            digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
+            return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms)
+
+        return prepare
 
     def forward_backward_batch(self, data: Any, loss_function: Callable | None, forward_only: bool = False) -> Any:
-        """verl's forward (log-prob passes, ``forward_only``) or forward + backward without the optimizer step."""
-        plan, planner = self._agreed_plan(data, "hdp infer_batch" if forward_only else "hdp forward_backward",
-                                          train=not forward_only)
-        self._prepare_data(data)
-        adapter = _VerlLoss(self, plan, data, loss_function, train=not forward_only)
-        with self.core.collectives("rounds", self.step):
-            state = self.core.run(plan, adapter.samples, adapter, train=not forward_only)
-            red = self.core.reduce(state)
-        self.core.raise_adapter_error(state, red, self.step, "verl loss function")
-        if not forward_only:  # optimizer_step skips an update whose loss or gradient was not finite on any rank
-            self._nonfinite = bool(self.core.nonfinite(state, red)) or not bool(torch.isfinite(red[0])) \
-                or bool(self.core.nonfinite_grad_ranks(state, red, self.step))
-        return self._collect(plan, adapter, planner)
+        """verl's forward (log-prob passes, ``forward_only``) or forward + backward, whose update
+        :meth:`optimizer_step` applies (or skips, when the loss or a gradient was not finite on any rank)."""
+        return self._collect(self._pass(data, loss_function, "hdp infer_batch" if forward_only else "hdp forward_backward",
+                                        train=not forward_only))
+
+    def _pass(self, data: Any, loss_function: Callable | None, what: str, *, train: bool) -> Pass:
+        run = self.steps.backward if train else self.steps.forward
+        return run(what, what, self._prepare(data, loss_function, train))
 
     def train_batch(self, data: Any, loss_function: Callable) -> Any:
-        """One mini-batch update: the round core's step (verl's ``grad_norm`` in the metrics; a non-finite
-        loss skips the update on every rank with ``grad_norm`` NaN, as verl's FSDP engine does)."""
+        """verl's ``BaseEngine.train_batch`` on these primitives, its outputs gathered after the update (they
+        carry ``grad_norm`` and the step's calibration metrics)."""
         compat.maybe_fix_3d_position_ids(data)
-        core = self.core
-        plan, planner = self._agreed_plan(data, "hdp train_batch", train=True)
-        self.step += 1
-        self._prepare_data(data)
-        adapter = _VerlLoss(self, plan, data, loss_function, train=True)
-        with core.collectives("rounds", self.step):
-            core.skip_update()
-            meter, static = start_measure(core.device, self.module, getattr(self, "optimizer", None),
-                                          self.hdp_config.hdp.measure_memory and self.planner.memory is not None)
-            state = core.run(plan, adapter.samples, adapter, train=True, meter=meter)
-            red = core.reduce(state)
-        seconds = core.round_seconds(state)
-        core.raise_adapter_error(state, red, self.step, "verl loss function")
-        bad = core.nonfinite(state, red)
-        loss_bad = bool(bad) or not bool(torch.isfinite(red[0]))
-        grad_ranks = [] if loss_bad else core.nonfinite_grad_ranks(state, red, self.step)
-        skipped = loss_bad or bool(grad_ranks)
-        extra: dict[str, Any] = {**planner, "hdp/nonfinite_skipped": [float(skipped)]}
-        if skipped:
-            core.skip_update()
-            if loss_bad:
-                logger.warning("hdp engine: step %d: non-finite loss on samples %s; update skipped on every rank",
-                               self.step, bad[:8])
-            else:
-                logger.warning("hdp engine: step %d: finite loss, non-finite gradient on world ranks %s; update "
-                               "skipped on every rank", self.step, grad_ranks)
-            grad_norm: Any = math.nan
-        else:
-            with core.collectives("optimizer", self.step):
-                ok, grad_norm = core.optimizer_step()
-            if not ok:
-                raise RuntimeError(f"step {self.step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
-            with core.collectives("calibrate", self.step):
-                cal = self.planner.observe(plan, seconds, step=self.step, memory_row=measured_row(plan, meter, static),
-                                           phases=core.phases)
-                extra.update({k: [v] for k, v in cal.items()})
-        with core.phases.phase("collect"):
-            out = self._collect(plan, adapter, extra)
-        if self.is_mp_src_rank_with_outputs():
-            out["metrics"]["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-        return out
+        self.optimizer_zero_grad()
+        done = self._pass(data, loss_function, "hdp train_batch", train=True)
+        self.optimizer_step()
+        return self._collect(done)
 
-    def optimizer_step(self) -> Any:
-        """The round core's optimizer step (for callers of ``forward_backward_batch``); after a
-        ``forward_backward_batch`` whose loss or gradient was NaN/inf on any rank, the update is skipped on
-        every rank and the grad norm is NaN (as in :meth:`train_batch`)."""
-        if getattr(self, "_nonfinite", False):
-            self._nonfinite = False
-            self.core.skip_update()
-            return math.nan
-        ok, grad_norm = self.core.optimizer_step()
-        if not ok:
-            raise RuntimeError("Megatron's optimizer skipped the update (inf/NaN gradients)")
-        return grad_norm
+    def optimizer_zero_grad(self) -> None:
+        """Zero the gradients (the passes since are the next update's)."""
+        self.steps.zero_grad()
 
-    def _collect(self, plan: Plan, adapter: _VerlLoss, extra: dict[str, Any]) -> dict[str, Any]:
+    def optimizer_step(self) -> float:
+        """The update of the passes since :meth:`optimizer_zero_grad` (`hdp.trainer.step.Steps.finish`); as
+        verl's FSDP engine, a loss or gradient that was NaN/inf on any rank skips it on every rank and the
+        grad norm is NaN (Megatron's own optimizer would apply it: its NaN check is off outside FSDP)."""
+        outcome = self.steps.finish()
+        if outcome.skipped is not None:
+            logger.warning("hdp engine: %s", outcome.skipped)
+        return outcome.grad_norm
+
+    def _collect(self, done: Pass) -> dict[str, Any]:
         """verl's output dict on its collect rank (model_output in sample order, loss, metrics); ``{}``
         elsewhere.  The gathers run over the domain of TP rank 0 on the last stage only."""
-        dom = self.domain
-        layout = dom.layout
-        if not (layout.is_last_stage and layout.tp_rank == 0):
-            return {}
-        if adapter.rows is not None:  # training: the groups' leaders hold their samples whole already
-            fp64 = next(self.module[0].parameters()).dtype == torch.float64  # logprobs_entropy's accumulation
-            full = gather_whole_samples(plan, dom.rank, adapter.whole, layout.domain.domain, dst=0, trailing=(2,),
-                                        dtype=torch.float64 if fp64 else torch.float32)  # S x [L_i, 2] on rank 0
-        else:  # log-prob passes: every rank's chunks
-            none = torch.zeros((0, 2))
-            local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, 2]
-            full = gather_outputs(plan, dom.rank, local, layout.domain.domain, dst=0)  # S x [L_i, 2] on rank 0
-        mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
-        gathered: list[Any] = [None] * dom.size
-        dist.all_gather_object(gathered, mine, group=layout.domain.domain)
-        if dom.rank != 0:
-            return {}
-        assert full is not None
-        if adapter.loss_function is not None:
-            metrics = reduce_metrics([m for m, _ in gathered])
-            loss = [sum(sum(ls) for _, ls in gathered)]  # the groups' shares of the mini-batch loss
-        else:
-            metrics, loss = {}, [1.0] * plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss
-        stats = plan.stats
-        metrics.update({"hdp/rounds": [plan.num_rounds], "hdp/plan_id": [plan_id(plan)],
-                        "hdp/efficiency_planned": [float(stats.efficiency) if stats else math.nan], **extra})
-        if stats is not None:  # the plan that ran: samples per CP degree
-            metrics.update({f"hdp/cp_degree_hist/{k}": [int(v)] for k, v in sorted(stats.cp_degree_hist.items())})
-        out: dict[str, Any] = {"log_probs": compat.as_nested([x[:, 0] for x in full])}
-        if adapter.entropy:
-            out["entropy"] = compat.as_nested([x[:, 1] for x in full])
-        return {"model_output": out, "loss": loss, "metrics": metrics}
+        fp64 = next(self.module[0].parameters()).dtype == torch.float64  # logprobs_entropy's accumulation
+        with self.core.phases.phase("collect"):
+            return verl_outputs(done, self.domain.layout, torch.float64 if fp64 else torch.float32)
 
 
 def npu_engine_class() -> type | None:
