@@ -5,9 +5,9 @@ verl's v1 sync trainer, ``ActorRolloutRefWorker`` x2 building the hdp engine for
 (vanilla mbridge), verl's agent loop and reward loop, weight sync from the hdp engine to the rollout
 (``get_per_tensor_param``), ref / old log-probs, GRPO advantages and ``update_actor``.  verl 0.9.1 has
 no CPU rollout, so generation is hdp's HF ``generate`` server registered through verl's rollout
-registries (``hdp.integrations.verl.cpu.hf_rollout``); the CPU platform and the Megatron/mbridge CPU
+registries (``hdp.integrations.verl.scaffolding.hf_rollout``); the CPU platform and the Megatron/mbridge CPU
 shims are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``
-(``hdp.integrations.verl.cpu.autoload``).  Through the door users use: the ``hdp`` command.
+(``hdp.integrations.verl.scaffolding.autoload``).  Through the door users use: the ``hdp`` command.
 Checked: exit status 0, the logged training steps, hdp's own metrics in them (the hdp engine ran,
 timed its rounds and self-calibrates), and the calibration records it wrote.
 """

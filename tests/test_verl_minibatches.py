@@ -206,7 +206,7 @@ def _update_worker(rank: int, world: int, model_path: str, engine: str, extra_pa
     """One ``update_actor`` of two mini-batches by verl's ``ActorRolloutRefWorker`` on ``engine`` (``hdp`` or
     stock ``fsdp``); returns each mini-batch's grad norm.  Stock ranks receive their contiguous half of the
     batch (verl's dispatch at DP 2); hdp ranks the whole batch (DP 1)."""
-    from hdp.integrations.verl.cpu import install, worker as W
+    from hdp.integrations.verl.scaffolding import install, worker as W
 
     W.environment_for_rank(rank, world)
     install()
@@ -216,8 +216,8 @@ def _update_worker(rank: int, world: int, model_path: str, engine: str, extra_pa
 
     import verl.trainer.config as vtc
     from verl.utils import tensordict_utils as tu
-    from hdp.integrations.verl.cpu import batches as B
-    from hdp.integrations.verl.cpu.tiny import VOCAB
+    from hdp.integrations.verl.scaffolding import batches as B
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     common = [f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -259,8 +259,8 @@ def _hf_grad_norms(model_path: str, extra: dict, groups: list[list[int]]) -> lis
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
-    from hdp.integrations.verl.cpu import batches as B, worker as W
-    from hdp.integrations.verl.cpu.tiny import VOCAB
+    from hdp.integrations.verl.scaffolding import batches as B, worker as W
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
     cfg = W.compose(model_path, budget=64, records=None, overrides=[
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01"])
@@ -302,8 +302,8 @@ def test_hdp_trains_stock_verls_minibatches_through_the_worker(tmp_path):
     HF against hdp).  The first mini-batch contiguous (verl's loop at DP 1) has another grad norm."""
     pytest.importorskip("mbridge")
     from dist_helper import run_distributed
-    from hdp.integrations.verl.cpu import batches as B
-    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding import batches as B
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
 
     model = str(build_tiny(tmp_path / "model"))
     padded = B.padded_batch(B.random_samples(SAMPLES, VOCAB, seed=1), pad_id=0)

@@ -21,7 +21,7 @@ process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
   the metrics of the repeated step and the weights after it equal the uninterrupted step's bit for bit
   (Adam's per-parameter step is restored by the engine's ``load_checkpoint``).
 
-CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``hdp.integrations.verl.cpu``.
+CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``hdp.integrations.verl.scaffolding``.
 """
 
 from __future__ import annotations
@@ -47,34 +47,21 @@ ENTROPY_COEFF = 0.01  # the update differentiates through the entropy too (vocab
 
 def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1, vpp: int = 1,
              budget: int = BUDGET) -> object:
-    from hydra import compose, initialize_config_dir
-
-    import verl.trainer.config as vtc
+    """The scaffolding's verl config (ppo_trainer, model_engine=hdp, a tiny fp32 model on CPU) with this
+    test's loss, layout and checkpoint settings."""
+    from hdp.integrations.verl.scaffolding.worker import compose
 
     overrides = [
-        "algorithm.adv_estimator=grpo",
-        "model_engine=hdp",
-        f"actor_rollout_ref.model.path={model_path}",
-        "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",
         f"actor_rollout_ref.actor.entropy_coeff={ENTROPY_COEFF}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}",
-        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
-        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
-        "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
-        "actor_rollout_ref.actor.megatron.dtype=float32",
         f"actor_rollout_ref.ref.megatron.dtype={'bfloat16' if moe else 'float32'}",
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.optim.total_training_steps=10",
         "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",
         "actor_rollout_ref.actor.hdp.auto_calibrate=false",
-        f"actor_rollout_ref.actor.hdp.calibration_path={ckpt_dir}/records/actor.jsonl",
-        f"actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
     ]
     for role in ("actor", "ref"):  # verl's own Megatron layout keys; the ref's are read separately
         overrides += [
@@ -91,8 +78,7 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int 
             "actor_rollout_ref.actor.megatron.param_offload=true",
             "actor_rollout_ref.actor.megatron.optimizer_offload=true",
         ]
-    with initialize_config_dir(config_dir=os.path.dirname(vtc.__file__), version_base=None):
-        return compose("ppo_trainer", overrides=overrides)
+    return compose(model_path, budget=budget, records=f"{ckpt_dir}/records/actor.jsonl", overrides=overrides)
 
 
 def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
@@ -105,7 +91,7 @@ def _hf_reference(model_path: str, samples, padded, extra, actor_cfg):
 
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
-    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.scaffolding import batches as B
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     logps, ents = [], []
@@ -142,11 +128,12 @@ def _safetensors(path: str) -> dict:
 def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str, vpp: int = 1) -> None:
     """verl's worker on ``world`` = TP x PP x domain ranks (``vpp`` virtual stages each); ``full``: also
     update x2, checkpoint, continue."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
     import logging
 
-    from hdp.integrations.verl.cpu import install
+    from hdp.integrations.verl.scaffolding import install
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, environment_for_rank
 
+    environment_for_rank(rank, world)
     install()
     import torch
     import torch.distributed as dist
@@ -154,10 +141,9 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
-    from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import no_padding_2_padding
-    from hdp.integrations.verl.cpu import batches as B
-    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding import batches as B
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
 
     from hdp.integrations.verl.engine import HdpMegatronEngine
 
@@ -171,10 +157,8 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     dist.barrier(group=dist.group.WORLD)
     cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp, vpp=vpp, budget=budget)
 
-    ref = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="ref")
-    ref.init_model()
-    act = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
-    act.init_model()
+    ref = actor_worker(cfg, role="ref")
+    act = actor_worker(cfg, role="actor")
     for w in (ref.ref, act.actor):
         assert type(w.engine) is HdpMegatronEngine, type(w.engine)
     engine = act.actor.engine
@@ -296,7 +280,7 @@ def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, acto
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
     from verl.workers.utils.padding import no_padding_2_padding
-    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.scaffolding import batches as B
 
     act.load_checkpoint(ckpt, del_local_after_load=False)
     small_samples = [samples[0], samples[4]]  # 14 and 10 tokens: one round on the domain of 2
@@ -371,8 +355,8 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
     import dataclasses
     import time
 
-    from hdp.integrations.verl.cpu import install
-    from hdp.integrations.verl.cpu.worker import actor_worker, compose, environment_for_rank
+    from hdp.integrations.verl.scaffolding import install
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, environment_for_rank
 
     environment_for_rank(rank, world)
     install()
@@ -382,9 +366,9 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     import hdp.cp.ring as ring
-    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.scaffolding import batches as B
     from hdp.integrations.verl.data import sample_lengths
-    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
     from hdp.packing import cost_model
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics

@@ -4,7 +4,7 @@
 (built from its config with random weights, ``save_pretrained``), a parquet set of arithmetic prompts
 in verl's RLHF format and a reward function; :func:`command` is the ``main_ppo`` command line (GRPO
 with 2 responses per prompt, 2 CPU ranks, ``model_engine=hdp``, the ``hf_cpu`` rollout of
-:mod:`hdp.integrations.verl.cpu.hf_rollout`); :func:`environment` loads hdp's CPU scaffolding in every
+:mod:`hdp.integrations.verl.scaffolding.hf_rollout`); :func:`environment` loads hdp's CPU scaffolding in every
 Ray process.  verl's own trainer, workers, Hydra config and logger run unchanged; what prints is
 verl's console logger, ``actor/hdp/*`` included.  Needs the ``verl`` extra.
 """
@@ -36,7 +36,7 @@ def prepare(root: str | Path, *, n_prompts: int = 8) -> dict[str, str]:
     """Write model, data and reward under ``root``; returns their paths."""
     import pandas as pd
 
-    from hdp.integrations.verl.cpu.tiny import build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import build_tiny
 
     root = Path(root)
     model = build_tiny(root / "model")
@@ -106,7 +106,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "trainer.device=cpu",
         "ray_kwargs.ray_init.num_cpus=16",  # logical slots: TaskRunner, TransferQueue, workers, servers
         "+ray_kwargs.ray_init.include_dashboard=False",
-        f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see hdp.integrations.verl.cpu.platform)
+        f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see hdp.integrations.verl.scaffolding.platform)
     ]
 
 
@@ -115,7 +115,7 @@ def environment() -> dict[str, str]:
     return {
         **os.environ,
         "VERL_PLATFORM": "cpu",
-        "VERL_USE_EXTERNAL_MODULES": "hdp.integrations.verl.cpu.autoload",
+        "VERL_USE_EXTERNAL_MODULES": "hdp.integrations.verl.scaffolding.autoload",
         "RAY_DEDUP_LOGS": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",

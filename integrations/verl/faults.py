@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     sys.stdout.flush()
     os.dup2(2, 1)  # verl and mbridge print to stdout; ``hdp bench faults --json`` keeps stdout for its JSON
-    from hdp.integrations.verl.cpu import install
-    from hdp.integrations.verl.cpu.worker import actor_worker, compose, environment_for_rank
+    from hdp.integrations.verl.scaffolding import install
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, environment_for_rank
 
     environment_for_rank(rank, world)
     install()
@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
 
-    from hdp.integrations.verl.cpu import batches as B
-    from hdp.integrations.verl.cpu.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding import batches as B
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     model = os.path.join(workdir, "model")
@@ -174,7 +174,7 @@ def B_logp(out: Any, padded: Any) -> torch.Tensor:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from hdp.integrations.verl.cpu import batches as B
+    from hdp.integrations.verl.scaffolding import batches as B
 
     return no_padding_2_padding(tu.get(out, "log_probs"), B.ref_batch(padded)).float()
 

@@ -5,9 +5,9 @@ TaskRunner, workers, servers alike), so this is where the CPU platform, the Mega
 shims and the ``hf_cpu`` test rollout get registered in each of them.  Not on the engine's runtime path.
 """
 
-from hdp.integrations.verl.cpu import install
+from hdp.integrations.verl.scaffolding import install
 
 install()
 # registers itself when its import completes (a Ray actor of HFServer imports it first, then verl,
 # which imports this module while hf_rollout is still half-initialised)
-import hdp.integrations.verl.cpu.hf_rollout  # noqa: E402,F401
+import hdp.integrations.verl.scaffolding.hf_rollout  # noqa: E402,F401

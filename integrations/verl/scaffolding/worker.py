@@ -3,7 +3,7 @@
 For the worker-path tests and ``hdp bench faults`` (the verl rows): the door a verl user takes —
 verl's Hydra ``ppo_trainer`` config with ``model_engine=hdp``, ``omega_conf_to_dataclass`` and the
 worker's ``init_model`` (vanilla mbridge building the model from an HF checkpoint) — on a tiny
-model.  Call :func:`hdp.integrations.verl.cpu.install` first in the process.
+model.  Call :func:`hdp.integrations.verl.scaffolding.install` first in the process.
 """
 
 from __future__ import annotations

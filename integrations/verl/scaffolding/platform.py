@@ -3,7 +3,7 @@
 verl 0.9.1 ships CUDA, NPU and ROCm platforms and falls back to "nvidia" on a CPU-only machine
 (``verl/plugin/platform/platform_manager.py``), so ``get_device_name()`` names the GPU and every
 ``get_torch_device()`` call reaches torch's GPU module.  ``PlatformCPU`` answers "cpu" and a small
-``torch.cpu``-like module; select it with ``VERL_PLATFORM=cpu`` (set by :func:`hdp.integrations.verl.cpu.install`).
+``torch.cpu``-like module; select it with ``VERL_PLATFORM=cpu`` (set by :func:`hdp.integrations.verl.scaffolding.install`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
-"""verl on a machine without an accelerator: what a process needs before verl builds an hdp engine on CPU.
+"""Scaffolding for the laptop demo (``hdp demo --verl``) and the tests: verl on a machine without an
+accelerator.  Not a CPU backend of hdp's engine (which runs on CPU as it is): it monkeypatches verl,
+mbridge, Megatron and ``torch.nn.Module.cuda`` so that verl's own worker and ``main_ppo`` build and run
+an hdp engine on CPU ranks, and holds what the tests and the demo share (a tiny HF model, verl batches,
+verl's worker from its Hydra config, an HF rollout on CPU).  GPU/NPU runs never import it.
 
-Call :func:`install` first (``hdp demo --verl`` and the tests do; every Ray process of a ``main_ppo``
-run through :mod:`~hdp.integrations.verl.cpu.autoload`).  Needs the ``verl`` extra (verl, mbridge).
-It exists because verl 0.9.1 and mbridge assume an accelerator and TransformerEngine:
+Call :func:`install` first (the demo and the tests do; every Ray process of a ``main_ppo`` run through
+:mod:`~hdp.integrations.verl.scaffolding.autoload`).  Needs the ``verl`` extra (verl, mbridge).  It exists
+because verl 0.9.1 and mbridge assume an accelerator and TransformerEngine; what :func:`install` applies:
 
-
-* ``VERL_PLATFORM=cpu`` and the :class:`~hdp.integrations.verl.cpu.platform.PlatformCPU` registration (verl's
-  ``get_device_name()`` is then "cpu", so ``EngineRegistry`` finds hdp's "cpu" engine key);
+* ``VERL_PLATFORM=cpu`` and the :class:`~hdp.integrations.verl.scaffolding.platform.PlatformCPU`
+  registration (verl's ``get_device_name()`` is then "cpu", so ``EngineRegistry`` finds hdp's "cpu" key);
 * hdp's Megatron CPU shim (:func:`hdp.megatron_compat.apply_cpu_shim`, public API);
-* mbridge on the local layer spec (:mod:`~hdp.integrations.verl.cpu.mbridge_local`), and its ``get_model``
-  without the ``module.cuda()`` it calls on every chunk (``mbridge/core/util.py``).
+* mbridge on the local layer spec (:mod:`~hdp.integrations.verl.scaffolding.mbridge_local`), and its
+  ``get_model`` without the ``module.cuda()`` it calls on every chunk (``mbridge/core/util.py``).
 
-Not on the engine's runtime path (GPU/NPU runs never import it).  Idempotent.
+The rest: :mod:`~.tiny` (a tiny HF checkpoint), :mod:`~.batches` (verl's batches of samples),
+:mod:`~.worker` (verl's ``ActorRolloutRefWorker`` from ``ppo_trainer`` + ``model_engine=hdp``),
+:mod:`~.hf_rollout` (the ``hf_cpu`` rollout).  Idempotent.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def install() -> None:
     if _installed:
         return
     os.environ["VERL_PLATFORM"] = "cpu"
-    from hdp.integrations.verl.cpu import mbridge_local, platform  # noqa: F401  (registers the platform)
+    from hdp.integrations.verl.scaffolding import mbridge_local, platform  # noqa: F401  (registers the platform)
 
     from hdp import megatron_compat
 
