@@ -1,12 +1,13 @@
 # Two commands for a fresh machine (see README):
 #   make demo   — set up .venv and run the main job
 #   make test   — set up .venv and run the tests
+#   make test-fast — the fast tier only (no multi-process tests)
 #   make verl-demo — a few GRPO steps through verl's main_ppo with model_engine=hdp (CPU)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo verl-demo test suite clean
+.PHONY: setup demo verl-demo test test-fast suite clean
 
 $(BIN)/hdp: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +28,10 @@ verl-demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	# the fast tier (tests/conftest.py): no second process, the tier to run while working
+	$(BIN)/python -m pytest -q -m fast
 
 suite: setup
 	$(BIN)/hdp simulate --suite

@@ -438,8 +438,11 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     ratios = [h["hdp/predicted_over_measured"] for h in src["history"]]
     versions = [h["hdp/cost_model_version"] for h in src["history"]]
     assert versions[-1] >= 1, versions
-    assert ratios[0] < 0.75, ratios  # the CP-free model under-predicts the slow CP link at first
     med = statistics.median(ratios[-AUTOCAL_LAST:])
+    # the CP-free model under-predicts the slow CP link before its first refit (every_steps 4): judged
+    # against the refitted model's own ratio, so a machine faster or slower than the cpu-tiny preset's
+    # compute terms moves both windows alike (an absolute 0.75 failed at 0.84 on a CI machine)
+    assert statistics.median(ratios[:4]) < med - 0.08, (med, ratios)
     assert abs(med - 1.0) <= 0.25, (med, ratios)
     assert src["first"] != src["last"], (src["first"], src["last"])
     assert res[0]["records"] > 0
