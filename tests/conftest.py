@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 
-_SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "_run_cli(", "sys.executable")
+_SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "sys.executable")
 
 
 def _calls_spawn(fn, module, depth: int) -> bool:

@@ -338,7 +338,7 @@ def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
 
 # ---- self-calibration through verl's worker: from a CP-free cost model to one that predicts the machine ----
 
-AUTOCAL_STEPS, AUTOCAL_LAST, LINK_S = 16, 8, 0.002
+AUTOCAL_STEPS, AUTOCAL_EVERY, AUTOCAL_LAST, LINK_S = 16, 4, 8, 0.002
 
 
 def _autocal_lengths(step: int, budget: int, ranks: int) -> list[tuple[int, int]]:
@@ -393,7 +393,7 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
     cfg = compose(model, budget=budget, records=os.path.join(tmp, "records", "actor.jsonl"), overrides=[
         f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
         f"actor_rollout_ref.actor.hdp.cost_model={cp_free}",
-        "actor_rollout_ref.actor.hdp.auto_calibrate={every_steps:4,min_rounds:8,half_life_steps:4}",
+        f"actor_rollout_ref.actor.hdp.auto_calibrate={{every_steps:{AUTOCAL_EVERY},min_rounds:8,half_life_steps:{AUTOCAL_EVERY}}}",
     ])
     act = actor_worker(cfg)
     engine = act.actor.engine
@@ -439,10 +439,10 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     versions = [h["hdp/cost_model_version"] for h in src["history"]]
     assert versions[-1] >= 1, versions
     med = statistics.median(ratios[-AUTOCAL_LAST:])
-    # the CP-free model under-predicts the slow CP link before its first refit (every_steps 4): judged
+    # the CP-free model under-predicts the slow CP link before its first refit (the first AUTOCAL_EVERY steps): judged
     # against the refitted model's own ratio, so a machine faster or slower than the cpu-tiny preset's
     # compute terms moves both windows alike (an absolute 0.75 failed at 0.84 on a CI machine)
-    assert statistics.median(ratios[:4]) < med - 0.08, (med, ratios)
+    assert statistics.median(ratios[:AUTOCAL_EVERY]) < med - 0.08, (med, ratios)
     assert abs(med - 1.0) <= 0.25, (med, ratios)
     assert src["first"] != src["last"], (src["first"], src["last"])
     assert res[0]["records"] > 0
