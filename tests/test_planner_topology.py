@@ -281,7 +281,9 @@ def test_the_job_node_map_follows_megatrons_rank_order():
         job_node_map(1, 1, 12, 8)
     assert launcher_ranks_per_node({}) is None
     assert launcher_ranks_per_node({"RAY_LOCAL_WORLD_SIZE": "8"}) == 8  # verl's Ray workers
-    assert launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "4", "RAY_LOCAL_WORLD_SIZE": "8"}) == 4
+    assert launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "4"}) == 4  # torchrun
+    # a Ray worker of verl: verl's Worker writes LOCAL_WORLD_SIZE=1 when no launcher set it; Ray's count wins
+    assert launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "8"}) == 8
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "zero"})
 

@@ -397,6 +397,8 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
     ])
     act = actor_worker(cfg)
     engine = act.actor.engine
+    # one machine: verl's Worker wrote LOCAL_WORLD_SIZE=1, the Ray group's RAY_LOCAL_WORLD_SIZE says all ranks
+    assert os.environ["LOCAL_WORLD_SIZE"] == "1" and engine.planner.config.node_of is None, engine.planner.config.node_of
     probe = B.ref_batch(B.padded_batch(B.random_samples(_autocal_lengths(1000, budget, world), VOCAB, seed=5), pad_id=0))
     lengths = sample_lengths(probe)
     first = engine.planner.plan(lengths).stats.cp_degree_hist  # the planner's current model on a fixed batch
@@ -412,6 +414,8 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
             history.append({k: m[k] for k in ("hdp/predicted_over_measured", "hdp/cost_model_version",
                                                "hdp/memory_peak_gb", "hdp/memory_over_predicted", "hdp/token_budget")})
     last = engine.planner.plan(lengths).stats.cp_degree_hist
+    learned = engine.planner.cost  # what changed the plans: rank-time of a 120-token sample on CP4 over one rank
+    cp4_over_one = 4 * float(learned.sample_cost(120, 4)) / float(learned.sample_cost(120, 1))
     # ppo_epochs 2 x 2 mini-batches: verl's loop announces each next mini-batch, planned while one trains
     out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=n // 2, epochs=2))
     ahead = {}
@@ -421,7 +425,7 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
         ahead = {"ms": flat(raw["hdp/planner_ms"]), "exposed": flat(raw["hdp/planner_ms_exposed"])}
     path = os.path.join(tmp, "records", "actor.jsonl")
     kinds = sorted({json.loads(line)["kind"] for line in open(path)}) if rank == 0 else []
-    return {"history": history, "first": first, "last": last, "records": os.path.getsize(path) if rank == 0 else 0,
+    return {"history": history, "first": first, "last": last, "cp4_over_one": cp4_over_one, "records": os.path.getsize(path) if rank == 0 else 0,
             "kinds": kinds, "ahead": ahead}
 
 
@@ -445,6 +449,7 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     assert statistics.median(ratios[:AUTOCAL_EVERY]) < med - 0.08, (med, ratios)
     assert abs(med - 1.0) <= 0.25, (med, ratios)
     assert src["first"] != src["last"], (src["first"], src["last"])
+    assert src["cp4_over_one"] > 1.2, src["cp4_over_one"]  # the learned model charges the slow link
     assert res[0]["records"] > 0
     # the same door measures each round's peak memory and records it for the memory model
     assert res[0]["kinds"] == ["group", "memory", "round"], res[0]["kinds"]

@@ -19,8 +19,8 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
   - carries each rank's seconds per phase of the step (`hdp.trainer.phases`) in the same gather and
     returns the slowest rank's as ``hdp/time/<phase>`` (no collective of their own).
 
-The topology (`job_node_map`): a job launched over several nodes -- ``LOCAL_WORLD_SIZE`` ranks per node
-(torchrun), or ``RAY_LOCAL_WORLD_SIZE`` (verl's Ray workers: its ``trainer.n_gpus_per_node``) -- plans
+The topology (`job_node_map`): a job launched over several nodes -- ``RAY_LOCAL_WORLD_SIZE`` ranks per node
+(verl's Ray workers: its ``trainer.n_gpus_per_node``), or ``LOCAL_WORLD_SIZE`` (torchrun) -- plans
 with the node of every domain rank (`hdp.packing.PlannerConfig.node_of`), derived from Megatron's rank
 order and that count; the same environment on every rank gives every rank the same map.
 
@@ -79,9 +79,11 @@ def plan_id(plan: Plan) -> float:
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 """The rank order the engines initialise Megatron with (megatron-core 0.16.1's default of
 ``initialize_model_parallel``); with CP = 1 the domain is its DP dimension."""
-RANKS_PER_NODE_KEYS = ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE")
-"""Where launchers say how many consecutive global ranks share a node: torchrun, then verl's Ray worker
-group (``RAY_LOCAL_WORLD_SIZE``, from its resource pool: ``trainer.n_gpus_per_node``)."""
+RANKS_PER_NODE_KEYS = ("RAY_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE")
+"""Where launchers say how many consecutive global ranks share a node: verl's Ray worker group
+(``RAY_LOCAL_WORLD_SIZE``, from its resource pool: ``trainer.n_gpus_per_node``), then torchrun.  Ray's
+first: verl's ``Worker.__init__`` writes ``LOCAL_WORLD_SIZE`` itself, as ``1`` when no launcher set it
+(``os.getenv("LOCAL_WORLD_SIZE", "1")``), which would put every rank of a Ray job on a node of its own."""
 
 
 def launcher_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
@@ -113,7 +115,7 @@ def job_node_map(tp: int, pp: int, domain: int, ranks_per_node: int | None, orde
         return None
     world = tp * pp * domain
     if world % ranks_per_node and world > ranks_per_node:
-        raise ValueError(f"{RANKS_PER_NODE_KEYS[0]}={ranks_per_node}: the job's {world} ranks (TP {tp} x PP {pp} x "
+        raise ValueError(f"{' / '.join(RANKS_PER_NODE_KEYS)} = {ranks_per_node} ranks per node: the job's {world} ranks (TP {tp} x PP {pp} x "
                          f"domain {domain}) are no whole number of nodes of {ranks_per_node}; launch the same number "
                          "of ranks on every node")
     from megatron.core.parallel_state import RankGenerator

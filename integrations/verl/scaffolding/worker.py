@@ -15,8 +15,11 @@ __all__ = ["compose", "actor_worker", "environment_for_rank"]
 
 
 def environment_for_rank(rank: int, world: int) -> None:
-    """The environment variables verl's worker reads (torch.distributed is already initialised)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
+    """The environment variables verl's worker reads (torch.distributed is already initialised): every rank
+    on this one machine, as verl's Ray worker group says it (``RAY_LOCAL_WORLD_SIZE``: ranks per node).
+    Without it verl's ``Worker`` sets ``LOCAL_WORLD_SIZE=1``, which would put each rank on a node of its own."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0",
+                      RAY_LOCAL_WORLD_SIZE=str(world))
 
 
 def compose(model_path: str, *, budget: int, records: str | None, overrides: Sequence[str] = ()) -> Any:
