@@ -36,7 +36,7 @@ from hdp.integrations.verl.config import (  # noqa: E402
     to_hdp_engine_config,
     to_mcore_optimizer_config,
 )
-from hdp.integrations.verl.data import reduce_metrics  # noqa: E402
+from hdp.integrations.verl.batch import reduce_metrics  # noqa: E402
 from hdp.integrations.verl.engine import HdpMegatronEngine  # noqa: E402
 
 VERL_CONFIG_DIR = os.path.dirname(verl_trainer_config.__file__)

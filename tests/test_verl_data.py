@@ -1,4 +1,4 @@
-"""`hdp.integrations.verl.data.SampleRows`: a group's rows of verl's batch, as verl's own
+"""`hdp.integrations.verl.batch.SampleRows`: a group's rows of verl's batch, as verl's own
 ``index_select_tensor_dict`` gives them (every field, nested, dense, non-tensor data and stacks)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_sample_rows_select_what_verl_selects() -> None:
     from verl.utils import tensordict_utils as tu
 
     from hdp.integrations.verl.bench import verl_update_batch
-    from hdp.integrations.verl.data import SampleRows
+    from hdp.integrations.verl.batch import SampleRows
 
     lengths = [(5, 9), (3, 15), (7, 12), (4, 20), (6, 4), (2, 10)]
     data = verl_update_batch(lengths, 0, max_token_len_per_gpu=64)

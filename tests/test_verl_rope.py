@@ -47,7 +47,7 @@ def test_transformers5_config_keeps_theta_in_rope_parameters():
 
 def test_install_hdp_attention_uses_the_models_base():
     """The engine's layer swap: the installed core attention rotates with base 1e6 (old code: 10000)."""
-    from hdp.integrations.verl.data import install_hdp_attention
+    from hdp.integrations.verl.attention import install_hdp_attention
 
     tf = _tf()
     layers = [SimpleNamespace(self_attention=SimpleNamespace(core_attention=SimpleNamespace(config=tf, layer_number=i + 1)))

@@ -189,7 +189,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     padded = B.padded_batch(samples, pad_id=0)
     probe = B.ref_batch(padded)
     tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
-    from hdp.integrations.verl.data import sample_lengths
+    from hdp.integrations.verl.batch import sample_lengths
     from hdp.trainer.planning import plan_id
 
     probe_plan = engine.planner.plan(sample_lengths(probe))  # the engine's planner on this batch (what the update's
@@ -367,7 +367,7 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
 
     import hdp.cp.ring as ring
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.data import sample_lengths
+    from hdp.integrations.verl.batch import sample_lengths
     from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
     from hdp.packing import cost_model
     from verl.utils import tensordict_utils as tu
@@ -390,10 +390,13 @@ def _autocal_worker(rank: int, world: int, tmp: str) -> dict:
                             merge_per_token=0.0, cp_per_token=0.0).save(cp_free)
     dist.barrier(group=dist.group.WORLD)
     n = len(_autocal_lengths(0, budget, world))
+    # holdout_every 2: a step here has ~3 rounds, so with a quarter held out a refit every 4 steps had fewer
+    # held-out rounds since the last decision than the judge takes (8), and judged on older rounds, of plans the
+    # previous model made; half of them held out gives the judge this interval's rounds
     cfg = compose(model, budget=budget, records=os.path.join(tmp, "records", "actor.jsonl"), overrides=[
         f"actor_rollout_ref.actor.ppo_mini_batch_size={n}",
         f"actor_rollout_ref.actor.hdp.cost_model={cp_free}",
-        f"actor_rollout_ref.actor.hdp.auto_calibrate={{every_steps:{AUTOCAL_EVERY},min_rounds:8,half_life_steps:{AUTOCAL_EVERY}}}",
+        f"actor_rollout_ref.actor.hdp.auto_calibrate={{every_steps:{AUTOCAL_EVERY},min_rounds:8,half_life_steps:{AUTOCAL_EVERY},holdout_every:2}}",
     ])
     act = actor_worker(cfg)
     engine = act.actor.engine

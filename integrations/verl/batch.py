@@ -16,10 +16,99 @@ import torch.distributed as dist
 from hdp.dispatch import gather_outputs, gather_whole_samples
 from hdp.groups import LayoutGroups
 from hdp.integrations.verl import compat
-from hdp.integrations.verl.data import reduce_metrics
 from hdp.trainer.step import Pass
 
-__all__ = ["verl_outputs"]
+__all__ = ["sample_lengths", "SampleRows", "reduce_metrics", "verl_outputs"]
+
+
+def sample_lengths(data: Any) -> list[int]:
+    """L_i of every sample of verl's batch (``input_ids`` is a jagged nested tensor [S, j1])."""
+    ids = data["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError(
+            "the hdp engine takes verl's no-padding batch (nested input_ids); "
+            "set actor_rollout_ref.model.use_remove_padding=True"
+        )
+    return [int(x) for x in ids.offsets().diff().tolist()]
+
+
+class SampleRows:
+    """The rows of one verl batch for many sample subsets (a group's samples, round after round).
+
+    `select` returns what ``verl.utils.tensordict_utils.index_select_tensor_dict`` does — every field
+    indexed by the samples, a nested one rebuilt from its selected samples — with less work per call:
+    each nested field is unbound once per batch (verl's function unbinds every nested field of the
+    whole batch at each call), the tensors and per-sample non-tensor stacks are indexed in one
+    TensorDict indexing, and the batch-wide non-tensor data (the same value on every row: verl's
+    settings such as ``temperature``, ``dp_size``) is sliced once per subset size.
+    """
+
+    def __init__(self, data: Any) -> None:
+        import torch
+        from tensordict import NonTensorData
+
+        nested = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested]
+        same = [k for k, v in data.items() if isinstance(v, NonTensorData)]
+        self._rows = data.exclude(*nested, *same)  # tensors and per-sample non-tensor stacks
+        self._same = data.select(*same)
+        self._same_of_size: dict[int, Any] = {}
+        self._nested = [(k, data[k].unbind(), getattr(data[k], "_ragged_idx", data[k].dim() - 1)) for k in nested]
+
+    def select(self, samples: Sequence[int]) -> Any:
+        """The TensorDict of ``samples`` (caller indices, in that order)."""
+        import torch
+        from verl.utils.tensordict_utils import nested_tensor_from_tensor_list
+
+        n = len(samples)
+        sub = self._rows[torch.tensor(list(samples), dtype=torch.int64)]
+        same = self._same_of_size.get(n)
+        if same is None:
+            same = self._same_of_size[n] = self._same[:n]  # every row holds the same value
+        sub.update(same)
+        for key, per_sample, ragged in self._nested:
+            sub[key] = nested_tensor_from_tensor_list([per_sample[i] for i in samples], ragged_idx=ragged)
+        return sub
+
+
+def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
+    """verl metrics of one step from every rank's group-leader metric dicts.
+
+    ``per_rank[r]`` holds the metric dicts of the groups rank r led (one per round it led).  verl's
+    ``Metric`` values: SUM metrics (``actor/pg_loss``: each group's loss is its share of the
+    mini-batch's, computed with ``dp_size = 1``) add up over groups, which is verl's "mean over DP
+    ranks of per-rank sums" of a stock run; MEAN metrics
+    average over groups (verl: over micro-batches and DP ranks); MIN/MAX reduce.  Plain numbers are
+    averaged.  The shapes are those of verl's own engines (``postprocess_batch_func`` through
+    ``append_to_dict``): one ``Metric`` per name for Metric-valued metrics, a list of floats for
+    plain ones — the worker all-gathers them over its (one-rank) DP group and the trainer reduces.
+    """
+    from verl.utils.metric.utils import AggregationType, Metric
+
+    values: dict[str, list[float]] = {}
+    kinds: dict[str, Any] = {}
+    for dicts in per_rank:
+        for d in dicts:
+            for name, m in d.items():
+                if isinstance(m, Metric):
+                    kinds[name] = m.aggregation
+                    values.setdefault(name, []).append(float(Metric._aggregate(m.values, m.aggregation)))
+                else:
+                    kinds.setdefault(name, None)
+                    values.setdefault(name, []).append(float(m))
+    out: dict[str, Any] = {}
+    for name, vals in values.items():
+        kind = kinds[name]
+        if kind is AggregationType.SUM:
+            out[name] = Metric(AggregationType.SUM, sum(vals))
+        elif kind is AggregationType.MIN:
+            out[name] = Metric(AggregationType.MIN, min(vals))
+        elif kind is AggregationType.MAX:
+            out[name] = Metric(AggregationType.MAX, max(vals))
+        elif kind is AggregationType.MEAN:
+            out[name] = Metric(AggregationType.MEAN, sum(vals) / len(vals))
+        else:
+            out[name] = [sum(vals) / len(vals)]
+    return out
 
 
 def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> dict[str, Any]:

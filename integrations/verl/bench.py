@@ -196,7 +196,7 @@ def static_cp_dynamic_bsz_plan(data: Any, num_ranks: int, max_token_len_per_gpu:
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from hdp.integrations.verl.data import sample_lengths
+    from hdp.integrations.verl.batch import sample_lengths
     from hdp.packing import Plan
 
     lengths = np.asarray(sample_lengths(data), dtype=np.int64)
@@ -292,7 +292,7 @@ def reference_step(data: Any, loss_agg_mode: str) -> tuple[list[torch.Tensor], l
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from hdp.integrations.verl.data import sample_lengths
+    from hdp.integrations.verl.batch import sample_lengths
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp import megatron_compat as mc
     from hdp.trainer.model import build_gpt_model, packed_logits

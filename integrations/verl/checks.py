@@ -21,6 +21,10 @@ __all__ = [
     "check_ulysses",
     "check_fused_kernels",
     "check_actor_config",
+    "check_per_token_loss",
+    "check_zero_memory_experts",
+    "check_model_features",
+    "check_engine_settings",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -76,6 +80,26 @@ def check_fused_kernels(value: Any, key: str = "actor_rollout_ref.model.use_fuse
         )
 
 
+def check_per_token_loss(value: Any, key: str) -> None:
+    """hdp's rounds return verl's globally normalised loss per group (Megatron's per-micro-batch regime)."""
+    if value is not None and bool(value):
+        raise ValueError(
+            f"{key}={value!r}: hdp's round loop returns verl's globally normalised loss per group (Megatron's "
+            "per-micro-batch regime), not the per-token 3-tuple; remove the override (MoE aux/z losses then follow "
+            "Megatron's per-micro-batch scaling)"
+        )
+
+
+def check_zero_memory_experts(grouped_gemm: Any, zero_memory: str, key: str, zero_key: str) -> None:
+    """MoE zero-memory recomputes per-expert MLPs (``SequentialMLP``): grouped-GEMM experts cannot run it.
+    ``key``: the grouped-GEMM setting's key; ``zero_key``: hdp's zero-memory option's key."""
+    if zero_memory != "none" and grouped_gemm is not None and bool(grouped_gemm):
+        raise ValueError(
+            f"{key}={grouped_gemm!r} with {zero_key}={zero_memory}: zero-memory recomputes the per-expert MLPs "
+            f"(SequentialMLP) and cannot run grouped GEMM experts; set {key}=False or {zero_key}=none"
+        )
+
+
 def check_ulysses(value: Any, key: str) -> None:
     """Ulysses sequence parallelism is FSDP's; hdp gives long samples context parallelism itself."""
     if value is not None and value != 1:
@@ -98,3 +122,40 @@ def check_actor_config(actor: Any) -> None:
     check_ulysses(getattr(actor, "ulysses_sequence_parallel_size", 1), f"{key}.ulysses_sequence_parallel_size")
     if engine is not None:
         check_ulysses(getattr(engine, "ulysses_sequence_parallel_size", 1), f"{key}.fsdp_config.ulysses_sequence_parallel_size")
+
+
+def check_model_features(model_config: Any, engine_config: Any) -> None:
+    """verl features the hdp engine's round loop does not carry, each refused naming its key: fused
+    kernels, the per-token-loss regime, router replay, multi-token prediction, multimodal models.  Checked when the
+    engine is constructed (the worker has filled in ``use_fused_kernels`` by then)."""
+    key = role_key(engine_config)
+    check_fused_kernels(getattr(engine_config, "use_fused_kernels", False))
+    overrides = getattr(engine_config, "override_transformer_config", None) or {}
+    check_per_token_loss(overrides.get("calculate_per_token_loss", False),
+                         f"{key}.megatron.override_transformer_config.calculate_per_token_loss")
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode not in (None, "disabled"):
+        raise ValueError(f"{key}.megatron.router_replay.mode={mode!r}: routed-expert recording/replay (R2/R3) is not "
+                         "supported by the hdp engine; set it to 'disabled'")
+    mtp = getattr(model_config, "mtp", None)
+    if mtp is not None and getattr(mtp, "enable", False):
+        raise ValueError("actor_rollout_ref.model.mtp.enable=True: multi-token prediction is not supported by the "
+                         "hdp engine; set it to False")
+    if getattr(getattr(model_config, "hf_config", None), "vision_config", None) is not None:
+        raise ValueError("actor_rollout_ref.model.path is a multimodal model (hf_config.vision_config is set): "
+                         "multimodal inputs / 3-D position ids are not supported by the hdp engine")
+
+
+def check_engine_settings(model_config: Any, engine_config: Any) -> None:
+    """Settings the worker filled in that hdp cannot take, each naming the verl key:
+    ``model.use_remove_padding=False`` and non-positive token budgets (verl's per-GPU budgets are hdp's
+    when ``hdp.max_tokens_per_rank`` is null)."""
+    check_remove_padding(getattr(model_config, "use_remove_padding", True))
+    if role_key(engine_config) == REF_KEY:
+        budgets = {f"{REF_KEY}.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu}
+    else:
+        budgets = {
+            f"{ACTOR_KEY}.ppo_max_token_len_per_gpu": engine_config.max_token_len_per_gpu,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu,
+        }
+    check_token_budgets(hdp_budget=engine_config.hdp.max_tokens_per_rank, budgets=budgets)

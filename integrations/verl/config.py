@@ -33,6 +33,7 @@ from hdp.integrations.verl.checks import (
     check_parallel_size,
     check_remove_padding,
     check_ulysses,
+    check_zero_memory_experts,
     role_key,
 )
 from hdp.moe.zero_memory import ZeroMemoryLevel
@@ -52,10 +53,6 @@ HDP_STRATEGY = "hdp"
 """The value of ``actor_rollout_ref.actor.strategy`` (and the EngineRegistry backend) that selects hdp."""
 
 _KEY = "actor_rollout_ref.actor"
-_FUSED = (
-    "actor_rollout_ref.model.use_fused_kernels=True: verl's fused Megatron forward bypasses hdp's chunked "
-    "log-probs and CP packing; set it to False (hdp computes log-probs in vocabulary chunks itself)"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,14 +112,9 @@ class HdpEngineConfig(compat.McoreEngineConfig):
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
         overrides = dict(self.override_transformer_config or {})
-        if self.hdp.zero_memory is not ZeroMemoryLevel.NONE and overrides.get("moe_grouped_gemm", False):
-            raise ValueError(
-                f"{key}.override_transformer_config.moe_grouped_gemm=True with {_KEY}.hdp.zero_memory="
-                f"{self.hdp.zero_memory.value}: zero-memory recomputes the per-expert MLPs (SequentialMLP) and "
-                f"cannot run grouped GEMM experts; set {key}.override_transformer_config.moe_grouped_gemm=False "
-                "or hdp.zero_memory=none")
-        if getattr(self, "use_fused_kernels", False):
-            raise ValueError(_FUSED)
+        check_zero_memory_experts(overrides.get("moe_grouped_gemm", False), self.hdp.zero_memory.value,
+                                  f"{key}.override_transformer_config.moe_grouped_gemm", f"{_KEY}.hdp.zero_memory")
+        check_fused_kernels(getattr(self, "use_fused_kernels", False))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")

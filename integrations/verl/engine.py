@@ -14,11 +14,8 @@ What stays here is verl's:
 
 * **its data-parallel view** (:mod:`hdp.integrations.verl.domain`): as in verl's dynamic-CP mode, every
   domain rank receives the whole mini-batch (``get_data_parallel_size() == 1``) and hdp decides who runs what;
-* **its loss** (:class:`_VerlLoss`): after a round's logits, the ranks of each group exchange their chunk
-  log-probs (and entropies) among themselves only, so each holds its samples whole, its own chunk
-  differentiable; verl's *real* loss function then runs on those whole samples with the mini-batch's
-  global normalisers (``batch_num_tokens``, ``global_batch_size``, ``dp_size = 1``): each group's loss is
-  its share of the mini-batch's, so the domain sum of gradients is the single-process gradient;
+* **its loss** (:class:`hdp.integrations.verl.loss.VerlLoss`): verl's *real* loss function on each CP
+  group's samples, assembled whole, with the mini-batch's global normalisers;
 * **its outputs** (:func:`hdp.integrations.verl.batch.verl_outputs`) in verl's sample order on its collect
   rank, verl's metrics reduced over the groups, hdp's added;
 * **verl's semantics on a non-finite loss or gradient**: as verl's FSDP engine, the update is skipped on
@@ -42,22 +39,21 @@ import torch.distributed as dist
 
 from hdp import megatron_compat as mc
 from hdp.digest import batch_digest
-from hdp.dispatch import group_samples_flat, pack
 from hdp.integrations.verl import compat
-from hdp.integrations.verl.batch import verl_outputs
+from hdp.integrations.verl.attention import install_hdp_attention
+from hdp.integrations.verl.batch import sample_lengths, verl_outputs
+from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
+                                          check_zero_memory_experts)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
-from hdp.integrations.verl.data import _UNSUPPORTED, SampleRows, check_engine_settings, install_hdp_attention
-from hdp.integrations.verl.data import reject_unsupported, sample_lengths
+from hdp.integrations.verl.loss import VerlLoss
 from hdp.integrations.verl.domain import VerlDomain
 from hdp.integrations.verl.memory import verl_memory
 from hdp.device import select_device
-from hdp.logprobs import logprobs_entropy
-from hdp.packing import Plan
 from hdp.packing.model_shape import ModelShape
 from hdp.trainer.memory import MemoryCalibration, static_bytes
 from hdp.trainer.optim_state import optimizers, restore_adam_steps
 from hdp.trainer.planning import DomainPlanner, auto_cost_model
-from hdp.trainer.rounds import RoundCore, RoundInput, next_token_targets
+from hdp.trainer.rounds import RoundCore
 from hdp.trainer.step import Pass, Prepared, Steps
 
 __all__ = ["HdpMegatronEngine", "npu_engine_class"]
@@ -67,60 +63,12 @@ logger = logging.getLogger(__name__)
 _MegatronLM = compat.megatron_lm_engine()
 
 
-class _VerlLoss:
-    """The round loss of verl: log-probs (and entropies) of this rank's chunks, the group's samples
-    assembled whole, verl's loss function on them; outputs kept for verl's collect rank."""
-
-    def __init__(self, engine: "HdpMegatronEngine", plan: Plan, data: Any, loss_function: Callable | None,
-                 train: bool) -> None:
-        tu = compat.tensordict_utils()
-        self.engine, self.plan, self.data, self.loss_function, self.train = engine, plan, data, loss_function, train
-        self.entropy = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
-        self.samples = list(data["input_ids"].unbind())  # S x [L_i]: the rounds' tokens (unbound once a step)
-        self.targets = next_token_targets(self.samples, engine.pad_token_id)  # verl: position p predicts p+1
-        temp = data["temperature"] if "temperature" in data.keys() else 1.0
-        self.temperature = torch.as_tensor(temp, dtype=torch.float32)  # [] or [S]
-        self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, 2] (log-prob, entropy)
-        self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
-        self.leader_losses: list[torch.Tensor] = []
-        self.rows = SampleRows(data) if train and loss_function is not None else None  # each group's sub-batch
-        self.whole: dict[int, torch.Tensor] = {}  # round -> [ΣL_i, 2] of the group this rank leads (training)
-
-    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
-        meta, eng = rnd.meta, self.engine
-        assert meta is not None
-        dev = logits.device
-        temp = self.temperature if self.temperature.dim() == 0 else self.temperature[meta.sample_index]
-        logp, ent = logprobs_entropy(logits, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
-                                     temperature=temp.to(dev), entropy=self.entropy,
-                                     chunk=int(eng.engine_config.entropy_from_logits_chunk_size))  # [Tr]
-        local = torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)  # [Tr, 2]
-        self.outputs[rnd.index] = local.detach()
-        if not self.train or self.loss_function is None:
-            return None
-        with eng.core.phases.phase("exchange"):
-            full = group_samples_flat(self.plan, meta, local, eng.domain.layout.domain)  # [ΣL_i, 2]; own rows keep grad
-        assert self.rows is not None
-        if meta.j == 0:  # the group's leader keeps its samples whole for verl's collect rank
-            self.whole[rnd.index] = full.detach()
-        sub = self.rows.select(meta.samples)  # the group's rows of verl's batch, in group order
-        out = {"log_probs": compat.nested_from_flat(full[:, 0], meta.group_lengths)}
-        if self.entropy:
-            out["entropy"] = compat.nested_from_flat(full[:, 1], meta.group_lengths)
-        loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=eng.get_data_parallel_group())
-        if meta.j == 0:  # one copy per group (its leader)
-            self.leader_metrics.append({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
-                                        for k, v in metrics.items()})
-            self.leader_losses.append(loss.detach())
-        return loss
-
-
 class HdpMegatronEngine(_MegatronLM):
     """verl's ``MegatronEngineWithLMHead`` running hdp plans over the whole DP×CP domain."""
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
-        reject_unsupported(model_config, engine_config)  # before any collective: every rank raises alike
+        check_model_features(model_config, engine_config)  # before any collective: every rank raises alike
         check_engine_settings(model_config, engine_config)
         verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
                     device=select_device(None), check_only=True)  # a limit below the static memory: ValueError
@@ -238,14 +186,11 @@ class HdpMegatronEngine(_MegatronLM):
 
     def _build_tf_config(self) -> None:
         super()._build_tf_config()
-        cfg = self.tf_config
-        if cfg is not None and getattr(cfg, "calculate_per_token_loss", False):
-            raise ValueError(_UNSUPPORTED["calculate_per_token_loss"])
-        if cfg is not None and getattr(cfg, "moe_grouped_gemm", False) and self.hdp_config.hdp.zero_memory.value != "none":
-            raise ValueError(
-                f"{self.role_key}.megatron.override_transformer_config.moe_grouped_gemm: the model builds grouped-GEMM "
-                f"experts, which {self.role_key}.hdp.zero_memory={self.hdp_config.hdp.zero_memory.value} cannot "
-                "recompute; set it to False (or hdp.zero_memory=none)")
+        cfg, key = self.tf_config, f"{self.role_key}.megatron.override_transformer_config"
+        if cfg is not None:  # what the built config says (a model's own defaults included)
+            check_per_token_loss(getattr(cfg, "calculate_per_token_loss", False), f"{key}.calculate_per_token_loss")
+            check_zero_memory_experts(getattr(cfg, "moe_grouped_gemm", False), self.hdp_config.hdp.zero_memory.value,
+                                      f"{key}.moe_grouped_gemm", f"{self.role_key}.hdp.zero_memory")
 
     def _build_megatron_module(self) -> Any:
         module = super()._build_megatron_module()
@@ -309,7 +254,7 @@ class HdpMegatronEngine(_MegatronLM):
             mask = data["loss_mask"]
             n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
             compat.tensordict_utils().assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # a group's share
-            adapter = _VerlLoss(self, taken.plan, data, loss_function, train)
+            adapter = VerlLoss(self, taken.plan, data, loss_function, train)
             digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
             return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms)
 

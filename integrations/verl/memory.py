@@ -41,7 +41,7 @@ def verl_memory(model_config: Any, engine_config: Any, *, world: int, device: to
     limit = resolve_memory_limit(opts.max_memory_gb, device)
     if hf is None or (check_only and limit is None):
         return None, limit
-    from hdp.integrations.verl.data import role_key
+    from hdp.integrations.verl.checks import role_key
 
     shape = ModelShape.from_hf_config(hf, dtype=str(getattr(engine_config, "dtype", "bfloat16")))
     tp = int(engine_config.tensor_model_parallel_size)
