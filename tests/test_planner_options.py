@@ -96,7 +96,7 @@ def test_both_doors_extend_the_one_engine_options_declaration(cls):
         assert mine[name].default == want, (cls.__name__, name)
         assert mine[name].default_factory == f.default_factory, (cls.__name__, name)
     own = set(mine) - set(shared)  # what is the door's own
-    assert own == ({"memory_coefficients"} if cls is PlanningConfig else {"_target_"}), own
+    assert own == ({"memory_coefficients"} if cls is PlanningConfig else {"_target_", "skip_old_log_prob"}), own
     # the documented overrides really differ (a default that agrees needs no entry)
     for name, value in options.VERL_DEFAULTS.items():
         assert value != shared[name].default, name
@@ -115,6 +115,8 @@ def test_the_shipped_verl_yaml_holds_the_declarations_defaults():
     assert actor["strategy"] == actor["megatron"]["strategy"] == HDP_STRATEGY
     ref = yaml.safe_load((Path(config_dir()) / "ref" / "hdp_ref.yaml").read_text())
     assert ref["hdp"] == "${actor_rollout_ref.actor.hdp}"  # the ref follows the actor's options
+    critic = yaml.safe_load((Path(config_dir()) / "critic" / "hdp_critic.yaml").read_text())
+    assert critic["hdp"] == "${actor_rollout_ref.actor.hdp}"  # and so does the critic
     for path in Path(config_dir()).rglob("*.yaml"):  # no other file ships hdp options to drift
-        if path.name not in ("hdp_actor.yaml", "hdp_ref.yaml"):
+        if path.name not in ("hdp_actor.yaml", "hdp_ref.yaml", "hdp_critic.yaml"):
             assert "hdp" not in (yaml.safe_load(path.read_text()) or {}), path

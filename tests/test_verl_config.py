@@ -81,7 +81,7 @@ def _validate(cfg) -> None:
 
 
 def test_strategy_hdp_on_stock_ppo_trainer_selects_hdp_for_actor_and_ref():
-    cfg = _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp"])
+    cfg = _compose("ppo_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp", "actor_rollout_ref.actor.use_dynamic_bsz=true"])
     assert need_reference_policy(cfg)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     ref = _ref_config(cfg)
@@ -273,11 +273,11 @@ def test_reduce_metrics_matches_verls_dp_aggregation():
         ({"vision": True}, {}, r"multimodal"),
         ({}, {"use_fused_kernels": True}, r"use_fused_kernels=True"),
         ({}, {"override_transformer_config": {"calculate_per_token_loss": True}}, r"calculate_per_token_loss=True"),
-        ({}, {"router_replay": {"mode": "R3"}}, r"router_replay\.mode='R3'"),
     ],
 )
 def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model_kw, engine_kw, match):
-    """MTP, multimodal, fused kernels, the per-token-loss regime and router replay fail naming the setting."""
+    """MTP, multimodal, fused kernels and the per-token-loss regime fail naming the setting (router replay runs:
+    tests/test_verl_router_replay.py)."""
     from types import SimpleNamespace
 
     from hdp.integrations.verl import engine as E
@@ -506,9 +506,45 @@ def test_megatron_groups_of_the_verl_engine_get_hdps_timeout(monkeypatch):
     monkeypatch.setattr(E._MegatronLM, "_init_device_mesh", parent_mesh)
     monkeypatch.setattr(E.VerlDomain, "build", staticmethod(lambda *a, **k: None))
     monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda *a, **k: None)
+    for getter in ("get_tensor_model_parallel_world_size", "get_pipeline_model_parallel_world_size",
+                   "get_expert_model_parallel_world_size"):
+        monkeypatch.setattr(parallel_state, getter, lambda *a, **k: 1)
     monkeypatch.setattr(E.mc, "megatron_groups", lambda: None)
     eng = E.HdpMegatronEngine.__new__(E.HdpMegatronEngine)
     eng.hdp_config = HdpEngineConfig(hdp=HdpOptions(collective_timeout_s=45))
     eng._init_device_mesh()
     assert seen == [{"tensor_model_parallel_size": 1, "distributed_timeout_minutes": 0.75}]
     assert parallel_state.initialize_model_parallel is recorder  # restored
+
+
+def test_an_engine_built_on_another_engines_parallel_state_is_refused():
+    """verl builds the critic's, the ref's and the actor's engines in one process: the first one builds Megatron's
+    parallel state, and an engine whose layout differs is refused naming its key (its model would be cut for the
+    other layout)."""
+    from hdp.integrations.verl.checks import check_shared_layout
+
+    built = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 1}
+    check_shared_layout(HdpEngineConfig(pipeline_model_parallel_size=2), built)
+    with pytest.raises(ValueError, match=r"critic\.megatron\.pipeline_model_parallel_size=1: .*already built with "
+                                         r"pipeline_model_parallel_size=2"):
+        check_shared_layout(HdpEngineConfig(role="critic"), built)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+      "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"],
+     r"actor_rollout_ref\.actor\.use_dynamic_bsz=False: hdp packs every round by tokens.*2 x 1024 = 2048"),
+    (["actor_rollout_ref.ref.megatron.context_parallel_size=4"], r"actor_rollout_ref\.ref\.megatron\.context_parallel_size=4"),
+    (["algorithm.adv_estimator=gae", "critic.megatron.pipeline_model_parallel_size=2"],
+     r"critic\.megatron\.pipeline_model_parallel_size=2 but actor_rollout_ref\.actor\.megatron\.pipeline_model_parallel_size=1"),
+    (["actor_rollout_ref.actor.hdp.skip_old_log_prob=true", "actor_rollout_ref.actor.ppo_epochs=2"],
+     r"skip_old_log_prob=true, but this job needs the old-log-prob pass: actor_rollout_ref\.actor\.ppo_epochs=2"),
+])
+def test_job_settings_spread_over_roles_fail_in_the_driver(overrides, match):
+    """verl's validate_config (the driver, before Ray starts) refuses what hdp cannot honour, naming the key:
+    use_dynamic_bsz=False, the ref's context parallelism (verl builds the ref's config only in the workers), a
+    critic laid out unlike the actor it shares a process with, and skip_old_log_prob=true on an off-policy step."""
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                          "actor_rollout_ref.actor.megatron.vanilla_mbridge=true", *overrides])
+    with pytest.raises(ValueError, match=match):
+        _validate(cfg)

@@ -65,8 +65,8 @@ from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 from hdp.trainer.phases import PhaseTimer
 
-__all__ = ["RoundCore", "RoundInput", "RoundLoss", "StepState", "NonFiniteLossError", "NonFiniteGradientError",
-           "next_token_targets"]
+__all__ = ["RoundCore", "RoundInput", "RoundLoss", "RoundHooks", "StepState", "NonFiniteLossError",
+           "NonFiniteGradientError", "next_token_targets"]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -137,6 +137,20 @@ class RoundLoss(Protocol):
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None: ...
 
 
+class RoundHooks(Protocol):
+    """What a door runs around each model chunk's forward of a round (verl's MoE router replay sets each
+    router's experts for the round's tokens before it, and switches them to their backward replay after it).
+
+    ``before_forward(rnd, chunk, model)`` / ``after_forward(rnd, chunk, model)``: ``chunk`` is the virtual-stage
+    index of ``model`` on this rank; ``finish()``: once after every round (also when one failed)."""
+
+    def before_forward(self, rnd: RoundInput, chunk: int, model: Any) -> None: ...
+
+    def after_forward(self, rnd: RoundInput, chunk: int, model: Any) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 @dataclass(eq=False)
 class StepState:
     """What one step's rounds produce on this rank, kept on the device until the step's one sync."""
@@ -160,6 +174,8 @@ class StepState:
     """Measures each round's peak memory (`hdp.memory_meter`), when the engine asked for it."""
     grad_bad: torch.Tensor | None = None
     """[] float64: 1 when this rank's gradient buffers held a NaN/inf after the rounds (:meth:`RoundCore.reduce`)."""
+    hooks: RoundHooks | None = None
+    """The door's hooks around each chunk's forward (`RoundHooks`)."""
 
 
 class _SpanMark(torch.autograd.Function):
@@ -507,8 +523,12 @@ class RoundCore:
         state.timer_round = r
         if state.meter is not None:
             state.meter.begin_round(r)
+        if state.hooks is not None:
+            state.hooks.before_forward(inp, chunk, model)
         out = model(input_ids=inp.tokens[None, :], position_ids=None, attention_mask=None,
                     packed_seq_params=inp.psp)  # [1, T, Vl] (last stage) or [T/TP?, 1, H]
+        if state.hooks is not None:
+            state.hooks.after_forward(inp, chunk, model)
         if state.train:
             out = _SpanMark.apply(out, state.timer, ("b", r, chunk), "start")
         if not _post_process(model):
@@ -555,21 +575,22 @@ class RoundCore:
         return loss, count((), dtype=torch.int, device=logits.device), {}
 
     def run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool,
-            meter: MemoryMeter | None = None) -> StepState:
+            meter: MemoryMeter | None = None, hooks: RoundHooks | None = None) -> StepState:
         """Phase 2: every round through Megatron's schedule (one micro-batch per round); ``meter``
-        measures each round's peak memory (read it with ``meter.finish()`` afterwards)."""
+        measures each round's peak memory (read it with ``meter.finish()`` afterwards); ``hooks`` run around
+        each chunk's forward (`RoundHooks`)."""
         with self.phases.phase("rounds"):
-            return self._run(plan, tokens, adapter, train=train, meter=meter)
+            return self._run(plan, tokens, adapter, train=train, meter=meter, hooks=hooks)
 
     def _run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool,
-             meter: MemoryMeter | None) -> StepState:
+             meter: MemoryMeter | None, hooks: RoundHooks | None) -> StepState:
         dev = self.device
         m = self.num_microbatches(plan)
         self._failed_contexts = []
         state = StepState(plan=plan, train=train, adapter=adapter if self._holds_loss else None,
                           num_microbatches=m, loss_sum=torch.zeros((), dtype=torch.float64, device=dev),
                           bad=torch.zeros(plan.num_samples, dtype=torch.float64, device=dev),
-                          timer=_device.RoundTimer(dev), meter=meter)
+                          timer=_device.RoundTimer(dev), meter=meter, hooks=hooks)
         # every round's inputs go to the device before the first round (no host-device copy, so no
         # synchronisation, between rounds)
         for r in range(m):
@@ -603,6 +624,8 @@ class RoundCore:
             raise
         finally:
             self._state = None
+            if hooks is not None:
+                hooks.finish()
             left = p2p.unused_shapes() if p2p is not None else 0
             if p2p is not None:
                 p2p.expect_shapes(None)

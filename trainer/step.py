@@ -41,7 +41,7 @@ from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
 from hdp.trainer.memory import measured_row, start_measure
 from hdp.trainer.planning import DomainPlanner, plan_id
-from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundLoss, StepState
+from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundHooks, RoundLoss, StepState
 
 __all__ = ["Steps", "Prepared", "Pass", "Outcome", "plan_metrics"]
 
@@ -61,6 +61,8 @@ class Prepared:
     """Milliseconds the plan took (made ahead or in line)."""
     exposed_ms: float = 0.0
     """Milliseconds the step waited for it."""
+    hooks: RoundHooks | None = None
+    """The door's hooks around each chunk's forward (verl: MoE router replay), or None."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class Steps:
         core, step = self.core, self.step
         with core.collectives("rounds", step):
             meter, static = start_measure(core.device, core.chunks, core.optimizer, self.measure_memory)
-            state = core.run(prep.plan, prep.tokens, prep.adapter, train=True, meter=meter)
+            state = core.run(prep.plan, prep.tokens, prep.adapter, train=True, meter=meter, hooks=prep.hooks)
             red = core.reduce(state)  # loss, failures, and every rank's gradient checked for NaN/inf
         self.round_seconds = core.round_seconds(state)
         core.raise_adapter_error(state, red, step, self.loss_name)
@@ -213,7 +215,7 @@ class Steps:
         prep = self._agree(what, call, prepare)
         core, step = self.core, self.step
         with core.collectives("forward", step):
-            state = core.run(prep.plan, prep.tokens, prep.adapter, train=False)
+            state = core.run(prep.plan, prep.tokens, prep.adapter, train=False, hooks=prep.hooks)
             red = core.reduce(state)
             core.raise_adapter_error(state, red, step, label or self.loss_name)
         return Pass(prep, False, step, state, red, [])

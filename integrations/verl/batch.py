@@ -113,20 +113,22 @@ def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, An
 
 def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> dict[str, Any]:
     """verl's output dict of the pass ``done`` on its collect rank (TP rank 0 of the last stage, domain rank
-    0): ``model_output`` (log-probs, entropies) in verl's sample order, ``loss`` and ``metrics``; ``{}``
+    0): ``model_output`` (log-probs and entropies, or a value model's values) in verl's sample order, ``loss`` and ``metrics``; ``{}``
     elsewhere.  The gathers run over the domain of TP rank 0 on the last stage only; ``whole_dtype``: the
     dtype of the samples the groups' leaders hold whole (training passes)."""
     plan, adapter = done.plan, done.adapter
     if not (layout.is_last_stage and layout.tp_rank == 0):
         return {}
     rank, group = layout.domain.domain_rank, layout.domain.domain
+    fields = adapter.fields()  # verl's output names of the adapter's columns
+    width = adapter.width
     if adapter.rows is not None:  # training: the groups' leaders hold their samples whole already
-        full = gather_whole_samples(plan, rank, adapter.whole, group, dst=0, trailing=(2,),
-                                    dtype=whole_dtype)  # S x [L_i, 2] on rank 0
-    else:  # log-prob passes: every rank's chunks
-        none = torch.zeros((0, 2))
-        local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, 2]
-        full = gather_outputs(plan, rank, local, group, dst=0)  # S x [L_i, 2] on rank 0
+        full = gather_whole_samples(plan, rank, adapter.whole, group, dst=0, trailing=(width,),
+                                    dtype=whole_dtype)  # S x [L_i, C] on rank 0
+    else:  # log-prob / value passes: every rank's chunks
+        none = torch.zeros((0, width))
+        local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, C]
+        full = gather_outputs(plan, rank, local, group, dst=0)  # S x [L_i, C] on rank 0
     mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
     gathered: list[Any] = [None] * layout.domain.size
     dist.all_gather_object(gathered, mine, group=group)
@@ -148,7 +150,5 @@ def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> 
     if done.outcome is not None:  # the update ran (train_batch): verl's grad_norm, the calibration's metrics
         metrics.update({k: [v] for k, v in done.outcome.calibration.items()})
         metrics["grad_norm"] = done.outcome.grad_norm
-    out: dict[str, Any] = {"log_probs": compat.as_nested([x[:, 0] for x in full])}
-    if adapter.entropy:
-        out["entropy"] = compat.as_nested([x[:, 1] for x in full])
+    out = {name: compat.as_nested([x[:, col] for x in full]) for name, col in fields.items()}
     return {"model_output": out, "loss": loss, "metrics": metrics}

@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "ACTOR_KEY",
     "REF_KEY",
+    "CRITIC_KEY",
     "role_key",
     "check_parallel_size",
     "check_token_budgets",
@@ -25,15 +26,22 @@ __all__ = [
     "check_zero_memory_experts",
     "check_model_features",
     "check_engine_settings",
+    "check_shared_layout",
+    "check_job_layout",
+    "check_job_batching",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
 REF_KEY = "actor_rollout_ref.ref"
+CRITIC_KEY = "critic"
 
 
 def role_key(engine_config: Any) -> str:
-    """``actor_rollout_ref.ref`` for the reference model's engine config (verl's ref configs set
+    """The verl config key of an engine config: ``critic`` for the critic's (hdp's critic config says so in
+    ``megatron.role``), ``actor_rollout_ref.ref`` for the reference model's (verl's ref configs set
     ``forward_only: True``), else ``actor_rollout_ref.actor``."""
+    if getattr(engine_config, "role", None) == "critic":
+        return CRITIC_KEY
     return REF_KEY if bool(getattr(engine_config, "forward_only", False)) else ACTOR_KEY
 
 
@@ -126,17 +134,13 @@ def check_actor_config(actor: Any) -> None:
 
 def check_model_features(model_config: Any, engine_config: Any) -> None:
     """verl features the hdp engine's round loop does not carry, each refused naming its key: fused
-    kernels, the per-token-loss regime, router replay, multi-token prediction, multimodal models.  Checked when the
+    kernels, the per-token-loss regime, multi-token prediction, multimodal models.  Checked when the
     engine is constructed (the worker has filled in ``use_fused_kernels`` by then)."""
     key = role_key(engine_config)
     check_fused_kernels(getattr(engine_config, "use_fused_kernels", False))
     overrides = getattr(engine_config, "override_transformer_config", None) or {}
     check_per_token_loss(overrides.get("calculate_per_token_loss", False),
                          f"{key}.megatron.override_transformer_config.calculate_per_token_loss")
-    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
-    if mode not in (None, "disabled"):
-        raise ValueError(f"{key}.megatron.router_replay.mode={mode!r}: routed-expert recording/replay (R2/R3) is not "
-                         "supported by the hdp engine; set it to 'disabled'")
     mtp = getattr(model_config, "mtp", None)
     if mtp is not None and getattr(mtp, "enable", False):
         raise ValueError("actor_rollout_ref.model.mtp.enable=True: multi-token prediction is not supported by the "
@@ -150,12 +154,90 @@ def check_engine_settings(model_config: Any, engine_config: Any) -> None:
     """Settings the worker filled in that hdp cannot take, each naming the verl key:
     ``model.use_remove_padding=False`` and non-positive token budgets (verl's per-GPU budgets are hdp's
     when ``hdp.max_tokens_per_rank`` is null)."""
-    check_remove_padding(getattr(model_config, "use_remove_padding", True))
-    if role_key(engine_config) == REF_KEY:
+    key = role_key(engine_config)
+    check_remove_padding(getattr(model_config, "use_remove_padding", True),
+                         "critic.model.use_remove_padding" if key == CRITIC_KEY else "actor_rollout_ref.model.use_remove_padding")
+    if key == REF_KEY:
         budgets = {f"{REF_KEY}.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu}
+    elif key == CRITIC_KEY:  # verl's v1 trainer sets both of the critic's budgets from its infer budget
+        budgets = {f"{CRITIC_KEY}.ppo_infer_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu,
+                   f"{CRITIC_KEY}.ppo_max_token_len_per_gpu": engine_config.max_token_len_per_gpu}
     else:
         budgets = {
             f"{ACTOR_KEY}.ppo_max_token_len_per_gpu": engine_config.max_token_len_per_gpu,
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": engine_config.infer_max_token_len_per_gpu,
         }
     check_token_budgets(hdp_budget=engine_config.hdp.max_tokens_per_rank, budgets=budgets)
+
+
+def check_shared_layout(engine_config: Any, built: dict[str, int]) -> None:
+    """Engines of one process share Megatron's parallel state, built by the first engine constructed there
+    (verl builds the critic's, then the ref's and the actor's in one worker process): ``built`` (its
+    ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``expert_model_parallel_size``) must be
+    this engine's own layout, else its model would be cut for another one."""
+    key = role_key(engine_config)
+    for name, got in built.items():
+        want = getattr(engine_config, name)
+        if want != got:
+            raise ValueError(
+                f"{key}.megatron.{name}={want!r}: this process's Megatron parallel state was already built with "
+                f"{name}={got} by the engine constructed before this one (verl builds the critic's, the ref's and the "
+                "actor's engines in one process); give actor, ref and critic the same layout")
+
+
+def _select(config: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, key, default=default)
+    return default if value is None else value
+
+
+def _hdp_roles(config: Any, ref: bool = True, critic: bool = True) -> list[str]:
+    """The verl config keys of the roles that run on hdp (the ref's and the critic's when the job has them)."""
+    keys = [ACTOR_KEY] + ([REF_KEY] if ref else []) + ([CRITIC_KEY] if critic else [])
+    roles = {key: _select(config, f"{key}.megatron.strategy", _select(config, f"{key}.strategy", "")) for key in keys}
+    return [key for key, strategy in roles.items() if strategy == "hdp"]
+
+
+def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> None:
+    """hdp's checks of a whole verl job's layout (verl's OmegaConf config; the driver runs them before verl's
+    own ``validate_config``, which builds the roles' configs): each hdp role's Megatron CP settings (the ref's
+    and the critic's too, which verl otherwise meets only in the workers, after Ray started) and the critic's
+    layout against the actor's (one process, one Megatron parallel state).  ``ref`` / ``critic``: the job has
+    them (verl's ``need_reference_policy`` / ``need_critic``).  No-op when no role runs on hdp."""
+    on_hdp = _hdp_roles(config, ref, critic)
+    for key in on_hdp:
+        cp = _select(config, f"{key}.megatron.context_parallel_size", 1)
+        if cp != 1:
+            raise ValueError(f"{key}.megatron.context_parallel_size={cp}: hdp gives each long sample a CP group sized to "
+                             "its length over the whole DP x CP domain; set 1 (bound a rank's tokens with "
+                             f"{ACTOR_KEY}.ppo_max_token_len_per_gpu or hdp.max_tokens_per_rank)")
+        if bool(_select(config, f"{key}.megatron.dynamic_context_parallel", False)):
+            raise ValueError(f"{key}.megatron.dynamic_context_parallel=True: hdp replaces Megatron's dynamic CP; set False")
+    if CRITIC_KEY in on_hdp and _select(config, f"{ACTOR_KEY}.megatron") is not None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            mine, actor = _select(config, f"{CRITIC_KEY}.megatron.{name}", 1), _select(config, f"{ACTOR_KEY}.megatron.{name}", 1)
+            if mine != actor:
+                raise ValueError(f"{CRITIC_KEY}.megatron.{name}={mine} but {ACTOR_KEY}.megatron.{name}={actor}: verl "
+                                 "builds the critic's and the actor's engines in one process, on one Megatron parallel "
+                                 "state; give them the same layout")
+
+
+def check_job_batching(config: Any) -> None:
+    """hdp's checks of how a verl job batches its actor (after verl's own ``validate_config``):
+    ``use_dynamic_bsz`` (hdp packs by tokens: False would ignore the micro-batch sizes) and the old-log-prob
+    option (`hdp.integrations.verl.old_log_prob.resolve`: ``true`` on a step that needs the pass)."""
+    from hdp.integrations.verl import old_log_prob
+
+    if ACTOR_KEY not in _hdp_roles(config):
+        return
+    if not bool(_select(config, f"{ACTOR_KEY}.use_dynamic_bsz", True)):
+        mbs = _select(config, f"{ACTOR_KEY}.ppo_micro_batch_size_per_gpu")
+        longest = int(_select(config, "data.max_prompt_length", 0)) + int(_select(config, "data.max_response_length", 0))
+        hint = (f" (the tokens of {mbs} samples of the longest length, {mbs} x {longest} = {int(mbs) * longest}, bound a "
+                "rank's memory as stock's micro-batches did)") if mbs and longest else ""
+        raise ValueError(f"{ACTOR_KEY}.use_dynamic_bsz=False: hdp packs every round by tokens, not by a number of "
+                         f"samples per micro-batch ({ACTOR_KEY}.ppo_micro_batch_size_per_gpu would be ignored); set "
+                         f"use_dynamic_bsz=True and {ACTOR_KEY}.ppo_max_token_len_per_gpu to the tokens one rank may hold "
+                         f"per round{hint}")
+    old_log_prob.resolve(config)

@@ -34,6 +34,7 @@ from verl.workers.config import (
     EngineConfig,
     McoreActorConfig,
     McoreCheckpointConfig,
+    McoreCriticConfig,
     McoreEngineConfig,
     McoreOptimizerConfig,
     OptimizerConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "EngineConfig",
     "McoreActorConfig",
     "McoreCheckpointConfig",
+    "McoreCriticConfig",
     "McoreEngineConfig",
     "McoreOptimizerConfig",
     "OptimizerConfig",
@@ -247,8 +249,9 @@ _WARNED: set[tuple[int, int, int]] = set()
 
 def _stock_iterator(engine: Any, make_iterator: Any, data: Any, mini_batch_size: int, epochs: int, seed: Any,
                     dataloader_kwargs: Any) -> Iterator[Any]:
-    from hdp.integrations.verl import minibatches
+    from hdp.integrations.verl import minibatches, old_log_prob
 
+    old_log_prob.check_mini_batch(data, mini_batch_size, epochs)  # a skipped pass's stand-in: one update only
     dp = int(engine.domain.size)
     n = int(data.batch_size[0])
     idx = minibatches.stock_minibatch_indices(n, dp, int(mini_batch_size), int(epochs), seed, dataloader_kwargs,
@@ -323,6 +326,83 @@ def balance_batch_for_stock_dp(trainer_cls: type) -> bool:
 
     _balance_batch._hdp_guard = True  # type: ignore[attr-defined]
     trainer_cls._balance_batch = _balance_batch
+    return True
+
+
+def skip_redundant_old_log_prob(trainer_cls: type) -> bool:
+    """Make verl's v1 trainer (``trainer_cls``: ``PPOTrainer``) skip the actor's old-log-prob pass when the job
+    says so (:func:`hdp.integrations.verl.old_log_prob.resolve`, decided once per trainer); True if this call
+    patched.
+
+    Why: verl 0.9.1 always runs the pass outside bypass mode (``_compute_old_log_prob``; its own shortcut,
+    bypass mode, uses the rollout's log-probs and so changes the objective).  Wraps ``_compute_old_log_prob``
+    (skipped: `old_log_prob.skip_pass` writes the NaN stand-in; either way ``actor/hdp/old_log_prob_skipped``
+    says which ran) and ``_update_actor`` (the update's batch carries `old_log_prob.SKIP_FLAG`, for that call
+    only).  Subclasses that call them through ``super()`` get the same.  Can go when verl skips the pass."""
+    from hdp.integrations.verl import old_log_prob
+
+    orig_old = trainer_cls.__dict__.get("_compute_old_log_prob")
+    orig_update = trainer_cls.__dict__.get("_update_actor")
+    if orig_old is None or orig_update is None or getattr(orig_old, "_hdp_guard", False):
+        return False
+
+    def skips(self: Any) -> bool:
+        if getattr(self, "_hdp_skip_old", None) is None:
+            self._hdp_skip_old = old_log_prob.resolve(self.config)
+        return self._hdp_skip_old
+
+    @functools.wraps(orig_old)
+    def _compute_old_log_prob(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
+        on_hdp = str(self.config.actor_rollout_ref.actor.get("strategy", "")) == "hdp"
+        if not skips(self):
+            if on_hdp:
+                metrics["actor/hdp/old_log_prob_skipped"] = 0.0
+            return orig_old(self, batch, metrics, *args, **kwargs)
+        metrics["actor/hdp/old_log_prob_skipped"] = 1.0
+        return old_log_prob.skip_pass(batch)
+
+    @functools.wraps(orig_update)
+    def _update_actor(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
+        if not skips(self):
+            return orig_update(self, batch, metrics, *args, **kwargs)
+        batch.extra_info[old_log_prob.SKIP_FLAG] = True
+        try:
+            return orig_update(self, batch, metrics, *args, **kwargs)
+        finally:
+            batch.extra_info.pop(old_log_prob.SKIP_FLAG, None)
+
+    for new in (_compute_old_log_prob, _update_actor):
+        new._hdp_guard = True  # type: ignore[attr-defined]
+    trainer_cls._compute_old_log_prob = _compute_old_log_prob
+    trainer_cls._update_actor = _update_actor
+    return True
+
+
+def detached_worker_handlers(worker_cls: type) -> bool:
+    """Give verl's detached actor worker (``worker_cls``: ``DetachActorWorker`` of its separate- and
+    fully-async trainers) Megatron's save/restore handlers when the actor runs on hdp; True if this call patched.
+
+    Why: verl 0.9.1 picks the handlers that keep the start-of-cycle policy on the host for the old-log-prob
+    pass by ``actor.strategy`` (``experimental/separation/engine_workers.py`` ``_get_strategy_handlers``) and
+    raises ``NotImplementedError`` for anything but fsdp, fsdp2, veomni and megatron.  An hdp engine's
+    ``module`` is Megatron's list of DDP chunks, so Megatron's own handlers
+    (``verl.utils.megatron_utils.copy_megatron_model_to_cpu`` / ``restore_megatron_model_from_cpu``) are the
+    right ones: they are mapped, not copied.  Can go when verl asks the engine for its handlers."""
+    orig = worker_cls.__dict__.get("_get_strategy_handlers")
+    if orig is None or getattr(orig, "_hdp_guard", False):
+        return False
+
+    @functools.wraps(orig)
+    def _get_strategy_handlers(self: Any) -> Any:
+        if getattr(self, "_strategy_handlers", None) is None and self.config.actor.strategy == "hdp":
+            from verl.utils import megatron_utils
+
+            self._strategy_handlers = (megatron_utils.copy_megatron_model_to_cpu,
+                                       megatron_utils.restore_megatron_model_from_cpu)
+        return orig(self)
+
+    _get_strategy_handlers._hdp_guard = True  # type: ignore[attr-defined]
+    worker_cls._get_strategy_handlers = _get_strategy_handlers
     return True
 
 

@@ -32,6 +32,7 @@ from hdp.integrations.verl.checks import (
     check_fused_kernels,
     check_parallel_size,
     check_remove_padding,
+    check_token_budgets,
     check_ulysses,
     check_zero_memory_experts,
     role_key,
@@ -44,6 +45,7 @@ __all__ = [
     "HdpOptions",
     "HdpEngineConfig",
     "HdpActorConfig",
+    "HdpCriticConfig",
     "to_hdp_engine_config",
     "to_mcore_optimizer_config",
     "to_mcore_checkpoint_config",
@@ -73,6 +75,17 @@ class HdpOptions(options.HdpOptions):
     """As `hdp.trainer.options.HdpOptions.calibration_path`; verl's default keeps the records (`VERL_DEFAULTS`)."""
     collective_timeout_s: float = options.VERL_DEFAULTS["collective_timeout_s"]
     """As `hdp.trainer.options.HdpOptions.collective_timeout_s`; verl's default: 600 s (`VERL_DEFAULTS`)."""
+    skip_old_log_prob: bool | str = "auto"
+    """The actor's old-log-prob pass on an on-policy step (`hdp.integrations.verl.old_log_prob`): ``auto`` skips
+    it exactly when it is redundant (one mini-batch covering the batch, one PPO epoch, nothing reading the old
+    log-probs before the update) and the update uses its own forward's log-probs, detached, as the old ones;
+    ``true`` skips it and is a config error naming the keys that make the step need it; ``false`` always runs it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.skip_old_log_prob
+        if v not in (True, False, "auto"):
+            raise ValueError(f"{self._field('skip_old_log_prob')}={v!r}: pass auto, true or false")
 
 
 @dataclass
@@ -81,8 +94,13 @@ class HdpEngineConfig(compat.McoreEngineConfig):
 
     strategy: str = HDP_STRATEGY
     hdp: HdpOptions = field(default_factory=HdpOptions)
+    role: Optional[str] = None
+    """``critic`` for the critic's engine (hdp's critic config sets it); null: the actor's, or the reference
+    model's when ``forward_only`` (errors name the role's verl keys)."""
 
     def __post_init__(self) -> None:
+        if self.role not in (None, "critic"):
+            raise ValueError(f"{role_key(self)}.megatron.role={self.role!r}: set null (actor, ref) or 'critic'")
         if self.strategy != HDP_STRATEGY:
             raise ValueError(
                 f"{role_key(self)}.megatron.strategy={self.strategy!r}: HdpEngineConfig is the hdp engine's config; "
@@ -91,6 +109,7 @@ class HdpEngineConfig(compat.McoreEngineConfig):
         if isinstance(self.hdp, dict):  # OmegaConf merge paths hand plain dicts
             object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
         key = f"{role_key(self)}.megatron"
+        hkey = f"{role_key(self) if self.role == 'critic' else _KEY}.hdp"  # the ref follows the actor's options
         # hdp supplies CP inside attention over the domain (the DP ranks of one TP rank and PP stage)
         fixes = {
             "context_parallel_size": (1, "hdp splits long samples itself; bound memory with hdp.max_tokens_per_rank"),
@@ -107,13 +126,13 @@ class HdpEngineConfig(compat.McoreEngineConfig):
         if self.hdp.zero_memory is not ZeroMemoryLevel.NONE and etp != 1:
             raise ValueError(
                 f"{key}.expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} (expert TP {etp}; null means "
-                f"TP = {self.tensor_model_parallel_size}): {_KEY}.hdp.zero_memory={self.hdp.zero_memory.value} "
+                f"TP = {self.tensor_model_parallel_size}): {hkey}.zero_memory={self.hdp.zero_memory.value} "
                 f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
         overrides = dict(self.override_transformer_config or {})
         check_zero_memory_experts(overrides.get("moe_grouped_gemm", False), self.hdp.zero_memory.value,
-                                  f"{key}.override_transformer_config.moe_grouped_gemm", f"{_KEY}.hdp.zero_memory")
+                                  f"{key}.override_transformer_config.moe_grouped_gemm", f"{hkey}.zero_memory")
         check_fused_kernels(getattr(self, "use_fused_kernels", False))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
@@ -154,6 +173,31 @@ class HdpActorConfig(compat.McoreActorConfig):
         if model_config is not None:
             check_remove_padding(model_config.get("use_remove_padding", True))
             check_fused_kernels(model_config.get("use_fused_kernels", False))
+
+
+@dataclass
+class HdpCriticConfig(compat.McoreCriticConfig):
+    """verl's ``McoreCriticConfig`` whose engine is a :class:`HdpEngineConfig` (role ``critic``) carrying
+    ``critic.hdp`` (by default the actor's options): the value model trains on hdp plans."""
+
+    strategy: str = HDP_STRATEGY
+    megatron: HdpEngineConfig = field(default_factory=lambda: HdpEngineConfig(role="critic"))
+    hdp: HdpOptions = field(default_factory=HdpOptions)
+
+    def __post_init__(self) -> None:
+        if self.strategy != HDP_STRATEGY:
+            raise ValueError(f"critic.strategy={self.strategy!r}: HdpCriticConfig runs the hdp engine; set {HDP_STRATEGY!r}")
+        if isinstance(self.hdp, dict):
+            object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
+        super().__post_init__()  # CriticConfig checks; engine = megatron
+        engine = to_hdp_engine_config(self.megatron, self.hdp)
+        if engine.role != "critic":
+            engine = dataclasses.replace(engine, role="critic")
+        object.__setattr__(self, "megatron", engine)
+        self.engine = engine
+        check_token_budgets(hdp_budget=self.hdp.max_tokens_per_rank, budgets={
+            "critic.ppo_infer_max_token_len_per_gpu": getattr(self, "ppo_infer_max_token_len_per_gpu", None),
+            "critic.ppo_max_token_len_per_gpu": self.ppo_max_token_len_per_gpu})
 
 
 # ---- converters --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,23 @@ def prepare(root: str | Path, *, n_prompts: int = 8) -> dict[str, str]:
     return {"model": str(model), "data": str(data), "reward": str(reward), "out": str(root / "out")}
 
 
-def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[str]:
-    """``python -m verl.trainer.main_ppo`` with the overrides of the tiny CPU GRPO run."""
+def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bool = False,
+            overrides: Sequence[str] = ()) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with the overrides of the tiny CPU GRPO run (``critic``: PPO with
+    GAE, the value model on hdp too), then ``overrides`` (verl's ``KEY=VALUE``)."""
     budget = 256
+    records = Path(paths["out"]).parent / "hdp_calibration" / "{role}.jsonl"  # actor.jsonl, critic.jsonl
+    value = [
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={paths['model']}",
+        "critic.model.use_remove_padding=True",
+        "critic.megatron.dtype=float32",
+        f"critic.ppo_max_token_len_per_gpu={budget}",
+        "critic.optim.lr=1e-3",
+    ] if critic else ["algorithm.adv_estimator=grpo"]
     return [
         sys.executable, "-m", "verl.trainer.main_ppo",
-        "algorithm.adv_estimator=grpo",
+        *value,
         "model_engine=hdp",
         f"data.train_files={paths['data']}",
         f"data.val_files={paths['data']}",
@@ -83,7 +94,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
-        f"actor_rollout_ref.actor.hdp.calibration_path={Path(paths['out']).parent / 'hdp_calibration' / 'actor.jsonl'}",
+        f"actor_rollout_ref.actor.hdp.calibration_path='{records}'",
         "actor_rollout_ref.actor.megatron.dtype=float32",
         "actor_rollout_ref.ref.megatron.dtype=float32",
         "actor_rollout_ref.rollout.name=hf_cpu",
@@ -107,6 +118,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2) -> list[st
         "ray_kwargs.ray_init.num_cpus=16",  # logical slots: TaskRunner, TransferQueue, workers, servers
         "+ray_kwargs.ray_init.include_dashboard=False",
         f"+ray_kwargs.ray_init.resources={{NPU:{ranks}}}",  # logical slots (see hdp.integrations.verl.scaffolding.platform)
+        *overrides,
     ]
 
 
@@ -122,14 +134,14 @@ def environment() -> dict[str, str]:
     }
 
 
-def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 1800.0,
-        echo: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
+def run(root: str | Path, *, steps: int = 3, ranks: int = 2, critic: bool = False, overrides: Sequence[str] = (),
+        timeout: float = 1800.0, echo: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
     """Run the demo under ``root``; returns (exit code, verl's step lines), each also passed to ``echo``."""
     import re
     import subprocess
 
     paths = prepare(root)
-    proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks), env=environment(), cwd=str(root),
+    proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks, critic=critic, overrides=overrides), env=environment(), cwd=str(root),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     steps_seen: list[str] = []
     assert proc.stdout is not None
@@ -147,10 +159,10 @@ def run(root: str | Path, *, steps: int = 3, ranks: int = 2, timeout: float = 18
 
 
 def hdp_metrics(step_line: str) -> dict[str, float]:
-    """``actor/hdp/*`` metrics of one verl console step line (``name:value`` pairs)."""
+    """``actor/hdp/*`` and ``critic/hdp/*`` metrics of one verl console step line (``name:value`` pairs)."""
     import re
 
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"(actor/hdp/[\w/]+):([-+\w.]+)", step_line)
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"((?:actor|critic)/hdp/[\w/]+):([-+\w.]+)", step_line)
             if m.group(2) not in ("nan",)}
 
 
@@ -164,13 +176,17 @@ def main(argv: list[str] | None = None, echo: Callable[..., None] | None = None)
     parser.add_argument("--out", default="out/verl-demo")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--critic", action="store_true", help="PPO with GAE: the critic (value model) on hdp too")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override of verl's main_ppo (repeatable), e.g. actor_rollout_ref.actor.hdp.skip_old_log_prob=false")
     args = parser.parse_args(argv)
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     show = echo if echo is not None else _log
-    show(f"hdp demo --verl: verl main_ppo, GRPO, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
+    algo = "PPO (GAE, critic on hdp)" if args.critic else "GRPO"
+    show(f"hdp demo --verl: verl main_ppo, {algo}, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
          f"model_engine=hdp (files under {root})")
-    code, lines = run(root, steps=args.steps, ranks=args.ranks, echo=show)
+    code, lines = run(root, steps=args.steps, ranks=args.ranks, critic=args.critic, overrides=args.set, echo=show)
     for i, line in enumerate(lines, 1):
         show(f"step {i}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(hdp_metrics(line).items())))
     if code != 0 or not lines:

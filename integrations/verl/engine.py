@@ -43,9 +43,10 @@ from hdp.integrations.verl import compat
 from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import sample_lengths, verl_outputs
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
-                                          check_zero_memory_experts)
+                                          check_shared_layout, check_zero_memory_experts, role_key)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
-from hdp.integrations.verl.loss import VerlLoss
+from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
+from hdp.integrations.verl.routes import route_replay
 from hdp.integrations.verl.domain import VerlDomain
 from hdp.integrations.verl.memory import verl_memory
 from hdp.device import select_device
@@ -56,7 +57,7 @@ from hdp.trainer.planning import DomainPlanner, auto_cost_model
 from hdp.trainer.rounds import RoundCore
 from hdp.trainer.step import Pass, Prepared, Steps
 
-__all__ = ["HdpMegatronEngine", "npu_engine_class"]
+__all__ = ["HdpMegatronEngine", "HdpMegatronValueEngine", "npu_engine_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ _MegatronLM = compat.megatron_lm_engine()
 
 class HdpMegatronEngine(_MegatronLM):
     """verl's ``MegatronEngineWithLMHead`` running hdp plans over the whole DP×CP domain."""
+
+    loss_class: type[VerlLoss] = VerlLoss
+    """The round loss adapter: log-probs and entropies (the value engine's: values)."""
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
@@ -106,6 +110,11 @@ class HdpMegatronEngine(_MegatronLM):
     def _init_device_mesh(self) -> None:
         with compat.megatron_group_timeout(self.hdp_config.hdp.collective_timeout_s):
             super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
+        ps = compat.mpu()  # built by this engine, or by the one constructed before it in this process
+        check_shared_layout(self.hdp_config, {
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size()})
         self._domain = VerlDomain.build(compat.mpu().get_data_parallel_group(), mc.megatron_groups(),
                                      self.hdp_config.hdp.collective_timeout_s)
 
@@ -134,7 +143,7 @@ class HdpMegatronEngine(_MegatronLM):
         mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev, vpp=len(self.module))
         train, infer = opts.token_budgets(self.engine_config.max_token_len_per_gpu,
                                           self.engine_config.infer_max_token_len_per_gpu, memory_limit=limit)
-        records = None if getattr(self.engine_config, "forward_only", False) else opts.records_path("actor")
+        records = None if getattr(self.engine_config, "forward_only", False) else opts.records_path(self.role)
         if records is not None:
             logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
         self.planner = DomainPlanner(opts.planner_config(dom.size, dom.layout.pp_size, door_budget=train, cost=opts.with_cost(auto),
@@ -165,7 +174,13 @@ class HdpMegatronEngine(_MegatronLM):
 
     @property
     def role_key(self) -> str:
-        return "actor_rollout_ref.ref" if getattr(self.engine_config, "forward_only", False) else "actor_rollout_ref.actor"
+        """The verl config key of this engine's role (``actor_rollout_ref.actor`` / ``.ref``, ``critic``)."""
+        return role_key(self.hdp_config)
+
+    @property
+    def role(self) -> str:
+        """``actor``, ``ref`` or ``critic``."""
+        return self.role_key.rsplit(".", 1)[-1]
 
     @property
     def pad_token_id(self) -> int:
@@ -254,9 +269,11 @@ class HdpMegatronEngine(_MegatronLM):
             mask = data["loss_mask"]
             n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
             compat.tensordict_utils().assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # a group's share
-            adapter = VerlLoss(self, taken.plan, data, loss_function, train)
+            adapter = self.loss_class(self, taken.plan, data, loss_function, train)
             digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
-            return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms)
+            return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms,
+                            hooks=route_replay(self.engine_config, taken.plan, data, train, self.domain.layout,
+                                               self.tf_config))  # verl's MoE router replay, or None
 
         return prepare
 
@@ -294,16 +311,35 @@ class HdpMegatronEngine(_MegatronLM):
 
     def _collect(self, done: Pass) -> dict[str, Any]:
         """verl's output dict on its collect rank (model_output in sample order, loss, metrics); ``{}``
-        elsewhere.  The gathers run over the domain of TP rank 0 on the last stage only."""
+        elsewhere.  The gathers run over the domain of TP rank 0 on the last stage only (a recorded pass's
+        routes over the job)."""
         fp64 = next(self.module[0].parameters()).dtype == torch.float64  # logprobs_entropy's accumulation
         with self.core.phases.phase("collect"):
-            return verl_outputs(done, self.domain.layout, torch.float64 if fp64 else torch.float32)
+            hooks = done.prepared.hooks
+            routes = None
+            if hooks is not None and hooks.record:
+                routes = hooks.collect(done.plan.num_rounds, len(self.module), self.domain.layout.world)
+            out = verl_outputs(done, self.domain.layout, torch.float64 if fp64 else torch.float32)
+            if routes is not None and out:
+                out["model_output"]["routed_experts"] = compat.as_nested(routes)  # [S, L_i, layers, K] int16
+            return out
 
 
-def npu_engine_class() -> type | None:
-    """The hdp engine for Ascend NPUs (on verl's MindSpeed engine), or None when MindSpeed is absent.
-    Not run on hardware."""
+class HdpMegatronValueEngine(HdpMegatronEngine):
+    """verl's value model (the critic's engine, ``model_type="value_model"``) on hdp plans: the same engine,
+    its model built by verl with the value head (``is_value_model``: mbridge's one-output last layer in place
+    of the LM head), each round's values through verl's ``value_loss`` on whole samples
+    (:class:`~hdp.integrations.verl.loss.VerlValueLoss`), ``compute_values`` returning ``values``."""
+
+    loss_class = VerlValueLoss
+
+
+def npu_engine_class(value: bool = False) -> type | None:
+    """The hdp engine (``value``: the value model's) for Ascend NPUs, on verl's MindSpeed engine, or None
+    when MindSpeed is absent.  Not run on hardware."""
     base = compat.mindspeed_lm_engine()
     if base is None:
         return None
-    return type("HdpMindspeedEngine", (HdpMegatronEngine, base), {"__doc__": "HdpMegatronEngine on verl's MindSpeed engine (NPU)."})
+    ours = HdpMegatronValueEngine if value else HdpMegatronEngine
+    return type(f"{ours.__name__.replace('Megatron', 'Mindspeed')}", (ours, base),
+                {"__doc__": f"{ours.__name__} on verl's MindSpeed engine (NPU)."})

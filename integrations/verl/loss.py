@@ -14,35 +14,48 @@ from typing import Any, Callable
 import torch
 
 from hdp.dispatch import group_samples_flat, pack
-from hdp.integrations.verl import compat
+from hdp.integrations.verl import compat, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
 from hdp.logprobs import logprobs_entropy
 from hdp.packing import Plan
 from hdp.trainer.rounds import RoundInput, next_token_targets
 
-__all__ = ["VerlLoss"]
+__all__ = ["VerlLoss", "VerlValueLoss"]
 
 
 class VerlLoss:
     """The round loss of verl: log-probs (and entropies) of this rank's chunks, the group's samples
     assembled whole, verl's loss function on them; outputs kept for verl's collect rank."""
 
+    width = 2
+    """C: per-token columns `local` returns (log-prob, entropy)."""
+
     def __init__(self, engine: Any, plan: Plan, data: Any, loss_function: Callable | None,
                  train: bool) -> None:
         tu = compat.tensordict_utils()
         self.engine, self.plan, self.data, self.loss_function, self.train = engine, plan, data, loss_function, train
         self.entropy = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
+        # the driver skipped the old-log-prob pass (`hdp.integrations.verl.old_log_prob`): this update's own
+        # log-probs are the old ones, and its entropy is the pass's ``actor/entropy``
+        self.own_old = train and bool(tu.get_non_tensor_data(data, key=old_log_prob.SKIP_FLAG, default=False))
+        self.entropy_asked = self.entropy
+        self.entropy = self.entropy or self.own_old
         self.samples = list(data["input_ids"].unbind())  # S x [L_i]: the rounds' tokens (unbound once a step)
         self.targets = next_token_targets(self.samples, engine.pad_token_id)  # verl: position p predicts p+1
         temp = data["temperature"] if "temperature" in data.keys() else 1.0
         self.temperature = torch.as_tensor(temp, dtype=torch.float32)  # [] or [S]
-        self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, 2] (log-prob, entropy)
+        self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, C] (`fields`: log-prob, entropy; or value)
         self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
         self.leader_losses: list[torch.Tensor] = []
         self.rows = SampleRows(data) if train and loss_function is not None else None  # each group's sub-batch
-        self.whole: dict[int, torch.Tensor] = {}  # round -> [ΣL_i, 2] of the group this rank leads (training)
+        self.whole: dict[int, torch.Tensor] = {}  # round -> [ΣL_i, C] of the group this rank leads (training)
 
-    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
+    def fields(self) -> dict[str, int]:
+        """verl's ``model_output`` names of the columns this adapter keeps per token."""
+        return {"log_probs": 0, "entropy": 1} if self.entropy else {"log_probs": 0}
+
+    def local(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor:
+        """[Tr, C] per-token outputs of this rank's chunks (log-prob, entropy) from the round's logits [Tr, Vl]."""
         meta, eng = rnd.meta, self.engine
         assert meta is not None
         dev = logits.device
@@ -50,22 +63,46 @@ class VerlLoss:
         logp, ent = logprobs_entropy(logits, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
                                      temperature=temp.to(dev), entropy=self.entropy,
                                      chunk=int(eng.engine_config.entropy_from_logits_chunk_size))  # [Tr]
-        local = torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)  # [Tr, 2]
+        return torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)  # [Tr, 2]
+
+    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
+        meta, eng = rnd.meta, self.engine
+        assert meta is not None
+        local = self.local(rnd, logits)  # [Tr, C]
         self.outputs[rnd.index] = local.detach()
         if not self.train or self.loss_function is None:
             return None
         with eng.core.phases.phase("exchange"):
-            full = group_samples_flat(self.plan, meta, local, eng.domain.layout.domain)  # [ΣL_i, 2]; own rows keep grad
+            full = group_samples_flat(self.plan, meta, local, eng.domain.layout.domain)  # [ΣL_i, C]; own rows keep grad
         assert self.rows is not None
         if meta.j == 0:  # the group's leader keeps its samples whole for verl's collect rank
             self.whole[rnd.index] = full.detach()
         sub = self.rows.select(meta.samples)  # the group's rows of verl's batch, in group order
-        out = {"log_probs": compat.nested_from_flat(full[:, 0], meta.group_lengths)}
-        if self.entropy:
-            out["entropy"] = compat.nested_from_flat(full[:, 1], meta.group_lengths)
+        out = {name: compat.nested_from_flat(full[:, col], meta.group_lengths) for name, col in self.fields().items()}
+        if self.own_old:
+            old_log_prob.substitute(sub, out["log_probs"])
         loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=eng.get_data_parallel_group())
+        if self.own_old and "actor/entropy_loss" in metrics:  # the skipped pass's metric, from this forward
+            metrics = dict(metrics)
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"] if self.entropy_asked else metrics.pop("actor/entropy_loss")
         if meta.j == 0:  # one copy per group (its leader)
             self.leader_metrics.append({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
                                         for k, v in metrics.items()})
             self.leader_losses.append(loss.detach())
         return loss
+
+
+class VerlValueLoss(VerlLoss):
+    """The round loss of verl's value model (critic): the value head's output per token (one value per input
+    token, verl's ``values`` before its shift to the responses), the group's samples whole, verl's
+    ``value_loss`` on them; values kept for verl's collect rank."""
+
+    width = 1
+
+    def fields(self) -> dict[str, int]:
+        return {"values": 0}
+
+    def local(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor:
+        """[Tr, 1] float32 values from the value head's output [Tr, 1] (every TP rank holds them whole:
+        the head gathers the sequence-parallel rows)."""
+        return logits[:, :1].float()

@@ -12,9 +12,10 @@ reward processes never need.  So this module only
   hdp_ppo_trainer``; ``Plugins.instance().register``, Hydra's public manual-registration call), and
 * arranges that when *something else* imports ``verl.workers.engine.base`` (a training worker
   does, to build its engine), :class:`HdpEngine` — a small ``BaseEngine`` subclass — is registered
-  in ``EngineRegistry`` under model type ``language_model``, backend ``hdp``, devices ``cuda``,
-  ``npu`` and ``cpu``.  Constructing it builds the real engine
-  (:class:`hdp.integrations.verl.engine.HdpMegatronEngine`, or its MindSpeed variant on NPUs);
+  in ``EngineRegistry`` under model types ``language_model`` (actor, ref) and ``value_model`` (critic),
+  backend ``hdp``, devices ``cuda``, ``npu`` and ``cpu``.  Constructing it builds the real engine
+  (:class:`hdp.integrations.verl.engine.HdpMegatronEngine` / ``HdpMegatronValueEngine``, or their
+  MindSpeed variants on NPUs);
   only then are hdp's engine, the hdp runtime and Megatron imported;
 * when ``verl.workers.config.actor`` is imported, makes ``actor.strategy=hdp`` on verl's Megatron
   actor config fail with an error that names the override to use (:func:`guard_megatron_actor`),
@@ -46,6 +47,7 @@ from hdp.integrations.verl import config_dir
 __all__ = [
     "BACKEND",
     "DEVICES",
+    "MODEL_TYPES",
     "MEGATRON_CONFIG_HINT",
     "register",
     "register_engines",
@@ -75,23 +77,28 @@ MEGATRON_CONFIG_HINT = (
 """The error raised for ``actor.strategy=hdp`` on a Megatron actor config (see :func:`guard_megatron_actor`)."""
 
 
-def engine_class() -> type:
-    """The engine class the ``hdp`` backend builds on this machine (imports hdp's engine and Megatron).
+MODEL_TYPES = ("language_model", "value_model")
+"""verl's model types hdp registers an engine for: the actor and reference model, and the critic."""
 
-    On NPUs with MindSpeed installed: ``HdpMindspeedEngine``; otherwise ``HdpMegatronEngine``.
-    """
-    from hdp.integrations.verl.engine import HdpMegatronEngine, npu_engine_class
+
+def engine_class(model_type: str = "language_model") -> type:
+    """The engine class the ``hdp`` backend builds for ``model_type`` on this machine (imports hdp's engine
+    and Megatron): ``HdpMegatronEngine``, or ``HdpMegatronValueEngine`` for ``value_model``; on NPUs with
+    MindSpeed installed, their MindSpeed variants."""
+    from hdp.integrations.verl.engine import HdpMegatronEngine, HdpMegatronValueEngine, npu_engine_class
     from verl.utils.device import get_device_name
 
+    value = model_type == "value_model"
     if get_device_name() == "npu":
-        npu_cls = npu_engine_class()
+        npu_cls = npu_engine_class(value)
         if npu_cls is not None:
             return npu_cls
-    return HdpMegatronEngine
+    return HdpMegatronValueEngine if value else HdpMegatronEngine
 
 
-def _lazy_engine(base_engine: type) -> type:
-    """The class registered in verl's EngineRegistry: a ``BaseEngine`` whose construction builds the real one."""
+def _lazy_engine(base_engine: type, model_type: str = "language_model") -> type:
+    """The class registered in verl's EngineRegistry for ``model_type``: a ``BaseEngine`` whose construction
+    builds the real one."""
 
     class HdpEngine(base_engine):  # type: ignore[misc,valid-type]
         """Stand-in registered for backend ``hdp``; ``HdpEngine(...)`` returns a :func:`engine_class` instance.
@@ -105,18 +112,19 @@ def _lazy_engine(base_engine: type) -> type:
         _hdp_lazy = True
 
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            return engine_class()(*args, **kwargs)
+            return engine_class(model_type)(*args, **kwargs)
 
         @staticmethod
         def resolve() -> type:
             """The real engine class (:func:`engine_class`)."""
-            return engine_class()
+            return engine_class(model_type)
 
     return HdpEngine
 
 
 def register_engines(registry_module: ModuleType | None = None) -> list[str]:
-    """Register the lazy ``hdp`` engine for every device not registered yet; returns the keys added.
+    """Register the lazy ``hdp`` engine for every model type (`MODEL_TYPES`) and device not registered yet;
+    returns the ``model_type/device`` keys added.
 
     Imports ``verl.workers.engine.base`` unless given (call it from a process that builds engines).
     """
@@ -125,13 +133,16 @@ def register_engines(registry_module: ModuleType | None = None) -> list[str]:
     if registry_module is None:
         registry_module = importlib.import_module(_REGISTRY_MODULE)
     registry = registry_module.EngineRegistry
-    have = compat.registered_keys(registry, "language_model", BACKEND)
-    missing = [d for d in DEVICES if d not in have]
-    if missing:
-        registry.register(model_type="language_model", backend=BACKEND, device=missing)(
-            _lazy_engine(registry_module.BaseEngine)
-        )
-    return missing
+    added: list[str] = []
+    for model_type in MODEL_TYPES:
+        have = compat.registered_keys(registry, model_type, BACKEND)
+        missing = [d for d in DEVICES if d not in have]
+        if missing:
+            registry.register(model_type=model_type, backend=BACKEND, device=missing)(
+                _lazy_engine(registry_module.BaseEngine, model_type)
+            )
+            added += [f"{model_type}/{d}" for d in missing]
+    return added
 
 
 def register_search_path() -> bool:
@@ -266,8 +277,15 @@ def guard_hydra_overrides() -> bool:
 _TRAINERS = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
 """verl's trainer base classes whose ``_balance_batch`` balances for stock's DP size under hdp (the
 separate-, fully-async and one-step-off trainers inherit the legacy one)."""
+_V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+"""verl's v1 trainer, whose old-log-prob pass hdp skips when it is redundant."""
+_CONFIG_MODULE = "verl.utils.config"
+"""verl's ``validate_config`` (the driver's config check, before Ray starts)."""
+_DETACHED_MODULE = "verl.experimental.separation.engine_workers"
+"""verl's detached actor worker (separate- and fully-async trainers)."""
 _HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn",
-          **{m: "_balance_or_warn" for m in _TRAINERS}}
+          **{m: "_balance_or_warn" for m in _TRAINERS}, _CONFIG_MODULE: "_validate_or_warn",
+          _DETACHED_MODULE: "_detached_or_warn"}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -346,11 +364,62 @@ def _balance_or_warn(module: ModuleType) -> bool:
         from hdp.integrations.verl import compat
 
         compat.balance_batch_for_stock_dp(getattr(module, _TRAINERS[module.__name__]))
+        if module.__name__ == _V1_TRAINER:
+            compat.skip_redundant_old_log_prob(getattr(module, _TRAINERS[module.__name__]))
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not make %s balance for stock verl's data-parallel size (%s: %s); "
                        "under hdp its mini-batches then differ from stock verl's", module.__name__,
                        type(exc).__name__, exc)
+        return False
+
+
+def guard_validate_config(config_module: ModuleType) -> bool:
+    """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks
+    (:func:`hdp.integrations.verl.checks.check_job_layout` before verl's own: settings spread over the actor's,
+    the ref's and the critic's configs; `check_job_batching` after it: ``use_dynamic_bsz`` and the old-log-prob
+    option); True if this call patched.  Wraps the
+    module attribute right after the module executed, so every ``from verl.utils.config import validate_config``
+    binds the wrapper.  Can go when verl's validation calls the engines' own job checks."""
+    orig = config_module.validate_config
+    if getattr(orig, "_hdp_guard", False):
+        return False
+    import functools
+
+    @functools.wraps(orig)
+    def validate_config(config: Any, use_reference_policy: bool, use_critic: bool, *args: Any, **kwargs: Any) -> Any:
+        from hdp.integrations.verl.checks import check_job_batching, check_job_layout
+
+        # pure and quick: before verl's own, which builds the roles' configs
+        check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
+        out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
+        check_job_batching(config)
+        return out
+
+    validate_config._hdp_guard = True  # type: ignore[attr-defined]
+    config_module.validate_config = validate_config
+    return True
+
+
+def _detached_or_warn(module: ModuleType) -> bool:
+    try:
+        from hdp.integrations.verl import compat
+
+        compat.detached_worker_handlers(module.DetachActorWorker)
+        return True
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not give verl's DetachActorWorker hdp's save/restore handlers (%s: %s); "
+                       "separate- and fully-async training then refuse actor.strategy=hdp", type(exc).__name__, exc)
+        return False
+
+
+def _validate_or_warn(module: ModuleType) -> bool:
+    try:
+        guard_validate_config(module)
+        return True
+    except Exception as exc:  # plugin boundary
+        logger.warning("hdp verl plugin: could not add hdp's checks to verl's validate_config (%s: %s); they run "
+                       "when the engines are built instead", type(exc).__name__, exc)
         return False
 
 

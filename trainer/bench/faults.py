@@ -1,6 +1,6 @@
 """``hdp bench faults``: inject faults into running engines on local gloo ranks; report how every rank ended.
 
-Issue 14's check, runnable by anyone (``hdp bench faults --json``; the tests in
+The failure contract's check, runnable by anyone (``hdp bench faults --json``; the tests in
 ``tests/test_faults.py`` call the same scenarios).  Every fault is injected on one rank of a tiny
 GPT trained by :class:`hdp.trainer.engine.HdpEngine` through its public API; for each the report
 lists::

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="CPU demo: train a small GPT on 4 gloo ranks with static CP, then HDP; "
                                     "--verl: a few GRPO steps through verl's main_ppo with model_engine=hdp")
     d.add_argument("--verl", action="store_true", help="run verl's main_ppo (tiny Qwen3, 2 CPU ranks) instead")
+    d.add_argument("--critic", action="store_true", help="with --verl: PPO with GAE, the critic on hdp too (default GRPO)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --verl: one more override of verl's main_ppo (repeatable)")
     d.add_argument("--ranks", type=positive_int, default=None, help="local gloo ranks (default 4; --verl: 2)")
     d.add_argument("--steps", type=positive_int, default=None, help="steps (default 3; the first a warm-up)")
     d.add_argument("--out", default="out/demo", help="folder for the Gantt chart and the JSON result")

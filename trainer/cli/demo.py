@@ -17,6 +17,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     check_output_dir("--out", args.out)  # before the run, not after it
     if args.verl and args.smoke:
         raise CliError("--smoke: the library demo's smallest mode; for verl's use hdp demo --verl --steps 1")
+    if (args.critic or args.set) and not args.verl:
+        flag = "--critic" if args.critic else "--set"
+        raise CliError(f"{flag}: a flag of hdp demo --verl (verl's main_ppo)")
+    for kv in args.set or []:
+        if "=" not in kv or kv.startswith("="):
+            raise CliError(f"--set {kv!r}: pass a verl override KEY=VALUE")
     if args.verl:
         return _verl_demo(args)
     from hdp.packing.cost import CostModel
@@ -81,4 +87,6 @@ def _verl_demo(args: argparse.Namespace) -> int:
     def echo(text: str, *, error: bool = False) -> None:
         (err if error else con).print(text, markup=False, soft_wrap=True)
 
-    return int(found[0].load()(["--out", out, "--ranks", str(ranks), "--steps", str(steps)], echo=echo))
+    extra = ["--critic"] if getattr(args, "critic", False) else []
+    extra += [f"--set={kv}" for kv in (getattr(args, "set", None) or [])]
+    return int(found[0].load()(["--out", out, "--ranks", str(ranks), "--steps", str(steps), *extra], echo=echo))

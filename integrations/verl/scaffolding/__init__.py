@@ -44,6 +44,24 @@ def _module_cuda_is_noop() -> Iterator[None]:
         torch.nn.Module.cuda = orig  # type: ignore[method-assign]
 
 
+def _without_pinning(fn: Any) -> Any:
+    """``fn`` with ``torch.Tensor.pin_memory`` an identity for the duration of each call (CPU copies only)."""
+    if getattr(fn, "_hdp_unpinned", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        orig = torch.Tensor.pin_memory
+        torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign,assignment]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.pin_memory = orig  # type: ignore[method-assign]
+
+    call._hdp_unpinned = True  # type: ignore[attr-defined]
+    return call
+
+
 class _TorchWithCpuCurrentDevice:
     """``torch`` for one module: the accelerator namespace's ``current_device()`` is "cpu", ``synchronize()`` a no-op."""
 
@@ -127,5 +145,8 @@ def install() -> None:
     import verl.utils.megatron_utils as megatron_utils
 
     megatron_utils.torch = _TorchWithCpuCurrentDevice()
+    # verl's detached workers (separate-/fully-async) copy the model to pinned host memory between policies
+    # (copy_megatron_model_to_cpu: tensor.pin_memory(), which needs an accelerator); on CPU the copy is the copy
+    megatron_utils.copy_megatron_model_to_cpu = _without_pinning(megatron_utils.copy_megatron_model_to_cpu)
     _patch_process_group_backend()
     _installed = True

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["padded_batch", "ref_batch", "old_logp_batch", "update_batch", "random_samples"]
+__all__ = ["padded_batch", "ref_batch", "old_logp_batch", "update_batch", "values_batch", "critic_update_batch",
+           "random_samples"]
 
 
 def random_samples(lengths: Sequence[tuple[int, int]], vocab: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -86,3 +87,15 @@ def update_batch(padded: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
         dataloader_kwargs={"shuffle": False},
         compute_loss=True,
     )
+
+
+def values_batch(padded: dict[str, torch.Tensor]) -> Any:
+    """``_compute_values``'s TensorDict (the critic's forward)."""
+    return _td(padded, compute_loss=False)
+
+
+def critic_update_batch(padded: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], *, mini_batch_size: int,
+                        seed: int = 0, epochs: int = 1) -> Any:
+    """``_update_critic``'s TensorDict: ``extra`` holds padded ``values`` (the old values) and ``returns``."""
+    return _td({**padded, **extra}, global_batch_size=mini_batch_size, mini_batch_size=mini_batch_size,
+               epochs=epochs, seed=seed, dataloader_kwargs={"shuffle": False})

@@ -18,9 +18,11 @@ replica).  Never on the engine's runtime path.
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Any, Generator
 
 import ray
+
 import torch
 
 from verl.workers.rollout.base import BaseRollout
@@ -47,8 +49,9 @@ class HFServer:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.response_length = int(response_length)
         self.eos = self.model.generation_config.eos_token_id
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = int(seed)
         self.global_steps: int | None = None
+        self._seen: dict[tuple[Any, ...], int] = {}  # (step, prompt) -> samples drawn for it so far
 
     def load_weights(self, named: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
         """Load HF-named weights (the trainer's export); returns how many tensors were set."""
@@ -60,6 +63,7 @@ class HFServer:
             for name, t in named.items():
                 state[name].copy_(t.to(state[name].dtype))
         self.global_steps = global_steps
+        self._seen = {}  # a new step draws anew
         return len(named)
 
     @torch.no_grad()
@@ -70,6 +74,13 @@ class HFServer:
         max_new = int(sampling_params.get("max_tokens", sampling_params.get("max_new_tokens", self.response_length)))
         max_new = min(max_new, self.response_length)
         ids = torch.tensor(prompt_ids, dtype=torch.int64)[None]  # [1, P]
+        # each sample's own generator, seeded by (server seed, step, prompt, how many of this prompt came before):
+        # requests arrive in any order from verl's async agent loop, and a run repeats its samples
+        key = (self.global_steps, tuple(prompt_ids))
+        k = self._seen.get(key, 0)
+        self._seen[key] = k + 1
+        text = repr((self.seed, self.global_steps, tuple(prompt_ids), k)).encode()
+        generator = torch.Generator().manual_seed(zlib.crc32(text))
         out, logps = [], []
         past = None
         step_ids = ids
@@ -86,7 +97,7 @@ class HFServer:
                     kth = torch.topk(scaled, min(top_k, scaled.numel())).values[-1]
                     scaled = scaled.masked_fill(scaled < kth, float("-inf"))
                 probs = torch.softmax(scaled, -1)
-                tok = int(torch.multinomial(probs, 1, generator=self.generator))
+                tok = int(torch.multinomial(probs, 1, generator=generator))
                 lp = torch.log(probs[tok])
             out.append(tok)
             logps.append(float(lp))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-__all__ = ["compose", "actor_worker", "environment_for_rank"]
+__all__ = ["compose", "actor_worker", "critic_worker", "environment_for_rank"]
 
 
 def environment_for_rank(rank: int, world: int) -> None:
@@ -57,3 +57,25 @@ def actor_worker(cfg: Any, role: str = "actor") -> Any:
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=role)
     worker.init_model()
     return worker
+
+
+def critic_worker(cfg: Any) -> tuple[Any, Any]:
+    """verl's critic: a ``TrainingWorker`` of ``model_type="value_model"`` built from ``cfg.critic`` as verl's
+    v1 trainer builds it (``trainer/ppo/v1/trainer_base.py``: both token budgets from
+    ``ppo_infer_max_token_len_per_gpu``, ``reset``, verl's ``value_loss``); returns (worker, critic config)."""
+    from functools import partial
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import value_loss
+
+    critic_cfg = omega_conf_to_dataclass(cfg.critic)
+    critic_cfg.engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    critic_cfg.engine.max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type="value_model", model_config=critic_cfg.model, engine_config=critic_cfg.engine,
+        optimizer_config=critic_cfg.optim, checkpoint_config=critic_cfg.checkpoint))
+    worker.reset()
+    worker.set_loss_fn(partial(value_loss, config=critic_cfg))
+    return worker, critic_cfg
