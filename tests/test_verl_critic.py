@@ -6,7 +6,8 @@ Checked against one process on the whole batch (the HF ``transformers`` backbone
 critic's own value head, verl's ``value_loss`` with ``dp_size = 1``): the values of ``compute_values``
 (``infer_batch``) and the loss and gradient norm of an update (``train_mini_batch``), under domain 2
 (PP 1), PP 2 x domain 2 and TP 2 (sequence parallel) x domain 2; then the actor built after it in the same
-process computes the same log-probs as HF.  Tolerances (float32 engine): values ``2e-5`` absolute (O(1)
+process computes the same log-probs as HF; a critic checkpoint saved and loaded gives the same next update
+bit for bit.  Tolerances (float32 engine): values ``2e-5`` absolute (O(1)
 values; packed zigzag chunks, ring attention, fused QKV sum in another order), loss ``1e-5`` relative,
 grad norm ``1e-4`` relative.  A batch sample longer than the token budget puts a CP group in the plan.
 """
@@ -150,6 +151,23 @@ def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
         assert abs(m["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m["loss"], hf_loss)
         assert abs(m["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m["grad_norm"], hf_norm)
     assert os.path.exists(f"{tmp}/records/critic.jsonl") or rank != 0, "the critic writes its own calibration records"
+
+    # verl's critic checkpoint: save, update, load, the same update again: metrics and weights bit for bit
+    def step():
+        res = critic.train_mini_batch(B.critic_update_batch(padded, extra, mini_batch_size=len(LENGTHS)))
+        params = [p.detach().clone() for chunk in engine.module for p in chunk.parameters()]
+        if rank != src:
+            return None, params
+        m = verl_reduce_metrics(tu.get(res, "metrics"))
+        return (m["loss"], m["grad_norm"], m["critic/vf_loss"]), params
+
+    ckpt = os.path.join(tmp, "critic_ckpt")
+    critic.save_checkpoint(ckpt, global_step=1)
+    m2, w2 = step()
+    critic.load_checkpoint(ckpt, del_local_after_load=False)
+    m2b, w2b = step()
+    assert m2 == m2b, (m2, m2b)
+    assert all(torch.equal(a, b) for a, b in zip(w2, w2b))
 
     # the ref's and actor's engines, built after the critic in the same process, share its parallel state
     ref = actor_worker(cfg, role="ref")

@@ -1,7 +1,7 @@
 """MoE router replay under hdp plans (``actor_rollout_ref.actor.megatron.router_replay.mode``), through verl's own
 ``ActorRolloutRefWorker`` on a tiny Qwen3-MoE (4 experts, top-2), with a CP group in the plan (a sample longer
 than the token budget, split in zigzag chunks), under EP 2 x domain 2, PP 2 x domain 2 and TP 2 (sequence
-parallel) x domain 2.
+parallel) x domain 2; the EP case with hdp's MoE zero-memory level1 (the expert path recomputed in backward).
 
 * **R3** (routes from the rollout, replayed in every pass): random routes, unlike the native ones, are given with
   the batch; ``compute_log_prob`` and ``update_actor`` must equal one process (HF ``transformers`` in float32) whose
@@ -106,7 +106,7 @@ def _hf_reference(model_path, samples, padded, extra, actor_cfg, routes=None, r3
     return [x.detach() for x in logps], float(loss), float(norm), native
 
 
-def _worker(rank: int, world: int, tp: int, pp: int, ep: int, tmp: str) -> None:
+def _worker(rank: int, world: int, tp: int, pp: int, ep: int, zero: str, tmp: str) -> None:
     import logging
 
     from hdp.integrations.verl.scaffolding import install
@@ -143,6 +143,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, ep: int, tmp: str) -> None:
             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
             f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
             f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
+            f"actor_rollout_ref.actor.hdp.zero_memory={zero}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}", "actor_rollout_ref.actor.optim.lr=1e-2",
             "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo", "actor_rollout_ref.actor.hdp.auto_calibrate=false",
         ])
@@ -203,10 +204,11 @@ def _worker(rank: int, world: int, tp: int, pp: int, ep: int, tmp: str) -> None:
     assert abs(norm2 - hf_norm2) <= 1e-4 * hf_norm2, (norm2, hf_norm2)
 
 
-CASES = {"ep2": (1, 1, 2), "pp2": (1, 2, 1), "tp2-sp": (2, 1, 1)}
+# (TP, PP, EP, zero-memory): EP 2 with hdp's MoE zero-memory level1 (the expert path recomputed in backward)
+CASES = {"ep2-level1": (1, 1, 2, "level1"), "pp2": (1, 2, 1, "none"), "tp2-sp": (2, 1, 1, "none")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_router_replay_follows_tokens_through_hdp_packing(case: str, tmp_path) -> None:
-    tp, pp, ep = CASES[case]
-    run_distributed(_worker, 2 * tp * pp, tp, pp, ep, str(tmp_path), timeout=300)
+    tp, pp, ep, zero = CASES[case]
+    run_distributed(_worker, 2 * tp * pp, tp, pp, ep, zero, str(tmp_path), timeout=300)
