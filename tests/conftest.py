@@ -9,9 +9,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
+
+from hdp.trainer import launch
+
+if importlib.util.find_spec("verl") is not None:  # verl's imports once, in the fork server the ranks start from
+    launch.PRELOAD = (*launch.PRELOAD, "hdp.integrations.verl.scaffolding.preload")
 
 _SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "sys.executable")
 

@@ -273,7 +273,7 @@ class HdpMegatronEngine(_MegatronLM):
             digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
             return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms,
                             hooks=route_replay(self.engine_config, taken.plan, data, train, self.domain.layout,
-                                               self.tf_config))  # verl's MoE router replay, or None
+                                               getattr(self, "tf_config", None)))  # verl's MoE router replay, or None
 
         return prepare
 
