@@ -374,7 +374,7 @@ def test_cli_calibrate_binary_file_and_one_record(tmp_path, capsys):
 
 
 def test_closed_loop_on_hardware_with_a_large_per_token_cp_overhead(tmp_path):
-    """Issue 11's first check: records from a machine whose every CP rank pays ~5000 units per token
+    """The calibration's first check: records from a machine whose every CP rank pays ~5000 units per token
     (+-3% noise) -> ``hdp calibrate --out`` -> ``hdp plan --cost-model --json`` on held-out RL and
     Wikipedia batches -> every plan scored under that machine.  (examples/cost_closed_loop.py; N=16,
     256 samples per batch, B=8192.)"""

@@ -1,5 +1,5 @@
 """Bad command-line input gets one clear error line naming the field, the value and the fix — never
-a traceback, never a run that is then lost, never a success that checked nothing (issue 14, item 5)."""
+a traceback, never a run that is then lost, never a success that checked nothing."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_bad_input_is_one_clear_line_before_any_run(argv, needle, tmp_path, caps
 
 
 def test_calibrate_rejects_a_huge_outlier_by_name_and_fits_the_rest(tmp_path) -> None:
-    """One record of length 10^12 among 400 (issue 22.4): ``hdp calibrate`` exits 0 with one warning line
+    """One record of length 10^12 among 400: ``hdp calibrate`` exits 0 with one warning line
     naming records[399], and the fitted model equals the fit of the 399 other records alone."""
     from hdp.packing import cost_model
     from hdp.packing.calibrate import group_seconds

@@ -1,4 +1,4 @@
-"""The memory model on the command line (issue 23): ``hdp plan/simulate --memory-gb --shape --layout``
+"""The memory model on the command line : ``hdp plan/simulate --memory-gb --shape --layout``
 derive B and keep every round's predicted peak within the limit, the what-if report compares with static
 CP at the smallest CP size that fits, zero-memory shrinks the group a 32K sample needs, ``hdp calibrate``
 fits the memory coefficients into the cost-model file that plan reads back, and bad input is one line."""
@@ -23,7 +23,7 @@ from hdp.trainer.cli import main
 QWEN = "qwen3-235b-a22b"
 ISSUE = ["plan", "--workload", "rl", "--samples", "256", "-N", "16", "--memory-gb", "64", "--shape", QWEN,
          "--layout", "tp1,pp8,ep16", "--json"]
-"""The command of issue 23's checks."""
+"""The command the memory model's checks run."""
 
 
 def _json_out(capsys):

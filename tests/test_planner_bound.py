@@ -1,4 +1,4 @@
-"""`lower_bound_tight` (issue 11 follow-up): a valid lower bound that also counts what tall samples
+"""`lower_bound_tight`: a valid lower bound that also counts what tall samples
 force on every plan -- no plan the package builds, and no random valid plan, is faster -- with
 and without a pipeline, on random batches and random cost parameters; and it is tighter than
 `lower_bound` where a tall sample must widen."""

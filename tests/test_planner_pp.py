@@ -1,4 +1,4 @@
-"""Pipeline parallelism in the planner and the simulator (issue 13, the planner's side).
+"""Pipeline parallelism in the planner and the simulator (the planner's side).
 
 With PP stages a step costs the sum of round times plus (PP - 1) times the longest round (the
 pipeline's fill and drain); the lower bound accounts for it, and the hdp policy plans for it:

@@ -1,4 +1,4 @@
-"""hdp is never worse than any other plan the package builds (issue 11, item 4).
+"""hdp is never worse than any other plan the package builds.
 
 Under the cost model it plans with, hdp's step time is at most that of static-cp, verl-kk,
 megatron-dcp, ascend-hdp and hdp with power-of-two groups, on random batches and random cost

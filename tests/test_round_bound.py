@@ -1,4 +1,4 @@
-"""`round_capacity_bound` (issue 11): the lower bound that prices the ranks a sample uses in the round
+"""`round_capacity_bound`: the lower bound that prices the ranks a sample uses in the round
 of the longest sample, in time and in tokens at once.  It must stay below the exact optimum, every
 plan the package builds and random valid plans on batches with tall samples, and it must be active
 (above T*) on such batches; its pieces (`FirstFit`, the fractional knapsack) are checked against

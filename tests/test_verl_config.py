@@ -314,7 +314,7 @@ def test_cli_finds_the_verl_bench_through_the_entry_point():
     assert not any("hdp.integrations" in p.read_text() for p in src.rglob("*.py")), "trainer/ must not import hdp.integrations"
 
 
-# ---- verl configuration errors name the verl key (issue 14 item 6); all before any collective ----
+# ---- verl configuration errors name the verl key; all before any collective ----
 
 
 def test_hdp_options_without_model_engine_hdp_name_the_override():
