@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +24,10 @@ def _hdp() -> list[str]:
 
 @pytest.mark.slow
 def test_dry_run_through_the_cli_lists_every_row(tmp_path):
+    from cli_helper import hdp_json
+
     out = tmp_path / "out"
-    proc = subprocess.run(_hdp() + ["bench", "device", "--dry-run", "--json", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+    result = hdp_json("bench", "device", "--dry-run", "--json", "--out", str(out))
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == list(bd.ROWS)
     assert result["dry_run"] is True and result["hardware"] is False and "not hardware" in result["note"]

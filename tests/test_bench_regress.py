@@ -127,8 +127,9 @@ def test_a_planted_regression_exits_nonzero_naming_the_row(tmp_path: Path) -> No
 
 
 def test_the_cli_prints_the_table_and_exits_zero_on_a_holding_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "attention-exact,device"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    from cli_helper import hdp_main
+
+    code, out, err = hdp_main("bench", "regress", "--only", "attention-exact,device")
+    assert code == 0, err[-3000:]
     for text in ("row", "baseline", "now", "tolerance", "verdict", "attention-exact", "must hold", "skipped: no device"):
-        assert text in out.stdout, (text, out.stdout)
+        assert text in out, (text, out)

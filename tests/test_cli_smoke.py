@@ -1,7 +1,9 @@
 """Every ``hdp bench`` benchmark and ``hdp demo`` once through the command line, in its smallest mode:
 does it run, and is its JSON complete (the keys each documents).  Not a timing check.
 
-Run as users run them: ``python -m hdp.trainer ...`` in a subprocess.  The other commands run through
+Run through the command's entry point, `hdp.trainer.cli.main` (tests/cli_helper.py: in this process, whose fork
+server has the imports already; the console script runs in a subprocess in tests/test_wheel.py and
+tests/test_verl_main_ppo.py).  The other commands run through
 the command line elsewhere: ``hdp plan`` / ``simulate`` (tests/test_cli_structure.py,
 tests/test_cli_outputs.py), ``hdp calibrate`` (tests/test_cli_bad_input.py), ``hdp bench faults``
 (tests/test_faults.py), ``hdp bench device --dry-run`` (tests/test_bench_device.py), ``hdp bench
@@ -10,21 +12,17 @@ regress`` (tests/test_bench_regress.py), ``hdp demo --verl`` (tests/test_verl_ma
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cli_helper import hdp_json, hdp_main
 from hdp.trainer.phases import PHASES
 
 
-def _json(*args: str, timeout: float = 600) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", *args], capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"hdp {' '.join(args)} exited {out.returncode}:\n{out.stderr[-3000:]}"
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _json(*args: str) -> dict[str, Any]:
+    return hdp_json(*args)
 
 
 def _has(d: dict[str, Any], keys: set[str], where: str) -> None:
@@ -111,9 +109,8 @@ def test_bench_verl_smallest() -> None:
 
 @pytest.mark.dist
 def test_demo_smoke(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "demo", "--ranks", "2", "--steps", "2", "--smoke",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "static CP vs HDP" in out.stdout
+    code, out, err = hdp_main("demo", "--ranks", "2", "--steps", "2", "--smoke", "--out", str(tmp_path))
+    assert code == 0, err[-3000:]
+    assert "static CP vs HDP" in out
     written = {p.name for p in tmp_path.iterdir()}
     assert any(name.endswith(".json") for name in written), written

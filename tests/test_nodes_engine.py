@@ -27,14 +27,9 @@ def test_node_aware_and_node_blind_plans_train_to_the_same_losses():
 
 
 def test_bench_nodes_through_the_command_line():
-    import json
-    import subprocess
-    import sys
+    from cli_helper import hdp_json
 
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "nodes", "--steps", "2", "--json"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    n = json.loads(out.stdout.strip().splitlines()[-1])["nodes"]
+    n = hdp_json("bench", "nodes", "--steps", "2", "--json")["nodes"]
     assert {"median_step_s", "timed_s", "blind_over_aware", "predicted_blind_over_aware", "cross_node_fraction",
             "losses", "max_loss_rel_diff", "cost_model"} <= set(n)
     assert n["max_loss_rel_diff"] <= 1e-5 and len(n["losses"]["node-aware"]) == 2
