@@ -188,6 +188,7 @@ def test_refit_follows_a_machine_that_drifts():
         assert r.adopt and abs(over(r.candidate) - 1.0) < 0.06, (half_life, over(r.candidate))
 
 
+@pytest.mark.slow  # ~7 s in one process (20 windows)
 def test_a_model_off_the_step_time_is_replaced_on_noisy_rounds():
     # the model in use predicts 20% more than the machine takes (fitted while it was slower) and the
     # rounds scatter by 15% as a whole; a full refit on ~15 noisy rounds can miss the machine's speed, the

@@ -453,6 +453,7 @@ def test_a_fit_that_explains_nothing_is_refused():
         calibrate(noise, base=_base())
 
 
+@pytest.mark.slow  # ~14 s in one process
 def test_a_long_jobs_records_are_subsampled():
     """10^5 records took 232 s; beyond MAX_FIT_RECORDS per kind they are subsampled (evenly spaced, weights
     scaled), so the fit costs what 8,192 records do; the fit is the truth's within the noise."""
