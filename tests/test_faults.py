@@ -8,13 +8,10 @@ of CI.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import tempfile
 
 import pytest
+from cli_helper import hdp_json
 
 TIMEOUT_S = 8.0
 
@@ -69,16 +66,13 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_killed_and_hung_ranks_through_the_cli(tmp_path) -> None:
-    """``hdp bench faults --json`` (the door users use): SIGKILL and SIGSTOP of one rank mid-step."""
-    hdp = Path(sys.executable).with_name("hdp")
-    out = subprocess.run(
-        [str(hdp), "bench", "faults", "--json", "--only", "sigkill-mid-step,sigstop-mid-step",
-         "--timeout", str(TIMEOUT_S)],
-        capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(out.stdout)
+def test_killed_and_hung_ranks_through_the_cli(tmp_path, monkeypatch) -> None:
+    """``hdp bench faults --json`` (the command users run, `tests/cli_helper.py`): SIGKILL and SIGSTOP of one
+    rank mid-step."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # the next gettempdir() reads TMPDIR
+    report = hdp_json("bench", "faults", "--json", "--only", "sigkill-mid-step,sigstop-mid-step",
+                      "--timeout", str(TIMEOUT_S))
     _assert_report(report, {"sigkill-mid-step", "sigstop-mid-step"})
     rows = {r["fault"]: r for r in report["faults"]}
     for name in rows:
@@ -104,10 +98,7 @@ def test_verl_engine_faults_through_the_cli() -> None:
     raises (NaN: every rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "faults", "--only", "verl", "--json",
-                          "--timeout", str(TIMEOUT_S)], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout)
+    report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
     rows = {r["fault"]: r for r in report["faults"]}
     assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-nan-gradient",
                          "verl-own-error-in-round"}, rows

@@ -68,6 +68,11 @@ from hdp.trainer.phases import PhaseTimer
 __all__ = ["RoundCore", "RoundInput", "RoundLoss", "RoundHooks", "StepState", "NonFiniteLossError",
            "NonFiniteGradientError", "next_token_targets"]
 
+PEER_REPORT_WAIT_S = 1.0
+"""How long a rank whose collective broke waits for a peer's published error before it reports a lost peer.  A
+rank that fails on its own publishes before it frees its groups (the break its peers see), so its report is
+normally there already; a killed rank publishes nothing, and its peers raise after this wait."""
+
 
 class NonFiniteLossError(FloatingPointError):
     """A step's loss was NaN/inf on some rank; the update was skipped on every rank."""
@@ -312,7 +317,7 @@ class RoundCore:
                     step=step, phase=phase, failures={me: f"{where}: {describe(exc)}"},
                 ) from exc
             dom = self.groups.domain.domain_rank
-            failures = {r: m.split("|", 1)[1] for r, m in self.alarm.failures(world, wait_s=3.0).items()
+            failures = {r: m.split("|", 1)[1] for r, m in self.alarm.failures(world, wait_s=PEER_REPORT_WAIT_S).items()
                         if m.startswith("error|")}
             if failures:
                 self.alarm.trip()

@@ -99,7 +99,10 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bo
         "actor_rollout_ref.ref.megatron.dtype=float32",
         "actor_rollout_ref.rollout.name=hf_cpu",
         "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        # one rollout replica over the ranks: one HF server generates every sample, seeded per sample, so a run
+        # repeats its responses (with a replica per rank verl's load balancer spreads a prompt's samples over
+        # servers in any order) and one process fewer starts
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={ranks}",
         "actor_rollout_ref.rollout.free_cache_engine=False",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={paths['reward']}",

@@ -124,13 +124,25 @@ def _train(ranks: int, tp: int, pp: int) -> Callable[[], dict[str, Any]]:
     return run
 
 
-def _verl() -> dict[str, Any]:
+def _entry_point(name: str) -> Callable[..., dict[str, Any]]:
+    """The bench another package registers as ``hdp.benchmarks`` entry point ``name`` (the trainer never imports
+    the verl integration)."""
     from importlib.metadata import entry_points
 
-    found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == "verl"]
+    found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == name]
     if not found:
-        raise RuntimeError("no 'hdp.benchmarks' entry point 'verl': install hdp-engine with the verl extra")
-    return found[0].load()(ranks=4, steps=5)
+        raise RuntimeError(f"no 'hdp.benchmarks' entry point {name!r}: install hdp-engine with the verl extra")
+    return found[0].load()
+
+
+def _verl() -> dict[str, Any]:
+    return _entry_point("verl")(ranks=4, steps=5)
+
+
+def _verl_old_logprob() -> dict[str, Any]:
+    result = _entry_point("verl-old-logprob")(steps=2)
+    t = result["old_log_prob_s"]
+    return {**result, "pass_time_ratio": t["skipped"] / t["run"] if t["run"] > 0 else math.nan}
 
 
 def _moe() -> dict[str, Any]:
@@ -201,6 +213,7 @@ RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
     "train-pp2": _train(4, 1, 2),
     "train-tp2-pp2": _train(8, 2, 2),
     "verl": _verl,
+    "verl-old-logprob": _verl_old_logprob,
     "moe": _moe,
     "memory": _memory,
     "planner": _planner,
@@ -238,6 +251,11 @@ ROWS: tuple[Row, ...] = (
         "lower", 0.10, False, lambda r: r["doors"]["verl_over_library_cpu"]),
     Row("verl-doors-same-plan", "verl", "both doors ran one plan, losses equal", "true", 0.0, False,
         lambda r: bool(r["doors"]["same_plan"] and r["doors"]["loss_match"])),
+    Row("verl-old-logprob-exact", "verl-old-logprob", "main_ppo with the old-log-prob pass skipped vs run, same seed: "
+        "pg/kl loss, entropy, grad norm equal (1e-4), the runs differ in the pass", "true", 0.0, False,
+        lambda r: bool(r["metrics_match"] and r["sides_differ"])),
+    Row("verl-old-logprob-time", "verl-old-logprob", "timing_s/old_log_prob skipped / run (median of the steps)",
+        "lower", 0.1, True, lambda r: r["pass_time_ratio"]),
     Row("moe-level1-freed", "moe", "zero-memory level1: activation bytes freed / full recompute's", "higher",
         0.02, True, lambda r: r["freed_fraction_of_full"]["level1"]),
     Row("moe-level1-overhead", "moe", "zero-memory level1 step CPU time over none - 1 (paired median)", "lower",
