@@ -56,13 +56,9 @@ def test_both_async_trainers_configs_give_the_actor_hdps_engine():
 
 
 def _worker(rank: int, world: int, tmp: str, bypass: bool) -> dict:
-    import logging
+    from hdp.integrations.verl.scaffolding.worker import compose, prepare_rank
 
-    from hdp.integrations.verl.scaffolding import install
-    from hdp.integrations.verl.scaffolding.worker import compose, environment_for_rank
-
-    environment_for_rank(rank, world)
-    install()
+    model_path = prepare_rank(rank, world, tmp)
     import torch
     import torch.distributed as dist
 
@@ -71,13 +67,8 @@ def _worker(rank: int, world: int, tmp: str, bypass: bool) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
     from hdp.integrations.verl.engine import HdpMegatronEngine
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
-    logging.getLogger("verl").setLevel(logging.ERROR)
-    model_path = os.path.join(tmp, "model")
-    if rank == 0:
-        build_tiny(model_path)
-    dist.barrier(group=dist.group.WORLD)
     cfg = compose(model_path, budget=BUDGET, records=None, overrides=[
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}", "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo", "actor_rollout_ref.actor.hdp.auto_calibrate=false",

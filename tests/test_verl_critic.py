@@ -61,13 +61,9 @@ def _hf_reference(model_path: str, head, samples, padded, extra, critic_cfg):
 
 
 def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
-    import logging
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, critic_worker, prepare_rank
 
-    from hdp.integrations.verl.scaffolding import install
-    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, critic_worker, environment_for_rank
-
-    environment_for_rank(rank, world)
-    install()
+    model_path = prepare_rank(rank, world, tmp, layers=2)
     import torch
     import torch.distributed as dist
 
@@ -78,14 +74,9 @@ def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
     from hdp.integrations.verl.batch import sample_lengths
     from hdp.integrations.verl.engine import HdpMegatronEngine, HdpMegatronValueEngine
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
     from hdp.trainer.planning import plan_id
 
-    logging.getLogger("verl").setLevel(logging.ERROR)
-    model_path = os.path.join(tmp, "model")
-    if rank == 0:
-        build_tiny(model_path, layers=2)
-    dist.barrier(group=dist.group.WORLD)
     layout = [f"actor_rollout_ref.{r}.megatron.{k}={v}" for r in ("actor", "ref")
               for k, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp))]
     cfg = compose(model_path, budget=BUDGET, records=f"'{tmp}/records/{{role}}.jsonl'", overrides=[

@@ -64,13 +64,9 @@ def test_auto_skips_exactly_on_policy_steps(overrides, skips, reason):
 
 
 def _worker(rank: int, world: int, tmp: str) -> dict:
-    import logging
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, prepare_rank
 
-    from hdp.integrations.verl.scaffolding import install
-    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, environment_for_rank
-
-    environment_for_rank(rank, world)
-    install()
+    model_path = prepare_rank(rank, world, tmp)
     import torch
     import torch.distributed as dist
 
@@ -79,13 +75,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
     from hdp.integrations.verl import old_log_prob
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
-    logging.getLogger("verl").setLevel(logging.ERROR)
-    model_path = os.path.join(tmp, "model")
-    if rank == 0:
-        build_tiny(model_path)
-    dist.barrier(group=dist.group.WORLD)
     cfg = compose(model_path, budget=BUDGET, records=None, overrides=[
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}", "actor_rollout_ref.actor.optim.lr=1e-2",

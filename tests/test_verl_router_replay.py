@@ -15,7 +15,6 @@ parallel) x domain 2; the EP case with hdp's MoE zero-memory level1 (the expert 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -107,13 +106,9 @@ def _hf_reference(model_path, samples, padded, extra, actor_cfg, routes=None, r3
 
 
 def _worker(rank: int, world: int, tp: int, pp: int, ep: int, zero: str, tmp: str) -> None:
-    import logging
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, prepare_rank
 
-    from hdp.integrations.verl.scaffolding import install
-    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, environment_for_rank
-
-    environment_for_rank(rank, world)
-    install()
+    model_path = prepare_rank(rank, world, tmp, moe=True, layers=LAYERS)
     import torch
     import torch.distributed as dist
 
@@ -123,13 +118,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, ep: int, zero: str, tmp: st
     from verl.workers.utils.padding import no_padding_2_padding
     from hdp.integrations.verl.batch import sample_lengths
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
-    logging.getLogger("verl").setLevel(logging.ERROR)
-    model_path = os.path.join(tmp, "model")
-    if rank == 0:
-        build_tiny(model_path, moe=True, layers=LAYERS)
-    dist.barrier(group=dist.group.WORLD)
     samples = B.random_samples(LENGTHS, VOCAB, seed=1)
     padded = B.padded_batch(samples, pad_id=0)
     g = torch.Generator().manual_seed(7)  # random routes: top-2 of a random permutation per token and layer

@@ -122,6 +122,11 @@ def _worker(
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # every rank's connections are up before any rank's function runs: a rank whose function returns at
+        # once would otherwise exit and close its side of the mesh while a peer is still connecting to it
+        # (gloo's connectFullMesh then fails on that peer)
+        store.set(f"hdp/launch/ready/{rank}", "1")
+        store.wait([f"hdp/launch/ready/{r}" for r in range(world_size)])
         try:
             out = fn(rank, world_size, *args)
         finally:

@@ -56,24 +56,15 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     sys.stdout.flush()
     os.dup2(2, 1)  # verl and mbridge print to stdout; ``hdp bench faults --json`` keeps stdout for its JSON
-    from hdp.integrations.verl.scaffolding import install
-    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, environment_for_rank
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, prepare_rank
 
-    environment_for_rank(rank, world)
-    install()
-    import logging
-
+    model = prepare_rank(rank, world, workdir)
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
 
     from hdp.integrations.verl.scaffolding import batches as B
-    from hdp.integrations.verl.scaffolding.tiny import VOCAB, build_tiny
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
-    logging.getLogger("verl").setLevel(logging.ERROR)
-    model = os.path.join(workdir, "model")
-    if rank == 0:
-        build_tiny(model)
-    dist.barrier(group=dist.group.WORLD)
     cfg = compose(model, budget=_BUDGET, records=None, overrides=[
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(_LENGTHS)}",
         "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",

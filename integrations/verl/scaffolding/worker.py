@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-__all__ = ["compose", "actor_worker", "critic_worker", "environment_for_rank"]
+__all__ = ["prepare_rank", "compose", "actor_worker", "critic_worker", "environment_for_rank"]
 
 
 def environment_for_rank(rank: int, world: int) -> None:
@@ -20,6 +20,27 @@ def environment_for_rank(rank: int, world: int) -> None:
     Without it verl's ``Worker`` sets ``LOCAL_WORLD_SIZE=1``, which would put each rank on a node of its own."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0",
                       RAY_LOCAL_WORLD_SIZE=str(world))
+
+
+def prepare_rank(rank: int, world: int, root: str, *, moe: bool = False, layers: int = 2) -> str:
+    """One rank of a verl worker run on CPU (tests, fault rows): verl's environment (`environment_for_rank`), the
+    CPU scaffolding installed, verl's logger quiet, and the tiny model (`tiny.build_tiny`) saved under
+    ``root/model`` by rank 0 while the others wait on the world group.  Returns the model's path."""
+    import logging
+
+    import torch.distributed as dist
+
+    from hdp.integrations.verl.scaffolding import install
+    from hdp.integrations.verl.scaffolding.tiny import build_tiny
+
+    environment_for_rank(rank, world)
+    install()
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    path = os.path.join(root, "model")
+    if rank == 0:
+        build_tiny(path, moe=moe, layers=layers)
+    dist.barrier(group=dist.group.WORLD)
+    return path
 
 
 def compose(model_path: str, *, budget: int, records: str | None, overrides: Sequence[str] = ()) -> Any:
