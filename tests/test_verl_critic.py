@@ -38,7 +38,6 @@ def _hf_reference(model_path: str, head, samples, padded, extra, critic_cfg):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import value_loss
     from hdp.integrations.verl.scaffolding import batches as B
 
@@ -50,10 +49,7 @@ def _hf_reference(model_path: str, head, samples, padded, extra, critic_cfg):
         h = backbone(input_ids=torch.tensor(p + r)[None]).last_hidden_state[0]  # [L, H]
         values.append((h @ w.T)[:, 0])  # [L]: one value per input token
     data = B.critic_update_batch(padded, extra, mini_batch_size=len(samples))
-    mask = data["loss_mask"]
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.values().sum() if mask.is_nested else mask.sum()))
-    loss, _ = partial(value_loss, config=critic_cfg)(
-        model_output={"values": torch.nested.as_nested_tensor(values, layout=torch.jagged)}, data=data)
+    loss, _ = B.whole_batch_loss(partial(value_loss, config=critic_cfg), data, values=values)
     loss.backward()
     grads = [p.grad for p in [*backbone.parameters(), w] if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))

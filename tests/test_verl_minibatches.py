@@ -256,7 +256,6 @@ def _hf_grad_norms(model_path: str, extra: dict, groups: list[list[int]]) -> lis
 
     from transformers import AutoModelForCausalLM
 
-    from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
     from hdp.integrations.verl.scaffolding import batches as B, worker as W
@@ -282,11 +281,7 @@ def _hf_grad_norms(model_path: str, extra: dict, groups: list[list[int]]) -> lis
             lp = full[:-1].gather(-1, ids[0, 1:, None])[:, 0]
             logps.append(torch.cat([lp, lp.new_zeros(1)]))
             ents.append(-(full.exp() * full).sum(-1))
-        mask = data["loss_mask"]
-        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.values().sum() if mask.is_nested else mask.sum()))
-        loss, _ = partial(ppo_loss, config=actor_cfg)(
-            model_output={"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged),
-                          "entropy": torch.nested.as_nested_tensor(ents, layout=torch.jagged)}, data=data)
+        loss, _ = B.whole_batch_loss(partial(ppo_loss, config=actor_cfg), data, log_probs=logps, entropy=ents)
         loss.backward()
         out.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
                                                                 if p.grad is not None]))))

@@ -83,7 +83,6 @@ def _hf_reference(model_path, samples, padded, extra, actor_cfg, routes=None, r3
 
     import torch
 
-    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
     from hdp.integrations.verl.scaffolding import batches as B
 
@@ -96,10 +95,7 @@ def _hf_reference(model_path, samples, padded, extra, actor_cfg, routes=None, r3
         lp = full[:-1].gather(-1, ids[0, 1:, None])[:, 0]
         logps.append(torch.cat([lp, lp.new_zeros(1)]))
     data = B.update_batch(padded, extra, mini_batch_size=len(samples))
-    mask = data["loss_mask"]
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.values().sum() if mask.is_nested else mask.sum()))
-    loss, _ = partial(ppo_loss, config=actor_cfg)(
-        model_output={"log_probs": torch.nested.as_nested_tensor(logps, layout=torch.jagged)}, data=data)
+    loss, _ = B.whole_batch_loss(partial(ppo_loss, config=actor_cfg), data, log_probs=logps)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
     return [x.detach() for x in logps], float(loss), float(norm), native

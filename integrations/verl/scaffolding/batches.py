@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["padded_batch", "ref_batch", "old_logp_batch", "update_batch", "values_batch", "critic_update_batch",
+__all__ = ["whole_batch_loss", "padded_batch", "ref_batch", "old_logp_batch", "update_batch", "values_batch", "critic_update_batch",
            "random_samples"]
 
 
@@ -99,3 +99,15 @@ def critic_update_batch(padded: dict[str, torch.Tensor], extra: dict[str, torch.
     """``_update_critic``'s TensorDict: ``extra`` holds padded ``values`` (the old values) and ``returns``."""
     return _td({**padded, **extra}, global_batch_size=mini_batch_size, mini_batch_size=mini_batch_size,
                epochs=epochs, seed=seed, dataloader_kwargs={"shuffle": False})
+
+
+def whole_batch_loss(loss_fn: Any, data: Any, **per_sample: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """verl's loss function ``loss_fn`` (its config bound) on one process's whole mini-batch ``data`` (the tests'
+    reference): ``dp_size`` 1, ``batch_num_tokens`` of the loss mask, and each ``per_sample`` output (``log_probs``,
+    ``entropy``, ``values``: one [L_i] tensor per sample) as verl's jagged nested tensor."""
+    from verl.utils import tensordict_utils as tu
+
+    mask = data["loss_mask"]
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.values().sum() if mask.is_nested else mask.sum()))
+    out = {k: torch.nested.as_nested_tensor(list(v), layout=torch.jagged) for k, v in per_sample.items()}
+    return loss_fn(model_output=out, data=data)
