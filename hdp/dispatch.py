@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hdp.checksum import check_cu_seqlens, check_plan_domain, collective_device
-from hdp.cp.metadata import positions, rank_layout
+from hdp.cp.metadata import positions, rank_chunks, rank_layout
 from hdp.groups import DomainGroups
 from hdp.packing.plan import Plan
 
@@ -539,6 +539,17 @@ def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: Doma
     return list(flat.split(list(meta.group_lengths)))
 
 
+def _flat_rows(lengths: Sequence[int], k: int, j: int) -> torch.Tensor:
+    """[T_j] int64: the row, in the group's samples laid one after another, of each local token of group
+    position ``j`` (its front and back chunk of each sample in turn, as :func:`local_meta` orders them)."""
+    parts, start = [], 0
+    for n in lengths:
+        (fs, fe), (bs, be) = rank_chunks(n, k, j)
+        parts += [np.arange(start + fs, start + fe, dtype=np.int64), np.arange(start + bs, start + be, dtype=np.int64)]
+        start += n
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
+
 def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> torch.Tensor:
     """[Σ L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``, one after
     another in the group's order (``meta.samples``).
@@ -547,7 +558,8 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
     :func:`local_meta` orders them).  Every member with tokens sends them to every other member with
     tokens and receives theirs (one batch of point-to-point ops on the domain group, peers by global
     rank): per-rank bytes are the group's tokens, a rank alone in its group sends and receives
-    nothing, and only the group's k metas are computed (no O(N) work).  Own rows keep their graph
+    nothing, and only the rows of the group's k members are computed (`_flat_rows`: no metas, no O(N)
+    work; the layout comes from ``meta`` alone, ``plan`` is not read).  Own rows keep their graph
     (others' arrive detached), so when every member computes the same loss of the whole samples and
     differentiates through its own rows, the domain sum of gradients is the gradient of that loss.
     Each member's rows are placed with one indexed write (no per-sample work).  Collective over the
@@ -558,27 +570,21 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
                          f"{meta.num_tokens} tokens")
     if meta.k == 1:  # a rank alone holds its samples whole, in group order (chunks 0 and 1 of each, in turn)
         return local
-    lengths = torch.tensor(meta.group_lengths, dtype=torch.int64)  # [Sg]
-    first = torch.zeros(plan.num_samples, dtype=torch.int64)  # [S]: a group sample's first row in the flat output
-    if meta.samples:
-        first[torch.tensor(meta.samples, dtype=torch.int64)] = torch.cumsum(lengths, 0) - lengths
-
-    def rows(m: LocalMeta) -> torch.Tensor:  # [T_m] flat row of each of m's local tokens
-        return (first[m.sample_index] + m.position_ids).to(local.device)
-
-    flat = local.new_zeros((int(lengths.sum()), *local.shape[1:]))  # [Σ L_i, ...]
-    peers = [local_meta(plan, q, meta.round_index) for q in range(meta.group_start, meta.group_start + meta.k)]
-    peers = [m for m in peers if m.rank != meta.rank and m.num_tokens > 0]
-    bufs = [local.new_empty((m.num_tokens, *local.shape[1:])) for m in peers]
+    lengths = meta.group_lengths
+    flat = local.new_zeros((sum(lengths), *local.shape[1:]))  # [Σ L_i, ...]
+    peers = [(meta.group_start + j, rows) for j in range(meta.k) if j != meta.j
+             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q] rows)]
+    bufs = [local.new_empty((rows.numel(), *local.shape[1:])) for _, rows in peers]
     send = local.detach().contiguous()
     ops = []
-    for m, buf in zip(peers, bufs):
-        peer = groups.global_ranks[m.rank]
+    for (q, _), buf in zip(peers, bufs):
+        peer = groups.global_ranks[q]
         if send.shape[0]:
             ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, _TAG_GROUP))
         ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
     for work in (dist.batch_isend_irecv(ops) if ops else []):
         work.wait()
-    for m, buf in zip(peers, bufs):
-        flat[rows(m)] = buf  # the peers' rows, detached
-    return flat.index_put((rows(meta),), local)  # out-of-place: grad flows to `local`
+    for (_, rows), buf in zip(peers, bufs):
+        flat[rows.to(local.device)] = buf  # the peers' rows, detached
+    own = _flat_rows(lengths, meta.k, meta.j).to(local.device)  # [T]
+    return flat.index_put((own,), local)  # out-of-place: grad flows to `local`
