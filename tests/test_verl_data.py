@@ -15,6 +15,8 @@ def _same(a, b, where: str) -> None:
         assert isinstance(b, torch.Tensor) and a.is_nested == b.is_nested, where
         if a.is_nested:
             assert len(a.unbind()) == len(b.unbind()) and all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind())), where
+            assert a.dtype == b.dtype and torch.equal(a.offsets(), b.offsets()), where
+            assert getattr(a, "_ragged_idx", 1) == getattr(b, "_ragged_idx", 1), where
         else:
             assert a.dtype == b.dtype and torch.equal(a, b), where
     else:
@@ -31,11 +33,35 @@ def test_sample_rows_select_what_verl_selects() -> None:
     data = verl_update_batch(lengths, 0, max_token_len_per_gpu=64)
     tu.assign_non_tensor(data, batch_num_tokens=57, dp_size=1)  # what the engine adds before its rounds
     data["uid"] = tu.get_tensordict({}, non_tensor_dict={"uid": [f"u{i}" for i in range(len(lengths))]})["uid"]
+    # a nested field ragged in its second dimension (multi-modal rope positions [3, L_i], verl's ragged_idx 2)
+    data["mrope_position_ids"] = tu.nested_tensor_from_tensor_list(
+        [torch.arange(3 * (p + r)).reshape(3, p + r) for p, r in lengths], ragged_idx=2)
+    # a nested per-response field (a critic's ``values``: its padded width is the longest selected sample's)
+    data["values"] = torch.nested.as_nested_tensor([torch.rand(r) for _, r in lengths], layout=torch.jagged)
     rows = SampleRows(data)
     for samples in ([3], [5, 0, 2], [1, 4, 3, 0], list(range(len(lengths)))):
         want = tu.index_select_tensor_dict(data, samples)
         got = rows.select(samples)
-        assert got.batch_size == want.batch_size
+        assert got.batch_size == want.batch_size and got.device == want.device
         assert set(got.keys()) == set(want.keys())
         for key in want.keys():
             _same(want[key], got[key], f"samples {samples}, field {key}")
+        # what verl's losses do with the rows (``data.select(...).to_padded_tensor()``): the same padding
+        keys = ["values", "response_mask", "old_log_probs", "input_ids"]
+        padded_want, padded_got = want.select(*keys).to_padded_tensor(), got.select(*keys).to_padded_tensor()
+        for key in keys:
+            _same(padded_want[key], padded_got[key], f"samples {samples}, field {key} padded")
+
+
+def test_nested_from_flat_pads_as_as_nested_does() -> None:
+    """verl pads the outputs hdp hands back (``to_padded_tensor`` of a TensorDict): the nested tensor made
+    from flat rows pads to its longest sample, as ``as_nested_tensor`` of the samples does."""
+    from tensordict import TensorDict
+
+    from hdp.integrations.verl import compat
+
+    lengths = [5, 16, 9]
+    flat = torch.randn(sum(lengths), 2)  # [Σ L_i, C]
+    want = TensorDict({"x": compat.as_nested(list(flat[:, 1].split(lengths)))}, batch_size=[3]).to_padded_tensor()
+    got = TensorDict({"x": compat.nested_from_flat(flat[:, 1], lengths)}, batch_size=[3]).to_padded_tensor()
+    assert want["x"].shape == (3, 16) and torch.equal(want["x"], got["x"])

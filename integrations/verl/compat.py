@@ -433,9 +433,14 @@ def nested_from_flat(values: Any, lengths: Any) -> Any:
     copy); keeps autograd through ``values``."""
     import torch
 
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values.contiguous(), offsets.to(values.device))
+    lens = torch.as_tensor(lengths, dtype=torch.int64)  # [S]
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=offsets[1:])
+    # the shortest and longest sample cached, as as_nested_tensor does: TensorDict's to_padded_tensor pads
+    # to the cached longest, and to the whole values' length without one
+    short, long = (int(lens.min()), int(lens.max())) if len(lens) else (0, 0)
+    return torch.nested.nested_tensor_from_jagged(values.contiguous(), offsets.to(values.device),
+                                                  min_seqlen=short, max_seqlen=long)
 
 
 @contextlib.contextmanager
