@@ -138,8 +138,11 @@ def environment() -> dict[str, str]:
 
 
 def run(root: str | Path, *, steps: int = 3, ranks: int = 2, critic: bool = False, overrides: Sequence[str] = (),
-        timeout: float = 1800.0, echo: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
-    """Run the demo under ``root``; returns (exit code, verl's step lines), each also passed to ``echo``."""
+        timeout: float = 1800.0, echo: Callable[[str], None] | None = None,
+        tail: list[str] | None = None) -> tuple[int, list[str]]:
+    """Run the demo under ``root``; returns (exit code, verl's step lines), each also passed to ``echo``;
+    ``tail`` (a list) receives the last 200 lines of main_ppo's output (to show when it fails)."""
+    import collections
     import re
     import subprocess
 
@@ -147,8 +150,10 @@ def run(root: str | Path, *, steps: int = 3, ranks: int = 2, critic: bool = Fals
     proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks, critic=critic, overrides=overrides), env=environment(), cwd=str(root),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     steps_seen: list[str] = []
+    last: collections.deque[str] = collections.deque(maxlen=200)
     assert proc.stdout is not None
     for line in proc.stdout:
+        last.append(line.rstrip())
         if re.search(r"\bstep:\d+ - ", line):
             steps_seen.append(line.rstrip())
             if echo is not None:
@@ -158,6 +163,8 @@ def run(root: str | Path, *, steps: int = 3, ranks: int = 2, critic: bool = Fals
     except subprocess.TimeoutExpired:
         proc.kill()
         code = 124
+    if tail is not None:
+        tail.extend(last)
     return code, steps_seen
 
 
@@ -189,10 +196,15 @@ def main(argv: list[str] | None = None, echo: Callable[..., None] | None = None)
     algo = "PPO (GAE, critic on hdp)" if args.critic else "GRPO"
     show(f"hdp demo --verl: verl main_ppo, {algo}, tiny Qwen3 on {args.ranks} CPU ranks, {args.steps} steps, "
          f"model_engine=hdp (files under {root})")
-    code, lines = run(root, steps=args.steps, ranks=args.ranks, critic=args.critic, overrides=args.set, echo=show)
+    tail: list[str] = []
+    code, lines = run(root, steps=args.steps, ranks=args.ranks, critic=args.critic, overrides=args.set, echo=show,
+                      tail=tail)
     for i, line in enumerate(lines, 1):
         show(f"step {i}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(hdp_metrics(line).items())))
     if code != 0 or not lines:
-        show(f"hdp demo --verl: main_ppo exited with {code}; its output is above", error=True)
+        for line in tail:
+            show(line, error=True)
+        show(f"hdp demo --verl: main_ppo exited with {code}; the last {len(tail)} lines of its output are above",
+             error=True)
         return code or 1
     return 0
