@@ -99,7 +99,8 @@ def test_bench_verl_smallest() -> None:
         _phases(r["phases"][path], f"bench verl phases.{path}")
     assert r["plans"]["hdp"]["plan_id"] != r["plans"]["baseline"]["plan_id"]
     doors = r["doors"]
-    _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases"},
+    _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases",
+                 "verl_minus_library_ms_per_round", "verl_minus_library_cpu_ms_per_round_rank"},
          "bench verl doors")
     assert doors["same_plan"] and doors["loss_match"]
     for door in ("library", "verl"):

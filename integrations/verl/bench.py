@@ -29,7 +29,11 @@ verl's policy loss written as a library loss) and the verl door (``train_batch``
 and the same plan (``same_plan``, from both doors' ``hdp/plan_id``; ``loss_match``: their losses on
 the same weights), alternating; ``verl_over_library`` is the ratio of their median steps (wall
 clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other work
-on a shared machine distorts least).  ``speedup_cpu_time``: the paths' ratio of CPU seconds.
+on a shared machine distorts least); ``verl_minus_library_ms_per_round`` (wall) and
+``verl_minus_library_cpu_ms_per_round_rank`` (CPU, per rank) put the gap per round of the plan: verl's
+loss API (a TensorDict sub-batch, nested tensors and verl's loss on whole samples, once per group and
+round) grows with a group's samples and tokens, not with the model's layers or width, so the ratio
+shrinks as the model's step grows.  ``speedup_cpu_time``: the paths' ratio of CPU seconds.
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
 few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
@@ -481,6 +485,10 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
         "verl_over_library": med["verl"] / med["library"],
         "cpu_s_median": (cmed := {k: statistics.median(v) for k, v in cpu.items()}),
         "verl_over_library_cpu": cmed["verl"] / cmed["library"],
+        # the gap per round of the plan: verl's loss API runs once per group and round, whatever the model's depth
+        "verl_minus_library_ms_per_round": 1000.0 * (med["verl"] - med["library"]) / ran["verl"][-1]["rounds"],
+        "verl_minus_library_cpu_ms_per_round_rank": 1000.0 * (cmed["verl"] - cmed["library"])
+        / (ran["verl"][-1]["rounds"] * dist.get_world_size(group=dist.group.WORLD)),
         "plans": {k: v[-1] for k, v in ran.items()},
         "phases": {k: median_phases(v) for k, v in metrics.items()},
     }
