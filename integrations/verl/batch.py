@@ -38,9 +38,8 @@ class SampleRows:
     `select` returns what ``verl.utils.tensordict_utils.index_select_tensor_dict`` does — every field
     indexed by the samples, a nested one rebuilt from its selected samples — with less work per call:
     each nested field is unbound once per batch (verl's function unbinds every nested field of the
-    whole batch at each call) and rebuilt with one ``cat``, the tensors and per-sample non-tensor stacks
-    are indexed field by field into one new TensorDict (TensorDict's own indexing and ``update`` cost
-    more than the indexing), and the batch-wide non-tensor data (the same value on every row: verl's
+    whole batch at each call), the tensors and per-sample non-tensor stacks are indexed in one
+    TensorDict indexing, and the batch-wide non-tensor data (the same value on every row: verl's
     settings such as ``temperature``, ``dp_size``) is sliced once per subset size.
     """
 
@@ -50,57 +49,25 @@ class SampleRows:
 
         nested = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested]
         same = [k for k, v in data.items() if isinstance(v, NonTensorData)]
-        self._rows = list(data.exclude(*nested, *same).items())  # tensors and per-sample non-tensor stacks
+        self._rows = data.exclude(*nested, *same)  # tensors and per-sample non-tensor stacks
         self._same = data.select(*same)
-        self._same_of_size: dict[int, list[tuple[str, Any]]] = {}
-        self._nested = [_NestedField(k, data[k]) for k in nested]
-        self._device = data.device  # the batch's device (None: mixed or unset), kept by the rows
+        self._same_of_size: dict[int, Any] = {}
+        self._nested = [(k, data[k].unbind(), getattr(data[k], "_ragged_idx", data[k].dim() - 1)) for k in nested]
 
     def select(self, samples: Sequence[int]) -> Any:
         """The TensorDict of ``samples`` (caller indices, in that order)."""
         import torch
-        from tensordict import TensorDict
+        from verl.utils.tensordict_utils import nested_tensor_from_tensor_list
 
         n = len(samples)
-        index = torch.tensor(list(samples), dtype=torch.int64)  # [n]
-        fields = {key: value[index] for key, value in self._rows}  # [n, ...] each
+        sub = self._rows[torch.tensor(list(samples), dtype=torch.int64)]
         same = self._same_of_size.get(n)
-        if same is None:  # every row holds the same value
-            same = self._same_of_size[n] = list(self._same[:n].items())
-        fields.update(same)
-        fields.update((field.key, field.select(samples)) for field in self._nested)
-        return TensorDict(fields, batch_size=[n], device=self._device)
-
-
-class _NestedField:
-    """One jagged nested field of a verl batch, unbound once, with its samples' lengths: `select` builds
-    what verl's ``nested_tensor_from_tensor_list`` builds of the selected samples (the samples joined
-    along the ragged dimension, offsets from their lengths, verl's ``_ragged_idx``) with one ``cat``
-    and no per-sample autograd nodes (``as_nested_tensor`` of a list makes one per sample)."""
-
-    def __init__(self, key: str, value: Any) -> None:
-        import torch
-
-        self.key = key
-        self.ragged = int(getattr(value, "_ragged_idx", value.dim() - 1))  # verl: the sample's ragged dim + 1
-        self.per_sample = value.unbind()  # S x [.., L_i, ..]
-        self.lengths = [int(x.shape[self.ragged - 1]) for x in self.per_sample]  # [S]
-
-    def select(self, samples: Sequence[int]) -> Any:
-        """The jagged nested tensor [n, j] of ``samples``, in that order."""
-        import torch
-
-        values = torch.cat([self.per_sample[i] for i in samples], dim=self.ragged - 1)  # [Σ L_i, ..]
-        lengths = [self.lengths[i] for i in samples]  # [n]
-        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)  # [n + 1]
-        torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
-        # the shortest and longest sample, as as_nested_tensor caches them: TensorDict's to_padded_tensor
-        # (verl's losses) pads to the cached longest, and to the whole values' length without one
-        out = torch.nested.nested_tensor_from_jagged(values=values, offsets=offsets.to(values.device),
-                                                     min_seqlen=min(lengths), max_seqlen=max(lengths))
-        if self.ragged != 1:
-            out._ragged_idx = self.ragged
-        return out
+        if same is None:
+            same = self._same_of_size[n] = self._same[:n]  # every row holds the same value
+        sub.update(same)
+        for key, per_sample, ragged in self._nested:
+            sub[key] = nested_tensor_from_tensor_list([per_sample[i] for i in samples], ragged_idx=ragged)
+        return sub
 
 
 def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
