@@ -159,3 +159,22 @@ def _worker(rank, world_size, seed):
 @pytest.mark.dist
 def test_redistribute_and_gather():
     run_distributed(_worker, 4, 11, timeout=120)
+
+
+def test_group_rows_are_the_metas_rows():
+    """The whole-sample exchange's row layout (`_flat_rows`, from the group's lengths alone) is where each
+    member's local tokens sit in its group's samples laid one after another, as its `local_meta` says
+    (sample and position of every token), for every member of every group, empty samples included."""
+    from hdp.dispatch import _flat_rows
+
+    for num_ranks in (2, 4):
+        for plan in _plans(num_ranks, seed=3):
+            for r in range(plan.num_ranks):
+                for meta in local_metas(plan, r):
+                    if not meta.samples:
+                        continue
+                    lengths = torch.tensor(meta.group_lengths, dtype=torch.int64)
+                    first = dict(zip(meta.samples, (torch.cumsum(lengths, 0) - lengths).tolist()))
+                    want = torch.tensor([first[int(i)] for i in meta.sample_index], dtype=torch.int64) + meta.position_ids
+                    got = _flat_rows(meta.group_lengths, meta.k, meta.j)
+                    assert torch.equal(got, want), (num_ranks, r, meta.round_index)
