@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Where the verl door's step goes beside the library door's: per-function wall and CPU time per step.
+
+The setup of ``hdp bench verl``'s doors row (`hdp.integrations.verl.bench`: the tiny Megatron GPT, the
+short-tailed verl update batch, verl's ``ppo_loss`` on the verl door, `library_ppo_loss` on the library
+door, one model, optimizer and plan), the doors alternating step by step.  Each named function is wrapped
+with wall-clock and ``time.process_time`` counters (CPU of the whole process, so background threads
+count too), no profiler, so the figures are a step's own.  Prints, for each rank, the doors' median step
+and each function's milliseconds per step on each door.  Usage::
+
+    python tools/doors_profile.py                  # 4 gloo ranks, 10 steps per door
+    python tools/doors_profile.py --ranks 2 --steps 3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+Timers = dict[str, float]
+
+
+def _wrap(owner: Any, name: str, label: str, acc: Timers, door: list[str]) -> None:
+    """Replace ``owner.name`` by a wrapper adding its wall and CPU seconds and its calls to ``acc``."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[f"{door[0]}|{label}|wall"] += time.perf_counter() - t0
+            acc[f"{door[0]}|{label}|cpu"] += time.process_time() - c0
+            acc[f"{door[0]}|{label}|calls"] += 1
+
+    setattr(owner, name, timed)
+
+
+def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from verl.workers.utils.losses import ppo_loss
+
+    import hdp.integrations.verl.engine as verl_engine
+    import hdp.trainer.engine as lib_engine
+    from hdp import megatron_compat as mc
+    from hdp.integrations.verl import batch, bench, compat, loss
+    from hdp.integrations.verl.config import HdpEngineConfig, HdpOptions
+    from hdp.trainer import planning, rounds, step
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.model import OptimConfig
+
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    acc: Timers = collections.defaultdict(float)
+    door = ["-"]
+    wraps: list[tuple[Any, str, str]] = [
+        (loss.VerlLoss, "__init__", "loss adapter: init"), (loss.VerlLoss, "__call__", "loss adapter: call"),
+        (loss.VerlLoss, "local", "log-probs"), (loss, "group_samples_flat", "exchange"),
+        (batch.SampleRows, "select", "sub-batch (select)"), (compat, "nested_from_flat", "nested tensors"),
+        (batch, "gather_whole_samples", "collect: gather"), (verl_engine, "verl_outputs", "collect"),
+        (rounds.RoundCore, "_round_loss", "round losses"), (rounds.RoundCore, "run", "rounds"),
+        (rounds.RoundCore, "reduce", "reduce"), (step.Steps, "_agree", "agree"), (step.Steps, "finish", "finish"),
+        (planning.DomainPlanner, "take", "plan"), (verl_engine, "batch_digest", "digest"),
+        (lib_engine, "batch_digest", "digest")]
+    for owner, name, label in wraps:
+        _wrap(owner, name, label, acc, door)
+    budget = 512
+    lengths = bench.short_tail_lengths(world, budget, 0)
+    data = bench.verl_update_batch(lengths, 0, max_token_len_per_gpu=budget)
+
+    def verl_loss(*args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return ppo_loss(*args, **kwargs)
+        finally:
+            acc["verl|verl's ppo_loss|wall"] += time.perf_counter() - t0
+            acc["verl|verl's ppo_loss|cpu"] += time.process_time() - c0
+            acc["verl|verl's ppo_loss|calls"] += 1
+
+    loss_fn = functools.partial(verl_loss, bench.actor_config("token-mean"))
+    mc.initialize_megatron(device="cpu", seed=1234)
+    lib = lib_engine.HdpEngine.build(
+        EngineConfig(model=bench.tiny_model_config(), optim=OptimConfig(lr=1e-3), pad_token_id=bench.PAD,
+                     planning=PlanningConfig(max_tokens_per_rank=budget, cost_model=bench.COST_MODEL,
+                                             auto_calibrate=False, measure_memory=False)), dist.group.WORLD)
+    opts = HdpOptions(max_tokens_per_rank=budget, cost_model=bench.COST_MODEL, auto_calibrate=False,
+                      calibration_path=None, measure_memory=False)
+    eng = verl_engine.HdpMegatronEngine.from_modules(module=lib.model_chunks, optimizer=lib.optimizer,
+                                                     engine_config=HdpEngineConfig(hdp=opts), pad_token_id=bench.PAD,
+                                                     domain_group=dist.group.WORLD)
+    lib_batch = bench.library_batch(lengths, data)
+    doors: dict[str, Callable[[], Any]] = {
+        "verl": lambda: eng.train_batch(data.clone(recurse=False), loss_fn),
+        "library": lambda: lib.train_step(lib_batch, bench.library_ppo_loss)}
+    for run in doors.values():  # untimed: first calls, the optimizer's state
+        run()
+    acc.clear()
+    times: dict[str, list[float]] = {k: [] for k in doors}
+    for i in range(steps):
+        for name in (list(doors) if i % 2 == 0 else list(doors)[::-1]):
+            door[0] = name
+            dist.barrier(group=dist.group.WORLD)
+            t0, c0 = time.perf_counter(), time.process_time()
+            doors[name]()
+            times[name].append(time.perf_counter() - t0)
+            acc[f"{name}|step|cpu"] += time.process_time() - c0
+    lib.close()
+    per_step: dict[str, dict[str, dict[str, float]]] = {}
+    for key, value in acc.items():
+        name, label, kind = key.split("|")
+        scale = 1.0 / steps if kind == "calls" else 1000.0 / steps
+        per_step.setdefault(label, {}).setdefault(name, {})[kind] = value * scale
+    return {"step_s_median": {k: statistics.median(v) for k, v in times.items()}, "per_step": per_step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4, choices=(2, 4))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per door (default 10)")
+    parser.add_argument("--json", action="store_true", help="print one JSON list (one entry per rank)")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1")
+    from hdp.trainer.launch import spawn
+
+    ranks = spawn(_rank, args.ranks, args.steps, timeout=900)
+    if args.json:
+        print(json.dumps(ranks))
+        return 0
+    for r, res in enumerate(ranks):
+        med = res["step_s_median"]
+        print(f"rank {r}: median step verl {med['verl']:.4f} s, library {med['library']:.4f} s "
+              f"({med['verl'] / med['library']:.3f}x); ms per step, wall (CPU), calls per step:")
+        for label, by_door in sorted(res["per_step"].items()):
+            cells = [f"{d} {v.get('wall', 0.0):7.1f} ({v.get('cpu', 0.0):6.1f}) x{v.get('calls', 0.0):4.1f}"
+                     if (v := by_door.get(d)) else f"{d} {'-':>22}" for d in ("verl", "library")]
+            print(f"  {label:22s} " + "   ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
