@@ -22,6 +22,7 @@ import logging
 import statistics
 import sys
 import time
+import types
 from typing import Any, Callable
 
 Timers = dict[str, float]
@@ -52,10 +53,7 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     import hdp.trainer.engine as lib_engine
     from hdp import megatron_compat as mc
     from hdp.integrations.verl import batch, bench, compat, loss
-    from hdp.integrations.verl.config import HdpEngineConfig, HdpOptions
     from hdp.trainer import planning, rounds, step
-    from hdp.trainer.config import EngineConfig, PlanningConfig
-    from hdp.trainer.model import OptimConfig
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     acc: Timers = collections.defaultdict(float)
@@ -75,26 +73,11 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     lengths = bench.short_tail_lengths(world, budget, 0)
     data = bench.verl_update_batch(lengths, 0, max_token_len_per_gpu=budget)
 
-    def verl_loss(*args: Any, **kwargs: Any) -> Any:
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            return ppo_loss(*args, **kwargs)
-        finally:
-            acc["verl|verl's ppo_loss|wall"] += time.perf_counter() - t0
-            acc["verl|verl's ppo_loss|cpu"] += time.process_time() - c0
-            acc["verl|verl's ppo_loss|calls"] += 1
-
-    loss_fn = functools.partial(verl_loss, bench.actor_config("token-mean"))
+    losses = types.SimpleNamespace(ppo_loss=ppo_loss)
+    _wrap(losses, "ppo_loss", "verl's ppo_loss", acc, door)
+    loss_fn = functools.partial(losses.ppo_loss, bench.actor_config("token-mean"))
     mc.initialize_megatron(device="cpu", seed=1234)
-    lib = lib_engine.HdpEngine.build(
-        EngineConfig(model=bench.tiny_model_config(), optim=OptimConfig(lr=1e-3), pad_token_id=bench.PAD,
-                     planning=PlanningConfig(max_tokens_per_rank=budget, cost_model=bench.COST_MODEL,
-                                             auto_calibrate=False, measure_memory=False)), dist.group.WORLD)
-    opts = HdpOptions(max_tokens_per_rank=budget, cost_model=bench.COST_MODEL, auto_calibrate=False,
-                      calibration_path=None, measure_memory=False)
-    eng = verl_engine.HdpMegatronEngine.from_modules(module=lib.model_chunks, optimizer=lib.optimizer,
-                                                     engine_config=HdpEngineConfig(hdp=opts), pad_token_id=bench.PAD,
-                                                     domain_group=dist.group.WORLD)
+    lib, eng = bench.doors_engines(budget)
     lib_batch = bench.library_batch(lengths, data)
     doors: dict[str, Callable[[], Any]] = {
         "verl": lambda: eng.train_batch(data.clone(recurse=False), loss_fn),

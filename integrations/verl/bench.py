@@ -60,6 +60,7 @@ __all__ = [
     "verl_update_batch",
     "actor_config",
     "build_engines",
+    "doors_engines",
     "static_cp_dynamic_bsz_plan",
     "library_ppo_loss",
     "library_batch",
@@ -434,9 +435,10 @@ def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) 
     }
 
 
-def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], data: Any, loss_fn: Any) -> dict[str, Any]:
-    """The library door (`HdpEngine.train_step`) and the verl door (`HdpMegatronEngine.train_batch`) on one
-    model, optimizer and plan: the verl engine wraps the library engine's model chunks."""
+def doors_engines(budget: int) -> tuple[Any, Any]:
+    """(library engine, verl engine) on one model and optimizer: `HdpEngine.build` of the tiny model, and
+    `HdpMegatronEngine.from_modules` wrapping its model chunks and optimizer; the same token budget and
+    cost model, no auto-calibration (the plans stay the first step's), the world as the domain."""
     from hdp.integrations.verl.config import HdpEngineConfig, HdpOptions
     from hdp.integrations.verl.engine import HdpMegatronEngine
     from hdp.trainer.config import EngineConfig, PlanningConfig
@@ -452,6 +454,13 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
     door = HdpMegatronEngine.from_modules(module=lib.model_chunks, optimizer=lib.optimizer,
                                           engine_config=HdpEngineConfig(hdp=opts), pad_token_id=PAD,
                                           domain_group=dist.group.WORLD)
+    return lib, door
+
+
+def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], data: Any, loss_fn: Any) -> dict[str, Any]:
+    """The library door (`HdpEngine.train_step`) and the verl door (`HdpMegatronEngine.train_batch`) on one
+    model, optimizer and plan (`doors_engines`)."""
+    lib, door = doors_engines(budget)
     batch = library_batch(lengths, data)
     # the same weights: the verl door's loss without an update, then the library's step (loss before its update)
     first_verl = door.forward_backward_batch(data.clone(recurse=False), loss_fn)
