@@ -65,3 +65,56 @@ def test_nested_from_flat_pads_as_as_nested_does() -> None:
     want = TensorDict({"x": compat.as_nested(list(flat[:, 1].split(lengths)))}, batch_size=[3]).to_padded_tensor()
     got = TensorDict({"x": compat.nested_from_flat(flat[:, 1], lengths)}, batch_size=[3]).to_padded_tensor()
     assert want["x"].shape == (3, 16) and torch.equal(want["x"], got["x"])
+
+
+def test_same_rows_kept_across_batches_follow_each_batch() -> None:
+    """The engine keeps verl's batch-wide settings at each sub-batch size across steps (`SameRows`): a
+    later batch with another ``batch_num_tokens`` (verl's normaliser, new every step) selects its own."""
+    from verl.utils import tensordict_utils as tu
+
+    from hdp.integrations.verl.batch import SameRows, SampleRows
+    from hdp.integrations.verl.bench import verl_update_batch
+
+    lengths = [(5, 9), (3, 15), (7, 12), (4, 20)]
+    same = SameRows()
+    kept = []
+    for tokens, scale in ((56, 1.0), (41, 0.5), (56, 1.0)):
+        data = verl_update_batch(lengths, 0, max_token_len_per_gpu=64)
+        tu.assign_non_tensor(data, batch_num_tokens=tokens, dp_size=1, loss_scale=scale)
+        got = SampleRows(data, same=same).select([2, 0])
+        want = tu.index_select_tensor_dict(data, [2, 0])
+        for key in ("batch_num_tokens", "dp_size", "loss_scale", "temperature", "global_batch_size"):
+            assert tu.get_non_tensor_data(got, key, None) == tu.get_non_tensor_data(want, key, None), (tokens, key)
+        assert tu.get_non_tensor_data(got, "batch_num_tokens", None) == tokens
+        assert type(tu.get_non_tensor_data(got, "loss_scale", None)) is float
+        kept.append(len(same._made))
+    assert kept[0] < kept[1] == kept[2]  # new values made anew, a batch like the first reuses its settings
+
+
+def test_nested_from_flat_without_grad_is_the_public_jagged_tensor() -> None:
+    """Values needing no gradient are wrapped directly (`compat._jagged_class`); the result is what torch's
+    public ``nested_tensor_from_jagged`` makes (offsets, values, cached lengths, padding, unbind, ops), and
+    values needing one still get a gradient through the nested tensor."""
+    from tensordict import TensorDict
+
+    from hdp.integrations.verl import compat
+
+    assert compat._jagged_class() is not None  # torch 2.13: the direct path is the one taken
+    lengths = [5, 16, 9]
+    flat = torch.arange(sum(lengths))  # [Σ L_i] token ids
+    got = compat.nested_from_flat(flat, lengths)
+    offsets = torch.tensor([0, 5, 21, 30])
+    want = torch.nested.nested_tensor_from_jagged(flat, offsets, min_seqlen=5, max_seqlen=16)
+    assert type(got) is type(want) and got.is_nested and got.layout == torch.jagged
+    assert torch.equal(got.offsets(), want.offsets()) and torch.equal(got.values(), want.values())
+    assert got._ragged_idx == want._ragged_idx == 1 and got.dim() == want.dim() == 2
+    assert got._metadata_cache.keys() == want._metadata_cache.keys()
+    assert (got._min_seqlen, got._max_seqlen) == (5, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))
+    assert torch.equal(got.to_padded_tensor(-1), want.to_padded_tensor(-1))
+    assert torch.equal((got * 2).values(), flat * 2)
+    padded = TensorDict({"x": got}, batch_size=[3]).to_padded_tensor()["x"]
+    assert padded.shape == (3, 16) and torch.equal(padded, want.to_padded_tensor(0))
+    x = torch.randn(sum(lengths), requires_grad=True)  # [Σ L_i]: kept differentiable
+    (compat.nested_from_flat(x, lengths).values() * 3).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 3.0))

@@ -18,7 +18,7 @@ from hdp.groups import LayoutGroups
 from hdp.integrations.verl import compat
 from hdp.trainer.step import Pass
 
-__all__ = ["sample_lengths", "SampleRows", "reduce_metrics", "verl_outputs"]
+__all__ = ["sample_lengths", "SampleRows", "SameRows", "reduce_metrics", "verl_outputs"]
 
 
 def sample_lengths(data: Any) -> list[int]:
@@ -32,41 +32,91 @@ def sample_lengths(data: Any) -> list[int]:
     return [int(x) for x in ids.offsets().diff().tolist()]
 
 
+class SameRows:
+    """verl's batch-wide non-tensor data (``NonTensorData``: the same value on every row — ``temperature``,
+    ``dp_size``, ``global_batch_size``) at the batch sizes of the groups' sub-batches, made once per
+    (field, value, size) for an engine's life rather than once per step (making one costs about 10 µs, a
+    sub-batch holds about 15 and a step makes sub-batches of several sizes).  Only plain values (numbers,
+    strings, booleans, None) are kept; any other (a tensor, a list) is made anew each time.  Holds at most
+    ``limit`` entries (then starts over)."""
+
+    PLAIN = (bool, int, float, str, type(None))
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._made: dict[tuple[str, int, type, Any], Any] = {}
+
+    def get(self, key: str, value: Any, n: int) -> Any:
+        """The ``NonTensorData`` of ``value`` with batch size [n] (for field ``key``)."""
+        from tensordict import NonTensorData
+
+        if type(value) not in self.PLAIN:
+            return NonTensorData(data=value, batch_size=torch.Size([n]))
+        slot = (key, n, type(value), value)
+        made = self._made.get(slot)
+        if made is None:
+            if len(self._made) >= self.limit:
+                self._made.clear()
+            made = self._made[slot] = NonTensorData(data=value, batch_size=torch.Size([n]))
+        return made
+
+
 class SampleRows:
     """The rows of one verl batch for many sample subsets (a group's samples, round after round).
 
     `select` returns what ``verl.utils.tensordict_utils.index_select_tensor_dict`` does — every field
-    indexed by the samples, a nested one rebuilt from its selected samples — with less work per call:
-    each nested field is unbound once per batch (verl's function unbinds every nested field of the
-    whole batch at each call), the tensors and per-sample non-tensor stacks are indexed in one
-    TensorDict indexing, and the batch-wide non-tensor data (the same value on every row: verl's
-    settings such as ``temperature``, ``dp_size``) is sliced once per subset size.
+    indexed by the samples, a nested one rebuilt from its selected samples — with less work per call: the
+    batch's fields are sorted once per batch (plain tensors, nested tensors unbound once — verl's function
+    unbinds every nested field of the whole batch at each call —, batch-wide non-tensor data, anything
+    else), each plain tensor is one ``index_select``, a nested field of 1-d samples is one concatenation
+    viewed as a jagged tensor, the batch-wide non-tensor data (verl's settings such as ``temperature``,
+    ``dp_size``: the same value on every row) is made once per value and size (`SameRows`), and the sub-batch is built
+    once, without the constructor's per-value checks (`compat.tensordict_of`).  ``unbound``: fields
+    already unbound by the caller (``input_ids``); ``same``: the engine's `SameRows`.
     """
 
-    def __init__(self, data: Any) -> None:
-        import torch
+    def __init__(self, data: Any, unbound: dict[str, Sequence[torch.Tensor]] | None = None,
+                 same: SameRows | None = None) -> None:
         from tensordict import NonTensorData
 
-        nested = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested]
-        same = [k for k, v in data.items() if isinstance(v, NonTensorData)]
-        self._rows = data.exclude(*nested, *same)  # tensors and per-sample non-tensor stacks
-        self._same = data.select(*same)
-        self._same_of_size: dict[int, Any] = {}
-        self._nested = [(k, data[k].unbind(), getattr(data[k], "_ragged_idx", data[k].dim() - 1)) for k in nested]
+        unbound = unbound or {}
+        self._dense: dict[str, torch.Tensor] = {}  # key -> [S, ...]
+        self._nested: dict[str, tuple[Sequence[torch.Tensor], int]] = {}  # key -> (S x [..., L_i, ...], ragged dim)
+        self._same: dict[str, Any] = {}  # key -> the batch-wide value
+        other: list[str] = []  # per-sample non-tensor stacks and anything else: TensorDict indexing
+        for key in data.keys():
+            value = data.get(key)
+            if isinstance(value, torch.Tensor) and value.is_nested:
+                per_sample = unbound[key] if key in unbound else value.unbind()
+                self._nested[key] = (per_sample, getattr(value, "_ragged_idx", value.dim() - 1))
+            elif isinstance(value, torch.Tensor):
+                self._dense[key] = value
+            elif isinstance(value, NonTensorData):
+                self._same[key] = value.data
+            else:
+                other.append(key)
+        self._other = data.select(*other) if other else None
+        self._same_rows = same or SameRows()
+        self._batch_device = data.device
 
     def select(self, samples: Sequence[int]) -> Any:
         """The TensorDict of ``samples`` (caller indices, in that order)."""
-        import torch
         from verl.utils.tensordict_utils import nested_tensor_from_tensor_list
 
         n = len(samples)
-        sub = self._rows[torch.tensor(list(samples), dtype=torch.int64)]
-        same = self._same_of_size.get(n)
-        if same is None:
-            same = self._same_of_size[n] = self._same[:n]  # every row holds the same value
-        sub.update(same)
-        for key, per_sample, ragged in self._nested:
-            sub[key] = nested_tensor_from_tensor_list([per_sample[i] for i in samples], ragged_idx=ragged)
+        index = torch.tensor(list(samples), dtype=torch.int64)  # [n]
+        source: dict[str, Any] = {k: v.index_select(0, index.to(v.device)) for k, v in self._dense.items()}
+        for key, (per_sample, ragged) in self._nested.items():
+            rows = [per_sample[i] for i in samples]
+            if rows[0].dim() == 1:  # what as_nested_tensor makes of them (verl's path for 1-d samples)
+                source[key] = compat.nested_from_flat(torch.cat(rows), [r.shape[0] for r in rows])
+            else:
+                source[key] = nested_tensor_from_tensor_list(rows, ragged_idx=ragged)
+        for key, value in self._same.items():  # every row holds the same value
+            source[key] = self._same_rows.get(key, value, n)
+        sub = compat.tensordict_of(source, n, self._batch_device)
+        if self._other is not None:
+            sub.update(self._other[index])
         return sub
 
 

@@ -41,7 +41,7 @@ from hdp import megatron_compat as mc
 from hdp.digest import batch_digest
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.attention import install_hdp_attention
-from hdp.integrations.verl.batch import sample_lengths, verl_outputs
+from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
                                           check_shared_layout, check_zero_memory_experts, role_key)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
@@ -152,6 +152,7 @@ class HdpMegatronEngine(_MegatronLM):
                                      records_path=records, memory=MemoryCalibration(), infer_budget=infer)
         self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
         self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function")
+        self.same_rows = SameRows()  # verl's batch-wide settings at the groups' batch sizes, kept across steps
 
     def _release(self) -> None:
         """After a phase broke off inside its collectives (the engine then refuses every call): the step's

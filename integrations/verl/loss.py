@@ -47,7 +47,8 @@ class VerlLoss:
         self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, C] (`fields`: log-prob, entropy; or value)
         self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
         self.leader_losses: list[torch.Tensor] = []
-        self.rows = SampleRows(data) if train and loss_function is not None else None  # each group's sub-batch
+        self.rows = (SampleRows(data, unbound={"input_ids": self.samples}, same=engine.same_rows)
+                     if train and loss_function is not None else None)  # each group's sub-batch
         self.whole: dict[int, torch.Tensor] = {}  # round -> [ΣL_i, C] of the group this rank leads (training)
 
     def fields(self) -> dict[str, int]:
