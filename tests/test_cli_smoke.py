@@ -100,7 +100,8 @@ def test_bench_verl_smallest() -> None:
     assert r["plans"]["hdp"]["plan_id"] != r["plans"]["baseline"]["plan_id"]
     doors = r["doors"]
     _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases",
-                 "verl_minus_library_ms_per_round", "verl_minus_library_cpu_ms_per_round_rank"},
+                 "verl_minus_library_ms_per_round", "verl_minus_library_cpu_ms_per_round_rank",
+                 "verl_over_library_paired", "verl_over_library_cpu_paired"},
          "bench verl doors")
     assert doors["same_plan"] and doors["loss_match"]
     for door in ("library", "verl"):

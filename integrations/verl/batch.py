@@ -97,7 +97,6 @@ class SampleRows:
                 other.append(key)
         self._other = data.select(*other) if other else None
         self._same_rows = same or SameRows()
-        self._batch_device = data.device
 
     def select(self, samples: Sequence[int]) -> Any:
         """The TensorDict of ``samples`` (caller indices, in that order)."""
@@ -114,7 +113,7 @@ class SampleRows:
                 source[key] = nested_tensor_from_tensor_list(rows, ragged_idx=ragged)
         for key, value in self._same.items():  # every row holds the same value
             source[key] = self._same_rows.get(key, value, n)
-        sub = compat.tensordict_of(source, n, self._batch_device)
+        sub = compat.tensordict_of(source, n, None)  # no device, as verl's selection
         if self._other is not None:
             sub.update(self._other[index])
         return sub

@@ -29,7 +29,9 @@ verl's policy loss written as a library loss) and the verl door (``train_batch``
 and the same plan (``same_plan``, from both doors' ``hdp/plan_id``; ``loss_match``: their losses on
 the same weights), alternating; ``verl_over_library`` is the ratio of their median steps (wall
 clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other work
-on a shared machine distorts least); ``verl_minus_library_ms_per_round`` (wall) and
+on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median over
+steps of each step's ratio to the other door's step beside it (what drift during the run moves
+least); ``verl_minus_library_ms_per_round`` (wall) and
 ``verl_minus_library_cpu_ms_per_round_rank`` (CPU, per rank) put the gap per round of the plan: verl's
 loss API (a TensorDict sub-batch, nested tensors and verl's loss on whole samples, once per group and
 round) grows with a group's samples and tokens, not with the model's layers or width, so the ratio
@@ -494,6 +496,10 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
         "verl_over_library": med["verl"] / med["library"],
         "cpu_s_median": (cmed := {k: statistics.median(v) for k, v in cpu.items()}),
         "verl_over_library_cpu": cmed["verl"] / cmed["library"],
+        # each step's ratio to the other door's step next to it, the median over steps: what the machine's
+        # drift during the run (another job starting, the clock stepping down) moves least
+        "verl_over_library_paired": statistics.median(v / l for v, l in zip(times["verl"], times["library"])),
+        "verl_over_library_cpu_paired": statistics.median(v / l for v, l in zip(cpu["verl"], cpu["library"])),
         # the gap per round of the plan: verl's loss API runs once per group and round, whatever the model's depth
         "verl_minus_library_ms_per_round": 1000.0 * (med["verl"] - med["library"]) / ran["verl"][-1]["rounds"],
         "verl_minus_library_cpu_ms_per_round_rank": 1000.0 * (cmed["verl"] - cmed["library"])
