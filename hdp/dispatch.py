@@ -26,10 +26,13 @@ Three ways in and out:
   hanging) is exchanged first.
 * :func:`gather_outputs` — per-token outputs of the local chunks (log-probs, entropies) go back as
   full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``).
-* :func:`group_samples` — inside one round, the ranks of one group assemble their samples whole
-  (for a loss that needs whole samples, such as verl's): point-to-point among the group's k ranks
-  only; this rank's own rows keep their graph.  :func:`gather_whole_samples` then collects those
-  whole samples from the groups' first ranks with one ``gather``.
+* :func:`group_to_leader` — inside one round, the group's first rank (its leader) assembles the
+  group's samples whole from its members' rows (for a loss that needs whole samples, such as
+  verl's), point-to-point among the group's k ranks only; :func:`leader_to_group` hands each member
+  its rows of what the leader computed from them (the loss's gradient): 2(k-1) messages per group.
+  :func:`gather_whole_samples` then collects those whole samples from the groups' leaders with one
+  ``gather``.  :func:`group_samples_flat` gives every member the whole samples instead, its own rows
+  differentiable (k(k-1) messages; verl's stock CP engine all-gathers so and runs its loss on every rank).
 
 Every collective names its process group; none runs on ``group=None``.
 """
@@ -58,12 +61,13 @@ __all__ = [
     "pack",
     "unpack_into",
     "select_local",
+    "group_to_leader",
+    "leader_to_group",
+    "group_samples_flat",
     "owners_by_modulo",
     "redistribute",
     "gather_outputs",
     "gather_whole_samples",
-    "group_samples",
-    "group_samples_flat",
 ]
 
 logger = logging.getLogger(__name__)
@@ -491,7 +495,7 @@ def gather_whole_samples(
     dtype: torch.dtype,
 ) -> list[torch.Tensor] | None:
     """Per-sample outputs ``[L_i, *trailing]`` in the caller's order on domain rank ``dst`` (``None``
-    elsewhere), from the whole samples the first rank of each group holds (:func:`group_samples_flat`).
+    elsewhere), from the whole samples the first rank of each group holds (:func:`group_to_leader`).
 
     ``whole[r]`` is this rank's ``[Σ L_i, *trailing]`` of the group it starts in round r, in group order
     (rounds where it starts no group are absent).  What every rank sends and where it lands follow from
@@ -530,13 +534,7 @@ def gather_whole_samples(
 # ---------------------------------------------------------------- whole samples inside a group
 
 _TAG_GROUP = 21
-
-
-def group_samples(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> list[torch.Tensor]:
-    """Sg x [L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``
-    (:func:`group_samples_flat` split by sample)."""
-    flat = group_samples_flat(plan, meta, local, groups)
-    return list(flat.split(list(meta.group_lengths)))
+_TAG_LEADER = 22
 
 
 def _flat_rows(lengths: Sequence[int], k: int, j: int) -> torch.Tensor:
@@ -588,3 +586,59 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
         flat[rows.to(local.device)] = buf  # the peers' rows, detached
     own = _flat_rows(lengths, meta.k, meta.j).to(local.device)  # [T]
     return flat.index_put((own,), local)  # out-of-place: grad flows to `local`
+
+
+
+def group_to_leader(meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> torch.Tensor | None:
+    """[Σ L_i, ...] on the group's first rank (position 0, its leader): the group's whole samples in round
+    ``meta.round_index``, one after another in group order, from every member's ``local`` [T, ...] rows
+    (its zigzag chunks, as :func:`local_meta` orders them); ``None`` on the other members, which each send
+    their rows to the leader (one message each; a member without tokens sends nothing).  Detached: the
+    leader computes on the whole samples and hands each member its rows of the result back with
+    :func:`leader_to_group`.  A rank alone in its group gets ``local`` back.  Collective over the
+    group's members that hold tokens (the leader always holds some: it has every sample's last token)."""
+    if local.shape[0] != meta.num_tokens:
+        raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
+                         f"{meta.num_tokens} tokens")
+    if meta.k == 1:
+        return local.detach()
+    lengths = meta.group_lengths
+    send = local.detach().contiguous()
+    if meta.j != 0:
+        dist.send(send, groups.global_ranks[meta.group_start], group=groups.domain, tag=_TAG_LEADER)
+        return None
+    flat = local.new_zeros((sum(lengths), *local.shape[1:]))  # [Σ L_i, ...]
+    peers = [(meta.group_start + j, rows) for j in range(1, meta.k)
+             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q] rows)]
+    bufs = [local.new_empty((rows.numel(), *local.shape[1:])) for _, rows in peers]
+    ops = [dist.P2POp(dist.irecv, buf, groups.global_ranks[q], groups.domain, _TAG_LEADER)
+           for (q, _), buf in zip(peers, bufs)]
+    for work in (dist.batch_isend_irecv(ops) if ops else []):
+        work.wait()
+    for (_, rows), buf in zip(peers, bufs):
+        flat[rows.to(local.device)] = buf
+    flat[_flat_rows(lengths, meta.k, 0).to(local.device)] = send
+    return flat
+
+
+def leader_to_group(meta: LocalMeta, full: torch.Tensor | None, like: torch.Tensor,
+                    groups: DomainGroups) -> torch.Tensor:
+    """[T, ...] this member's rows of ``full`` [Σ L_i, ...], which the group's leader holds (laid out as
+    :func:`group_to_leader` returns; ``None`` on the other members): the leader sends each member with
+    tokens its rows (one message each) and keeps its own; a member receives its rows into a tensor
+    like ``like`` [T, ...].  A rank alone in its group gets its rows of ``full``.  Collective over the
+    group's members that hold tokens, after :func:`group_to_leader` in the same round."""
+    lengths = meta.group_lengths
+    if meta.j != 0:
+        out = torch.empty_like(like)  # [T, ...]
+        dist.recv(out, groups.global_ranks[meta.group_start], group=groups.domain, tag=_TAG_LEADER)
+        return out
+    assert full is not None, "the group's leader holds what it hands back"
+    if meta.k == 1:
+        return full
+    sends = [(meta.group_start + j, full[rows.to(full.device)].contiguous()) for j in range(1, meta.k)
+             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q, ...])]
+    ops = [dist.P2POp(dist.isend, rows, groups.global_ranks[q], groups.domain, _TAG_LEADER) for q, rows in sends]
+    for work in (dist.batch_isend_irecv(ops) if ops else []):
+        work.wait()
+    return full[_flat_rows(lengths, meta.k, 0).to(full.device)]

@@ -60,7 +60,8 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     door = ["-"]
     wraps: list[tuple[Any, str, str]] = [
         (loss.VerlLoss, "__init__", "loss adapter: init"), (loss.VerlLoss, "__call__", "loss adapter: call"),
-        (loss.VerlLoss, "local", "log-probs"), (loss, "group_samples_flat", "exchange"),
+        (loss.VerlLoss, "local", "log-probs"), (loss, "group_to_leader", "exchange"),
+        (loss, "leader_to_group", "exchange"),
         (batch.SampleRows, "select", "sub-batch (select)"), (compat, "nested_from_flat", "nested tensors"),
         (batch, "gather_whole_samples", "collect: gather"), (verl_engine, "verl_outputs", "collect"),
         (rounds.RoundCore, "_round_loss", "round losses"), (rounds.RoundCore, "run", "rounds"),

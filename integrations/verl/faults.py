@@ -93,7 +93,9 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
             engine.planner.__dict__.pop("take", None)
             engine.__dict__.pop("train_batch", None)
 
-        if rank != 1:
+        # verl's loss function runs on each group's first rank (the others of a CP group get its gradient):
+        # the loss faults go on rank 0, which starts a group in every round here; the others on rank 1
+        if rank != (0 if kind in ("raises", "nan", "nan-grad") else 1):
             return undo
         if kind == "forward":
             calls = {"n": 0}
@@ -118,7 +120,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
             def loss(*a: Any, **k: Any) -> Any:
                 value, metrics = loss_function(*a, **k)
                 if kind == "raises":
-                    raise RuntimeError("injected: verl loss function bug on rank 1")
+                    raise RuntimeError(f"injected: verl loss function bug on rank {rank}")
                 if kind == "nan-grad":  # the loss stays finite (+ sqrt(0) = 0), its gradient is NaN (inf x 0)
                     return value + torch.sqrt(value * 0.0), metrics
                 return value * float("nan"), metrics

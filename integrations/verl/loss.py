@@ -1,8 +1,11 @@
-"""verl's loss on hdp's rounds: after a round's logits the ranks of each CP group exchange their chunks'
-log-probs (and entropies) among themselves only, so each holds its group's samples whole with its own chunk
-differentiable, and verl's *real* loss function runs on those whole samples with the mini-batch's global
-normalisers (``batch_num_tokens``, ``global_batch_size``, ``dp_size = 1``): each group's loss is its share
-of the mini-batch's, so the domain sum of gradients is the single-process gradient.
+"""verl's loss on hdp's rounds: after a round's logits the members of each CP group send their chunks'
+log-probs (and entropies) to the group's first rank (its leader), which holds the group's samples whole and
+runs verl's *real* loss function on them once, with the mini-batch's global normalisers
+(``batch_num_tokens``, ``global_batch_size``, ``dp_size = 1``): each group's loss is its share of the
+mini-batch's.  The leader sends each member the loss's gradient at the member's rows, and each member's
+round loss is its rows times that gradient (value 0; the leader's is the group's loss), so the domain sum of
+gradients is the single-process gradient.  A rank alone in its group holds its samples whole and runs
+verl's loss through its own rows.
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, Tr this rank's real tokens of a round.
 """
@@ -13,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from hdp.dispatch import group_samples_flat, pack
+from hdp.dispatch import group_to_leader, leader_to_group, pack
 from hdp.integrations.verl import compat, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
 from hdp.logprobs import logprobs_entropy
@@ -27,8 +30,10 @@ class VerlLoss:
     """The round loss of verl: log-probs (and entropies) of this rank's chunks, the group's samples
     assembled whole, verl's loss function on them; outputs kept for verl's collect rank."""
 
-    width = 2
-    """C: per-token columns `local` returns (log-prob, entropy)."""
+    @property
+    def width(self) -> int:
+        """C: per-token columns `local` returns (`fields`: the log-prob, and the entropy when it is asked for)."""
+        return len(self.fields())
 
     def __init__(self, engine: Any, plan: Plan, data: Any, loss_function: Callable | None,
                  train: bool) -> None:
@@ -64,7 +69,7 @@ class VerlLoss:
         logp, ent = logprobs_entropy(logits, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
                                      temperature=temp.to(dev), entropy=self.entropy,
                                      chunk=int(eng.engine_config.entropy_from_logits_chunk_size))  # [Tr]
-        return torch.stack([logp, ent if ent is not None else torch.zeros_like(logp)], dim=-1)  # [Tr, 2]
+        return torch.stack([logp, ent], dim=-1) if ent is not None else logp[:, None]  # [Tr, C]
 
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
         meta, eng = rnd.meta, self.engine
@@ -73,16 +78,41 @@ class VerlLoss:
         self.outputs[rnd.index] = local.detach()
         if not self.train or self.loss_function is None:
             return None
+        if meta.k == 1:  # alone in its group: the rank holds its samples whole, verl's loss through its rows
+            self.whole[rnd.index] = local.detach()
+            return self._group_loss(meta, local)
+        # a CP group: its leader (position 0) assembles the samples whole, runs verl's loss once and hands each
+        # member the loss's gradient at its rows; each member's share carries that gradient into its rows
+        group = eng.domain.layout.domain
         with eng.core.phases.phase("exchange"):
-            full = group_samples_flat(self.plan, meta, local, eng.domain.layout.domain)  # [ΣL_i, C]; own rows keep grad
-        assert self.rows is not None
-        if meta.j == 0:  # the group's leader keeps its samples whole for verl's collect rank
-            self.whole[rnd.index] = full.detach()
+            full = group_to_leader(meta, local, group)  # [ΣL_i, C] on the leader (detached), None elsewhere
+        loss, grad, error = None, None, None
+        if full is not None:
+            self.whole[rnd.index] = full
+            leaf = full.detach().requires_grad_()  # [ΣL_i, C]
+            try:
+                loss = self._group_loss(meta, leaf)
+                (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+            except Exception as exc:  # noqa: BLE001 - the members wait for their rows: send them, then raise
+                error = exc
+            grad = torch.zeros_like(full) if grad is None else grad
+        with eng.core.phases.phase("exchange"):
+            mine = leader_to_group(meta, grad, local, group)  # [Tr, C]: dloss/d(own rows)
+        if error is not None:
+            raise error
+        share = (local * mine).sum()
+        zero = share - share.detach()  # 0 (NaN where the gradient is), the gradient of the group's loss at own rows
+        return zero if loss is None else loss.detach() + zero  # the group's loss counted once: on its leader
+
+    def _group_loss(self, meta: Any, full: torch.Tensor) -> torch.Tensor:
+        """verl's loss function on the group's samples whole (``full`` [ΣL_i, C], group order); the leader
+        (position 0) keeps its metrics and loss for verl's collect rank."""
+        assert self.rows is not None and self.loss_function is not None
         sub = self.rows.select(meta.samples)  # the group's rows of verl's batch, in group order
         out = {name: compat.nested_from_flat(full[:, col], meta.group_lengths) for name, col in self.fields().items()}
         if self.own_old:
             old_log_prob.substitute(sub, out["log_probs"])
-        loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=eng.get_data_parallel_group())
+        loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=self.engine.get_data_parallel_group())
         if self.own_old and "actor/entropy_loss" in metrics:  # the skipped pass's metric, from this forward
             metrics = dict(metrics)
             metrics["actor/entropy"] = metrics["actor/entropy_loss"] if self.entropy_asked else metrics.pop("actor/entropy_loss")
@@ -97,8 +127,6 @@ class VerlValueLoss(VerlLoss):
     """The round loss of verl's value model (critic): the value head's output per token (one value per input
     token, verl's ``values`` before its shift to the responses), the group's samples whole, verl's
     ``value_loss`` on them; values kept for verl's collect rank."""
-
-    width = 1
 
     def fields(self) -> dict[str, int]:
         return {"values": 0}
