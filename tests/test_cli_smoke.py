@@ -101,10 +101,11 @@ def test_bench_verl_smallest() -> None:
     doors = r["doors"]
     _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases",
                  "verl_minus_library_ms_per_round", "verl_minus_library_cpu_ms_per_round_rank",
-                 "verl_over_library_paired", "verl_over_library_cpu_paired"},
+                 "verl_over_library_paired", "verl_over_library_cpu_paired", "verl_tokens_over_library",
+                 "verl_tokens_over_library_cpu", "verl_tokens_over_library_paired"},
          "bench verl doors")
-    assert doors["same_plan"] and doors["loss_match"]
-    for door in ("library", "verl"):
+    assert doors["same_plan"] and doors["loss_match"] and set(doors["loss"]) == {"library", "verl", "verl_tokens"}
+    for door in ("library", "verl", "verl_tokens"):
         _phases(doors["phases"][door], f"bench verl doors.phases.{door}")
     assert doors["phases"]["verl"]["exchange"] > 0.0 and doors["phases"]["library"]["exchange"] == 0.0
 

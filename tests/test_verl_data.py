@@ -118,3 +118,31 @@ def test_nested_from_flat_without_grad_is_the_public_jagged_tensor() -> None:
     x = torch.randn(sum(lengths), requires_grad=True)  # [Σ L_i]: kept differentiable
     (compat.nested_from_flat(x, lengths).values() * 3).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_token_ppo_loss_is_verls_ppo_loss() -> None:
+    """The doors row's third leg (`verl_token_ppo_loss`): the value and the log-prob gradient of verl's own
+    ``ppo_loss`` (token-mean), computed on the response tokens only."""
+    import functools
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from hdp.integrations.verl import compat
+    from hdp.integrations.verl.bench import actor_config, verl_token_ppo_loss, verl_update_batch
+
+    lengths = [(5, 9), (3, 15), (7, 12), (4, 20), (6, 1)]
+    data = verl_update_batch(lengths, 3, max_token_len_per_gpu=64)
+    tu.assign_non_tensor(data, batch_num_tokens=int(data["response_mask"].sum()), dp_size=1)
+    sub = tu.index_select_tensor_dict(data, [3, 0, 4])  # a group's rows, as the door hands them over
+    total = sum(p + r for p, r in (lengths[3], lengths[0], lengths[4]))
+    grads = []
+    for fn in (functools.partial(ppo_loss, actor_config("token-mean")), verl_token_ppo_loss):
+        flat = (-torch.rand(total, dtype=torch.float32, generator=torch.Generator().manual_seed(7))).requires_grad_()
+        out = {"log_probs": compat.nested_from_flat(flat, [p + r for p, r in (lengths[3], lengths[0], lengths[4])])}
+        loss, _ = fn(model_output=out, data=sub, dp_group=None)
+        loss.backward()
+        grads.append((float(loss), flat.grad.clone()))
+    (want, g_want), (got, g_got) = grads
+    assert want != 0.0 and got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert g_want.abs().sum() > 0 and torch.allclose(g_got, g_want, rtol=1e-5, atol=1e-9)

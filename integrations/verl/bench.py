@@ -26,16 +26,20 @@ relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (
 ``doors``: the library door (`hdp.trainer.engine.HdpEngine.train_step` with :func:`library_ppo_loss`,
 verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
 ``ppo_loss``) on **one** model and optimizer (the verl engine wraps the library engine's chunks)
-and the same plan (``same_plan``, from both doors' ``hdp/plan_id``; ``loss_match``: their losses on
-the same weights), alternating; ``verl_over_library`` is the ratio of their median steps (wall
-clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other work
-on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median over
-steps of each step's ratio to the other door's step beside it (what drift during the run moves
-least); ``verl_minus_library_ms_per_round`` (wall) and
-``verl_minus_library_cpu_ms_per_round_rank`` (CPU, per rank) put the gap per round of the plan: verl's
-loss API (a TensorDict sub-batch, nested tensors and verl's loss on whole samples, once per group and
-round) grows with a group's samples and tokens, not with the model's layers or width, so the ratio
-shrinks as the model's step grows.  ``speedup_cpu_time``: the paths' ratio of CPU seconds.
+and the same plan (``same_plan``, from every door's ``hdp/plan_id``; ``loss_match``: their losses on
+the same weights), each door first in turn; ``verl_over_library`` is the ratio of their median steps
+(wall clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other
+work on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median
+over steps of each step's ratio to the library's step beside it (what drift during the run moves
+least); ``verl_minus_library_ms_per_round`` (wall) and ``verl_minus_library_cpu_ms_per_round_rank``
+(CPU, per rank) put the gap per round of the plan: verl's loss API (a TensorDict sub-batch, nested
+tensors and verl's loss on whole samples, once per group and round) grows with a group's samples and
+tokens, not with the model's layers or width, so the ratio shrinks as the model's step grows.  The
+same figures with the prefix ``verl_tokens`` time a third leg: the verl door with
+:func:`verl_token_ppo_loss`, the same loss value as verl's ``ppo_loss`` computed on the response
+tokens only, as the library's loss does — the door's own cost, apart from what verl's ``ppo_loss``
+spends on its padded [samples, response width] tensors.  ``speedup_cpu_time``: the paths' ratio of
+CPU seconds.
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
 few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
@@ -78,8 +82,10 @@ BASELINE = (
     "verl's stock Megatron scheduling run by the engine's planner: policy verl-kk with static_cp_size = N "
     "(static CP over all ranks: every micro-batch one CP group of all N ranks, hdp's ring attention) and verl's "
     "dynamic-bsz micro-batching (Karmarkar-Karp on verl's workload 24576 L + L^2, the fewest micro-batches within "
-    "the token budget), through the same HdpMegatronEngine.train_batch, model, optimizer and verl ppo_loss; verl's "
-    "own MegatronEngine needs TransformerEngine attention for CP and does not run on CPU"
+    "the token budget), with verl's CP loss handling (every CP rank gathers the micro-batch's log-probs over its CP "
+    "group and runs the loss on the whole micro-batch, verl's postprocess_packed_seqs: StockCPLoss), through the same "
+    "HdpMegatronEngine.train_batch, model, optimizer and verl ppo_loss; verl's own MegatronEngine needs "
+    "TransformerEngine attention for CP and does not run on CPU"
 )
 VOCAB = 128
 PAD = 0
@@ -260,11 +266,13 @@ def build_engines(
     distributed_optimizer: bool = False,
     model: Any = None,
     optimizer: Any = None,
+    stock: bool = False,
 ) -> tuple[Any, Any]:
     """(engine, model chunk) on this rank: the hdp engine on a tiny GPT, planning with ``policy``.
 
-    ``policy="verl-kk", static_cp_size=N`` is the stock path (:data:`BASELINE`): the same engine and step,
-    whose planner runs verl's scheduling.  Megatron must be initialised
+    ``policy="verl-kk", static_cp_size=N, stock=True`` is the stock path (:data:`BASELINE`): the same engine
+    and step, whose planner runs verl's scheduling and whose loss handles CP groups as verl's stock engine
+    does (`StockCPLoss`).  Megatron must be initialised
     (:func:`hdp.megatron_compat.initialize_megatron`).  Pass ``model`` and ``optimizer`` (from an earlier
     call: ``engine.optimizer``) to share the weights and the optimizer between engines.
     """
@@ -275,7 +283,8 @@ def build_engines(
         model, optimizer = _build_ddp(tiny_model_config(), distributed_optimizer)
     opts = HdpOptions(max_tokens_per_rank=budget, policy=policy, static_cp_size=static_cp_size,
                       cost_model=COST_MODEL, auto_calibrate=False, calibration_path=None)
-    engine = HdpMegatronEngine.from_modules(
+    engine_class = _stock_engine_class() if stock else HdpMegatronEngine
+    engine = engine_class.from_modules(
         module=[model],
         optimizer=optimizer,
         engine_config=HdpEngineConfig(hdp=opts),
@@ -283,6 +292,39 @@ def build_engines(
         domain_group=dist.group.WORLD,
     )
     return engine, model
+
+
+def _stock_engine_class() -> type:
+    """The verl engine with verl's stock CP loss handling (`StockCPLoss`), for the bench's stock path."""
+    from hdp.dispatch import group_samples_flat
+    from hdp.integrations.verl.engine import HdpMegatronEngine
+    from hdp.integrations.verl.loss import VerlLoss
+
+    class StockCPLoss(VerlLoss):
+        """verl's stock Megatron engine's loss on a CP group: every CP rank gathers the group's log-probs
+        (``postprocess_packed_seqs``: an all-gather over the CP group, the own chunk differentiable) and
+        runs the loss on the whole micro-batch, k times per group of k ranks; hdp's door runs it once, on
+        the group's first rank (`hdp.integrations.verl.loss.VerlLoss`).  The same gradient."""
+
+        def __call__(self, rnd: Any, logits: torch.Tensor) -> torch.Tensor | None:
+            meta = rnd.meta
+            local = self.local(rnd, logits)  # [Tr, C]
+            self.outputs[rnd.index] = local.detach()
+            if not self.train or self.loss_function is None:
+                return None
+            with self.engine.core.phases.phase("exchange"):
+                full = group_samples_flat(self.plan, meta, local, self.engine.domain.layout.domain)  # [ΣL_i, C]
+            if meta.j == 0:
+                self.whole[rnd.index] = full.detach()
+            loss = self._group_loss(meta, full)
+            return loss if meta.j == 0 else loss - loss.detach()  # the group's loss counted once, as the door's
+
+    class StockMegatronEngine(HdpMegatronEngine):
+        """`HdpMegatronEngine` with verl's stock CP loss handling."""
+
+        loss_class = StockCPLoss
+
+    return StockMegatronEngine
 
 
 def main_grads(model: Any) -> list[torch.Tensor]:
@@ -332,15 +374,36 @@ def grads_close(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], rtol: floa
     return ok, worst
 
 
-def library_ppo_loss(local: Any, logprobs: torch.Tensor, weights: torch.Tensor, clip: float = 0.2,
+def ppo_token_losses(logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip: float = 0.2,
                      clip_c: float = 3.0) -> torch.Tensor:
-    """verl's vanilla PPO policy loss (``core_algos.compute_policy_loss_vanilla``: clipped ratio, dual clip
-    for negative advantages) as a library loss function: Σ weights · ℓ_t (token-mean weights)."""
-    old, adv = local.extras["old_log_probs"], local.extras["advantages"]
+    """[T] verl's vanilla PPO policy loss per token (``core_algos.compute_policy_loss_vanilla``: clipped
+    ratio, dual clip for negative advantages) from [T] log-probs, old log-probs and advantages."""
     ratio = torch.exp(torch.clamp(logprobs - old, -20.0, 20.0))
     clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
-    pg = torch.where(adv < 0, torch.minimum(-adv * clip_c, clipped), clipped)
-    return (weights * pg).sum()
+    return torch.where(adv < 0, torch.minimum(-adv * clip_c, clipped), clipped)
+
+
+def library_ppo_loss(local: Any, logprobs: torch.Tensor, weights: torch.Tensor, clip: float = 0.2,
+                     clip_c: float = 3.0) -> torch.Tensor:
+    """verl's vanilla PPO policy loss as a library loss function: Σ weights · ℓ_t (token-mean weights)."""
+    old, adv = local.extras["old_log_probs"], local.extras["advantages"]
+    return (weights * ppo_token_losses(logprobs, old, adv, clip, clip_c)).sum()
+
+
+def verl_token_ppo_loss(model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's ``ppo_loss`` with ``token-mean`` (the same value) as a verl loss function that computes on the
+    response tokens only, as the library's loss does: each response token's log-prob picked from the nested
+    whole samples, the padded per-token inputs at the same tokens (verl's ``ppo_loss`` pads every sample's
+    log-probs to the batch's response width and computes on [samples, width]).  No metrics.  The doors
+    row's third leg: the verl door's own cost with the library's work in the loss."""
+    values = model_output["log_probs"].values()  # [Σ L_i]
+    mask = data["response_mask"].bool()  # [n, R]
+    att, width = data["attention_mask"], data["prompts"].shape[1]  # [n, P + R], P
+    plen, rlen = att[:, :width].sum(1), att[:, width:].sum(1)  # [n]
+    start = torch.cumsum(plen + rlen, 0) - (plen + rlen)  # [n] each sample's first row
+    at = (start + plen - 1)[:, None] + torch.arange(mask.shape[1])[None, :]  # [n, R] row predicting each response token
+    pg = ppo_token_losses(values[at[mask]], data["old_log_probs"][mask], data["advantages"][mask])  # [T_resp]
+    return pg.sum() / data["batch_num_tokens"] * data["dp_size"], {}
 
 
 def library_batch(lengths: Sequence[tuple[int, int]], data: Any) -> Any:
@@ -397,7 +460,7 @@ def _paths_worker(world: int, steps: int, budget: int, data: Any, loss_fn: Any) 
     def pair(distributed_optimizer: bool) -> tuple[dict[str, Any], Any]:
         hdp_engine, model = build_engines(budget=budget, distributed_optimizer=distributed_optimizer)
         stock_engine, _ = build_engines(budget=budget, policy=BASELINE_POLICY, static_cp_size=world, model=model,
-                                        optimizer=hdp_engine.optimizer)
+                                        optimizer=hdp_engine.optimizer, stock=True)
         return {"hdp": hdp_engine, "baseline": stock_engine}, model
 
     # both paths' gradients on the same batch and weights, all-reduced in full (no distributed optimizer,
@@ -460,22 +523,27 @@ def doors_engines(budget: int) -> tuple[Any, Any]:
 
 
 def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], data: Any, loss_fn: Any) -> dict[str, Any]:
-    """The library door (`HdpEngine.train_step`) and the verl door (`HdpMegatronEngine.train_batch`) on one
-    model, optimizer and plan (`doors_engines`)."""
+    """The library door (`HdpEngine.train_step`) and the verl door (`HdpMegatronEngine.train_batch`, with
+    verl's ``ppo_loss`` and with `verl_token_ppo_loss`) on one model, optimizer and plan (`doors_engines`)."""
     lib, door = doors_engines(budget)
     batch = library_batch(lengths, data)
-    # the same weights: the verl door's loss without an update, then the library's step (loss before its update)
+    # the same weights: the verl door's losses without an update, then the library's step (loss before its update)
     first_verl = door.forward_backward_batch(data.clone(recurse=False), loss_fn)
+    first_tokens = door.forward_backward_batch(data.clone(recurse=False), verl_token_ppo_loss)
+    door.optimizer_zero_grad()
     first_lib = lib.train_step(batch, library_ppo_loss)
     door.train_batch(data.clone(recurse=False), loss_fn)  # untimed, as the library's first step
-    times: dict[str, list[float]] = {"library": [], "verl": []}
-    cpu: dict[str, list[float]] = {"library": [], "verl": []}
-    metrics: dict[str, list[dict[str, Any]]] = {"library": [], "verl": []}
+    door.train_batch(data.clone(recurse=False), verl_token_ppo_loss)
     runs = {"library": (lambda b: lib.train_step(b, library_ppo_loss), lambda: batch),
-            "verl": (lambda d: door.train_batch(d, loss_fn).get("metrics", {}), lambda: data.clone(recurse=False))}
+            "verl": (lambda d: door.train_batch(d, loss_fn).get("metrics", {}), lambda: data.clone(recurse=False)),
+            "verl_tokens": (lambda d: door.train_batch(d, verl_token_ppo_loss).get("metrics", {}),
+                            lambda: data.clone(recurse=False))}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    metrics: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
+    order = list(runs.items())
     for i in range(steps):
-        order = list(runs.items())
-        for name, (fn, arg) in order if i % 2 == 0 else order[::-1]:
+        for name, (fn, arg) in order[i % len(order):] + order[: i % len(order)]:  # each door first in turn
             dt, dc, m = _timed(fn, arg())  # verl's batch is a fresh shallow copy each step (outside the timing)
             times[name].append(dt)
             cpu[name].append(dc)
@@ -485,25 +553,33 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
         return {}
     ran = {k: [plan_that_ran(m) for m in v] for k, v in metrics.items()}
     ids = {k: {r["plan_id"] for r in v} for k, v in ran.items()}
-    loss_v, loss_l = float(first_verl["loss"][0]), float(first_lib["loss"])
+    loss = {"library": float(first_lib["loss"]), "verl": float(first_verl["loss"][0]),
+            "verl_tokens": float(first_tokens["loss"][0])}
     med = {k: statistics.median(v) for k, v in times.items()}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    rounds = ran["verl"][-1]["rounds"]
+    world = dist.get_world_size(group=dist.group.WORLD)
+
+    def against_library(name: str) -> dict[str, float]:
+        return {
+            f"{name}_over_library": med[name] / med["library"],
+            f"{name}_over_library_cpu": cmed[name] / cmed["library"],
+            # each step's ratio to the library's step beside it, the median over steps: what the machine's
+            # drift during the run (another job starting, the clock stepping down) moves least
+            f"{name}_over_library_paired": statistics.median(v / l for v, l in zip(times[name], times["library"])),
+            f"{name}_over_library_cpu_paired": statistics.median(v / l for v, l in zip(cpu[name], cpu["library"])),
+            # the gap per round of the plan: verl's loss API runs once per group and round, whatever the model's depth
+            f"{name}_minus_library_ms_per_round": 1000.0 * (med[name] - med["library"]) / rounds,
+            f"{name}_minus_library_cpu_ms_per_round_rank": 1000.0 * (cmed[name] - cmed["library"]) / (rounds * world),
+        }
+
     return {
-        "same_plan": len(ids["library"] | ids["verl"]) == 1 and int(_scalar(first_verl["metrics"], "hdp/plan_id"))
+        "same_plan": len(set().union(*ids.values())) == 1 and int(_scalar(first_verl["metrics"], "hdp/plan_id"))
         in ids["library"],
-        "loss_match": abs(loss_v - loss_l) <= 1e-5 * max(1.0, abs(loss_l)),
-        "loss": {"library": loss_l, "verl": loss_v},
-        "step_s_median": med, "step_s_all": times,
-        "verl_over_library": med["verl"] / med["library"],
-        "cpu_s_median": (cmed := {k: statistics.median(v) for k, v in cpu.items()}),
-        "verl_over_library_cpu": cmed["verl"] / cmed["library"],
-        # each step's ratio to the other door's step next to it, the median over steps: what the machine's
-        # drift during the run (another job starting, the clock stepping down) moves least
-        "verl_over_library_paired": statistics.median(v / l for v, l in zip(times["verl"], times["library"])),
-        "verl_over_library_cpu_paired": statistics.median(v / l for v, l in zip(cpu["verl"], cpu["library"])),
-        # the gap per round of the plan: verl's loss API runs once per group and round, whatever the model's depth
-        "verl_minus_library_ms_per_round": 1000.0 * (med["verl"] - med["library"]) / ran["verl"][-1]["rounds"],
-        "verl_minus_library_cpu_ms_per_round_rank": 1000.0 * (cmed["verl"] - cmed["library"])
-        / (ran["verl"][-1]["rounds"] * dist.get_world_size(group=dist.group.WORLD)),
+        "loss_match": all(abs(v - loss["library"]) <= 1e-5 * max(1.0, abs(loss["library"])) for v in loss.values()),
+        "loss": loss,
+        "step_s_median": med, "step_s_all": times, "cpu_s_median": cmed,
+        **against_library("verl"), **against_library("verl_tokens"),
         "plans": {k: v[-1] for k, v in ran.items()},
         "phases": {k: median_phases(v) for k, v in metrics.items()},
     }
