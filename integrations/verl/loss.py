@@ -92,6 +92,9 @@ class VerlLoss:
             leaf = full.detach().requires_grad_()  # [ΣL_i, C]
             try:
                 loss = self._group_loss(meta, leaf)
+                if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                    raise TypeError("verl's loss function returned a loss that does not require grad (detached, or "
+                                    "computed under torch.no_grad / from .item()); build it from model_output")
                 (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
             except Exception as exc:  # noqa: BLE001 - the members wait for their rows: send them, then raise
                 error = exc
