@@ -126,6 +126,44 @@ def test_a_planted_regression_exits_nonzero_naming_the_row(tmp_path: Path) -> No
     assert clean.returncode == 0, clean.stderr[-3000:]  # without the plant the same row holds
 
 
+SLOW_PLANT = PLANT.replace(
+    '"""Test plant: the hdp policy replaced by static CP (every process of the run imports this)."""',
+    '"""Test plant: the hdp policy runs each assignment twice (the same plans, twice the CPU)."""',
+).replace(
+    'module.assign = importlib.import_module("hdp.packing.policies.static_cp").assign',
+    'once = module.assign\n'
+    '            module.assign = lambda *a, **k: (once(*a, **k), once(*a, **k))[1]',
+)
+
+
+def test_a_planted_slowdown_fails_the_planner_time_row(tmp_path: Path) -> None:
+    """A planner that does its work twice: the plans are the same (``planner-efficiency`` holds) and
+    ``planner-time`` (the planner's CPU time over the fixed scalar reference kernel) fails."""
+    assert SLOW_PLANT != PLANT and "once(*a, **k)" in SLOW_PLANT
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(SLOW_PLANT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "planner", "--json"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    verdicts = {r["row"]: r["verdict"] for r in report["rows"]}
+    assert verdicts == {"planner-time": "REGRESSION", "planner-efficiency": "ok"}, report["rows"]
+    assert report["failed"] == ["planner-time"]
+
+
+def test_the_reference_kernel_is_fixed_work() -> None:
+    """The planner row's yardstick: a compiled scalar kernel, the same result every call, its time measured
+    after compiling (a first call outside the timing)."""
+    import numpy as np
+
+    kernel = R._reference_kernel()
+    data = np.random.default_rng(0).random(1 << 12)
+    assert kernel(data, 2) == kernel(data, 2) and kernel(data, 2) != kernel(data, 1)
+    assert 0.0 < R.reference_ms(repeats=1) < 10_000.0
+
+
 def test_the_cli_prints_the_table_and_exits_zero_on_a_holding_flag() -> None:
     from cli_helper import hdp_main
 
