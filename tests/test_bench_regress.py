@@ -104,18 +104,24 @@ PLANT = textwrap.dedent('''
 ''')
 
 
-def test_a_planted_regression_exits_nonzero_naming_the_row(tmp_path: Path) -> None:
-    """static CP in place of hdp's policy: the planner rows' plans are static CP's (less efficient), so
-    ``planner-efficiency`` fails and the command names it (``planner-time`` then times another policy:
-    not asserted)."""
+def _planted_planner_rows(tmp_path: Path, plant_text: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`hdp bench regress --only planner --json` in a subprocess with ``plant_text`` as its
+    ``sitecustomize``; asserts it exited 1 and returns (the process, its JSON report)."""
     plant = tmp_path / "plant"
     plant.mkdir()
-    (plant / "sitecustomize.py").write_text(PLANT)
+    (plant / "sitecustomize.py").write_text(plant_text)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), *filter(None, [os.environ.get("PYTHONPATH")])])}
     out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "planner", "--json"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 1, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_planted_regression_exits_nonzero_naming_the_row(tmp_path: Path) -> None:
+    """static CP in place of hdp's policy: the planner rows' plans are static CP's (less efficient), so
+    ``planner-efficiency`` fails and the command names it (``planner-time`` then times another policy:
+    not asserted)."""
+    out, report = _planted_planner_rows(tmp_path, PLANT)
     verdicts = {r["row"]: r["verdict"] for r in report["rows"]}
     assert set(verdicts) == {"planner-time", "planner-efficiency"} and verdicts["planner-efficiency"] == "REGRESSION"
     assert "planner-efficiency" in report["failed"] and "regression: planner-efficiency" in out.stderr
@@ -140,14 +146,7 @@ def test_a_planted_slowdown_fails_the_planner_time_row(tmp_path: Path) -> None:
     """A planner that does its work twice: the plans are the same (``planner-efficiency`` holds) and
     ``planner-time`` (the planner's CPU time over the fixed scalar reference kernel) fails."""
     assert SLOW_PLANT != PLANT and "once(*a, **k)" in SLOW_PLANT
-    plant = tmp_path / "plant"
-    plant.mkdir()
-    (plant / "sitecustomize.py").write_text(SLOW_PLANT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    out = subprocess.run([sys.executable, "-m", "hdp.trainer", "bench", "regress", "--only", "planner", "--json"],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 1, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    out, report = _planted_planner_rows(tmp_path, SLOW_PLANT)
     verdicts = {r["row"]: r["verdict"] for r in report["rows"]}
     assert verdicts == {"planner-time": "REGRESSION", "planner-efficiency": "ok"}, report["rows"]
     assert report["failed"] == ["planner-time"]
