@@ -548,6 +548,36 @@ def _flat_rows(lengths: Sequence[int], k: int, j: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
 
+def _check_local(meta: LocalMeta, local: torch.Tensor) -> None:
+    """ValueError unless ``local`` holds a row per local token of ``meta``'s round."""
+    if local.shape[0] != meta.num_tokens:
+        raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
+                         f"{meta.num_tokens} tokens")
+
+
+def _received(meta: LocalMeta, local: torch.Tensor, members: Sequence[int], groups: DomainGroups, tag: int,
+              send: torch.Tensor | None = None) -> torch.Tensor:
+    """[Σ L_i, ...]: the group's samples laid one after another, with the rows of the group positions
+    ``members`` that hold tokens received from them (detached; zeros elsewhere); ``send`` [T, ...], when
+    given, goes to each of them in the same batch of point-to-point ops on the domain group."""
+    lengths = meta.group_lengths
+    flat = local.new_zeros((sum(lengths), *local.shape[1:]))  # [Σ L_i, ...]
+    peers = [(meta.group_start + j, rows) for j in members
+             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q] rows)]
+    bufs = [local.new_empty((rows.numel(), *local.shape[1:])) for _, rows in peers]
+    ops = []
+    for (q, _), buf in zip(peers, bufs):
+        peer = groups.global_ranks[q]
+        if send is not None and send.shape[0]:
+            ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, tag))
+        ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, tag))
+    for work in (dist.batch_isend_irecv(ops) if ops else []):
+        work.wait()
+    for (_, rows), buf in zip(peers, bufs):
+        flat[rows.to(local.device)] = buf
+    return flat
+
+
 def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> torch.Tensor:
     """[Σ L_i, ...]: the whole samples of this rank's group in round ``meta.round_index``, one after
     another in the group's order (``meta.samples``).
@@ -563,30 +593,13 @@ def group_samples_flat(plan: Plan, meta: LocalMeta, local: torch.Tensor, groups:
     Each member's rows are placed with one indexed write (no per-sample work).  Collective over the
     group's members that hold tokens: each calls it in the same round.
     """
-    if local.shape[0] != meta.num_tokens:
-        raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
-                         f"{meta.num_tokens} tokens")
+    _check_local(meta, local)
     if meta.k == 1:  # a rank alone holds its samples whole, in group order (chunks 0 and 1 of each, in turn)
         return local
-    lengths = meta.group_lengths
-    flat = local.new_zeros((sum(lengths), *local.shape[1:]))  # [Σ L_i, ...]
-    peers = [(meta.group_start + j, rows) for j in range(meta.k) if j != meta.j
-             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q] rows)]
-    bufs = [local.new_empty((rows.numel(), *local.shape[1:])) for _, rows in peers]
     send = local.detach().contiguous()
-    ops = []
-    for (q, _), buf in zip(peers, bufs):
-        peer = groups.global_ranks[q]
-        if send.shape[0]:
-            ops.append(dist.P2POp(dist.isend, send, peer, groups.domain, _TAG_GROUP))
-        ops.append(dist.P2POp(dist.irecv, buf, peer, groups.domain, _TAG_GROUP))
-    for work in (dist.batch_isend_irecv(ops) if ops else []):
-        work.wait()
-    for (_, rows), buf in zip(peers, bufs):
-        flat[rows.to(local.device)] = buf  # the peers' rows, detached
-    own = _flat_rows(lengths, meta.k, meta.j).to(local.device)  # [T]
+    flat = _received(meta, local, [j for j in range(meta.k) if j != meta.j], groups, _TAG_GROUP, send=send)
+    own = _flat_rows(meta.group_lengths, meta.k, meta.j).to(local.device)  # [T]
     return flat.index_put((own,), local)  # out-of-place: grad flows to `local`
-
 
 
 def group_to_leader(meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) -> torch.Tensor | None:
@@ -597,9 +610,7 @@ def group_to_leader(meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) 
     leader computes on the whole samples and hands each member its rows of the result back with
     :func:`leader_to_group`.  A rank alone in its group gets ``local`` back.  Collective over the
     group's members that hold tokens (the leader always holds some: it has every sample's last token)."""
-    if local.shape[0] != meta.num_tokens:
-        raise ValueError(f"local has {local.shape[0]} rows; round {meta.round_index} of rank {meta.rank} holds "
-                         f"{meta.num_tokens} tokens")
+    _check_local(meta, local)
     if meta.k == 1:
         return local.detach()
     lengths = meta.group_lengths
@@ -607,16 +618,7 @@ def group_to_leader(meta: LocalMeta, local: torch.Tensor, groups: DomainGroups) 
     if meta.j != 0:
         dist.send(send, groups.global_ranks[meta.group_start], group=groups.domain, tag=_TAG_LEADER)
         return None
-    flat = local.new_zeros((sum(lengths), *local.shape[1:]))  # [Σ L_i, ...]
-    peers = [(meta.group_start + j, rows) for j in range(1, meta.k)
-             for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q] rows)]
-    bufs = [local.new_empty((rows.numel(), *local.shape[1:])) for _, rows in peers]
-    ops = [dist.P2POp(dist.irecv, buf, groups.global_ranks[q], groups.domain, _TAG_LEADER)
-           for (q, _), buf in zip(peers, bufs)]
-    for work in (dist.batch_isend_irecv(ops) if ops else []):
-        work.wait()
-    for (_, rows), buf in zip(peers, bufs):
-        flat[rows.to(local.device)] = buf
+    flat = _received(meta, local, range(1, meta.k), groups, _TAG_LEADER)  # [Σ L_i, ...]
     flat[_flat_rows(lengths, meta.k, 0).to(local.device)] = send
     return flat
 
@@ -636,7 +638,7 @@ def leader_to_group(meta: LocalMeta, full: torch.Tensor | None, like: torch.Tens
     assert full is not None, "the group's leader holds what it hands back"
     if meta.k == 1:
         return full
-    sends = [(meta.group_start + j, full[rows.to(full.device)].contiguous()) for j in range(1, meta.k)
+    sends = [(meta.group_start + j, full[rows.to(full.device)]) for j in range(1, meta.k)
              for rows in [_flat_rows(lengths, meta.k, j)] if rows.numel() > 0]  # [(rank, [T_q, ...])]
     ops = [dist.P2POp(dist.isend, rows, groups.global_ranks[q], groups.domain, _TAG_LEADER) for q, rows in sends]
     for work in (dist.batch_isend_irecv(ops) if ops else []):
