@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hdp.dispatch import gather_outputs, gather_whole_samples
 from hdp.groups import LayoutGroups
+from hdp.objects import gather_objects
 from hdp.integrations.verl import compat
 from hdp.trainer.step import Pass
 
@@ -179,11 +179,10 @@ def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> 
         local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, C]
         full = gather_outputs(plan, rank, local, group, dst=0)  # S x [L_i, C] on rank 0
     mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
-    gathered: list[Any] = [None] * layout.domain.size
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = gather_objects(mine, group, dst=0)  # every rank's (metrics, losses) on rank 0
     if rank != 0:
         return {}
-    assert full is not None
+    assert full is not None and gathered is not None
     if adapter.loss_function is not None:
         metrics = reduce_metrics([m for m, _ in gathered])
         loss = [sum(sum(ls) for _, ls in gathered)]  # the groups' shares of the mini-batch loss
