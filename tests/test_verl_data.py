@@ -120,6 +120,49 @@ def test_nested_from_flat_without_grad_is_the_public_jagged_tensor() -> None:
     assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 3.0))
 
 
+def test_nested_from_flat_with_grad_hands_back_its_flat_values() -> None:
+    """A differentiable nested tensor's ``values()`` is the flat tensor it views (no nested-tensor view op in
+    the backward): the same data and storage, and the gradients through ``values()``, through other nested
+    ops, through both, and of verl's ``ppo_loss`` equal those through torch's own nested tensor."""
+    import functools
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from hdp.integrations.verl import compat
+    from hdp.integrations.verl.bench import actor_config, verl_update_batch
+
+    lengths = [5, 16, 9]
+    offsets = torch.tensor([0, 5, 21, 30])
+    base = torch.randn(sum(lengths), 2)  # [Σ L_i, C]: a column, as the verl adapter passes it
+    uses = {"values": lambda n: (n.values() * torch.arange(30.0)).sum(),
+            "padded": lambda n: (n.to_padded_tensor(0.0) ** 2).sum(),
+            "both": lambda n: n.values().sum() + sum((x ** 3).sum() for x in n.unbind())}
+    for name, use in uses.items():
+        x, y = base.clone().requires_grad_(), base.clone().requires_grad_()
+        got = compat.nested_from_flat(x[:, 1], lengths)
+        want = torch.nested.nested_tensor_from_jagged(y[:, 1].contiguous(), offsets, min_seqlen=5, max_seqlen=16)
+        assert torch.equal(got.values(), want.values()) and got.values().data_ptr() == got._values.data_ptr()
+        assert "Nested" not in type(got.values().grad_fn).__name__  # not the nested tensor's view op
+        use(got).backward()
+        use(want).backward()
+        assert torch.equal(x.grad, y.grad), name
+        assert x.grad[:, 0].abs().sum() == 0 and x.grad[:, 1].abs().sum() > 0, name
+    pairs = [(5, 9), (3, 15), (7, 12)]
+    data = verl_update_batch(pairs, 0, max_token_len_per_gpu=64)
+    tu.assign_non_tensor(data, batch_num_tokens=30, dp_size=1)
+    loss_fn = functools.partial(ppo_loss, actor_config("token-mean"))
+    total = [p + r for p, r in pairs]
+    flat = -torch.rand(sum(total))  # [Σ L_i] log-probs
+    grads = []
+    for make in (lambda v: compat.nested_from_flat(v, total),
+                 lambda v: torch.nested.nested_tensor_from_jagged(v, torch.tensor([0, 14, 32, 51]))):
+        leaf = flat.clone().requires_grad_()
+        loss, _ = loss_fn(model_output={"log_probs": make(leaf)}, data=data, dp_group=None)
+        grads.append(torch.autograd.grad(loss, leaf)[0])
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+
+
 def test_token_ppo_loss_is_verls_ppo_loss() -> None:
     """The doors row's third leg (`verl_token_ppo_loss`): the value and the log-prob gradient of verl's own
     ``ppo_loss`` (token-mean), computed on the response tokens only."""

@@ -446,7 +446,27 @@ def nested_from_flat(values: Any, lengths: Any) -> Any:
     if direct is not None and not values.requires_grad:
         cls, store = direct
         return cls(values, offsets, _metadata_cache={"min_seqlen": store(short), "max_seqlen": store(long)})
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=short, max_seqlen=long)
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=short, max_seqlen=long)
+    if values.requires_grad:  # values() hands back the flat values themselves (`_FlatValues`)
+        nested.values = _FlatValues(values)
+    return nested
+
+
+class _FlatValues:
+    """``values()`` of a differentiable jagged tensor made by `nested_from_flat`: the flat values [Σ L_i, ...]
+    it views, themselves.  verl's losses read a model output through ``values()`` (``no_padding_2_padding``);
+    torch's ``values()`` is a view op of the nested tensor, whose backward runs through the nested-tensor
+    dispatch (a quarter of verl's ``ppo_loss`` forward and backward on a few samples).  The same tensor
+    without that view: the same data and storage, gradients flow to the same values, and any other op on
+    the nested tensor still differentiates through it (both paths add up)."""
+
+    __slots__ = ("flat",)
+
+    def __init__(self, flat: Any) -> None:
+        self.flat = flat
+
+    def __call__(self) -> Any:
+        return self.flat
 
 
 @functools.lru_cache(maxsize=None)
