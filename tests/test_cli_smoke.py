@@ -89,7 +89,7 @@ def test_bench_memory_one_case() -> None:
 @pytest.mark.dist
 def test_bench_verl_smallest() -> None:
     pytest.importorskip("verl")
-    r = _json("bench", "verl", "--ranks", "2", "--steps", "1", "--json")
+    r = _json("bench", "verl", "--ranks", "2", "--steps", "1", "--doors-steps", "2", "--json")
     _has(r, {"speedup", "speedup_cpu_time", "grad_match", "plans_differ", "plans", "phases", "rounds",
              "verl_micro_batches", "tokens_per_s", "step_s_median", "baseline", "doors", "passed"}, "bench verl")
     assert r["passed"] and r["grad_match"] and r["plans_differ"]
@@ -105,6 +105,7 @@ def test_bench_verl_smallest() -> None:
                  "verl_tokens_over_library_cpu", "verl_tokens_over_library_paired"},
          "bench verl doors")
     assert doors["same_plan"] and doors["loss_match"] and set(doors["loss"]) == {"library", "verl", "verl_tokens"}
+    assert doors["steps"] == 2 and all(len(v) == 2 for v in doors["step_s_all"].values())
     for door in ("library", "verl", "verl_tokens"):
         _phases(doors["phases"][door], f"bench verl doors.phases.{door}")
     assert doors["phases"]["verl"]["exchange"] > 0.0 and doors["phases"]["library"]["exchange"] == 0.0

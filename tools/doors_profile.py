@@ -5,7 +5,8 @@ The setup of ``hdp bench verl``'s doors row (`hdp.integrations.verl.bench`: the 
 short-tailed verl update batch, verl's ``ppo_loss`` on the verl door, `library_ppo_loss` on the library
 door, one model, optimizer and plan), the doors alternating step by step.  Each named function is wrapped
 with wall-clock and ``time.process_time`` counters (CPU of the whole process, so background threads
-count too), no profiler, so the figures are a step's own.  Prints, for each rank, the doors' median step
+count too), no profiler, so the figures are a step's own; Megatron's forward (with the loss) and backward
+steps and the garbage collector's passes (by generation) are timed the same way.  Prints, for each rank, the doors' median step
 and each function's milliseconds per step on each door.  Usage::
 
     python tools/doors_profile.py                  # 4 gloo ranks, 10 steps per door
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import logging
 import statistics
@@ -68,6 +70,9 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
         (rounds.RoundCore, "reduce", "reduce"), (step.Steps, "_agree", "agree"), (step.Steps, "finish", "finish"),
         (planning.DomainPlanner, "take", "plan"), (verl_engine, "batch_digest", "digest"),
         (lib_engine, "batch_digest", "digest")]
+    from megatron.core.pipeline_parallel import schedules
+
+    wraps += [(schedules, "forward_step", "model forward (+loss)"), (schedules, "backward_step", "model backward")]
     for owner, name, label in wraps:
         _wrap(owner, name, label, acc, door)
     budget = 512
@@ -85,6 +90,18 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
         "library": lambda: lib.train_step(lib_batch, bench.library_ppo_loss)}
     for run in doors.values():  # untimed: first calls, the optimizer's state
         run()
+    gc_start: list[float] = [0.0, 0.0]
+
+    def gc_timer(phase: str, info: dict[str, Any]) -> None:  # the garbage collector's time, by generation
+        if phase == "start":
+            gc_start[:] = [time.perf_counter(), time.process_time()]
+            return
+        label = f"gc gen{info['generation']}"
+        acc[f"{door[0]}|{label}|wall"] += time.perf_counter() - gc_start[0]
+        acc[f"{door[0]}|{label}|cpu"] += time.process_time() - gc_start[1]
+        acc[f"{door[0]}|{label}|calls"] += 1
+
+    gc.callbacks.append(gc_timer)
     acc.clear()
     times: dict[str, list[float]] = {k: [] for k in doors}
     for i in range(steps):
@@ -95,6 +112,7 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
             doors[name]()
             times[name].append(time.perf_counter() - t0)
             acc[f"{name}|step|cpu"] += time.process_time() - c0
+    gc.callbacks.remove(gc_timer)
     lib.close()
     per_step: dict[str, dict[str, dict[str, float]]] = {}
     for key, value in acc.items():

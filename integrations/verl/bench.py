@@ -27,7 +27,8 @@ relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (
 verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
 ``ppo_loss``) on **one** model and optimizer (the verl engine wraps the library engine's chunks)
 and the same plan (``same_plan``, from every door's ``hdp/plan_id``; ``loss_match``: their losses on
-the same weights), each door first in turn; ``verl_over_library`` is the ratio of their median steps
+the same weights), each door first in turn, ``--doors-steps`` steps per leg (default 10: the doors
+differ by a few percent, less than one step's noise on a shared machine); ``verl_over_library`` is the ratio of their median steps
 (wall clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other
 work on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median
 over steps of each step's ratio to the library's step beside it (what drift during the run moves
@@ -578,14 +579,14 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
         in ids["library"],
         "loss_match": all(abs(v - loss["library"]) <= 1e-5 * max(1.0, abs(loss["library"])) for v in loss.values()),
         "loss": loss,
-        "step_s_median": med, "step_s_all": times, "cpu_s_median": cmed,
+        "steps": steps, "step_s_median": med, "step_s_all": times, "cpu_s_median": cmed,
         **against_library("verl"), **against_library("verl_tokens"),
         "plans": {k: v[-1] for k, v in ran.items()},
         "phases": {k: median_phases(v) for k, v in metrics.items()},
     }
 
 
-def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doors: bool) -> dict[str, Any]:
+def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doors: int) -> dict[str, Any]:
     from functools import partial
 
     from verl.workers.utils.losses import ppo_loss
@@ -599,7 +600,7 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
     mc.initialize_megatron(device="cpu", seed=1234)
     paths = _paths_worker(world, steps, budget, data, loss_fn)
     mc.destroy_megatron()
-    both = _doors_worker(steps, budget, lengths, data, loss_fn) if doors else None
+    both = _doors_worker(doors, budget, lengths, data, loss_fn) if doors else None
     if rank != 0:
         return {}
     tokens = int(sum(p + r for p, r in lengths))
@@ -635,16 +636,20 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
     return result
 
 
-def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0, doors: bool = True) -> dict[str, Any]:
+def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0, doors: bool = True,
+               doors_steps: int = 10) -> dict[str, Any]:
     """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc).
-    ``doors``: also time the library door against the verl door on one model and plan (``doors``)."""
+    ``doors``: also time the library door against the verl door on one model and plan (``doors``), over
+    ``doors_steps`` steps per leg (more than the paths: the doors differ by a few percent, the paths by tens)."""
     if ranks not in (2, 4):
         raise ValueError(f"ranks={ranks}: choose 2 or 4")
     if steps < 1:
         raise ValueError(f"steps={steps}: must be >= 1")
+    if doors_steps < 1:
+        raise ValueError(f"doors_steps={doors_steps}: must be >= 1")
     from hdp.trainer.launch import spawn
 
-    return spawn(_bench_worker, ranks, steps, budget, seed, doors, timeout=900)[0]
+    return spawn(_bench_worker, ranks, steps, budget, seed, doors_steps if doors else 0, timeout=900)[0]
 
 
 def add_arguments(parser: Any) -> None:
@@ -652,7 +657,9 @@ def add_arguments(parser: Any) -> None:
     from hdp.trainer.cli.common import positive_int
 
     parser.add_argument("--ranks", type=positive_int, default=4, choices=(2, 4), help="gloo ranks: 2 or 4 (default 4)")
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per path and per door, after one "
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per path, after one "
                         "untimed (default 5)")
+    parser.add_argument("--doors-steps", type=positive_int, default=10, help="timed steps per leg of the doors "
+                        "row, after one untimed (default 10)")
     parser.add_argument("--no-doors", action="store_false", dest="doors",
                         help="skip the library door vs verl door row")
