@@ -27,8 +27,9 @@ relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (
 verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
 ``ppo_loss``) on **one** model and optimizer (the verl engine wraps the library engine's chunks)
 and the same plan (``same_plan``, from every door's ``hdp/plan_id``; ``loss_match``: their losses on
-the same weights), each door first in turn, ``--doors-steps`` steps per leg (default 10: the doors
-differ by a few percent, less than one step's noise on a shared machine); ``verl_over_library`` is the ratio of their median steps
+the same weights), each door first in turn, ``--doors-steps`` steps per leg (default 20: the doors
+differ by a few percent, and one step's ratio to the library step beside it spreads by about ±15% on a
+shared 2-core VM); ``verl_over_library`` is the ratio of their median steps
 (wall clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other
 work on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median
 over steps of each step's ratio to the library's step beside it (what drift during the run moves
@@ -637,7 +638,7 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
 
 
 def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0, doors: bool = True,
-               doors_steps: int = 10) -> dict[str, Any]:
+               doors_steps: int = 20) -> dict[str, Any]:
     """Run the benchmark on ``ranks`` gloo processes; returns rank 0's result dict (see module doc).
     ``doors``: also time the library door against the verl door on one model and plan (``doors``), over
     ``doors_steps`` steps per leg (more than the paths: the doors differ by a few percent, the paths by tens)."""
@@ -659,7 +660,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--ranks", type=positive_int, default=4, choices=(2, 4), help="gloo ranks: 2 or 4 (default 4)")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per path, after one "
                         "untimed (default 5)")
-    parser.add_argument("--doors-steps", type=positive_int, default=10, help="timed steps per leg of the doors "
-                        "row, after one untimed (default 10)")
+    parser.add_argument("--doors-steps", type=positive_int, default=20, help="timed steps per leg of the doors "
+                        "row, after one untimed (default 20)")
     parser.add_argument("--no-doors", action="store_false", dest="doors",
                         help="skip the library door vs verl door row")
