@@ -430,7 +430,8 @@ def as_nested(tensors: list[Any]) -> Any:
 def nested_from_flat(values: Any, lengths: Any) -> Any:
     """The jagged nested tensor of samples stored one after another in ``values`` [Σ L_i, ...] with
     ``lengths`` [S] (what `as_nested` makes of ``values.split(lengths)``, without the split and the
-    copy); keeps autograd through ``values``.  Values that need no gradient (a batch's token ids, outputs
+    copy); keeps autograd through ``values`` (and its ``values()`` then hands back ``values`` itself:
+    `_FlatValues`).  Values that need no gradient (a batch's token ids, outputs
     handed back to verl) are wrapped by torch's jagged tensor class directly (`_jagged_class`): a third of
     the public constructor's time, which goes through the nested-tensor dispatch to record a view."""
     import torch
