@@ -102,10 +102,12 @@ def test_bench_verl_smallest() -> None:
     _has(doors, {"same_plan", "loss_match", "verl_over_library", "verl_over_library_cpu", "plans", "phases",
                  "verl_minus_library_ms_per_round", "verl_minus_library_cpu_ms_per_round_rank",
                  "verl_over_library_paired", "verl_over_library_cpu_paired", "verl_tokens_over_library",
-                 "verl_tokens_over_library_cpu", "verl_tokens_over_library_paired"},
+                 "verl_tokens_over_library_cpu", "verl_tokens_over_library_paired", "verl_over_library_paired_ci95"},
          "bench verl doors")
     assert doors["same_plan"] and doors["loss_match"] and set(doors["loss"]) == {"library", "verl", "verl_tokens"}
     assert doors["steps"] == 2 and all(len(v) == 2 for v in doors["step_s_all"].values())
+    low, high = doors["verl_over_library_paired_ci95"]
+    assert low <= doors["verl_over_library_paired"] <= high
     for door in ("library", "verl", "verl_tokens"):
         _phases(doors["phases"][door], f"bench verl doors.phases.{door}")
     assert doors["phases"]["verl"]["exchange"] > 0.0 and doors["phases"]["library"]["exchange"] == 0.0

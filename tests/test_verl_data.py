@@ -189,3 +189,18 @@ def test_token_ppo_loss_is_verls_ppo_loss() -> None:
     (want, g_want), (got, g_got) = grads
     assert want != 0.0 and got == pytest.approx(want, rel=1e-6, abs=1e-9)
     assert g_want.abs().sum() > 0 and torch.allclose(g_got, g_want, rtol=1e-5, atol=1e-9)
+
+
+def test_median_ci95_brackets_the_median_and_narrows_with_steps() -> None:
+    """The doors row's interval (`median_ci95`): a point for equal ratios, around the median otherwise, and
+    narrower with four times the steps (same spread)."""
+    import numpy as np
+
+    from hdp.integrations.verl.bench import median_ci95
+
+    assert median_ci95([1.03] * 7) == [1.03, 1.03]
+    g = np.random.default_rng(1)
+    few, many = 1.0 + 0.15 * g.standard_normal(20), 1.0 + 0.15 * g.standard_normal(80)
+    (lo_few, hi_few), (lo_many, hi_many) = median_ci95(list(few)), median_ci95(list(many))
+    assert lo_few <= float(np.median(few)) <= hi_few and lo_many <= float(np.median(many)) <= hi_many
+    assert hi_many - lo_many < 0.75 * (hi_few - lo_few)

@@ -33,8 +33,9 @@ shared 2-core VM); ``verl_over_library`` is the ratio of their median steps
 (wall clock, the slowest rank), ``verl_over_library_cpu`` of their CPU seconds (all ranks: what other
 work on a shared machine distorts least), ``verl_over_library_paired`` / ``_cpu_paired`` the median
 over steps of each step's ratio to the library's step beside it (what drift during the run moves
-least); ``verl_minus_library_ms_per_round`` (wall) and ``verl_minus_library_cpu_ms_per_round_rank``
-(CPU, per rank) put the gap per round of the plan: verl's loss API (a TensorDict sub-batch, nested
+least), ``verl_over_library_paired_ci95`` a 95% bootstrap interval of it (`median_ci95`);
+``verl_minus_library_ms_per_round`` (wall) and ``verl_minus_library_cpu_ms_per_round_rank`` (CPU, per
+rank) put the gap per round of the plan: verl's loss API (a TensorDict sub-batch, nested
 tensors and verl's loss on whole samples, once per group and round) grows with a group's samples and
 tokens, not with the model's layers or width, so the ratio shrinks as the model's step grows.  The
 same figures with the prefix ``verl_tokens`` time a third leg: the verl door with
@@ -424,6 +425,15 @@ def library_batch(lengths: Sequence[tuple[int, int]], data: Any) -> Any:
                          "advantages": [per_token(adv, i, p, r) for i, (p, r) in enumerate(lengths)]})
 
 
+def median_ci95(values: Sequence[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """[low, high]: a 95% bootstrap interval of the median of ``values`` (``resamples`` resamples with
+    replacement, seeded): how far one run's paired ratio can be from the machine's true one."""
+    g = np.random.default_rng(seed)
+    x = np.asarray(values, dtype=np.float64)  # [n]
+    med = np.median(x[g.integers(0, len(x), size=(resamples, len(x)))], axis=1)  # [resamples]
+    return [float(np.quantile(med, 0.025)), float(np.quantile(med, 0.975))]
+
+
 def _timed(fn: Callable[[Any], Any], arg: Any) -> tuple[float, float, Any]:
     """(the slowest rank's wall seconds of ``fn(arg)``, the CPU seconds of all ranks on it, its result),
     the ranks started together.  CPU time is what other work on a shared machine distorts least."""
@@ -569,6 +579,7 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
             # each step's ratio to the library's step beside it, the median over steps: what the machine's
             # drift during the run (another job starting, the clock stepping down) moves least
             f"{name}_over_library_paired": statistics.median(v / l for v, l in zip(times[name], times["library"])),
+            f"{name}_over_library_paired_ci95": median_ci95([v / l for v, l in zip(times[name], times["library"])]),
             f"{name}_over_library_cpu_paired": statistics.median(v / l for v, l in zip(cpu[name], cpu["library"])),
             # the gap per round of the plan: verl's loss API runs once per group and round, whatever the model's depth
             f"{name}_minus_library_ms_per_round": 1000.0 * (med[name] - med["library"]) / rounds,
