@@ -598,7 +598,8 @@ def _doors_worker(steps: int, budget: int, lengths: Sequence[tuple[int, int]], d
     }
 
 
-def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doors: int) -> dict[str, Any]:
+def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doors_steps: int) -> dict[str, Any]:
+    """One rank of `bench_verl`: the two paths, then the doors row over ``doors_steps`` steps (0: no doors row)."""
     from functools import partial
 
     from verl.workers.utils.losses import ppo_loss
@@ -612,7 +613,7 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
     mc.initialize_megatron(device="cpu", seed=1234)
     paths = _paths_worker(world, steps, budget, data, loss_fn)
     mc.destroy_megatron()
-    both = _doors_worker(doors, budget, lengths, data, loss_fn) if doors else None
+    both = _doors_worker(doors_steps, budget, lengths, data, loss_fn) if doors_steps else None
     if rank != 0:
         return {}
     tokens = int(sum(p + r for p, r in lengths))
