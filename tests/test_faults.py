@@ -94,14 +94,14 @@ def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(t
 @pytest.mark.slow
 def test_verl_engine_faults_through_the_cli() -> None:
     """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
-    raising loss function, an error inside a round with its process alive) or its loss is NaN; every rank
+    raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN; every rank
     raises (NaN: every rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
     report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
     rows = {r["fault"]: r for r in report["faults"]}
-    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-nan-gradient",
-                         "verl-own-error-in-round"}, rows
+    assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
+                         "verl-nan-gradient", "verl-own-error-in-round"}, rows
     for name, row in rows.items():
         assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
     for name in ("verl-nan-loss", "verl-nan-gradient"):  # a finite loss with a NaN gradient: skipped alike
@@ -109,6 +109,11 @@ def test_verl_engine_faults_through_the_cli() -> None:
         assert r["skipped_with_nan_grad_norm"] and r["nonfinite_skipped_metric"] and r["usable_after"], r
         assert r["ranks_raised"] == [], r
     assert rows["verl-loss-fn-raises"]["ranks_raised"] == [0, 1]
+    # a loss that does not require grad on the rank that runs verl's loss: every rank raises, naming it
+    detached = rows["verl-loss-fn-detached"]
+    assert detached["ranks_raised"] == [0, 1], detached
+    assert all("verl's loss function returned a tensor that does not require grad" in (e or "")
+               for e in detached["errors"].values()), detached["errors"]
     # a rank's own error inside a round, its process alive (a Ray actor): every rank raises naming it and its
     # error within seconds (the peer waits in a CP ring on hdp's copy of the domain, which the failing rank
     # frees; before that copy it waited the collective timeout on Megatron's group, which verl's model holds)

@@ -65,7 +65,7 @@ from hdp.packing import Plan
 from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
 from hdp.trainer.phases import PhaseTimer
 
-__all__ = ["RoundCore", "RoundInput", "RoundLoss", "RoundHooks", "StepState", "NonFiniteLossError",
+__all__ = ["check_round_loss", "RoundCore", "RoundInput", "RoundLoss", "RoundHooks", "StepState", "NonFiniteLossError",
            "NonFiniteGradientError", "next_token_targets"]
 
 PEER_REPORT_WAIT_S = 1.0
@@ -103,6 +103,17 @@ class NonFiniteGradientError(NonFiniteLossError):
             "zeroed). Check the loss function's backward (a sqrt or log at 0, a division by a zero count) and the "
             "per-token inputs"
         )
+
+
+def check_round_loss(loss: Any, who: str, inputs: str) -> None:
+    """TypeError unless ``loss`` is a scalar tensor that requires grad: what a training round's loss must be.
+    ``who`` names the function that returned it, ``inputs`` what it should be built from."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"{who} returned {type(loss).__name__}"
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor")
+    if not loss.requires_grad:
+        raise TypeError(f"{who} returned a tensor that does not require grad (detached, or computed under "
+                        f"torch.no_grad / from .item()); build the loss from {inputs}")
 
 
 def next_token_targets(tokens: Sequence[torch.Tensor], pad_token_id: int) -> list[torch.Tensor]:
@@ -552,14 +563,7 @@ class RoundCore:
                 with self.phases.phase("loss"):
                     loss = state.adapter(inp, logits[: inp.real])
                 if state.train and loss is not None:
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise TypeError(
-                            f"the loss function returned {type(loss).__name__}"
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; return a scalar tensor")
-                    if not loss.requires_grad:
-                        raise TypeError(
-                            "the loss function returned a tensor that does not require grad (detached, or computed "
-                            "under torch.no_grad / from .item()); build the loss from the logprobs it is given")
+                    check_round_loss(loss, "the loss function", "the logprobs it is given")
             except Exception as exc:  # a caller bug on one rank must not hang the others
                 state.error, loss = state.error or exc, None
         if not state.train or loss is None:

@@ -309,12 +309,8 @@ def _stock_engine_class() -> type:
         runs the loss on the whole micro-batch, k times per group of k ranks; hdp's door runs it once, on
         the group's first rank (`hdp.integrations.verl.loss.VerlLoss`).  The same gradient."""
 
-        def __call__(self, rnd: Any, logits: torch.Tensor) -> torch.Tensor | None:
+        def _round_share(self, rnd: Any, local: torch.Tensor) -> torch.Tensor:
             meta = rnd.meta
-            local = self.local(rnd, logits)  # [Tr, C]
-            self.outputs[rnd.index] = local.detach()
-            if not self.train or self.loss_function is None:
-                return None
             with self.engine.core.phases.phase("exchange"):
                 full = group_samples_flat(self.plan, meta, local, self.engine.domain.layout.domain)  # [ΣL_i, C]
             if meta.j == 0:

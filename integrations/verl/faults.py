@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
         # verl's loss function runs on each group's first rank (the others of a CP group get its gradient):
         # the loss faults go on rank 0, which starts a group in every round here; the others on rank 1
-        if rank != (0 if kind in ("raises", "nan", "nan-grad") else 1):
+        if rank != (0 if kind in ("raises", "detached", "nan", "nan-grad") else 1):
             return undo
         if kind == "forward":
             calls = {"n": 0}
@@ -121,6 +121,8 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
                 value, metrics = loss_function(*a, **k)
                 if kind == "raises":
                     raise RuntimeError(f"injected: verl loss function bug on rank {rank}")
+                if kind == "detached":  # a loss built from .item() or under no_grad
+                    return value.detach(), metrics
                 if kind == "nan-grad":  # the loss stays finite (+ sqrt(0) = 0), its gradient is NaN (inf x 0)
                     return value + torch.sqrt(value * 0.0), metrics
                 return value * float("nan"), metrics
@@ -148,7 +150,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     out: dict[str, Any] = {}
     for name, kind in (("verl-planning-runtime-error", "planning"), ("verl-loss-fn-raises", "raises"),
-                       ("verl-nan-loss", "nan"), ("verl-nan-gradient", "nan-grad")):
+                       ("verl-loss-fn-detached", "detached"), ("verl-nan-loss", "nan"), ("verl-nan-gradient", "nan-grad")):
         out[name] = attempt(kind)
     m = update()  # the engine is still usable and in step
     out["after"] = {"finite": m is None or math.isfinite(float(m["grad_norm"]))}
@@ -183,8 +185,8 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     work.mkdir(parents=True, exist_ok=True)
     res = spawn(_worker, 2, str(work), timeout_s, timeout=600.0)
     rows = []
-    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-nan-loss", "verl-nan-gradient",
-                  "verl-own-error-in-round"):
+    for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
+                  "verl-nan-gradient", "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
         if fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
             row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
@@ -199,8 +201,10 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
             row = _row(fault, 2, per, [], timeout_s)
         row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= 5.0)
         rows.append(row)
-    rows[2]["usable_after"] = rows[3]["usable_after"] = all(res[r]["after"]["finite"] for r in range(2))
-    own = rows[4]
+    by_name = {row["fault"]: row for row in rows}
+    by_name["verl-nan-loss"]["usable_after"] = by_name["verl-nan-gradient"]["usable_after"] = all(
+        res[r]["after"]["finite"] for r in range(2))
+    own = by_name["verl-own-error-in-round"]
     own["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
                                       for v in (res[r]["verl-own-error-in-round"] for r in range(2)))
     own["ok"] = bool(own["ok"] and own["names_rank_and_error"])

@@ -21,7 +21,7 @@ from hdp.integrations.verl import compat, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
 from hdp.logprobs import logprobs_entropy
 from hdp.packing import Plan
-from hdp.trainer.rounds import RoundInput, next_token_targets
+from hdp.trainer.rounds import RoundInput, check_round_loss, next_token_targets
 
 __all__ = ["VerlLoss", "VerlValueLoss"]
 
@@ -72,15 +72,22 @@ class VerlLoss:
         return torch.stack([logp, ent], dim=-1) if ent is not None else logp[:, None]  # [Tr, C]
 
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
-        meta, eng = rnd.meta, self.engine
-        assert meta is not None
+        assert rnd.meta is not None
         local = self.local(rnd, logits)  # [Tr, C]
         self.outputs[rnd.index] = local.detach()
         if not self.train or self.loss_function is None:
             return None
+        return self._round_share(rnd, local)
+
+    def _round_share(self, rnd: RoundInput, local: torch.Tensor) -> torch.Tensor:
+        """This rank's round loss from its rows ``local`` [Tr, C] (training): its group's loss on its leader,
+        a zero carrying the loss's gradient at its rows on the other members."""
+        meta, eng = rnd.meta, self.engine
         if meta.k == 1:  # alone in its group: the rank holds its samples whole, verl's loss through its rows
             self.whole[rnd.index] = local.detach()
-            return self._group_loss(meta, local)
+            loss = self._group_loss(meta, local)
+            check_round_loss(loss, "verl's loss function", "model_output")
+            return loss
         # a CP group: its leader (position 0) assembles the samples whole, runs verl's loss once and hands each
         # member the loss's gradient at its rows; each member's share carries that gradient into its rows
         group = eng.domain.layout.domain
@@ -92,9 +99,7 @@ class VerlLoss:
             leaf = full.detach().requires_grad_()  # [ΣL_i, C]
             try:
                 loss = self._group_loss(meta, leaf)
-                if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                    raise TypeError("verl's loss function returned a loss that does not require grad (detached, or "
-                                    "computed under torch.no_grad / from .item()); build it from model_output")
+                check_round_loss(loss, "verl's loss function", "model_output")
                 (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
             except Exception as exc:  # noqa: BLE001 - the members wait for their rows: send them, then raise
                 error = exc
