@@ -28,6 +28,10 @@ Megatron's output layer needs anyway:
 
 The entropy is computed only when asked for (``entropy=False`` skips w and returns ``None``).
 Accumulation is float32 (float64 for float64 logits).
+
+`sum_pi_squared` (verl's optimal-token-baseline estimators read it from the log-prob pass: the path-variance
+proxy ``1 − 2·p_t + Σ_v p_v²``) streams the same chunks forward only, with a second moment
+q = Σ_c e^(2(x−m')) (rescaled by e^(2(m−m')) as m grows) and, over TP, q·e^(2(m−M)) summed: Σ p² = q / s².
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["logprobs_entropy", "DEFAULT_CHUNK"]
+__all__ = ["logprobs_entropy", "sum_pi_squared", "DEFAULT_CHUNK"]
 
 DEFAULT_CHUNK = 4096
 """Vocabulary columns per step: a [T, 4096] fp32 chunk is 256 MB at T = 16K."""
@@ -153,3 +157,47 @@ def logprobs_entropy(
     offset = dist.get_rank(tp_group) * logits.shape[1] if dist.get_world_size(tp_group) > 1 else 0
     targets = targets.to(device=logits.device, dtype=torch.int64)
     return _LogprobEntropy.apply(logits, targets, inv_t, chunk, bool(entropy), tp_group, offset)
+
+
+@torch.no_grad()
+def sum_pi_squared(
+    logits: torch.Tensor,
+    tp_group: dist.ProcessGroup,
+    *,
+    temperature: torch.Tensor | float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Σ_v p_v² [T] of ``softmax(logits / temperature)`` over the full vocabulary, not differentiable (verl's
+    ``vocab_parallel_sum_pi_squared``, which the log-prob pass computes for its optimal-token-baseline
+    estimators), in vocabulary chunks: memory O(T·C) beyond the logits.  Arguments as `logprobs_entropy`;
+    collective over ``tp_group``."""
+    if tp_group is None:
+        raise ValueError("sum_pi_squared: tp_group=None; pass the tensor-parallel group explicitly")
+    if logits.dim() != 2:
+        raise ValueError(f"sum_pi_squared: logits.shape={tuple(logits.shape)}: expected [T, V/TP]")
+    acc = _acc(logits.dtype)
+    t_len, cols = logits.shape
+    if temperature is None:
+        inv_t = torch.ones(t_len, dtype=acc, device=logits.device)  # [T]
+    else:
+        temp = torch.as_tensor(temperature, dtype=acc, device=logits.device)
+        inv_t = (1.0 / temp).expand(t_len) if temp.dim() == 0 else 1.0 / temp  # [T]
+    m = torch.full((t_len,), float("-inf"), dtype=acc, device=logits.device)  # [T]
+    s = torch.zeros(t_len, dtype=acc, device=logits.device)  # [T] Σ e^(x-m)
+    q = torch.zeros(t_len, dtype=acc, device=logits.device)  # [T] Σ e^(2(x-m))
+    for c0 in range(0, cols, chunk):
+        x = logits[:, c0 : c0 + chunk].to(acc) * inv_t[:, None]  # [T, C]
+        m_new = torch.maximum(m, x.max(dim=-1).values)  # [T]
+        scale = torch.exp(m - m_new)  # [T]
+        e = torch.exp(x - m_new[:, None])  # [T, C]
+        s = s * scale + e.sum(-1)
+        q = q * scale * scale + (e * e).sum(-1)
+        m = m_new
+    if dist.get_world_size(tp_group) > 1:
+        big = m.clone()
+        dist.all_reduce(big, op=dist.ReduceOp.MAX, group=tp_group)
+        scale = torch.exp(m - big)  # [T]
+        red = torch.stack([s * scale, q * scale * scale])  # [2, T]
+        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=tp_group)
+        s, q = red[0], red[1]
+    return q / (s * s)  # [T]

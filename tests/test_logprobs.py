@@ -138,3 +138,16 @@ def test_tensor_parallel_logprobs_and_entropy_match_the_full_vocabulary():
     from dist_helper import run_distributed
 
     run_distributed(_tp_worker, 2, timeout=120)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_sum_pi_squared_matches_the_naive_softmax(dtype, tol):
+    """Σ_v p_v² (verl's optimal-token-baseline input) in vocabulary chunks, with per-token temperatures, against
+    ``softmax(logits / t)²`` summed in float64; relative ``tol``."""
+    from hdp.logprobs import sum_pi_squared
+
+    logits, _, temp = _inputs(dtype)
+    want = torch.softmax(logits.detach().double() / temp[:, None], dim=-1).pow(2).sum(-1)
+    for chunk in (V, 128, 7):
+        got = sum_pi_squared(logits.detach(), dist.group.WORLD, temperature=temp, chunk=chunk)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=0)

@@ -253,11 +253,12 @@ def test_round_targets_follow_verls_alignment():
 def test_reduce_metrics_matches_verls_dp_aggregation():
     from verl.utils.metric.utils import AggregationType, Metric
 
-    # 2 ranks; rank 0 led two groups, rank 1 one.  SUM metrics are each group's share (dp_size = 1).
+    # 2 ranks; rank 0 led two groups, rank 1 one, of equal response tokens (weights: tests/test_verl_loss_kinds.py).
+    # SUM metrics are each group's share (dp_size = 1).
     per_rank = [
-        [{"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.1)},
-         {"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.3)}],
-        [{"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}],
+        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.1)}, 5.0),
+         ({"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.3)}, 5.0)],
+        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}, 5.0)],
     ]
     out = reduce_metrics(per_rank)
     # the shapes verl's own engines return: one Metric per name (the worker all-gathers over DP)

@@ -49,11 +49,13 @@ def _hf_reference(model_path: str, head, samples, padded, extra, critic_cfg):
         h = backbone(input_ids=torch.tensor(p + r)[None]).last_hidden_state[0]  # [L, H]
         values.append((h @ w.T)[:, 0])  # [L]: one value per input token
     data = B.critic_update_batch(padded, extra, mini_batch_size=len(samples))
-    loss, _ = B.whole_batch_loss(partial(value_loss, config=critic_cfg), data, values=values)
+    loss, metrics = B.whole_batch_loss(partial(value_loss, config=critic_cfg), data, values=values)
     loss.backward()
     grads = [p.grad for p in [*backbone.parameters(), w] if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-    return [v.detach() for v in values], float(loss), float(norm)
+    means = {k: float(v.aggregate()) if hasattr(v, "aggregate") else float(v) for k, v in metrics.items()
+             if k in ("critic/vf_clipfrac", "critic/vpred_mean")}
+    return [v.detach() for v in values], float(loss), float(norm), means
 
 
 def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
@@ -123,8 +125,10 @@ def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
     old_values = objs[0]
     g = torch.Generator().manual_seed(3)
     returns = (old_values + 0.3 * torch.randn(old_values.shape, generator=g)) * padded["response_mask"]
-    extra = {"values": old_values, "returns": returns}
-    hf_values, hf_loss, hf_norm = _hf_reference(model_path, head, samples, padded, extra, critic_cfg)
+    # the old values off the current predictions by up to ±0.8 (cliprange_value 0.5): some values clip
+    extra = {"values": (old_values + 0.8 * (2 * torch.rand(old_values.shape, generator=g) - 1)) * padded["response_mask"],
+             "returns": returns}
+    hf_values, hf_loss, hf_norm, hf_means = _hf_reference(model_path, head, samples, padded, extra, critic_cfg)
     if rank == src:
         got = list(tu.get(out, "values").unbind())
         assert len(got) == len(samples)
@@ -137,6 +141,11 @@ def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
         assert m["hdp/rounds"] >= 1 and "critic/vf_loss" in m and "critic/vf_clipfrac" in m, sorted(m)
         assert abs(m["loss"] - hf_loss) <= 1e-5 * max(1.0, abs(hf_loss)), (m["loss"], hf_loss)
         assert abs(m["grad_norm"] - hf_norm) <= 1e-4 * hf_norm, (m["grad_norm"], hf_norm)
+        # metrics that are means over the response tokens are the mini-batch's own, whatever the plan
+        assert set(hf_means) == {"critic/vf_clipfrac", "critic/vpred_mean"}, hf_means
+        for k, v in hf_means.items():
+            assert abs(m[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, m[k], v)
+        assert hf_means["critic/vf_clipfrac"] > 0, "the reference must clip some values for the metric to mean anything"
     assert os.path.exists(f"{tmp}/records/critic.jsonl") or rank != 0, "the critic writes its own calibration records"
 
     # verl's critic checkpoint: save, update, load, the same update again: metrics and weights bit for bit

@@ -119,44 +119,48 @@ class SampleRows:
         return sub
 
 
-def reduce_metrics(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
+def reduce_metrics(per_rank: Sequence[Sequence[tuple[dict[str, Any], float]]]) -> dict[str, Any]:
     """verl metrics of one step from every rank's group-leader metric dicts.
 
-    ``per_rank[r]`` holds the metric dicts of the groups rank r led (one per round it led).  verl's
-    ``Metric`` values: SUM metrics (``actor/pg_loss``: each group's loss is its share of the
-    mini-batch's, computed with ``dp_size = 1``) add up over groups, which is verl's "mean over DP
-    ranks of per-rank sums" of a stock run; MEAN metrics
-    average over groups (verl: over micro-batches and DP ranks); MIN/MAX reduce.  Plain numbers are
-    averaged.  The shapes are those of verl's own engines (``postprocess_batch_func`` through
-    ``append_to_dict``): one ``Metric`` per name for Metric-valued metrics, a list of floats for
-    plain ones — the worker all-gathers them over its (one-rank) DP group and the trainer reduces.
+    ``per_rank[r]`` holds (metrics, weight) of the groups rank r led (one per round it led); the weight is
+    the group's response tokens.  verl's ``Metric`` values: SUM metrics (``actor/pg_loss``: each group's
+    loss is its share of the mini-batch's, computed with ``dp_size = 1``) add up over groups, which is
+    verl's "mean over DP ranks of per-rank sums" of a stock run; MEAN metrics average over groups weighted
+    by their response tokens, so a metric that is a mean over tokens (``actor/ppo_kl``, ``actor/pg_clipfrac``,
+    ``critic/vf_clipfrac``, ``critic/vpred_mean``) is the mini-batch's own, whatever the plan (stock verl
+    averages its micro-batches' values unweighted: docs/verl.md, "Metrics"); MIN/MAX reduce.  Plain numbers
+    (constants such as ``kl_coef``) are averaged alike.  The shapes are those of verl's own engines
+    (``postprocess_batch_func`` through ``append_to_dict``): one ``Metric`` per name for Metric-valued
+    metrics, a list of floats for plain ones — the worker all-gathers them over its (one-rank) DP group and
+    the trainer reduces.
     """
     from verl.utils.metric.utils import AggregationType, Metric
 
-    values: dict[str, list[float]] = {}
+    values: dict[str, list[tuple[float, float]]] = {}  # name -> (value, weight) per group
     kinds: dict[str, Any] = {}
     for dicts in per_rank:
-        for d in dicts:
+        for d, weight in dicts:
             for name, m in d.items():
                 if isinstance(m, Metric):
                     kinds[name] = m.aggregation
-                    values.setdefault(name, []).append(float(Metric._aggregate(m.values, m.aggregation)))
+                    value = float(Metric._aggregate(m.values, m.aggregation))
                 else:
                     kinds.setdefault(name, None)
-                    values.setdefault(name, []).append(float(m))
+                    value = float(m)
+                values.setdefault(name, []).append((value, float(weight)))
     out: dict[str, Any] = {}
-    for name, vals in values.items():
-        kind = kinds[name]
+    for name, pairs in values.items():
+        kind, vals = kinds[name], [v for v, _ in pairs]
         if kind is AggregationType.SUM:
             out[name] = Metric(AggregationType.SUM, sum(vals))
         elif kind is AggregationType.MIN:
             out[name] = Metric(AggregationType.MIN, min(vals))
         elif kind is AggregationType.MAX:
             out[name] = Metric(AggregationType.MAX, max(vals))
-        elif kind is AggregationType.MEAN:
-            out[name] = Metric(AggregationType.MEAN, sum(vals) / len(vals))
         else:
-            out[name] = [sum(vals) / len(vals)]
+            total = sum(w for _, w in pairs)
+            mean = (sum(v * w for v, w in pairs) / total) if total > 0 else sum(vals) / len(vals)
+            out[name] = Metric(AggregationType.MEAN, mean) if kind is AggregationType.MEAN else [mean]
     return out
 
 

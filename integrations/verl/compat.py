@@ -65,6 +65,7 @@ __all__ = [
     "unwrap_model",
     "causal_mask_type",
     "as_nested",
+    "policy_losses_wrapped",
 ]
 
 logger = logging.getLogger(__name__)
@@ -404,6 +405,51 @@ def detached_worker_handlers(worker_cls: type) -> bool:
     _get_strategy_handlers._hdp_guard = True  # type: ignore[attr-defined]
     worker_cls._get_strategy_handlers = _get_strategy_handlers
     return True
+
+
+class _WrappedRegistry(dict):
+    """verl's ``POLICY_LOSS_REGISTRY`` whose lookups hand back ``wrap(name, fn)`` (`policy_losses_wrapped`)."""
+
+    def __init__(self, original: dict[str, Any], wrap: Any) -> None:
+        super().__init__(original)
+        self._wrap = wrap
+        self._made: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        made = self._made.get(name)
+        if made is None:
+            made = self._made[name] = self._wrap(name, super().__getitem__(name))
+        return made
+
+
+_WRAPPED: dict[tuple[int, int], "_WrappedRegistry"] = {}
+"""One wrapped registry per (registry, wrap) pair, made once (its wrapped functions keep their caches)."""
+
+
+@contextlib.contextmanager
+def policy_losses_wrapped(wrap: Any) -> Iterator[None]:
+    """While active, verl's ``get_policy_loss_fn(name)`` (verl/trainer/ppo/core_algos.py:74, the one lookup of
+    its policy-loss registry that ``ppo_loss`` and the distillation losses make) returns ``wrap(name, fn)``:
+    hdp's plan-invariant normalisation of the policy losses that are a mean of their call
+    (:mod:`hdp.integrations.verl.loss_kinds`).  The module global ``POLICY_LOSS_REGISTRY`` is swapped for a
+    wrapped copy for the duration of hdp's loss call and restored after; losses registered meanwhile land in
+    the copy.  Can go when verl's loss functions take the group's share of the mini-batch (or its normaliser)
+    for every policy loss, not only through ``global_batch_info``."""
+    from verl.trainer.ppo import core_algos
+
+    original = core_algos.POLICY_LOSS_REGISTRY
+    if isinstance(original, _WrappedRegistry):  # nested: already wrapped
+        yield
+        return
+    slot = (id(original), id(wrap))
+    wrapped = _WRAPPED.get(slot)
+    if wrapped is None or dict.keys(wrapped) != original.keys():
+        wrapped = _WRAPPED[slot] = _WrappedRegistry(original, wrap)
+    core_algos.POLICY_LOSS_REGISTRY = wrapped
+    try:
+        yield
+    finally:
+        core_algos.POLICY_LOSS_REGISTRY = original
 
 
 def unwrap_model(chunk: Any) -> Any:

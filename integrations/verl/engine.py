@@ -185,7 +185,14 @@ class HdpMegatronEngine(_MegatronLM):
 
     @property
     def pad_token_id(self) -> int:
-        return int(self.model_config.tokenizer.pad_token_id or 0)
+        """The token padding rounds run and the target after a sample's last token (neither is ever read by a
+        loss, so any id of the vocabulary serves): the tokenizer's pad id, else the HF config's, else 0 — verl
+        builds models without a tokenizer (``HFModelConfig(load_tokenizer=False)``)."""
+        for source in (getattr(self.model_config, "tokenizer", None), getattr(self.model_config, "hf_config", None)):
+            pad = getattr(source, "pad_token_id", None)
+            if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0:
+                return pad
+        return 0
 
     def get_data_parallel_rank(self) -> int:
         return 0  # every rank receives the whole mini-batch (as in verl's dynamic-CP mode)
@@ -271,6 +278,7 @@ class HdpMegatronEngine(_MegatronLM):
             n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
             compat.tensordict_utils().assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # a group's share
             adapter = self.loss_class(self, taken.plan, data, loss_function, train)
+            adapter.check_loss()  # a loss whose value depends on the plan is refused here, on every rank
             digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
             return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms,
                             hooks=route_replay(self.engine_config, taken.plan, data, train, self.domain.layout,

@@ -7,6 +7,12 @@ round loss is its rows times that gradient (value 0; the leader's is the group's
 gradients is the single-process gradient.  A rank alone in its group holds its samples whole and runs
 verl's loss through its own rows.
 
+That sum is the mini-batch's loss only for a loss additive over samples: before any round, every training pass
+checks verl's loss on two of the mini-batch's own samples (:func:`hdp.integrations.verl.loss_kinds.check_additive`),
+and the policy losses that are a plain mean of their call run with hdp's normalisation
+(:mod:`hdp.integrations.verl.loss_kinds`).  The groups' metrics reach verl weighted by their response tokens
+(`hdp.integrations.verl.batch.reduce_metrics`), so a metric averaged over tokens is the mini-batch's.
+
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, Tr this rank's real tokens of a round.
 """
 
@@ -17,9 +23,9 @@ from typing import Any, Callable
 import torch
 
 from hdp.dispatch import group_to_leader, leader_to_group, pack
-from hdp.integrations.verl import compat, old_log_prob
+from hdp.integrations.verl import compat, loss_kinds, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
-from hdp.logprobs import logprobs_entropy
+from hdp.logprobs import logprobs_entropy, sum_pi_squared
 from hdp.packing import Plan
 from hdp.trainer.rounds import RoundInput, check_round_loss, next_token_targets
 
@@ -45,12 +51,14 @@ class VerlLoss:
         self.own_old = train and bool(tu.get_non_tensor_data(data, key=old_log_prob.SKIP_FLAG, default=False))
         self.entropy_asked = self.entropy
         self.entropy = self.entropy or self.own_old
+        # verl's optimal-token-baseline estimators read Σ_v p_v² of every token from the log-prob pass
+        self.sum_pi_squared = not train and bool(tu.get_non_tensor_data(data, key="calculate_sum_pi_squared", default=False))
         self.samples = list(data["input_ids"].unbind())  # S x [L_i]: the rounds' tokens (unbound once a step)
         self.targets = next_token_targets(self.samples, engine.pad_token_id)  # verl: position p predicts p+1
         temp = data["temperature"] if "temperature" in data.keys() else 1.0
         self.temperature = torch.as_tensor(temp, dtype=torch.float32)  # [] or [S]
         self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, C] (`fields`: log-prob, entropy; or value)
-        self.leader_metrics: list[dict[str, Any]] = []  # one per group this rank led
+        self.leader_metrics: list[tuple[dict[str, Any], float]] = []  # (metrics, response tokens) per group led
         self.leader_losses: list[torch.Tensor] = []
         self.rows = (SampleRows(data, unbound={"input_ids": self.samples}, same=engine.same_rows)
                      if train and loss_function is not None else None)  # each group's sub-batch
@@ -58,7 +66,42 @@ class VerlLoss:
 
     def fields(self) -> dict[str, int]:
         """verl's ``model_output`` names of the columns this adapter keeps per token."""
-        return {"log_probs": 0, "entropy": 1} if self.entropy else {"log_probs": 0}
+        names = ["log_probs"] + (["entropy"] if self.entropy else []) + (["sum_pi_squared"] if self.sum_pi_squared else [])
+        return {name: col for col, name in enumerate(names)}
+
+    def check_loss(self) -> None:
+        """Before any round (inside the pass's agreement, on every rank): verl's loss function, as this adapter
+        runs it on a group, is additive over two of the mini-batch's samples
+        (:func:`hdp.integrations.verl.loss_kinds.check_additive`), or the pass raises naming the keys."""
+        if not self.train or self.loss_function is None:
+            return
+        assert self.rows is not None
+        lengths = [int(t.shape[0]) for t in self.samples]
+        resp = self.data["response_mask"] if "response_mask" in self.data.keys() else None
+        response = [int(x) for x in resp.offsets().diff().tolist()] if getattr(resp, "is_nested", False) else lengths
+        cols = self.fields()
+
+        def run(samples: list[int], outputs: torch.Tensor) -> torch.Tensor:
+            loss, _, _ = self._call_loss(samples, [lengths[i] for i in samples], outputs)
+            return loss
+
+        loss_kinds.check_additive(run, lengths, response, len(cols), what=self._loss_name(), keys=self._loss_keys())
+
+    def _loss_name(self) -> str:
+        name = getattr(getattr(self.loss_function, "func", self.loss_function), "__name__", "the loss function")
+        return f"verl's loss function {name}"
+
+    def _loss_keys(self) -> str:
+        config = getattr(self.loss_function, "keywords", {}).get("config")
+        key = "critic" if self.fields() == {"values": 0} else "actor_rollout_ref.actor"
+        if config is None:
+            return "the loss function passed to the engine"
+        parts = [f"{key}.loss_agg_mode={getattr(config, 'loss_agg_mode', None)}",
+                 f"{key}.loss_scale_factor={getattr(config, 'loss_scale_factor', None)}"]
+        policy = getattr(config, "policy_loss", None)
+        if policy is not None:
+            parts.insert(0, f"{key}.policy_loss.loss_mode={policy.get('loss_mode', 'vanilla')}")
+        return ", ".join(parts)
 
     def local(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor:
         """[Tr, C] per-token outputs of this rank's chunks (log-prob, entropy) from the round's logits [Tr, Vl]."""
@@ -66,10 +109,13 @@ class VerlLoss:
         assert meta is not None
         dev = logits.device
         temp = self.temperature if self.temperature.dim() == 0 else self.temperature[meta.sample_index]
+        chunk = int(eng.engine_config.entropy_from_logits_chunk_size)
         logp, ent = logprobs_entropy(logits, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
-                                     temperature=temp.to(dev), entropy=self.entropy,
-                                     chunk=int(eng.engine_config.entropy_from_logits_chunk_size))  # [Tr]
-        return torch.stack([logp, ent], dim=-1) if ent is not None else logp[:, None]  # [Tr, C]
+                                     temperature=temp.to(dev), entropy=self.entropy, chunk=chunk)  # [Tr]
+        cols = [logp] + ([ent] if ent is not None else [])
+        if self.sum_pi_squared:
+            cols.append(sum_pi_squared(logits, eng.domain.layout.tp, temperature=temp.to(dev), chunk=chunk).to(logp.dtype))
+        return torch.stack(cols, dim=-1)  # [Tr, C]
 
     def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
         assert rnd.meta is not None
@@ -112,23 +158,40 @@ class VerlLoss:
         zero = share - share.detach()  # 0 (NaN where the gradient is), the gradient of the group's loss at own rows
         return zero if loss is None else loss.detach() + zero  # the group's loss counted once: on its leader
 
-    def _group_loss(self, meta: Any, full: torch.Tensor) -> torch.Tensor:
-        """verl's loss function on the group's samples whole (``full`` [ΣL_i, C], group order); the leader
-        (position 0) keeps its metrics and loss for verl's collect rank."""
+    def _call_loss(self, samples: Any, lengths: Any, full: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """verl's loss function on ``samples`` whole (``full`` [ΣL_i, C] their per-token outputs, in that order,
+        ``lengths`` their L_i), the policy losses normalised (:mod:`hdp.integrations.verl.loss_kinds`): (loss,
+        metrics, the samples' rows of verl's batch)."""
         assert self.rows is not None and self.loss_function is not None
-        sub = self.rows.select(meta.samples)  # the group's rows of verl's batch, in group order
-        out = {name: compat.nested_from_flat(full[:, col], meta.group_lengths) for name, col in self.fields().items()}
+        sub = self.rows.select(samples)  # the samples' rows of verl's batch, in that order
+        out = {name: compat.nested_from_flat(full[:, col], lengths) for name, col in self.fields().items()}
         if self.own_old:
             old_log_prob.substitute(sub, out["log_probs"])
-        loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=self.engine.get_data_parallel_group())
+        with compat.policy_losses_wrapped(loss_kinds.normalised_policy_losses):
+            loss, metrics = self.loss_function(model_output=out, data=sub, dp_group=self.engine.get_data_parallel_group())
+        return loss, metrics, sub
+
+    def _group_loss(self, meta: Any, full: torch.Tensor) -> torch.Tensor:
+        """verl's loss function on the group's samples whole (``full`` [ΣL_i, C], group order); the leader
+        (position 0) keeps its metrics, weighted by the group's response tokens, and loss for verl's collect rank."""
+        loss, metrics, sub = self._call_loss(meta.samples, meta.group_lengths, full)
         if self.own_old and "actor/entropy_loss" in metrics:  # the skipped pass's metric, from this forward
             metrics = dict(metrics)
             metrics["actor/entropy"] = metrics["actor/entropy_loss"] if self.entropy_asked else metrics.pop("actor/entropy_loss")
         if meta.j == 0:  # one copy per group (its leader)
-            self.leader_metrics.append({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
-                                        for k, v in metrics.items()})
+            self.leader_metrics.append(({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
+                                         for k, v in metrics.items()}, _response_tokens(sub)))
             self.leader_losses.append(loss.detach())
         return loss
+
+
+def _response_tokens(sub: Any) -> float:
+    """The response tokens of a group's rows (the mask verl's losses and metrics average over); 1 per sample
+    where the batch has no ``response_mask``."""
+    mask = sub["response_mask"] if "response_mask" in sub.keys() else None
+    if mask is None:
+        return float(sub.batch_size[0])
+    return float(mask.values().sum() if getattr(mask, "is_nested", False) else mask.sum())
 
 
 class VerlValueLoss(VerlLoss):

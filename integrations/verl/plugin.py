@@ -378,7 +378,8 @@ def guard_validate_config(config_module: ModuleType) -> bool:
     """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks
     (:func:`hdp.integrations.verl.checks.check_job_layout` before verl's own: settings spread over the actor's,
     the ref's and the critic's configs; `check_job_batching` after it: ``use_dynamic_bsz`` and the old-log-prob
-    option); True if this call patched.  Wraps the
+    option; :func:`hdp.integrations.verl.loss_kinds.check_job_config`: losses that are not additive over samples,
+    or run a collective); True if this call patched.  Wraps the
     module attribute right after the module executed, so every ``from verl.utils.config import validate_config``
     binds the wrapper.  Can go when verl's validation calls the engines' own job checks."""
     orig = config_module.validate_config
@@ -389,11 +390,13 @@ def guard_validate_config(config_module: ModuleType) -> bool:
     @functools.wraps(orig)
     def validate_config(config: Any, use_reference_policy: bool, use_critic: bool, *args: Any, **kwargs: Any) -> Any:
         from hdp.integrations.verl.checks import check_job_batching, check_job_layout
+        from hdp.integrations.verl.loss_kinds import check_job_config
 
         # pure and quick: before verl's own, which builds the roles' configs
         check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
         out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
         check_job_batching(config)
+        check_job_config(config, critic=bool(use_critic))  # losses whose value would depend on hdp's plan
         return out
 
     validate_config._hdp_guard = True  # type: ignore[attr-defined]
