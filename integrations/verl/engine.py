@@ -153,6 +153,7 @@ class HdpMegatronEngine(_MegatronLM):
         self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
         self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function")
         self.same_rows = SameRows()  # verl's batch-wide settings at the groups' batch sizes, kept across steps
+        self.losses_checked: dict[Any, Any] = {}  # loss functions found additive (VerlLoss.check_loss)
 
     def _release(self) -> None:
         """After a phase broke off inside its collectives (the engine then refuses every call): the step's
@@ -278,7 +279,7 @@ class HdpMegatronEngine(_MegatronLM):
             n_tokens = int(mask.values().sum().item()) if mask.is_nested else int(mask.sum().item())
             compat.tensordict_utils().assign_non_tensor(data, batch_num_tokens=n_tokens, dp_size=1)  # a group's share
             adapter = self.loss_class(self, taken.plan, data, loss_function, train)
-            adapter.check_loss()  # a loss whose value depends on the plan is refused here, on every rank
+            adapter.check_loss(self.losses_checked)  # a loss whose value depends on the plan: refused, every rank
             digest = batch_digest(adapter.samples, None, {"loss_mask": list(mask.unbind()) if mask.is_nested else [mask]})
             return Prepared(taken.plan, digest, adapter.samples, adapter, taken.planner_ms, taken.exposed_ms,
                             hooks=route_replay(self.engine_config, taken.plan, data, train, self.domain.layout,

@@ -69,13 +69,18 @@ class VerlLoss:
         names = ["log_probs"] + (["entropy"] if self.entropy else []) + (["sum_pi_squared"] if self.sum_pi_squared else [])
         return {name: col for col, name in enumerate(names)}
 
-    def check_loss(self) -> None:
+    def check_loss(self, checked: dict[Any, Any]) -> None:
         """Before any round (inside the pass's agreement, on every rank): verl's loss function, as this adapter
         runs it on a group, is additive over two of the mini-batch's samples
-        (:func:`hdp.integrations.verl.loss_kinds.check_additive`), or the pass raises naming the keys."""
+        (:func:`hdp.integrations.verl.loss_kinds.check_additive`), or the pass raises naming the keys.
+        ``checked``: the engine's record of conclusive checks — the same loss function on a batch with the
+        same fields and outputs is not checked again (its policy loss's kind stays checked at every call)."""
         if not self.train or self.loss_function is None:
             return
         assert self.rows is not None
+        slot = (id(self.loss_function), tuple(sorted(self.data.keys())), self.own_old, self.entropy)
+        if checked.get(slot) is self.loss_function:
+            return
         lengths = [int(t.shape[0]) for t in self.samples]
         resp = self.data["response_mask"] if "response_mask" in self.data.keys() else None
         response = [int(x) for x in resp.offsets().diff().tolist()] if getattr(resp, "is_nested", False) else lengths
@@ -85,7 +90,8 @@ class VerlLoss:
             loss, _, _ = self._call_loss(samples, [lengths[i] for i in samples], outputs)
             return loss
 
-        loss_kinds.check_additive(run, lengths, response, len(cols), what=self._loss_name(), keys=self._loss_keys())
+        if loss_kinds.check_additive(run, lengths, response, len(cols), what=self._loss_name(), keys=self._loss_keys()):
+            checked[slot] = self.loss_function  # held: its id cannot be reused while the record stands
 
     def _loss_name(self) -> str:
         name = getattr(getattr(self.loss_function, "func", self.loss_function), "__name__", "the loss function")

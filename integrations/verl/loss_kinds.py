@@ -341,15 +341,17 @@ def _pick_pair(lengths: Sequence[int]) -> tuple[int, int]:
 
 
 def check_additive(run: Callable[[Sequence[int], torch.Tensor], torch.Tensor], lengths: Sequence[int],
-                   response_lengths: Sequence[int], width: int, *, what: str, keys: str) -> None:
+                   response_lengths: Sequence[int], width: int, *, what: str, keys: str) -> bool:
     """Check that ``run(samples, outputs)`` — the loss hdp computes for a group of ``samples`` from per-token
     model outputs ``outputs`` [Σ L_i, width] (the group's samples whole, in order) — is additive over two of
     the mini-batch's samples: the shortest and the longest response (``response_lengths``), values and
     gradients, with outputs drawn from a fixed seed.  ``lengths``: L_i of every sample.  Raises
     `LossNotAdditiveError` naming ``what`` and ``keys``, or `LossCollectiveError` when the loss runs a
-    collective.  Run on every rank inside the pass's agreement, before any round."""
+    collective.  Run on every rank inside the pass's agreement, before any round.  Returns whether the check
+    was conclusive for the padded width too: the two samples' responses differ in length (a caller may then
+    trust the verdict for the same loss and batch fields; with equal lengths it should check again)."""
     if len(lengths) < 2:
-        return
+        return False
     a, b = _pick_pair(list(response_lengths))
     g = torch.Generator().manual_seed(1234)
     outs = {i: (-(0.05 + 3.0 * torch.rand(lengths[i], width, generator=g, dtype=torch.float64))) for i in (a, b)}
@@ -380,6 +382,7 @@ def check_additive(run: Callable[[Sequence[int], torch.Tensor], torch.Tensor], l
             f"loss of both together is {float(vals['u']):.6g}, the sum of their losses apart {float(vals['a'] + vals['b']):.6g} "
             f"(relative {dv:.2g}; gradients differ by {dg:.2g} of their largest entry). hdp computes the loss once per "
             f"CP group and adds the groups, so the update would depend on its plan; refused. Keys: {keys}")
+    return response_lengths[a] != response_lengths[b]
 
 
 # ---- config time (the driver) ------------------------------------------------------------------------------
