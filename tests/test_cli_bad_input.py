@@ -156,6 +156,14 @@ CASES = [
      "'rows.planner-efficiency' is 1.5; it must be a number in (0, 1]"),
     (["bench", "regress", "--only", "attention", "--baseline", "{nan-row}"], "'rows.attention-efficiency' is nan"),
     (["bench", "regress", "--only", "attention", "--baseline", "{flag-number}"], "'rows.faults-ok' is 1; it must be true"),
+    # renamed flags name their new spelling (hdp.trainer.cli.common.MOVED_FLAGS), and --model of a shape --shape
+    (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--moe-zero-memory", "level1"],
+     "--moe-zero-memory was renamed --zero-memory on 2026-12-04, see CHANGES.md: pass --zero-memory LEVEL"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--search-max-samples", "5"],
+     "--search-max-samples was renamed --search-budget on 2026-12-01, see CHANGES.md: pass --search-budget SPEC"),
+    (["plan", "--workload", "rl", "-N", "64", "--memory-gb", "80", "--model", "qwen3-235b-a22b", "--layout",
+      "tp1,pp8,ep16"], "--model names the cost preset only since 2026-12-04 (it named the shape before; see "
+                       "CHANGES.md); pass --shape qwen3-235b-a22b instead of --model qwen3-235b-a22b"),
 ]
 
 
