@@ -12,6 +12,7 @@ import numpy as np
 
 from hdp.packing.cost import CostModel
 from hdp.packing.memory import MemoryBudget, MemoryModel
+from hdp.packing.moved import Moved, MovedFields
 from hdp.packing.profiles import cost_model
 from hdp.packing.topology import check_node_of
 
@@ -156,7 +157,7 @@ class SearchBudget:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlannerOptions:
+class PlannerOptions(MovedFields):
     """How the planner plans a step, apart from the domain, the token budget and the cost model.
 
     Declared once here and inherited by every place that configures the planner: `PlannerConfig`
@@ -167,6 +168,10 @@ class PlannerOptions:
     """
 
     _FIELD_PREFIX: ClassVar[str] = "PlannerOptions"
+    _MOVED: ClassVar[Mapping[str, Moved]] = {
+        "search_max_samples": Moved("search_budget", "2026-12-01",
+                                    note="it takes a counted work budget: a SearchBudget, 'default', 'off' or its pools"),
+    }
 
     policy: Policy = Policy.HDP
     """Packing policy: ``hdp`` (ours), or a baseline: ``static-cp``, ``megatron-dcp``, ``ascend-hdp``, ``verl-kk``."""

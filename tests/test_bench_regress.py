@@ -72,6 +72,31 @@ def test_bad_baselines_and_rows_are_named(tmp_path: Path) -> None:
         R.run_regress(baseline=tmp_path / "missing.json", only=["train-pp1"], runners=_fake(1.0))
 
 
+def test_every_measured_row_needs_a_baseline_figure_in_its_range(tmp_path: Path) -> None:
+    """A row that ran without a baseline figure fails (``missing from the baseline``), never passes as new; a
+    measured figure outside its row's range is an error of the row and is never recorded by ``--update``."""
+    base = tmp_path / "b.json"
+    R.write_baseline(base, {"train-pp1-speedup": 1.40, "train-pp1-exact": True}, {"cpu_count": 2})
+    device = {"device": lambda: {"by_row": {"kernel_exactness": {"status": "ok"}, "engine_pp1": {"status": "ok"}},
+                                 "kernel_speed_over_sdpa": 1.3}}
+    out = R.run_regress(baseline=base, only=["device"], runners=device)  # a device bench may skip: judged after it ran
+    assert {r["verdict"] for r in out["rows"]} == {"missing from the baseline"}
+    assert out["failed"] == ["device-kernel-exact", "device-kernel-speed", "device-engine"]
+    for bad in (-1.5, 0.0, 1e300, float("nan"), float("inf")):
+        got = R.run_regress(baseline=base, only=["train-pp1-speedup"], runners=_fake(bad))
+        assert got["failed"] == ["train-pp1-speedup"], (bad, got)
+        assert got["rows"][0]["verdict"].startswith("error: the figure"), got["rows"][0]
+        assert "outside the row's range (0, 100]" in got["rows"][0]["verdict"], got["rows"][0]
+    with pytest.raises(RuntimeError, match="train-pp1-speedup"):
+        R.run_regress(baseline=base, only=["train-pp1-speedup"], update=True, runners=_fake(-1.0))
+    assert R.load_baseline(base)["train-pp1-speedup"] == 1.40  # unchanged
+    for r in R.ROWS:  # every figure row states its range; the committed figures lie inside
+        assert (r.bounds is None) == (r.better == "true"), r.name
+    for name, value in R.load_baseline(R.BASELINE_FILE).items():
+        row = next(r for r in R.ROWS if r.name == name)
+        assert row.bounds is None or value in row.bounds, (name, value)
+
+
 def test_device_rows_skip_without_a_device(tmp_path: Path) -> None:
     from hdp.device import select_device
 

@@ -3,8 +3,11 @@ a traceback, never a run that is then lost, never a success that checked nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -24,6 +27,10 @@ def no_run(monkeypatch):
 
     monkeypatch.setattr(bench_train, "bench_train", boom)
     monkeypatch.setattr(bench_faults, "run_faults", boom)
+    import hdp.trainer.bench.regress as regress
+
+    for name in regress.RUNNERS:  # hdp bench regress: no benchmark of it starts either
+        monkeypatch.setitem(regress.RUNNERS, name, boom)
     import hdp.trainer.launch as launch
 
     def spawn_checked(fn, world_size, *a, **k):  # the capacity check runs; a real start does not
@@ -63,6 +70,25 @@ def _files(tmp_path):
     out["a-file"] = str(tmp_path / "a-file")
     out["binary"] = str(tmp_path / "binary.txt")
     out["dir"] = str(tmp_path)
+    os.mkfifo(tmp_path / "fifo.json")  # opening it to read blocks until a writer comes: none does
+    out["fifo"] = str(tmp_path / "fifo.json")
+    from hdp.trainer.bench.regress import BASELINE_FILE
+
+    committed = json.loads(BASELINE_FILE.read_text())["rows"]
+    for name, rows in {"no-rows": {}, "attention-half": {"attention-exact": True},
+                       "huge-ratio": {**committed, "attention-efficiency": 1e300},
+                       "minus-huge": {**committed, "train-pp1-speedup": -1e300},
+                       "negative-ratio": {**committed, "verl-door-overhead": -1.2},
+                       "zero-ratio": {**committed, "planner-time": 0},
+                       "big-int": {**committed, "nodes-speedup": 10**400},
+                       "too-efficient": {**committed, "planner-efficiency": 1.5},
+                       "flag-number": {**committed, "faults-ok": 1}}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+        out[name] = str(tmp_path / f"{name}.json")
+    (tmp_path / "nan-row.json").write_text('{"rows": {"attention-efficiency": NaN, "attention-exact": true}}')
+    out["nan-row"] = str(tmp_path / "nan-row.json")
+    (tmp_path / "padded.json").write_text(json.dumps({"rows": committed}) + " " * (1 << 20))
+    out["padded"] = str(tmp_path / "padded.json")
     return out
 
 
@@ -100,18 +126,72 @@ CASES = [
     (["bench", "regress", "--only", "attention,warp"], "'warp' unknown"),
     (["bench", "regress", "--only", "attention", "--baseline", "{text-tps}"], "field 'rows' is None"),
     (["bench", "regress", "--only", "attention", "--baseline", "{dir}/missing.json"], "no such file"),
+    # the baseline file: a regular file of at most 1 MiB (a FIFO is never opened), read before anything runs
+    (["bench", "regress", "--only", "attention", "--baseline", "{fifo}"], "--baseline '{fifo}' is not a regular file"),
+    (["bench", "regress", "--only", "attention", "--baseline", "/dev/zero"], "--baseline '/dev/zero' is not a regular"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{dir}"], "is not a regular file"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{padded}"], "more than the 1048576"),
+    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{fifo}"],
+     "--baseline='{fifo}' is a FIFO (named pipe)"),
+    (["bench", "regress", "--only", "attention", "--update", "--baseline", "/dev/zero"], "is a character device"),
+    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{dir}"], "is a directory"),
+    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{dir}/no-such-folder/b.json"],
+     "the folder '{dir}/no-such-folder' does not exist"),
+    # every row the run measures has a figure in it
+    (["bench", "regress", "--baseline", "{no-rows}"], "no figure for row(s) attention-efficiency, attention-exact, "
+                                                      "train-pp1-speedup"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{attention-half}"],
+     "no figure for row(s) attention-efficiency, which this run measures"),
+    # each figure finite and inside its row's range
+    (["bench", "regress", "--only", "attention", "--baseline", "{huge-ratio}"],
+     "'rows.attention-efficiency' is 1e+300; it must be a number in (0, 2]"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{minus-huge}"],
+     "'rows.train-pp1-speedup' is -1e+300; it must be a number in (0, 100]"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{negative-ratio}"],
+     "'rows.verl-door-overhead' is -1.2; it must be a number in (0, 100]"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{zero-ratio}"],
+     "'rows.planner-time' is 0; it must be a number in (0, 10000]"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{big-int}"], "'rows.nodes-speedup' is 'an integer of 401"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{too-efficient}"],
+     "'rows.planner-efficiency' is 1.5; it must be a number in (0, 1]"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{nan-row}"], "'rows.attention-efficiency' is nan"),
+    (["bench", "regress", "--only", "attention", "--baseline", "{flag-number}"], "'rows.faults-ok' is 1; it must be true"),
+    # renamed flags name their new spelling (hdp.trainer.cli.common.MOVED_FLAGS), and --model of a shape --shape
+    (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--moe-zero-memory", "level1"],
+     "--moe-zero-memory was renamed --zero-memory on 2026-12-04, see CHANGES.md: pass --zero-memory LEVEL"),
+    (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--search-max-samples", "5"],
+     "--search-max-samples was renamed --search-budget on 2026-12-01, see CHANGES.md: pass --search-budget SPEC"),
+    (["plan", "--workload", "rl", "-N", "64", "--memory-gb", "80", "--model", "qwen3-235b-a22b", "--layout",
+      "tp1,pp8,ep16"], "--model names the cost preset only since 2026-12-04 (it named the shape before; see "
+                       "CHANGES.md); pass --shape qwen3-235b-a22b instead of --model qwen3-235b-a22b"),
 ]
+
+
+@contextlib.contextmanager
+def _hang_fails(seconds: int):
+    """Raise in the test when the body runs longer than ``seconds`` (a blocking open or read is interrupted)."""
+    def alarm(signum, frame):
+        raise TimeoutError(f"the command was still running after {seconds} s (a blocking read?)")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(CASES)])
 def test_bad_input_is_one_clear_line_before_any_run(argv, needle, tmp_path, capsys, no_run):
     files = _files(tmp_path)
-    rc = main([a.format(**files) for a in argv])
+    with _hang_fails(60):  # a check that opens a FIFO (or reads /dev/zero) waits forever: a failure
+        rc = main([a.format(**files) for a in argv])
     captured = capsys.readouterr()
     assert rc == 2, captured
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err  # one line, no traceback
-    assert needle in lines[0], captured.err
+    assert needle.format(**files) in lines[0], captured.err
     assert captured.out == "" or json.loads(captured.out) is not None  # nothing half-printed on stdout
 
 

@@ -177,6 +177,50 @@ def _divergent_configs(rank: int, world: int) -> None:
     HdpEngine.build(_config(), dist.group.WORLD).close()  # the same config builds
 
 
+def _divergent_topology(rank: int, world: int) -> None:
+    import os
+
+    from hdp.trainer.engine import HdpEngine
+
+    base = _groups()
+    big = str(10**30)
+    for env, needles in (
+        ({"LOCAL_WORLD_SIZE": "2" if rank == 0 else "1"},
+         ("the launcher's topology differs across the job", "LOCAL_WORLD_SIZE: '2' on world rank 0, '1' on world rank 1")),
+        ({"LOCAL_WORLD_SIZE": "2" if rank == 0 else big},  # bad on one rank only: named on both, no broken collective
+         ("LOCAL_WORLD_SIZE: '2' on world rank 0, '1000000000000000000000000000000' on world rank 1",)),
+        ({"RAY_LOCAL_WORLD_SIZE": "two"} if rank == 1 else {},
+         ("RAY_LOCAL_WORLD_SIZE: unset on world rank 0, 'two' on world rank 1",)),
+        ({"LOCAL_WORLD_SIZE": big},  # bad on every rank: the same error everywhere, naming the variable
+         (f"LOCAL_WORLD_SIZE='{big}': the launcher's ranks per node must be an integer in [1, 65536]",)),
+        ({"LOCAL_WORLD_SIZE": "0"}, ("LOCAL_WORLD_SIZE='0'", "[1, 65536]")),
+    ):
+        saved = {k: os.environ.pop(k, None) for k in ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE")}
+        os.environ.update(env)
+        try:
+            _raises(lambda: HdpEngine.build(_config(), dist.group.WORLD), ValueError, *needles, "nothing was built")
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        assert _groups() == base  # the failed build left no group behind
+    # verl's worker writes LOCAL_WORLD_SIZE itself under Ray: not read (RAY_LOCAL_WORLD_SIZE wins), so it may differ
+    os.environ.update(RAY_LOCAL_WORLD_SIZE="2", LOCAL_WORLD_SIZE=str(rank + 1))
+    try:
+        HdpEngine.build(_config(), dist.group.WORLD).close()
+    finally:
+        for k in ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
+            os.environ.pop(k, None)
+
+
+def test_launcher_topology_that_differs_or_is_bad_is_named_at_build() -> None:
+    """Before: LOCAL_WORLD_SIZE=10**30 was an OverflowError naming no variable (and on one rank only, a gloo
+    "Connection closed by peer" on the other); ranks with different values failed later with a plan mismatch
+    naming no variable."""
+    run_distributed(_divergent_topology, 2, timeout=300)
+
+
 def test_calls_that_differ_between_ranks_are_named_on_every_rank_and_nothing_runs(tmp_path) -> None:
     """Before: rank 0 alone saving died of SIGABRT (gloo size mismatch); forward against train_step, another
     format or a lone load waited the whole collective timeout."""

@@ -286,6 +286,16 @@ def test_the_job_node_map_follows_megatrons_rank_order():
     assert launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "8"}) == 8
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         launcher_ranks_per_node({"LOCAL_WORLD_SIZE": "zero"})
+    for bad in (str(10**30), "65537", "-2", "9" * 5000):  # absurdly large (an OverflowError once), negative
+        with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE='.*': the launcher's ranks per node must be an integer "
+                                             r"in \[1, 65536\]"):
+            launcher_ranks_per_node({"LOCAL_WORLD_SIZE": bad})
+    from hdp.trainer.planning import launcher_topology
+
+    # what the engines agree on: the variable in effect, and the one after it never read (so it may differ)
+    assert launcher_topology({"LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "8"}) == {
+        "RAY_LOCAL_WORLD_SIZE": "'8'", "LOCAL_WORLD_SIZE": "not read (RAY_LOCAL_WORLD_SIZE is set)"}
+    assert launcher_topology({"LOCAL_WORLD_SIZE": "4"}) == {"RAY_LOCAL_WORLD_SIZE": "unset", "LOCAL_WORLD_SIZE": "'4'"}
 
 
 def _hdp(*args: str) -> dict:

@@ -463,3 +463,34 @@ def test_verl_worker_self_calibrates_the_cost_model(tmp_path) -> None:
     ahead = src["ahead"]
     assert len(ahead["ms"]) == len(ahead["exposed"]) == 4, ahead
     assert all(e <= 0.1 * m + 0.5 for m, e in zip(ahead["ms"][1:], ahead["exposed"][1:])), ahead
+
+
+# ---- the launcher's topology through verl's worker: a value that differs or is bad on one rank ----
+
+
+def _topology_worker(rank: int, world: int, tmp: str, case: str) -> str:
+    """verl's worker building the hdp engine with the launcher's ranks per node differing between the ranks
+    (``case``); returns the error the build raised on this rank (it must raise on every rank)."""
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, prepare_rank
+
+    model = prepare_rank(rank, world, tmp)  # RAY_LOCAL_WORLD_SIZE = world on every rank, as verl's Ray group says
+    if rank == 1:
+        os.environ["RAY_LOCAL_WORLD_SIZE"] = {"differ": "1", "bad": str(10**30)}[case]
+    cfg = compose(model, budget=BUDGET, records=None)
+    try:
+        actor_worker(cfg)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}: the worker built its engine with RAY_LOCAL_WORLD_SIZE differing ({case})")
+
+
+@pytest.mark.parametrize("case", ["differ", "bad"])
+def test_verl_worker_names_a_ranks_per_node_that_differs_on_every_rank(case: str, tmp_path) -> None:
+    """Before: a RAY_LOCAL_WORLD_SIZE of 10**30 on one rank raised an OverflowError naming no variable there and
+    left its peer a gloo "Connection closed by peer"; ranks with different values planned with different node
+    maps (a plan mismatch naming no variable).  Now every rank raises, naming the variable and each rank's value."""
+    errors = run_distributed(_topology_worker, 2, str(tmp_path), case, timeout=300)
+    value = {"differ": "'1'", "bad": f"'{10**30}'"}[case]
+    for err in errors:
+        assert "the launcher's topology differs across the job" in err, err
+        assert f"RAY_LOCAL_WORLD_SIZE: '2' on world rank 0, {value} on world rank 1" in err, err

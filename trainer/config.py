@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import ClassVar
 
 from hdp.device import DEVICE_KINDS
@@ -21,6 +22,7 @@ from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing.config import parse_enum
 from hdp.packing.cost_file import AUTO
 from hdp.packing.memory import MemoryCoefficients
+from hdp.packing.moved import Moved, MovedFields
 from hdp.trainer.model import ModelConfig, OptimConfig
 from hdp.trainer.options import HdpOptions
 from hdp.trainer.parallel import ParallelConfig
@@ -36,6 +38,9 @@ class PlanningConfig(HdpOptions):
     the collective timeout, MoE zero-memory); the domain size N comes from the engine."""
 
     _FIELD_PREFIX: ClassVar[str] = "PlanningConfig"
+    _MOVED: ClassVar[Mapping[str, Moved]] = {
+        "cost": Moved("cost_model", "2026-12-01", note="it takes a CostModel, 'auto', a preset 'MODEL@PROFILE' or a cost-model file"),
+    }
 
     memory_coefficients: MemoryCoefficients | None = None
     """The memory model's fitted coefficients (`hdp.packing.memory.fit_memory`, ``hdp calibrate``);
@@ -48,9 +53,23 @@ class PlanningConfig(HdpOptions):
                              "hdp.packing.memory.MemoryCoefficients (fitted by hdp calibrate) or None")
 
 
+def _to_planning(old: str, new: str) -> Moved:
+    """``EngineConfig.old`` moved into `PlanningConfig` as ``new`` (2026-12-04: hdp's options declared once)."""
+    return Moved(f"PlanningConfig.{new}", "2026-12-04", how=f"EngineConfig(planning=PlanningConfig({new}=...))",
+                 read=f"EngineConfig.planning.{new}")
+
+
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
+class EngineConfig(MovedFields):
     """Everything :meth:`hdp.trainer.engine.HdpEngine.build` needs (picklable)."""
+
+    _MOVED: ClassVar[Mapping[str, Moved]] = {
+        "collective_timeout_s": _to_planning("collective_timeout_s", "collective_timeout_s"),
+        "calibration_path": _to_planning("calibration_path", "calibration_path"),
+        "moe_zero_memory": _to_planning("moe_zero_memory", "zero_memory"),
+        "moe_zero_memory_num_layers": _to_planning("moe_zero_memory_num_layers", "zero_memory_num_layers"),
+    }
+    """Keywords that moved (`hdp.packing.moved`): a TypeError naming the new place."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Shape of the Megatron GPT model (dense or MoE)."""

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from hdp import device as _device
 from hdp import megatron_compat as mc
-from hdp.checksum import CallMismatchError, text_digest
+from hdp.checksum import CallMismatchError
 from hdp.digest import batch_digest
 from hdp.dispatch import gather_outputs, pack
 from hdp.groups import DomainGroups, GroupLedger, LayoutGroups, copy_of_group
@@ -89,7 +89,9 @@ from hdp.trainer.optim_state import (
     to_host,
 )
 from hdp.trainer.memory import MemoryCalibration, check_static_fits, engine_memory_model, resolve_memory_limit, static_bytes
-from hdp.trainer.planning import DomainPlanner
+from hdp.trainer.agreement import Topic, agree_fields
+from hdp.trainer.planning import (RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, DomainPlanner, launcher_ranks_per_node,
+                                  launcher_topology)
 from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundInput, next_token_targets
 from hdp.trainer.step import Pass, Prepared, Steps
 
@@ -294,31 +296,11 @@ def _compared_fields(config: EngineConfig) -> dict[str, str]:
     return fields
 
 
-def _agree_config(fields: dict[str, str], job: dist.ProcessGroup, device: torch.device) -> None:
-    """One all-reduce (MAX of the config digest and of its negation) over the job; when the digests differ,
-    every rank gathers every rank's fields (a diagnostic ``all_gather_object``, on every rank alike) and raises
-    ``ValueError`` naming the first field that differs and its value on each rank."""
-    digest = text_digest(json.dumps(fields))
-    mine = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job)
-    if int(mine[0]) == -int(mine[1]):
-        return
-    every: list[dict[str, str] | None] = [None] * dist.get_world_size(job)
-    dist.all_gather_object(every, fields, group=job)
-    names = list(dict.fromkeys(k for f in every if f for k in f))  # rank 0's order first
-    differ = [k for k in names if len({(f or {}).get(k, "<missing>") for f in every}) > 1]
-    first = differ[0] if differ else "EngineConfig"
-    by_value: dict[str, list[int]] = {}
-    for r, f in enumerate(every):
-        by_value.setdefault((f or {}).get(first, "<missing>"), []).append(r)
-    values = ", ".join(f"{v} on world rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}"
-                       for v, rs in by_value.items())
-    more = f" (and {len(differ) - 1} more field(s): {', '.join(differ[1:4])}{', ...' if len(differ) > 4 else ''})" \
-        if len(differ) > 1 else ""
-    raise ValueError(
-        f"HdpEngine.build: the EngineConfig differs across the job: {first}: {values}{more}; every rank must "
-        "build the engine with the same config (nothing was built)"
-    )
+BUILD_TOPICS: dict[str, Topic] = {
+    "EngineConfig": ("the EngineConfig", "every rank must build the engine with the same config (nothing was built)"),
+    **{key: ("the launcher's topology", f"{TOPOLOGY_FIX} (nothing was built)") for key in RANKS_PER_NODE_KEYS},
+}
+"""What differs and how to mend it, for the fields `HdpEngine.build` agrees on (`hdp.trainer.agreement`)."""
 
 
 class _SharedMegatron:
@@ -544,10 +526,12 @@ class HdpEngine:
         ``world_group``: the process group of the whole job (TP × PP × domain ranks), named
         explicitly — ``dist.group.WORLD`` (Megatron's parallel state spans the world).  The layout
         (``config.parallel``) is checked against the world and the model first, on every rank and
-        before any collective; then one small all-reduce compares a digest of ``config`` over the job
-        (before Megatron is initialised): a config that differs between ranks raises ``ValueError`` on
-        every rank naming the first field that differs and its value on each rank (the device is
-        compared by its kind only).  ``init_fn(name, full)``, if given, fills each parameter before DDP
+        before any collective; then one small all-reduce compares a digest of ``config`` and of the
+        launcher's topology variables (``RAY_LOCAL_WORLD_SIZE``, ``LOCAL_WORLD_SIZE``:
+        `hdp.trainer.planning.launcher_topology`) over the job (before Megatron is initialised): a config
+        or a variable that differs between ranks raises ``ValueError`` on every rank naming the first field
+        that differs and its value on each rank (the device is compared by its kind only), and a variable
+        bad on every rank alike (not an integer in [1, 65536]) raises on every rank naming it.  ``init_fn(name, full)``, if given, fills each parameter before DDP
         wraps it: ``name`` is the parameter's name in a one-process model (global layer and expert
         indices) and ``full`` its whole, unsharded tensor (this rank keeps its TP shard), so a
         rank-independent function gives the same model for every TP / PP / EP layout.
@@ -577,13 +561,18 @@ class HdpEngine:
         layout = {"world": world, "tp": par.tp, "pp": par.pp, "virtual_pp": par.vpp, "ep": par.ep,
                   "expert_tp": par.expert_tp}
         _SharedMegatron.check(layout)  # another open engine with another layout: ValueError, before any collective
-        fields = _compared_fields(config)
+        fields = {**_compared_fields(config), **launcher_topology()}  # the config and the launcher's ranks per node
         timeout_s = float(config.planning.collective_timeout_s)
         ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
         shared: _SharedMegatron | None = None
         try:
             job = RoundCore.job_group(world, timeout_s)  # the engine's agreement group, bounded timeout
-            _agree_config(fields, job, torch.device("cpu") if "gloo" in str(dist.get_backend(job)) else device)
+            agree_fields(fields, job, torch.device("cpu") if "gloo" in str(dist.get_backend(job)) else device,
+                         where="HdpEngine.build", topics=BUILD_TOPICS)
+            try:  # agreed above: a bad value raises on every rank alike, before Megatron
+                launcher_ranks_per_node()
+            except ValueError as exc:
+                raise ValueError(f"HdpEngine.build: {exc} (nothing was built)") from None
             shared = _SharedMegatron.acquire(layout, config.seed, lambda: mc.initialize_megatron(
                 device=device,
                 tensor_model_parallel_size=par.tp,

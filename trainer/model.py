@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar, Literal, Sequence
 
 import torch
 
@@ -37,6 +38,7 @@ from hdp.trainer.attention_spec import (
     core_attention_module,
 )
 from hdp.packing.model_shape import ModelShape
+from hdp.packing.moved import Moved, MovedFields
 from hdp.trainer.parallel import ParallelConfig
 
 __all__ = [
@@ -60,8 +62,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(MovedFields):
     """Shape of the GPT model."""
+
+    _MOVED: ClassVar[Mapping[str, Moved]] = {
+        "expert_model_parallel_size": Moved("ParallelConfig.ep", "2026-12-01",
+                                            how="EngineConfig(parallel=ParallelConfig(ep=...))",
+                                            read="EngineConfig.parallel.ep"),
+    }
+    """Keywords that moved (`hdp.packing.moved`): a TypeError naming the new place."""
 
     num_layers: int = 2
     """Transformer layers."""
@@ -146,7 +155,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimConfig:
+class OptimConfig(MovedFields):
     """Adam with Megatron's distributed optimizer."""
 
     lr: float = 1e-3

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hdp.packing.moved import MovedFields
+
 __all__ = ["ParallelConfig"]
 
 
@@ -28,7 +30,7 @@ def _positive_int(value: Any, field: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
+class ParallelConfig(MovedFields):
     """Tensor, pipeline and expert parallel sizes kept under hdp (the domain is what is left)."""
 
     tp: int = 1

@@ -22,7 +22,9 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
 The topology (`job_node_map`): a job launched over several nodes -- ``RAY_LOCAL_WORLD_SIZE`` ranks per node
 (verl's Ray workers: its ``trainer.n_gpus_per_node``), or ``LOCAL_WORLD_SIZE`` (torchrun) -- plans
 with the node of every domain rank (`hdp.packing.PlannerConfig.node_of`), derived from Megatron's rank
-order and that count; the same environment on every rank gives every rank the same map.
+order and that count.  Both engines agree on those variables over the job before they read them
+(`launcher_topology` through `hdp.trainer.agreement.agree_fields`): a value that differs between ranks is
+named with each rank's value, one bad on every rank is refused alike (`launcher_ranks_per_node`).
 
 Default cost model (``cost_model="auto"`` in both engines): the engine's own model shape
 (`hdp.packing.model_shape.ModelShape`) on its device kind's profile — ``cpu-gloo`` on CPU,
@@ -48,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hdp.checksum import text_digest
 from hdp.device import cost_profile
 from hdp.groups import LayoutGroups
 from hdp.packing import CostModel, Plan, PlannerConfig, simulate
@@ -62,7 +65,8 @@ from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
 from hdp.trainer.phases import PHASES, PhaseTimer
 from hdp.trainer.plan_ahead import PlanAhead, Taken
 
-__all__ = ["DomainPlanner", "auto_cost_model", "plan_id", "job_node_map", "launcher_ranks_per_node", "MEGATRON_ORDER"]
+__all__ = ["DomainPlanner", "auto_cost_model", "plan_id", "job_node_map", "launcher_ranks_per_node", "launcher_topology",
+           "MEGATRON_ORDER", "RANKS_PER_NODE_KEYS", "MAX_RANKS_PER_NODE", "TOPOLOGY_FIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,23 +90,56 @@ first: verl's ``Worker.__init__`` writes ``LOCAL_WORLD_SIZE`` itself, as ``1`` w
 (``os.getenv("LOCAL_WORLD_SIZE", "1")``), which would put every rank of a Ray job on a node of its own."""
 
 
+MAX_RANKS_PER_NODE = 1 << 16
+"""Largest ranks per node a launcher variable may say (no machine holds more; beyond, a typo)."""
+
+TOPOLOGY_FIX = (f"launch every rank with the same {' / '.join(RANKS_PER_NODE_KEYS)} (the ranks per node: verl's "
+                "trainer.n_gpus_per_node, torchrun's --nproc-per-node), or unset it on every rank for one node")
+"""How to mend the launcher's topology variables when they are bad or differ between ranks."""
+
+
 def launcher_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
-    """The ranks per node the launcher set (`RANKS_PER_NODE_KEYS`, the first present), None when it says
-    nothing (one node is assumed, as without a topology); ValueError naming the variable when it is not a
-    positive integer."""
+    """The ranks per node the launcher set (`RANKS_PER_NODE_KEYS`, the first set and non-empty), None when it says
+    nothing (one node is assumed, as without a topology); ValueError naming the variable and its value when it is
+    not an integer in [1, `MAX_RANKS_PER_NODE`].  The engines call it after `launcher_topology` was agreed over the
+    job, so a bad value raises on every rank alike."""
     env = os.environ if env is None else env
     for key in RANKS_PER_NODE_KEYS:
         text = env.get(key)
         if text is None or text == "":
             continue
         try:
-            value = int(text)
-        except ValueError:
+            value = int(text.strip())
+        except ValueError:  # not an integer (or one of more digits than Python converts)
             value = 0
-        if value < 1:
-            raise ValueError(f"{key}={text!r}: the launcher's ranks per node must be an integer >= 1; unset it for one node")
+        if not 1 <= value <= MAX_RANKS_PER_NODE:
+            shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+            raise ValueError(f"{key}={shown!r}: the launcher's ranks per node must be an integer in "
+                             f"[1, {MAX_RANKS_PER_NODE}]; set it to the ranks each node runs (verl's "
+                             "trainer.n_gpus_per_node, torchrun's --nproc-per-node), or unset it for one node")
         return value
     return None
+
+
+def launcher_topology(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's topology inputs as every rank of a job must share them (`hdp.trainer.agreement.agree_fields`):
+    each variable of `RANKS_PER_NODE_KEYS` with its text (``repr``), ``unset``, or -- after the one in effect --
+    ``not read (KEY is set)`` (verl's worker writes ``LOCAL_WORLD_SIZE=1`` under Ray, which the planner never reads
+    and which may then differ)."""
+    env = os.environ if env is None else env
+    out: dict[str, str] = {}
+    used = None
+    for key in RANKS_PER_NODE_KEYS:
+        text = env.get(key)
+        if used is not None:
+            out[key] = f"not read ({used} is set)"
+        elif text is None or text == "":
+            out[key] = "unset"
+        else:
+            out[key] = repr(text) if len(text) <= 40 else \
+                f"{text[:20]!r}... ({len(text)} characters, digest {text_digest(text) & (2**64 - 1):016x})"
+            used = key
+    return out
 
 
 def job_node_map(tp: int, pp: int, domain: int, ranks_per_node: int | None, order: str = MEGATRON_ORDER

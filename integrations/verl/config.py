@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, ClassVar, Optional
 
 from hdp.integrations.verl import compat
@@ -38,6 +39,7 @@ from hdp.integrations.verl.checks import (
     role_key,
 )
 from hdp.moe.zero_memory import ZeroMemoryLevel
+from hdp.packing.moved import Moved
 from hdp.trainer import options
 
 __all__ = [
@@ -65,6 +67,11 @@ class HdpOptions(options.HdpOptions):
     The domain size comes from Megatron; a null token budget defers to verl's per-GPU ones."""
 
     _FIELD_PREFIX: ClassVar[str] = f"{_KEY}.hdp"
+    _MOVED: ClassVar[Mapping[str, Moved]] = {  # the keys cost_model replaced (hdp.packing.moved)
+        "cost_model_file": Moved("cost_model", "2026-12-02", note="it takes the file's path"),
+        "hardware_profile": Moved("cost_model", "2026-12-02",
+                                  note="it takes a preset MODEL@PROFILE (e.g. dense-8b@h100-nvlink), a cost-model file or auto"),
+    }
     _DOOR_BUDGET: ClassVar[str | None] = "verl's ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu"
 
     _target_: str = "hdp.integrations.verl.config.HdpOptions"

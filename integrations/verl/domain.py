@@ -12,8 +12,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hdp.checksum import collective_device
 from hdp.device import abort_ends_collectives
 from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
+from hdp.trainer.agreement import agree_fields
+from hdp.trainer.planning import RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, launcher_ranks_per_node, launcher_topology
 from hdp.trainer.rounds import RoundCore
 
 __all__ = ["VerlDomain"]
@@ -38,7 +41,9 @@ class VerlDomain:
 
     @classmethod
     def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any, timeout_s: float) -> "VerlDomain":
-        """Collective over the world: hdp's agreement group with its timeout, a copy of the domain
+        """Collective over the world: hdp's agreement group with its timeout, the launcher's topology variables
+        agreed on it (`hdp.trainer.agreement.agree_fields`: one that differs between ranks is named with each
+        rank's value on every rank, one bad on every rank is refused alike), a copy of the domain
         (Megatron's data-parallel group, which verl's model holds; not where an abort suffices) with the CP
         blocks, and this rank's one-rank group (local synchronisation: no O(world) groups).  hdp's rings, CP
         collectives and output exchange run on the copy, so a rank that fails can free it and release the
@@ -46,6 +51,13 @@ class VerlDomain:
         Megatron's groups carry only the model's own collectives."""
         me = dist.get_rank()
         job = RoundCore.job_group(dist.get_world_size(), timeout_s)
+        try:  # the launcher's ranks per node, alike on every rank, before anything reads it (the planner)
+            agree_fields(launcher_topology(), job, collective_device(job), where="hdp engine (verl door)",
+                         topics={key: ("the launcher's topology", TOPOLOGY_FIX) for key in RANKS_PER_NODE_KEYS})
+            launcher_ranks_per_node()  # agreed: a bad value raises on every rank alike
+        except BaseException:
+            dist.destroy_process_group(job)
+            raise
         # where the alarm's abort ends a blocked collective on Megatron's group itself, a copy would hold a
         # second communicator's buffers for nothing
         own = dp_group if abort_ends_collectives(dp_group) else copy_of_group(dp_group, job, timeout_s)

@@ -28,8 +28,8 @@ import sys
 from collections.abc import Sequence
 
 from hdp.trainer.cli.bench import add_bench_parsers
-from hdp.trainer.cli.common import (ALL_POLICIES, CliError, Parser, _add_batch_args, _add_domain_args, nonnegative_int,
-                                    positive_int, seed_int)
+from hdp.trainer.cli.common import (ALL_POLICIES, MOVED_FLAGS, CliError, Parser, _add_batch_args, _add_domain_args,
+                                    nonnegative_int, positive_int, seed_int)
 from hdp.trainer.cli.demo import _cmd_demo
 from hdp.trainer.cli.memory import add_memory_args
 from hdp.trainer.cli.calibrate import _cmd_calibrate
@@ -125,15 +125,25 @@ def _leaves(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
 
 
 def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> str:
-    """``error: hdp bench verl: unrecognized arguments: --algo ring (--algo is a flag of hdp bench attention)``."""
+    """``error: hdp bench verl: unrecognized arguments: --algo ring (--algo is a flag of hdp bench attention)``; a
+    renamed flag (`MOVED_FLAGS`) is named with its new spelling."""
     prog = " ".join(["hdp", args.command] + ([args.bench] if getattr(args, "bench", None) else []))
     leaves = _leaves(parser)
     hints = []
+
+    def owners(flag: str) -> list[str]:
+        return [name for name, p in leaves.items() if any(flag in a.option_strings for a in p._actions)]  # noqa: SLF001
+
     for flag in dict.fromkeys(e.split("=", 1)[0] for e in extra if e.startswith("-")):
-        owners = [name for name, p in leaves.items() if name != prog
-                  and any(flag in a.option_strings for a in p._actions)]  # noqa: SLF001
-        if owners:
-            hints.append(f"{flag} is a flag of {', '.join(owners)}")
+        moved = MOVED_FLAGS.get(flag)
+        if moved is not None:  # a renamed flag: its new spelling, here or where it is taken now
+            takers = owners(moved.new)
+            then = f"pass {moved.how}" if prog in takers else f"{moved.new} is a flag of {', '.join(takers)}"
+            hints.append(f"{flag} was renamed {moved.new} on {moved.on}, see CHANGES.md: {then}")
+            continue
+        others = [name for name in owners(flag) if name != prog]
+        if others:
+            hints.append(f"{flag} is a flag of {', '.join(others)}")
     hint = f" ({'; '.join(hints)})" if hints else ""
     return f"error: {prog}: unrecognized arguments: {' '.join(extra)}{hint} (see {prog} --help)"
 

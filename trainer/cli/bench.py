@@ -138,9 +138,12 @@ def add_regress(sub: Any) -> argparse.ArgumentParser:
                                       "one tolerance per row (guard your throughput)", _bench_regress)
     p.add_argument("--baseline", default=None, metavar="FILE",
                    help="baseline file (default the committed one: the CI machine's, hdp/trainer/bench/"
-                        "regress_baseline.json)")
+                        "regress_baseline.json): a regular JSON file of at most 1 MiB holding a figure for every "
+                        "row the run measures, each inside its row's range; checked before anything runs")
     p.add_argument("--only", default=None, metavar="A,B", help="rows or benchmarks to run (default all)")
-    p.add_argument("--update", action="store_true", help="write this run's figures to the baseline file instead")
+    p.add_argument("--update", action="store_true",
+                   help="write this run's figures to the baseline file instead (a new file, or rows merged into an "
+                        "existing one; its folder must exist)")
     return p
 
 
@@ -262,8 +265,11 @@ def _bench_regress(args: argparse.Namespace) -> int:
     from hdp.trainer.bench.regress import BASELINE_FILE, run_regress
 
     only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
+    baseline = args.baseline or BASELINE_FILE
+    if args.update:  # the file --update writes, checked before any benchmark runs
+        check_output_file("--baseline", baseline)
     try:
-        report = run_regress(baseline=args.baseline or BASELINE_FILE, only=only or None, update=args.update)
+        report = run_regress(baseline=baseline, only=only or None, update=args.update)
     except (ValueError, RuntimeError) as exc:
         raise CliError(f"bench regress: {exc}") from exc
     if args.json:

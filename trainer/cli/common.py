@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from hdp.packing.moved import Moved
 from hdp.packing.workloads import MAX_LENGTHS_BYTES, MAX_SAMPLES  # the caps of --samples and --lengths
 
 
@@ -29,6 +30,16 @@ ASCEND_TARGET = 1.39
 
 
 EFFICIENCY_TARGET = 0.95
+
+
+MOVED_FLAGS: dict[str, Moved] = {
+    "--moe-zero-memory": Moved("--zero-memory", "2026-12-04", how="--zero-memory LEVEL"),
+    "--search-max-samples": Moved("--search-budget", "2026-12-01",
+                                  how="--search-budget SPEC ('default', 'off' or pools, e.g. search=2000000)"),
+}
+"""Flags that were renamed (`hdp.packing.moved.Moved`): an unrecognised one is named with its new spelling
+(`hdp.trainer.cli.main`).  ``--model NAME`` of a model shape (plan, simulate), ``--shape NAME`` since
+2026-12-04, is a change of meaning, not of spelling: `hdp.trainer.cli.memory.memory_setup` names it."""
 
 
 class CliError(ValueError):

@@ -96,6 +96,10 @@ def memory_setup(args: argparse.Namespace) -> MemorySetup | None:
         limit = g * GB
     shapes = ", ".join(sorted(SHAPES))
     if args.shape is None:
+        if getattr(args, "model", None) in SHAPES:  # the shape's flag before 2026-12-04
+            raise CliError(f"--memory-gb/--layout need --shape NAME, the model whose memory is priced: --model names "
+                           f"the cost preset only since 2026-12-04 (it named the shape before; see CHANGES.md); pass "
+                           f"--shape {args.model} instead of --model {args.model}")
         raise CliError(f"--memory-gb/--layout need --shape NAME, the model whose memory is priced: one of {shapes}")
     if args.shape not in SHAPES:
         raise CliError(f"--shape={args.shape!r} is not a model shape of the memory model "
