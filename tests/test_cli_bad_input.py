@@ -101,6 +101,8 @@ CASES = [
     (["bench", "train", "--baseline", "{other-policy}"], "share none with --policies"),
     (["bench", "train", "--baseline", "{bad-speedup}"], "'speedup.hdp' is None"),
     (["bench", "train", "--baseline", "{not-json}"], "cannot read a JSON result"),
+    (["bench", "train", "--baseline", "{fifo}"], "is not a regular file"),
+    (["bench", "train", "--baseline", "/dev/zero"], "is not a regular file"),
     (["bench", "train", "--tolerance", "nan"], "--tolerance=nan"),
     (["bench", "train", "--tolerance", "-0.1"], "--tolerance=-0.1"),
     (["bench", "train", "--policies", "hdp,bogus"], "policy='bogus' is unknown"),

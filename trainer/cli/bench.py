@@ -429,11 +429,14 @@ def _load_baseline(path: str, policies: tuple[str, ...]) -> dict[str, Any]:
     """A stored ``bench train --json`` result, checked before the run: a JSON object whose
     ``results`` maps policy names to objects with a positive, finite number ``tokens_per_s``
     (``speedup``, if present, maps names to positive numbers), sharing a policy with this run."""
+    from hdp.packing.cost_file import read_bounded_text
+
     where = f"--baseline={path!r}"
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CliError(f"{where}: cannot read a JSON result ({exc}); pass a file written by bench train --json/--output")
+    fix = "pass a file written by bench train --json/--output"
+    try:  # a regular file of at most 16 MiB (stat first: a FIFO is never opened, /dev/zero never read)
+        doc = json.loads(read_bounded_text(Path(path), 16 << 20, "--baseline", fix))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CliError(f"{where}: cannot read a JSON result ({exc}); {fix}")
     if not isinstance(doc, dict):
         raise CliError(f"{where}: holds a JSON {type(doc).__name__}, not the object bench train --json writes")
     results = doc.get("results")
