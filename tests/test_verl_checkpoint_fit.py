@@ -51,7 +51,8 @@ def _worker(rank: int, world: int, fmt: str, tmp: str) -> None:
         "algorithm.adv_estimator=gae", f"critic.model.path={model_path}", "critic.model.use_remove_padding=True",
         "critic.megatron.dtype=float32", f"critic.ppo_max_token_len_per_gpu={BUDGET}",
         f"critic.ppo_mini_batch_size={len(LENGTHS)}", "critic.optim.total_training_steps=10",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}", "actor_rollout_ref.actor.optim.total_training_steps=10",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={len(LENGTHS)}",
+        "actor_rollout_ref.actor.optim.total_training_steps=10",
         "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo", "actor_rollout_ref.actor.hdp.auto_calibrate=false",
     ]
     if fmt == "dist":
@@ -101,8 +102,8 @@ def _worker(rank: int, world: int, fmt: str, tmp: str) -> None:
             workers[role].load_checkpoint(f"{tmp}/{other}", del_local_after_load=False)
         secs = time.monotonic() - t0
         msg = str(info.value)
-        for needle in ("does not fit this engine", f"entry '{saved}': checkpoint [{rows[other]}, 32] float32, this engine "
-                       f"[{rows[role]}, 32] float32", f"role: checkpoint '{other}', this engine '{role}'",
+        tensor = f"entry '{saved}': checkpoint [{rows[other]}, 32] float32, this engine [{rows[role]}, 32] float32"
+        for needle in ("does not fit this engine", tensor, f"role: checkpoint '{other}', this engine '{role}'",
                        "Nothing was loaded"):
             assert needle in msg, f"{role} <- {other}: {needle!r} not in {msg}"
         assert secs < FAST_S, (role, secs)

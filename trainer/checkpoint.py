@@ -592,7 +592,8 @@ def safetensors_tensors(directory: str | os.PathLike[str]) -> dict[str, TensorSp
             for key in fh.keys():
                 sl = fh.get_slice(key)
                 kind = sl.get_dtype()
-                out[key] = TensorSpec(tuple(int(n) for n in sl.get_shape()), _SAFETENSORS_DTYPES.get(kind, kind.lower()))
+                dtype = _SAFETENSORS_DTYPES.get(kind, kind.lower())
+                out[key] = TensorSpec(tuple(int(n) for n in sl.get_shape()), dtype)
     return out
 
 

@@ -993,7 +993,8 @@ class HdpEngine:
             entries = ckpt.sharded_state_tensors(self._sharded_state_dict(is_loading=False))
         else:
             entries = ckpt.state_tensors(self._payload())
-        return ckpt.StateView(parts={"state": entries}, meta={"model_config": self._model_digest()}, layout=self._layout())
+        return ckpt.StateView(parts={"state": entries}, meta={"model_config": self._model_digest()},
+                              layout=self._layout())
 
     def _check_layout(self, manifest: ckpt.Manifest) -> None:
         """A per-rank checkpoint loads only on the layout that wrote it; a ``dist`` one on another domain size,
