@@ -34,8 +34,8 @@ from hdp.integrations.verl import compat
 from hdp.trainer import checkpoint as ckpt
 from hdp.trainer.optim_state import ensure_optimizer_state
 
-__all__ = ["HF_MODEL", "DIST_MODEL", "OPTIMIZER", "EXTRA", "CONTENTS", "TRANSFORMER_CONFIG", "saved_view",
-           "loaded_view"]
+__all__ = ["HF_MODEL", "DIST_MODEL", "OPTIMIZER", "EXTRA", "CONTENTS", "TRANSFORMER_CONFIG", "LOCAL_OPTIMIZER_FORMATS",
+           "saved_view", "loaded_view"]
 
 HF_MODEL = "model/huggingface"
 """The model as Hugging Face safetensors (relative to the checkpoint directory; verl 0.9.1 layout v2)."""
@@ -49,6 +49,10 @@ CONTENTS = "ckpt_contents.json"
 """verl's contents manifest: role, architecture, what was saved."""
 TRANSFORMER_CONFIG = "transformer_config.json"
 """Megatron's TransformerConfig of the saving engine (its layout)."""
+LOCAL_OPTIMIZER_FORMATS = ("dp_reshardable", "fully_sharded_model_space")
+"""Distributed-optimizer checkpoint formats (``distrib_optim_sharding_type``) whose sharded state dict a rank builds
+without communication; the others (``fully_reshardable``, ...) gather over the domain to build it, so their
+optimizer part is not described here (the model's parts, the role and the architecture still are)."""
 
 
 def _manager(engine: Any) -> Any:
@@ -128,8 +132,9 @@ def saved_view(engine: Any, path: str | os.PathLike[str]) -> ckpt.StateView:
 def loaded_view(engine: Any, path: str | os.PathLike[str]) -> ckpt.StateView:
     """What this rank of ``engine`` would load from the checkpoint at ``path``, part by part as verl's load composes
     it: the Hugging Face names, shapes and dtypes mbridge reads for this rank's weights, or the model's sharded
-    state dict; the distributed optimizer's (its state allocated as Adam's first step would, when it has not
-    stepped yet); the RNG states'.  Its role and architecture as verl's manager records them."""
+    state dict; the distributed optimizer's (in a format a rank describes alone, `LOCAL_OPTIMIZER_FORMATS`; its
+    state allocated as Adam's first step would, when it has not stepped yet); the RNG states'.  Its role and
+    architecture as verl's manager records them.  No collective: `check_fit` joins the ranks' views."""
     manager = _manager(engine)
     ps = compat.mpu()
     parts: dict[str, dict[str, ckpt.TensorSpec]] = {}
@@ -147,6 +152,9 @@ def loaded_view(engine: Any, path: str | os.PathLike[str]) -> ckpt.StateView:
         elif rel == DIST_MODEL:
             parts[part] = ckpt.sharded_state_tensors(compat.model_sharded_state_dict(manager, metadata))
         elif rel == OPTIMIZER:
+            kind = (metadata or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
+            if manager.use_distributed_optimizer and kind not in LOCAL_OPTIMIZER_FORMATS:
+                continue
             ensure_optimizer_state(engine.optimizer)  # megatron-core 0.16.1 cannot describe a fresh optimizer's state
             model = compat.model_sharded_state_dict(manager, metadata)
             parts[part] = ckpt.sharded_state_tensors(
