@@ -375,3 +375,39 @@ def test_a_missing_loss_closed_engine_and_bad_inputs_raise_clear_errors(tmp_path
     close() plan() raised AttributeError and state_dict() returned {'step'}; complex tokens, an int extras key,
     mask values 2 / -1 and a dist checkpoint under another PP failed with opaque messages or not at all."""
     run_distributed(_loss_none_and_inputs, 2, str(tmp_path), timeout=400)
+
+
+# ---- a checkpoint that does not fit the engine -------------------------------------------------------
+
+
+def _other_model_checkpoint(rank: int, world: int, tmp: str) -> None:
+    from hdp.trainer.checkpoint import CheckpointError
+    from hdp.trainer.engine import HdpEngine, nll_loss
+
+    saver = HdpEngine.build(_config(), dist.group.WORLD, init_fn=_init)
+    saver.train_step(_batch(0), nll_loss)
+    for fmt in ("per-rank", "dist"):
+        saver.save_checkpoint(f"{tmp}/{fmt}", format=fmt)
+    saver.close()
+    wide = HdpEngine.build(_config(model=dict(hidden_size=48)), dist.group.WORLD, init_fn=_init)
+    wide.train_step(_batch(0), nll_loss)  # Adam holds moments
+    first = {"per-rank": "'model.model.embedding.word_embeddings.weight'", "dist": "'embedding.word_embeddings.weight'"}
+    for step, fmt in enumerate(("per-rank", "dist"), start=2):
+        before = _state(wide)
+        exc, _ = _raises(lambda: wide.load_checkpoint(f"{tmp}/{fmt}"), ValueError, "does not fit this engine",
+                         f"entry {first[fmt]}: checkpoint [64, 32] float32, this engine [64, 48] float32",
+                         "model_config: checkpoint '", "Nothing was loaded")
+        assert isinstance(exc.__cause__, CheckpointError) or "CheckpointError" in str(exc), exc
+        assert _same(_state(wide), before), f"{fmt}: a refused load changed the state"
+        m = wide.train_step(_batch(step), nll_loss)  # usable and in step afterwards
+        assert torch.isfinite(torch.tensor(m["loss"])) and m["hdp/step"] == step
+        assert not _same(_state(wide), before)
+    wide.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_any_write_naming_the_first_differing_tensor(tmp_path) -> None:
+    """Both formats, through ``HdpEngine.build`` / ``save_checkpoint`` / ``load_checkpoint``: a wider engine refuses
+    the checkpoint on every rank, naming the first differing tensor with both shapes and dtypes (the check reads
+    metadata only); nothing changed and the engine trains on.  Before: the error said only that the model-config
+    digests differed."""
+    run_distributed(_other_model_checkpoint, 2, str(tmp_path), timeout=400)

@@ -47,7 +47,10 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
                          ("loss-fn-detached", "does not require grad"),
                          ("different-token-ids", "batch data mismatch"),
                          ("dist-corrupted", "is corrupted"), ("per-rank-truncated", "truncated"),
-                         ("other-model-dist", "another model"), ("other-world-per-rank", "saved with layout"),
+                         ("other-model-dist", "does not fit this engine"),
+                         ("other-model-per-rank", "entry 'model.model.embedding.word_embeddings.weight'"),
+                         ("other-model-forged-manifest", "does not fit this engine"),
+                         ("other-world-per-rank", "saved with layout"),
                          ("nan-gradient-finite-loss", "the gradient is not finite"),
                          ("rank-calls-save-others-train", "world rank 0 called save_checkpoint"),
                          ("rank-calls-forward-others-train", "world rank 0 called forward"),
@@ -55,7 +58,8 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
         assert all(needle in (e or "") for e in rows[name]["errors"].values()), (name, rows[name]["errors"])
     # one agreement each: every rank raised within seconds, naming what it must
     for name in ("nan-gradient-finite-loss", "rank-calls-save-others-train", "rank-calls-forward-others-train",
-                 "save-format-differs", "ctrl-c-in-validation"):
+                 "save-format-differs", "ctrl-c-in-validation", "other-model-per-rank", "other-model-dist",
+                 "other-model-forged-manifest"):
         assert rows[name]["seconds_to_exit"] <= 5.0, rows[name]
     # Ctrl-C on rank 1 during validation, its process alive: it raises its KeyboardInterrupt, the others name it,
     # and then every rank saves (the engine stayed in step)
@@ -94,14 +98,16 @@ def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(t
 @pytest.mark.slow
 def test_verl_engine_faults_through_the_cli() -> None:
     """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
-    raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN; every rank
-    raises (NaN: every rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
+    raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN,
+    or a checkpoint of the other role is loaded (the actor's into the critic and back); every rank raises (NaN: every
+    rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
     report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
     rows = {r["fault"]: r for r in report["faults"]}
     assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
-                         "verl-nan-gradient", "verl-own-error-in-round"}, rows
+                         "verl-nan-gradient", "verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor",
+                         "verl-own-error-in-round"}, rows
     for name, row in rows.items():
         assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
     for name in ("verl-nan-loss", "verl-nan-gradient"):  # a finite loss with a NaN gradient: skipped alike
@@ -119,6 +125,10 @@ def test_verl_engine_faults_through_the_cli() -> None:
     # frees; before that copy it waited the collective timeout on Megatron's group, which verl's model holds)
     own = rows["verl-own-error-in-round"]
     assert own["ranks_raised"] == [0, 1] and own["names_rank_and_error"]
+    # a checkpoint of the other role: refused on every rank before any write, naming the tensor; usable after
+    for name in ("verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor"):
+        r = rows[name]
+        assert r["ranks_raised"] == [0, 1] and r["names_tensor"] and r["usable_after"], r
 
 
 @pytest.mark.slow

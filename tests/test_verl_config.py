@@ -549,3 +549,31 @@ def test_job_settings_spread_over_roles_fail_in_the_driver(overrides, match):
                                           "actor_rollout_ref.actor.megatron.vanilla_mbridge=true", *overrides])
     with pytest.raises(ValueError, match=match):
         _validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny local HF model (verl's validation of a critic loads its model's config)."""
+    from hdp.integrations.verl.scaffolding.tiny import build_tiny
+
+    return str(build_tiny(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["critic.use_dynamic_bsz=false", "critic.ppo_micro_batch_size_per_gpu=2"],
+     r"critic\.use_dynamic_bsz=False: hdp packs every round by tokens.*critic\.ppo_micro_batch_size_per_gpu would be "
+     r"ignored\); set use_dynamic_bsz=True and critic\.ppo_max_token_len_per_gpu .*2 x 1024 = 2048"),
+    (["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"],
+     r"actor_rollout_ref\.ref\.log_prob_use_dynamic_bsz=False: hdp packs every round by tokens.*"
+     r"actor_rollout_ref\.ref\.log_prob_micro_batch_size_per_gpu would be ignored.*2 x 1024 = 2048"),
+], ids=["critic", "ref"])
+def test_use_dynamic_bsz_false_fails_in_the_driver_for_every_role(overrides, match, tiny_model):
+    """One rule for every role on hdp: the critic's and the ref's ``use_dynamic_bsz=False`` (their micro-batch
+    sizes would be ignored) fails in the driver as the actor's does, naming the role's keys (the critic's
+    used to run silently); the same job with dynamic batch sizes passes."""
+    base = BASE + ["model_engine=hdp", "algorithm.adv_estimator=gae", f"actor_rollout_ref.model.path={tiny_model}",
+                   f"critic.model.path={tiny_model}", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                   "actor_rollout_ref.actor.megatron.vanilla_mbridge=true"]
+    with pytest.raises(ValueError, match=match):
+        _validate(_compose("ppo_trainer", base + overrides))
+    _validate(_compose("ppo_trainer", base + [o.replace("=false", "=true") for o in overrides if "use_dynamic_bsz" in o]))

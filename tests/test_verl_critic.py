@@ -188,3 +188,38 @@ CASES = {"pp1": (1, 1), "pp2": (1, 2), "tp2-sp": (2, 1)}
 def test_critic_on_hdp_matches_one_process(case: str, tmp_path) -> None:
     tp, pp = CASES[case]
     run_distributed(_worker, 2 * tp * pp, tp, pp, str(tmp_path), timeout=300)
+
+
+def _batching_worker(rank: int, world: int, tmp: str) -> None:
+    """Each role built through verl's own workers with ``use_dynamic_bsz=False``: its engine refuses it, naming the
+    role's key (the worker path does not pass the driver's check)."""
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, critic_worker, prepare_rank
+
+    model_path = prepare_rank(rank, world, tmp, layers=2)
+    critic_keys = [f"critic.model.path={model_path}", "critic.model.use_remove_padding=True", "critic.megatron.dtype=float32",
+                   f"critic.ppo_max_token_len_per_gpu={BUDGET}", "algorithm.adv_estimator=gae",
+                   "critic.optim.total_training_steps=10"]
+    cfg = compose(model_path, budget=BUDGET, records=None, overrides=[
+        *critic_keys, "critic.use_dynamic_bsz=false", "critic.ppo_micro_batch_size_per_gpu=2"])
+    with pytest.raises(ValueError, match=r"critic\.use_dynamic_bsz=False: hdp packs every round by tokens.*"
+                                         r"critic\.ppo_micro_batch_size_per_gpu would be ignored"):
+        critic_worker(cfg)
+    cfg = compose(model_path, budget=BUDGET, records=None, overrides=[
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.log_prob_use_dynamic_bsz=False: hdp packs"):
+        actor_worker(cfg, role="ref")
+    cfg = compose(model_path, budget=BUDGET, records=None, overrides=[
+        "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.use_dynamic_bsz=False: hdp packs"):
+        actor_worker(cfg, role="actor")
+    # with dynamic batch sizes the critic builds on the same ranks
+    critic, _ = critic_worker(compose(model_path, budget=BUDGET, records=None, overrides=critic_keys))
+    assert critic.engine.engine_config.use_dynamic_bsz
+
+
+def test_every_roles_engine_refuses_use_dynamic_bsz_false(tmp_path) -> None:
+    """One rule for every role: the critic's ``use_dynamic_bsz=False`` with a micro-batch size used to run silently
+    (verl's critic leaves its engine config at ``use_dynamic_bsz=True``); through verl's workers the critic's, the ref's
+    and the actor's engines now refuse it, each naming its role's key."""
+    run_distributed(_batching_worker, 1, str(tmp_path), timeout=300)

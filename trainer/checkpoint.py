@@ -16,9 +16,13 @@ that leaves the previous manifest and the previous slot untouched, so the previo
 loadable; a killed save leaves a partial slot that the next load names and the next save empties.
 
 **Load** first verifies, on every rank and before anything is touched: the manifest (format
-version, the caller's expectations such as the model-config digest and the layout) and every
-file's sha256 (each rank hashes a share, then one agreement).  Only then does the caller read and
-apply the state (see ``HdpEngine.load_checkpoint``).
+version, the caller's expectations such as the layout) and every file's sha256 (each rank hashes a
+share, then one agreement).  Then :func:`check_fit` — the one rule every load goes through, both
+doors (``HdpEngine.load_checkpoint`` and the verl engine's) and every format — compares what the
+checkpoint holds with what this engine would load, from metadata only (no tensor is read): every
+key, shape and dtype, and the identity both sides record (model-config digest, role, architecture);
+any difference on any rank raises on every rank, naming the first differing tensor and both sides,
+before the first write.  Only then does the caller read and apply the state.
 
 Writer processes: megatron-core's torch_dist writer forks worker processes that would outlive a
 killed rank (orphans writing shards, holding its stdout).  :func:`writers_die_with_parent` makes every
@@ -28,6 +32,7 @@ process forked while it is active receive SIGKILL when its parent dies (Linux ``
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -36,11 +41,12 @@ import shutil
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import torch
 import torch.distributed as dist
 
-from hdp.guard import StepGuard
+from hdp.guard import StepGuard, describe
 from hdp.procs import die_with_parent
 
 __all__ = [
@@ -53,6 +59,16 @@ __all__ = [
     "verify_checkpoint",
     "writers_die_with_parent",
     "file_digest",
+    "TensorSpec",
+    "StateView",
+    "fit_problem",
+    "merge_views",
+    "check_fit",
+    "state_tensors",
+    "torch_file_tensors",
+    "safetensors_tensors",
+    "dist_checkpoint_tensors",
+    "sharded_state_tensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -406,3 +422,211 @@ def verify_checkpoint(
                 )
     assert manifest is not None
     return manifest
+
+
+# ---- does the checkpoint fit this engine? one rule for every load, from metadata only ---------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One entry of a checkpoint (or of what an engine loads) without its data: a tensor's global shape and dtype,
+    or an object."""
+
+    shape: tuple[int, ...] = ()
+    """Global shape (the whole tensor over every rank)."""
+    dtype: str | None = None
+    """``float32``, ``bfloat16``, ...; ``None`` for an object (a Megatron ``ShardedObject``: its key is its place)."""
+    rows_may_differ: bool = False
+    """Megatron's ``allow_shape_mismatch`` (a vocabulary padded per layout): its loader pads or cuts dim 0, so only
+    the other dims must match.  Set on the engine's side."""
+
+    def __str__(self) -> str:
+        return "an object" if self.dtype is None else f"[{', '.join(str(n) for n in self.shape)}] {self.dtype}"
+
+    def accepts(self, saved: "TensorSpec") -> bool:
+        """Whether this engine entry loads ``saved`` (the checkpoint's entry of the same key)."""
+        if self.dtype is None or saved.dtype is None:
+            return self.dtype is None and saved.dtype is None
+        lead = 1 if self.rows_may_differ else 0
+        return (self.dtype == saved.dtype and len(self.shape) == len(saved.shape)
+                and self.shape[lead:] == saved.shape[lead:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateView:
+    """What a checkpoint holds, or what an engine would load from one, without any tensor data (`fit_problem`)."""
+
+    parts: dict[str, dict[str, TensorSpec]]
+    """Part (``model``, ``optimizer``, ...; in the order the engine loads them) -> key -> entry."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Identity that must be equal where both sides record it: the model-config digest, the role, the architecture."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    """TP / PP / VPP / EP and the sizes: quoted when a checkpoint does not fit (the caller's layout rule decides
+    which layout changes a format allows)."""
+
+
+def merge_views(views: Iterable[StateView]) -> StateView:
+    """One view of the whole job from every rank's (each holds its own stages, experts and shards): the union of the
+    entries, part by part in first-seen order; ``meta`` and ``layout`` of the first."""
+    views = list(views)
+    parts: dict[str, dict[str, TensorSpec]] = {}
+    for view in views:
+        for part, entries in view.parts.items():
+            merged = parts.setdefault(part, {})
+            for key, spec in entries.items():
+                merged.setdefault(key, spec)
+    return StateView(parts=parts, meta=dict(views[0].meta), layout=dict(views[0].layout))
+
+
+def fit_problem(checkpoint: StateView, engine: StateView) -> str | None:
+    """Why ``checkpoint`` does not fit ``engine``; ``None`` when it does.
+
+    It fits when every part the engine loads is there with the same keys, each entry of the engine's shape and dtype
+    (`TensorSpec.accepts`: dim 0 of a padded vocabulary may differ), and every ``meta`` value both sides record is
+    equal.  Else the answer names the first differing entry — parts in the engine's order, keys in the engine's order
+    then the checkpoint's extra ones, a padded vocabulary's rows too — with both sides, the first one that cannot
+    load if that was not it, how many differ, every differing ``meta`` value, and the two layouts if they differ."""
+    diffs: list[tuple[str, str, TensorSpec | None, TensorSpec | None]] = []  # part, key, checkpoint's, engine's
+    missing = ""
+    for part, mine in engine.parts.items():
+        saved = checkpoint.parts.get(part)
+        if saved is None:
+            missing = f"it holds no {part} (this engine loads {len(mine)} {part} entries)"
+            break
+        diffs += [(part, key, saved.get(key), spec) for key, spec in mine.items()
+                  if key not in saved or (saved[key].shape, saved[key].dtype) != (spec.shape, spec.dtype)]
+        diffs += [(part, key, spec, None) for key, spec in saved.items() if key not in mine]
+    misfits = [d for d in diffs if d[2] is None or d[3] is None or not d[3].accepts(d[2])]
+    wrong = [f"{k}: checkpoint {checkpoint.meta[k]!r}, this engine {v!r}" for k, v in engine.meta.items()
+             if checkpoint.meta.get(k) is not None and checkpoint.meta[k] != v]
+    if not (missing or misfits or wrong):
+        return None
+
+    def entry(d: tuple[str, str, TensorSpec | None, TensorSpec | None]) -> str:
+        part, key, theirs, ours = d
+        return (f"{part} entry {key!r}: checkpoint {theirs if theirs is not None else 'has none'}, this engine "
+                f"{ours if ours is not None else 'has none'}")
+
+    found = []
+    if diffs:
+        first = entry(diffs[0])
+        if misfits and misfits[0] is not diffs[0]:
+            first += f"; the first that cannot load: {entry(misfits[0])}"
+        found.append(first + (f" ({len(diffs)} entries differ)" if len(diffs) > 1 else ""))
+    found += [missing] if missing else []
+    found += wrong
+    if checkpoint.layout and checkpoint.layout != engine.layout:
+        found.append(f"the checkpoint was saved with layout {checkpoint.layout}, this engine has {engine.layout}")
+    return "; ".join(found)
+
+
+def check_fit(path: str | os.PathLike[str], *, guard: StepGuard, step: int, checkpoint: Callable[[], StateView],
+              engine: Callable[[], StateView], gather: bool = True) -> None:
+    """The rule every checkpoint load goes through before its first write (collective over ``guard.group``).
+
+    ``checkpoint()`` reads what the checkpoint at ``path`` holds from its metadata (no tensor data) and
+    ``engine()`` what this rank of the engine would load; with ``gather`` the engine's views of every rank are
+    joined (`merge_views`: each rank holds its own stages and shards) and every rank compares the whole; without,
+    each rank compares its own (a per-rank format).  A checkpoint that cannot be read, or does not fit
+    (`fit_problem`), raises :class:`CheckpointError` through ``guard`` on every rank alike, naming the first
+    differing entry and both sides; nothing was written, and the engine stays usable.
+    """
+    views: list[StateView] = []
+    with guard.phase("load: read metadata", step):
+        views += [checkpoint(), engine()]
+    saved, mine = views
+    if gather:
+        every: list[Any] = [None] * guard.size
+        dist.all_gather_object(every, mine, group=guard.group)
+        mine = merge_views(every)
+    with guard.phase("load: check fit", step):
+        problem = fit_problem(saved, mine)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this engine: {problem}. Nothing was loaded; "
+                                  "load a checkpoint saved by an engine of this role, model and layout")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_tensors(state: Any, prefix: str = "") -> dict[str, TensorSpec]:
+    """Every tensor of a nested dict / list / tuple ``state`` by dotted key (``model.decoder.0.weight``), with its
+    shape and dtype; other leaves (numbers, strings) are not entries."""
+    out: dict[str, TensorSpec] = {}
+    if isinstance(state, torch.Tensor):
+        out[prefix] = TensorSpec(tuple(state.shape), _dtype_name(state.dtype))
+    elif isinstance(state, Mapping):
+        for k, v in state.items():
+            out.update(state_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(state_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def torch_file_tensors(path: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """`state_tensors` of a ``torch.save`` file, memory-mapped (its tensors' data is not read)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file: name it
+        raise CheckpointError(f"checkpoint file {str(path)!r} is unreadable ({describe(exc)})") from exc
+    return state_tensors(state)
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def safetensors_tensors(directory: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """Every tensor of the ``*.safetensors`` files in ``directory`` (a Hugging Face model), from their headers."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(str(directory), "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds no *.safetensors files")
+    out: dict[str, TensorSpec] = {}
+    for name in files:
+        with safe_open(name, framework="pt") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                kind = sl.get_dtype()
+                dtype = _SAFETENSORS_DTYPES.get(kind, kind.lower())
+                out[key] = TensorSpec(tuple(int(n) for n in sl.get_shape()), dtype)
+    return out
+
+
+def _sharded_entries(values: Iterable[Any]) -> dict[str, TensorSpec]:
+    from hdp import megatron_compat as mc
+
+    out: dict[str, TensorSpec] = {}
+    for v in values:
+        if isinstance(v, mc.ShardedTensor):
+            out[v.key] = TensorSpec(tuple(int(n) for n in v.global_shape), _dtype_name(v.dtype),
+                                    bool(getattr(v, "allow_shape_mismatch", False)))
+        elif isinstance(v, mc.ShardedObject):
+            out[v.unique_key] = TensorSpec()
+    return out
+
+
+def dist_checkpoint_tensors(directory: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """Every entry of a Megatron distributed checkpoint (``torch_dist``) from its metadata files: tensors by key with
+    their global shape and dtype, objects by their unique key (megatron-core ``load_sharded_metadata``)."""
+    from hdp import megatron_compat as mc
+
+    try:
+        entries = mc.load_sharded_metadata(str(directory))
+    except Exception as exc:  # noqa: BLE001 - CheckpointingException, OSError, unpickling errors: name them
+        raise CheckpointError(f"checkpoint {str(directory)!r} is not a readable Megatron distributed checkpoint "
+                              f"({describe(exc)})") from exc
+    return _sharded_entries(entries.values())
+
+
+def sharded_state_tensors(sharded_state_dict: Any) -> dict[str, TensorSpec]:
+    """Every entry an engine's Megatron sharded state dict saves or loads (global shapes; its factories are built in
+    place, so pass a dict made for this call)."""
+    from hdp import megatron_compat as mc
+
+    mc.apply_factories(sharded_state_dict)
+    return _sharded_entries(mc.nested_values(sharded_state_dict))

@@ -964,6 +964,27 @@ class HdpEngine:
     def _checkpoint_meta(self, fmt: CheckpointFormat) -> dict[str, Any]:
         return {"model_config": self._model_digest(), "hdp_format": fmt.value, **self._layout()}
 
+    def _saved_view(self, manifest: ckpt.Manifest, slot: Path) -> ckpt.StateView:
+        """What the checkpoint's slot holds, from metadata (`hdp.trainer.checkpoint.check_fit`): a ``dist`` slot's
+        Megatron metadata (the whole job), or this rank's ``per-rank`` file, memory-mapped."""
+        if manifest.format == CheckpointFormat.DIST.value:
+            entries = ckpt.dist_checkpoint_tensors(slot)
+        else:
+            entries = ckpt.torch_file_tensors(slot / f"rank_{self.groups.world_rank}.pt")
+        layout = {k: manifest.meta.get(k) for k in self._layout()}
+        return ckpt.StateView(parts={"state": entries}, meta={"model_config": manifest.meta.get("model_config")},
+                              layout=layout)
+
+    def _loaded_view(self, fmt: str) -> ckpt.StateView:
+        """What this rank would load in format ``fmt``: the Megatron sharded state dict a ``dist`` save writes, or the
+        state a ``per-rank`` save writes (no copy of the tensors: shapes and dtypes only)."""
+        if fmt == CheckpointFormat.DIST.value:
+            entries = ckpt.sharded_state_tensors(self._sharded_state_dict(is_loading=False))
+        else:
+            entries = ckpt.state_tensors(self._payload())
+        return ckpt.StateView(parts={"state": entries}, meta={"model_config": self._model_digest()},
+                              layout=self._layout())
+
     def _check_layout(self, manifest: ckpt.Manifest) -> None:
         """A per-rank checkpoint loads only on the layout that wrote it; a ``dist`` one on another domain size,
         but with the TP and PP sizes that wrote it (the optimizer state is saved ``dp_reshardable``)."""
@@ -1070,10 +1091,13 @@ class HdpEngine:
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit.
 
-        Verified before anything is touched, on every rank: the manifest (format version, the
-        model-config digest, the layout for ``per-rank``) and the sha256 of every file; any problem
-        on any rank raises :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``,
-        through the step guard) on every rank.  Then every rank loads; if loading fails on any rank
+        Verified before anything is touched, on every rank: the manifest (format version, the layout)
+        and the sha256 of every file, then whether the checkpoint fits this engine
+        (:func:`~hdp.trainer.checkpoint.check_fit`, from metadata: every key, shape and dtype against
+        what this engine loads, and the model-config digest); any problem on any rank raises
+        :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``, through the step guard) on
+        every rank, naming the first differing tensor and both sides, and the engine stays usable.
+        Then every rank loads; if loading fails on any rank
         — whatever the exception type, Megatron's ``CheckpointException`` included — every rank puts
         back the state it had before the call (model, optimizer, step) and raises.  A ``dist``
         checkpoint also loads on another domain size.
@@ -1089,8 +1113,11 @@ class HdpEngine:
         with self.core.collectives("load", self.step):
             manifest = ckpt.verify_checkpoint(
                 path, guard=self.core.guard, rank=self.groups.world_rank, size=self.groups.world_size, step=step,
-                expect={"model_config": self._model_digest()}, check=self._check_layout)
+                expect={}, check=self._check_layout)
             slot = Path(path) / manifest.slot
+            ckpt.check_fit(path, guard=self.core.guard, step=step, checkpoint=lambda: self._saved_view(manifest, slot),
+                           engine=lambda: self._loaded_view(manifest.format),
+                           gather=manifest.format == CheckpointFormat.DIST.value)
             before: dict[str, Any] | None = None
             try:
                 with self.core.guard.phase("load: apply", step):

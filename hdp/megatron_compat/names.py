@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -33,6 +36,7 @@ __all__ = [
     "ProcessGroupCollection", "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "TransformerConfig", "AttnMaskType", "MegatronModule",
     "ModuleSpec", "TransformerBlockSubmodules", "get_num_layers_to_build", "MoELayer", "build_module",
+    "nested_values", "ShardedObject", "ShardedTensor", "apply_factories", "load_sharded_metadata",
 ]
 
 try:

@@ -29,6 +29,7 @@ __all__ = [
     "check_shared_layout",
     "check_job_layout",
     "check_job_batching",
+    "check_dynamic_bsz",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -152,9 +153,11 @@ def check_model_features(model_config: Any, engine_config: Any) -> None:
 
 def check_engine_settings(model_config: Any, engine_config: Any) -> None:
     """Settings the worker filled in that hdp cannot take, each naming the verl key:
-    ``model.use_remove_padding=False`` and non-positive token budgets (verl's per-GPU budgets are hdp's
-    when ``hdp.max_tokens_per_rank`` is null)."""
+    ``model.use_remove_padding=False``, ``use_dynamic_bsz=False`` (`check_dynamic_bsz`: verl's worker copies the
+    actor's and the ref's into their engine configs, hdp's critic config the critic's) and non-positive token
+    budgets (verl's per-GPU budgets are hdp's when ``hdp.max_tokens_per_rank`` is null)."""
     key = role_key(engine_config)
+    check_dynamic_bsz(getattr(engine_config, "use_dynamic_bsz", True), key)
     check_remove_padding(getattr(model_config, "use_remove_padding", True),
                          "critic.model.use_remove_padding" if key == CRITIC_KEY else "actor_rollout_ref.model.use_remove_padding")
     if key == REF_KEY:
@@ -223,21 +226,44 @@ def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> N
                                  "state; give them the same layout")
 
 
-def check_job_batching(config: Any) -> None:
-    """hdp's checks of how a verl job batches its actor (after verl's own ``validate_config``):
-    ``use_dynamic_bsz`` (hdp packs by tokens: False would ignore the micro-batch sizes) and the old-log-prob
-    option (`hdp.integrations.verl.old_log_prob.resolve`: ``true`` on a step that needs the pass)."""
+# Each role's dynamic-batch-size switch, its micro-batch size and its token budget (verl's keys under the role):
+# the actor's update (its log-prob pass must match it: verl asserts rollout.log_prob_use_dynamic_bsz equal), the
+# ref's log-prob pass (verl's worker renames these to the ref's use_dynamic_bsz, ...) and the critic's passes.
+_BATCHING_KEYS = {
+    ACTOR_KEY: ("use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),
+    REF_KEY: ("log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"),
+    CRITIC_KEY: ("use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),
+}
+
+
+def check_dynamic_bsz(value: Any, role: str, *, micro_batch: Any = None, longest: int = 0) -> None:
+    """hdp packs every round by tokens: a role's ``use_dynamic_bsz=False`` (micro-batches of a number of
+    samples) would be ignored, so it is refused, for every role alike (``role``: its verl key, e.g.
+    ``critic``).  ``micro_batch``: the role's micro-batch size per GPU and ``longest``: the longest sample's
+    tokens (prompt + response), when known, for the budget that bounds memory as the micro-batches did."""
+    if value is None or bool(value):
+        return
+    switch, micro_key, budget_key = _BATCHING_KEYS[role]
+    hint = (f" (the tokens of {micro_batch} samples of the longest length, {micro_batch} x {longest} = "
+            f"{int(micro_batch) * longest}, bound a rank's memory as stock's micro-batches did)"
+            ) if micro_batch and longest else ""
+    raise ValueError(f"{role}.{switch}=False: hdp packs every round by tokens, not by a number of samples per "
+                     f"micro-batch ({role}.{micro_key} would be ignored); set {switch}=True and {role}.{budget_key} "
+                     f"to the tokens one rank may hold per round{hint}")
+
+
+def check_job_batching(config: Any, *, ref: bool = True, critic: bool = True) -> None:
+    """hdp's checks of how a verl job batches its roles (the driver, after verl's own ``validate_config``): every hdp
+    role's ``use_dynamic_bsz`` (`check_dynamic_bsz`; ``ref`` / ``critic``: the job has them) and the
+    old-log-prob option (`hdp.integrations.verl.old_log_prob.resolve`: ``true`` on a step that needs the pass)."""
     from hdp.integrations.verl import old_log_prob
 
-    if ACTOR_KEY not in _hdp_roles(config):
+    on_hdp = _hdp_roles(config, ref, critic)
+    if ACTOR_KEY not in on_hdp:
         return
-    if not bool(_select(config, f"{ACTOR_KEY}.use_dynamic_bsz", True)):
-        mbs = _select(config, f"{ACTOR_KEY}.ppo_micro_batch_size_per_gpu")
-        longest = int(_select(config, "data.max_prompt_length", 0)) + int(_select(config, "data.max_response_length", 0))
-        hint = (f" (the tokens of {mbs} samples of the longest length, {mbs} x {longest} = {int(mbs) * longest}, bound a "
-                "rank's memory as stock's micro-batches did)") if mbs and longest else ""
-        raise ValueError(f"{ACTOR_KEY}.use_dynamic_bsz=False: hdp packs every round by tokens, not by a number of "
-                         f"samples per micro-batch ({ACTOR_KEY}.ppo_micro_batch_size_per_gpu would be ignored); set "
-                         f"use_dynamic_bsz=True and {ACTOR_KEY}.ppo_max_token_len_per_gpu to the tokens one rank may hold "
-                         f"per round{hint}")
+    longest = int(_select(config, "data.max_prompt_length", 0)) + int(_select(config, "data.max_response_length", 0))
+    for key in on_hdp:
+        switch, micro_key, _ = _BATCHING_KEYS[key]
+        check_dynamic_bsz(_select(config, f"{key}.{switch}", True), key,
+                          micro_batch=_select(config, f"{key}.{micro_key}"), longest=longest)
     old_log_prob.resolve(config)

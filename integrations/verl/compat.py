@@ -16,6 +16,13 @@ checked in one place.  Private upstream state used here, and why:
   plans each next one ahead).
 * :func:`dispatch_dp_size` / :func:`balance_batch_for_stock_dp` — a worker group's cached dispatch info
   (``_dispatch_info``), reported with stock's DP size while verl's trainer balances the batch.
+* :func:`checkpoint_content_metadata` / :func:`model_sharded_state_dict` — ``MegatronCheckpointManager``'s
+  ``_load_content_metadata`` and ``_build_model_sharded_state_dict``, read only: what verl's own load composes
+  its sharded state dicts with, so that hdp checks a checkpoint against exactly what verl would load
+  (:mod:`hdp.integrations.verl.checkpoint`).  Can go when verl checks a checkpoint before loading it.
+* :func:`hf_weights` — mbridge's ``_weight_name_mapping_mcore_local_to_global`` and ``_weight_to_hf_format``
+  (name and shape mapping, on meta tensors): the Hugging Face names, shapes and dtypes mbridge writes and reads
+  for this rank's weights.  Can go with the same verl change, or when mbridge exposes its mapping.
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ __all__ = [
     "tensordict_utils",
     "maybe_fix_3d_position_ids",
     "mkdir_locks_removed",
+    "checkpoint_manager",
+    "checkpoint_content_metadata",
+    "model_sharded_state_dict",
+    "hf_weights",
     "mpu",
     "unwrap_model",
     "causal_mask_type",
@@ -567,3 +578,51 @@ def mkdir_locks_removed() -> Iterator[None]:
             lock = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(path) & 0xFFFFFFFF:08x}.lock")
             with contextlib.suppress(OSError):
                 os.remove(lock)
+
+
+def checkpoint_manager(engine: Any) -> Any | None:
+    """verl's ``MegatronCheckpointManager`` of a Megatron engine (verl 0.9.1 spells the attribute
+    ``checkpoint_mananager``); ``None`` for a forward-only engine, for which verl builds none."""
+    return getattr(engine, "checkpoint_mananager", None)
+
+
+def checkpoint_content_metadata(manager: Any, directory: str) -> dict[str, Any]:
+    """The content metadata verl's load composes its sharded state dicts with (``_load_content_metadata``: the
+    dist checkpoint's own in ``directory``, else verl's default for this engine)."""
+    return manager._load_content_metadata(directory)
+
+
+def model_sharded_state_dict(manager: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    """verl's sharded state dict of the model, every virtual stage keyed as verl saves it
+    (``_build_model_sharded_state_dict``; a new dict each call)."""
+    return manager._build_model_sharded_state_dict(metadata)
+
+
+def hf_weights(bridge: Any, chunks: Any, tp_size: int, etp_size: int) -> dict[str, tuple[tuple[int, ...], Any]] | None:
+    """Hugging Face name -> (shape, dtype) of the weights of this rank's model ``chunks``, as vanilla mbridge writes
+    them (``save_weights``: TP shards joined, EP experts by their global index, the vocabulary unpadded, fused QKV
+    and gate/up split) and reads them (``load_weights``: the names of every state-dict entry).  Computed on meta
+    tensors: no data moves, no collective.  ``None`` when ``bridge`` is not vanilla mbridge (Megatron-Bridge)."""
+    import torch
+
+    if not (hasattr(bridge, "_weight_name_mapping_mcore_local_to_global") and hasattr(bridge, "_weight_to_hf_format")):
+        return None
+    out: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        params = dict(model.named_parameters())
+        state = model.state_dict()
+        for local, name in bridge._weight_name_mapping_mcore_local_to_global(model).items():
+            param = params.get(local)
+            tensor = param if param is not None else state[local]
+            shape = list(tensor.shape)
+            if param is not None and getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= etp_size if ".mlp.experts." in local else tp_size
+            whole = torch.empty(shape, dtype=tensor.dtype, device="meta")
+            try:
+                names, tensors = bridge._weight_to_hf_format(name, whole)
+            except AssertionError:  # a value head under a padded vocabulary: mbridge writes it as it is
+                names, tensors = bridge._weight_name_mapping_mcore_to_hf(name)[:1], [whole]
+            for hf_name, t in zip(names, tensors):
+                out[hf_name] = (tuple(int(n) for n in t.shape), t.dtype)
+    return out

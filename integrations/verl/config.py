@@ -198,8 +198,10 @@ class HdpCriticConfig(compat.McoreCriticConfig):
             object.__setattr__(self, "hdp", HdpOptions(**{k: v for k, v in self.hdp.items() if k != "_target_"}))
         super().__post_init__()  # CriticConfig checks; engine = megatron
         engine = to_hdp_engine_config(self.megatron, self.hdp)
-        if engine.role != "critic":
-            engine = dataclasses.replace(engine, role="critic")
+        if engine.role != "critic" or engine.use_dynamic_bsz != self.use_dynamic_bsz:
+            # the critic's batching reaches its engine as the actor's and the ref's do through verl's worker
+            # (verl's critic leaves the engine at its default, and the engine refuses use_dynamic_bsz=False)
+            engine = dataclasses.replace(engine, role="critic", use_dynamic_bsz=self.use_dynamic_bsz)
         object.__setattr__(self, "megatron", engine)
         self.engine = engine
         check_token_budgets(hdp_budget=self.hdp.max_tokens_per_rank, budgets={

@@ -42,6 +42,7 @@ from hdp.digest import batch_digest
 from hdp.integrations.verl import compat
 from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
+from hdp.integrations.verl.checkpoint import loaded_view, saved_view
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
                                           check_shared_layout, check_zero_memory_experts, role_key)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
@@ -51,6 +52,7 @@ from hdp.integrations.verl.domain import VerlDomain
 from hdp.integrations.verl.memory import verl_memory
 from hdp.device import select_device
 from hdp.packing.model_shape import ModelShape
+from hdp.trainer.checkpoint import check_fit
 from hdp.trainer.memory import MemoryCalibration, static_bytes
 from hdp.trainer.optim_state import optimizers, restore_adam_steps
 from hdp.trainer.planning import DomainPlanner, auto_cost_model
@@ -232,7 +234,19 @@ class HdpMegatronEngine(_MegatronLM):
                         **kwargs: Any) -> None:
         """verl's Megatron checkpoint load under ``torch.no_grad()`` (fp32 main params are views of leaf
         params that Megatron copies into in place), then Adam's per-parameter ``step`` restored
-        (:func:`hdp.trainer.optim_state.restore_adam_steps`: megatron-core 0.16.1 leaves a placeholder)."""
+        (:func:`hdp.trainer.optim_state.restore_adam_steps`: megatron-core 0.16.1 leaves a placeholder).
+
+        First, before anything is written, the whole checkpoint is checked against this engine
+        (:func:`hdp.trainer.checkpoint.check_fit` on :mod:`hdp.integrations.verl.checkpoint`'s views: every part verl
+        will load — keys, shapes, dtypes from metadata and safetensors headers — and the role and architecture
+        verl recorded): a checkpoint of another role (an actor's into the critic), model or layout raises
+        :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``) on every rank, naming the first
+        differing tensor and both sides; nothing changed and the engine stays usable."""
+        self.core.usable("load_checkpoint")
+        step = self.step
+        with self.core.collectives("load: check", step):
+            check_fit(local_path, guard=self.core.guard, step=step, checkpoint=lambda: saved_view(self, local_path),
+                      engine=lambda: loaded_view(self, local_path))
         opt = getattr(self, "optimizer", None)
         loaded: list[Any] = []
         if opt is not None:

@@ -11,6 +11,10 @@ and, on rank 1 only, inject:
   ``hdp/nonfinite_skipped`` = 1);
 * ``verl-nan-gradient``: verl's loss stays finite on rank 1 but its gradient is NaN (``+ sqrt(0 · loss)``):
   skipped on every rank alike, ``grad_norm`` NaN, ``hdp/nonfinite_skipped`` = 1;
+* ``verl-actor-checkpoint-into-critic``, ``verl-critic-checkpoint-into-actor``: a checkpoint of the other role
+  loaded through verl's workers (the critic's ``TrainingWorker`` is built beside the actor): refused on every
+  rank before anything is written (``hdp.trainer.checkpoint.check_fit``), naming the first differing tensor
+  (``names_tensor``), nothing changed; ``usable_after``: the engine's own checkpoint loads and it trains on;
 * ``verl-own-error-in-round`` (last: the engine is unusable after it): rank 1 raises inside a round's
   forward and its process lives on, as a Ray actor does; every rank raises naming it within seconds: the
   peer is blocked in a CP ring on hdp's copy of the domain group, which the failing rank frees.  (On gloo
@@ -56,7 +60,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
 
     sys.stdout.flush()
     os.dup2(2, 1)  # verl and mbridge print to stdout; ``hdp bench faults --json`` keeps stdout for its JSON
-    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, prepare_rank
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, critic_worker, prepare_rank
 
     model = prepare_rank(rank, world, workdir)
     from verl.utils import tensordict_utils as tu
@@ -69,6 +73,9 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
         f"actor_rollout_ref.actor.ppo_mini_batch_size={len(_LENGTHS)}",
         "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",
         f"actor_rollout_ref.actor.hdp.collective_timeout_s={timeout_s}",
+        f"critic.model.path={model}", "critic.model.use_remove_padding=True", "critic.megatron.dtype=float32",
+        f"critic.ppo_max_token_len_per_gpu={_BUDGET}", f"critic.ppo_mini_batch_size={len(_LENGTHS)}",
+        "critic.optim.total_training_steps=10",
     ])
     act = actor_worker(cfg)
     engine = act.actor.engine
@@ -131,14 +138,14 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
         engine.train_batch = train_batch
         return undo
 
-    def attempt(kind: str) -> dict[str, Any]:
-        undo = inject(kind)
-        held = _held(engine)
+    def attempt(kind: str, call: Callable[[], Any] | None = None, on: Any = None) -> dict[str, Any]:
+        undo = inject(kind) if call is None else (lambda: None)
+        held = _held(on if on is not None else engine)
         before = _digest(held)
         t0 = time.time()
         err, metrics = None, None
         try:
-            metrics = update()
+            metrics = update() if call is None else call()
         except BaseException as exc:  # noqa: BLE001 - the report names every type
             err = exc
         finally:
@@ -154,6 +161,25 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
         out[name] = attempt(kind)
     m = update()  # the engine is still usable and in step
     out["after"] = {"finite": m is None or math.isfinite(float(m["grad_norm"]))}
+    # a checkpoint of the other role: the critic (verl's value model) beside the actor, each saved after a step
+    critic, _ = critic_worker(cfg)
+    mask = padded["response_mask"].float()
+    values = {"values": 0 * mask, "returns": torch.randn(mask.shape, generator=torch.Generator().manual_seed(4)) * mask}
+
+    def critic_update() -> Any:
+        return critic.train_mini_batch(B.critic_update_batch(padded, values, mini_batch_size=len(_LENGTHS)))
+
+    critic_update()
+    for name, worker in (("actor", act), ("critic", critic)):
+        worker.save_checkpoint(str(Path(workdir, f"ckpt-{name}")), global_step=1)
+    for row, worker, own, other, step in (
+            ("verl-actor-checkpoint-into-critic", critic, "critic", "actor", critic_update),
+            ("verl-critic-checkpoint-into-actor", act, "actor", "critic", update)):
+        load = worker.load_checkpoint
+        out[row] = attempt("", lambda: load(str(Path(workdir, f"ckpt-{other}")), del_local_after_load=False),
+                           on=critic.engine if own == "critic" else engine)
+        usable = _error_of(lambda: (load(str(Path(workdir, f"ckpt-{own}")), del_local_after_load=False), step()))
+        out[row]["usable_after"] = usable is None
     # last (the engine is unusable after it): rank 1 raises inside a round's forward, the shape an
     # out-of-memory takes, and its process (a Ray actor) lives on until rank 0 has left
     out["verl-own-error-in-round"] = attempt("forward")
@@ -162,6 +188,14 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
     while rank == 1 and time.time() < deadline and not Path(workdir, "left-0").exists():
         time.sleep(0.05)
     return out
+
+
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the report names it
+        return exc
+    return None
 
 
 def B_logp(out: Any, padded: Any) -> torch.Tensor:
@@ -186,7 +220,8 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     res = spawn(_worker, 2, str(work), timeout_s, timeout=600.0)
     rows = []
     for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
-                  "verl-nan-gradient", "verl-own-error-in-round"):
+                  "verl-nan-gradient", "verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor",
+                  "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
         if fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
             row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
@@ -204,6 +239,12 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     by_name = {row["fault"]: row for row in rows}
     by_name["verl-nan-loss"]["usable_after"] = by_name["verl-nan-gradient"]["usable_after"] = all(
         res[r]["after"]["finite"] for r in range(2))
+    for fault in ("verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor"):
+        row = by_name[fault]
+        row["names_tensor"] = all("does not fit this engine" in (res[r][fault]["error"] or "")
+                                  and "entry 'lm_head.weight'" in (res[r][fault]["error"] or "") for r in range(2))
+        row["usable_after"] = all(res[r][fault]["usable_after"] for r in range(2))
+        row["ok"] = bool(row["ok"] and row["names_tensor"] and row["usable_after"])
     own = by_name["verl-own-error-in-round"]
     own["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
                                       for v in (res[r]["verl-own-error-in-round"] for r in range(2)))

@@ -377,9 +377,9 @@ def _balance_or_warn(module: ModuleType) -> bool:
 def guard_validate_config(config_module: ModuleType) -> bool:
     """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks
     (:func:`hdp.integrations.verl.checks.check_job_layout` before verl's own: settings spread over the actor's,
-    the ref's and the critic's configs; `check_job_batching` after it: ``use_dynamic_bsz`` and the old-log-prob
-    option; :func:`hdp.integrations.verl.loss_kinds.check_job_config`: losses that are not additive over samples,
-    or run a collective); True if this call patched.  Wraps the
+    the ref's and the critic's configs; `check_job_batching` after it: every role's ``use_dynamic_bsz`` and the
+    old-log-prob option; :func:`hdp.integrations.verl.loss_kinds.check_job_config`: losses that are not additive
+    over samples, or run a collective); True if this call patched.  Wraps the
     module attribute right after the module executed, so every ``from verl.utils.config import validate_config``
     binds the wrapper.  Can go when verl's validation calls the engines' own job checks."""
     orig = config_module.validate_config
@@ -395,7 +395,7 @@ def guard_validate_config(config_module: ModuleType) -> bool:
         # pure and quick: before verl's own, which builds the roles' configs
         check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
         out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
-        check_job_batching(config)
+        check_job_batching(config, ref=bool(use_reference_policy), critic=bool(use_critic))
         check_job_config(config, critic=bool(use_critic))  # losses whose value would depend on hdp's plan
         return out
 

@@ -25,8 +25,9 @@ and a save whose ``format`` differs on one rank (every rank names the calls: ``C
 real SIGINT on one rank during validation with its process alive (every rank raises within seconds, the
 interrupted one its ``KeyboardInterrupt``, and then every rank saves: ``save_after_on_every_rank``) —
 these rows also need ``seconds_to_exit`` <= 5 and the error named on every rank —, truncated and corrupted checkpoint files in both formats, a
-checkpoint of another model — verified by the manifest, and with a forged manifest so that
-Megatron itself fails half-way and the engine must roll back); ``other-world`` (2 ranks load the
+checkpoint of another model in both formats, and with a forged manifest (the model-config digest rewritten): refused
+by the one fit check before anything is written (``hdp.trainer.checkpoint.check_fit``: the first differing tensor
+named with both shapes, on every rank within 5 s, nothing applied, the engine trains on); ``other-world`` (2 ranks load the
 4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
 (3 ranks, both formats, then a fresh job loads the previous checkpoint); ``verl`` (2 ranks of verl's
 own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank;
@@ -71,6 +72,9 @@ _AGREED_AT_ONCE = {
     "rank-calls-forward-others-train": "call mismatch",
     "save-format-differs": "call mismatch",
     "ctrl-c-in-validation": "",
+    "other-model-per-rank": "does not fit this engine: state entry 'model.model.embedding.word_embeddings.weight'",
+    "other-model-dist": "does not fit this engine: state entry 'embedding.word_embeddings.weight'",
+    "other-model-forged-manifest": "does not fit this engine: state entry 'embedding.word_embeddings.weight'",
 }
 """In-process rows that must end on every rank within 5 s (one agreement), and what every error names."""
 OWN_ERROR_TIMEOUT_S = 300.0
@@ -291,8 +295,8 @@ def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[s
     engine.train_step(_batch(3), nll_loss)
     mc.destroy_megatron()
 
-    # another model: a wider engine refuses both checkpoints (manifest), and with a forged manifest
-    # Megatron's loader itself fails half-way: the engine must put its state back
+    # another model: a wider engine refuses both checkpoints before any write, naming the first differing tensor
+    # (the fit check reads their metadata), also when the manifest's model-config digest is forged to match
     wide = HdpEngine.build(_config(timeout_s, hidden=48), WORLD, init_fn=_init)
     wide.train_step(_batch(0), nll_loss)
     for fmt in ("per-rank", "dist"):
