@@ -99,7 +99,9 @@ def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(t
 def test_verl_engine_faults_through_the_cli() -> None:
     """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
     raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN; every rank
-    raises (NaN: every rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
+    raises (NaN: every rank skips the update, grad_norm NaN; the third NaN in a row raises), the state is unchanged,
+    within 5 s.  Rollout correction keeps the old-log-prob pass and its update applies; an update that read a
+    skipped pass's stand-ins is refused on every rank."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
     report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
