@@ -124,6 +124,45 @@ def test_a_nan_gradient_under_a_finite_loss_is_skipped_on_every_rank_with_clip_0
     run_distributed(_nan_gradient, 2, timeout=400)
 
 
+def _consecutive_skips(rank: int, world: int) -> None:
+    from hdp.trainer.engine import HdpEngine, NonFiniteLossError, SkippedUpdatesError, nll_loss
+
+    def nan_on_rank_1(local, logprobs, weights):
+        loss = -(weights * logprobs).sum()
+        return loss * float("nan") if rank == 1 else loss
+
+    engine = HdpEngine.build(_config(), dist.group.WORLD, init_fn=_init)  # max_consecutive_skips: the default, 3
+    engine.train_step(_batch(0), nll_loss)
+    before = _state(engine)
+    for _ in range(2):  # one skip, two: each its own error, as before
+        exc, _ = _raises(lambda: engine.train_step(_batch(1), nan_on_rank_1), NonFiniteLossError, "not finite")
+        assert not isinstance(exc, SkippedUpdatesError)
+    # the third in a row: every rank raises, naming the count, the option and the first skip's cause
+    exc, _ = _raises(lambda: engine.train_step(_batch(1), nan_on_rank_1), SkippedUpdatesError,
+                     "step 4: 3 updates in a row were skipped", "PlanningConfig.max_consecutive_skips=3",
+                     "The first skip, at step 2: step 2: the loss is not finite on domain ranks [")
+    assert not isinstance(exc, NonFiniteLossError)  # a handler that skips bad batches does not swallow it
+    assert isinstance(exc.__cause__, NonFiniteLossError) and exc.__cause__.step == 2 and exc.last.step == 4
+    _raises(lambda: engine.train_step(_batch(1), nan_on_rank_1), SkippedUpdatesError, "4 updates in a row")
+    assert _same(_state(engine), before)  # nothing applied
+    m = engine.train_step(_batch(2), nll_loss)  # an applied update ends the run of skips
+    assert torch.isfinite(torch.tensor(m["loss"]))
+    _raises(lambda: engine.train_step(_batch(1), nan_on_rank_1), NonFiniteLossError, "step 7: the loss is not finite")
+    engine.close()
+    planning = dataclasses.replace(_config().planning, max_consecutive_skips=None)  # never
+    engine = HdpEngine.build(dataclasses.replace(_config(), planning=planning), dist.group.WORLD, init_fn=_init)
+    for _ in range(4):
+        exc, _ = _raises(lambda: engine.train_step(_batch(1), nan_on_rank_1), NonFiniteLossError, "not finite")
+        assert not isinstance(exc, SkippedUpdatesError)
+    engine.close()
+
+
+def test_a_run_of_skipped_updates_raises_on_every_rank_naming_the_first_cause() -> None:
+    """Before: every step skipped its update (a NaN loss each) and raised NonFiniteLossError, which a trainer
+    that skips bad batches catches: the run went on without training for ever."""
+    run_distributed(_consecutive_skips, 2, timeout=400)
+
+
 # ---- (2) calls and configs that differ between ranks ---------------------------------------------------
 
 

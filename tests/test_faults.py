@@ -37,7 +37,7 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
     _assert_report(report, {
         "loss-fn-raises", "loss-fn-detached", "loss-fn-nan", "validation-runtime-error", "different-token-ids",
         "nan-gradient-finite-loss", "rank-calls-save-others-train", "rank-calls-forward-others-train",
-        "save-format-differs", "ctrl-c-in-validation", "per-rank-truncated", "per-rank-corrupted", "dist-truncated", "dist-corrupted",
+        "save-format-differs", "ctrl-c-in-validation", "consecutive-skips-raise", "per-rank-truncated", "per-rank-corrupted", "dist-truncated", "dist-corrupted",
         "other-model-per-rank", "other-model-dist", "other-model-forged-manifest", "other-world-per-rank",
     })
     rows = {r["fault"]: r for r in report["faults"]}
@@ -54,13 +54,17 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
                          ("nan-gradient-finite-loss", "the gradient is not finite"),
                          ("rank-calls-save-others-train", "world rank 0 called save_checkpoint"),
                          ("rank-calls-forward-others-train", "world rank 0 called forward"),
-                         ("save-format-differs", "format='dist'")):
+                         ("save-format-differs", "format='dist'"),
+                         ("consecutive-skips-raise", "3 updates in a row were skipped")):
         assert all(needle in (e or "") for e in rows[name]["errors"].values()), (name, rows[name]["errors"])
     # one agreement each: every rank raised within seconds, naming what it must
     for name in ("nan-gradient-finite-loss", "rank-calls-save-others-train", "rank-calls-forward-others-train",
                  "save-format-differs", "ctrl-c-in-validation", "other-model-per-rank", "other-model-dist",
-                 "other-model-forged-manifest"):
+                 "other-model-forged-manifest", "consecutive-skips-raise"):
         assert rows[name]["seconds_to_exit"] <= 5.0, rows[name]
+    # a run of skipped updates ends the run on every rank, naming the first skip's cause, nothing applied since
+    runs = rows["consecutive-skips-raise"]
+    assert runs["names_first_cause"] and runs["unchanged_since_first_skip"], runs
     # Ctrl-C on rank 1 during validation, its process alive: it raises its KeyboardInterrupt, the others name it,
     # and then every rank saves (the engine stayed in step)
     ctrl_c = rows["ctrl-c-in-validation"]
@@ -100,16 +104,28 @@ def test_verl_engine_faults_through_the_cli() -> None:
     """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
     raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN,
     or a checkpoint of the other role is loaded (the actor's into the critic and back); every rank raises (NaN: every
-    rank skips the update, grad_norm NaN), the state is unchanged, within 5 s."""
+    rank skips the update, grad_norm NaN; the third NaN in a row raises), the state is unchanged, within 5 s.
+    Rollout correction keeps the old-log-prob pass and its update applies; an update that read a skipped pass's
+    stand-ins is refused on every rank."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
     report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
     rows = {r["fault"]: r for r in report["faults"]}
     assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
                          "verl-nan-gradient", "verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor",
-                         "verl-own-error-in-round"}, rows
+                         "verl-consecutive-skips-raise", "verl-rollout-correction-keeps-pass",
+                         "verl-skipped-pass-read-by-driver", "verl-own-error-in-round"}, rows
     for name, row in rows.items():
-        assert row["ok"] and row["state_unchanged"] and row["seconds_to_exit"] <= 5.0, row
+        applied = name == "verl-rollout-correction-keeps-pass"  # the one row whose update must apply
+        assert row["ok"] and row["state_unchanged"] is not applied and row["seconds_to_exit"] <= 5.0, row
+    # a run of NaN losses: skipped as verl's until max_consecutive_skips in a row, then every rank raises
+    runs = rows["verl-consecutive-skips-raise"]
+    assert runs["ranks_raised"] == [0, 1] and runs["names_count_and_first_cause"] and runs["usable_after"], runs
+    # rollout correction keeps the old-log-prob pass and trains; an update that read the stand-ins is refused
+    kept = rows["verl-rollout-correction-keeps-pass"]
+    assert kept["pass_kept"] and kept["applied_with_finite_grad_norm"] and kept["ranks_raised"] == [], kept
+    read = rows["verl-skipped-pass-read-by-driver"]
+    assert read["ranks_raised"] == [0, 1] and read["names_option"], read
     for name in ("verl-nan-loss", "verl-nan-gradient"):  # a finite loss with a NaN gradient: skipped alike
         r = rows[name]
         assert r["skipped_with_nan_grad_norm"] and r["nonfinite_skipped_metric"] and r["usable_after"], r

@@ -120,3 +120,26 @@ def test_the_shipped_verl_yaml_holds_the_declarations_defaults():
     for path in Path(config_dir()).rglob("*.yaml"):  # no other file ships hdp options to drift
         if path.name not in ("hdp_actor.yaml", "hdp_ref.yaml", "hdp_critic.yaml"):
             assert "hdp" not in (yaml.safe_load(path.read_text()) or {}), path
+
+
+def test_the_verl_options_table_lists_every_option():
+    """docs/verl.md's options table has one row per verl option, and no other (a new option is documented)."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "verl.md").read_text()
+    table = doc.split("| option | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \|", table, re.M)
+    names = {f.name for f in dataclasses.fields(verl_config.HdpOptions)} - {"_target_"}
+    assert len(rows) == len(set(rows)) and set(rows) == names, set(rows) ^ names
+
+
+@pytest.mark.parametrize("cls, prefix", [(PlanningConfig, "PlanningConfig"),
+                                         (verl_config.HdpOptions, "actor_rollout_ref.actor.hdp")])
+def test_max_consecutive_skips_is_a_count_or_none_on_both_doors(cls, prefix):
+    assert cls().max_consecutive_skips == 3  # the same default on both doors
+    assert cls(max_consecutive_skips=None).max_consecutive_skips is None
+    assert cls(max_consecutive_skips=1).max_consecutive_skips == 1
+    for bad in (0, -2, True, 1.5, "3"):
+        with pytest.raises(ValueError, match=rf"^{prefix.replace('.', chr(92) + '.')}\.max_consecutive_skips={bad!r}: "
+                                             r"pass a number of skipped updates in a row >= 1"):
+            cls(max_consecutive_skips=bad)

@@ -540,6 +540,9 @@ def test_an_engine_built_on_another_engines_parallel_state_is_refused():
      r"critic\.megatron\.pipeline_model_parallel_size=2 but actor_rollout_ref\.actor\.megatron\.pipeline_model_parallel_size=1"),
     (["actor_rollout_ref.actor.hdp.skip_old_log_prob=true", "actor_rollout_ref.actor.ppo_epochs=2"],
      r"skip_old_log_prob=true, but this job needs the old-log-prob pass: actor_rollout_ref\.actor\.ppo_epochs=2"),
+    # 1 is true for the driver as for the option's check (it was read as auto: no error, the pass kept)
+    (["actor_rollout_ref.actor.hdp.skip_old_log_prob=1", "algorithm.rollout_correction.rollout_is=token"],
+     r"skip_old_log_prob=true, but this job needs the old-log-prob pass: .*algorithm\.rollout_correction\.rollout_is=token"),
 ])
 def test_job_settings_spread_over_roles_fail_in_the_driver(overrides, match):
     """verl's validate_config (the driver, before Ray starts) refuses what hdp cannot honour, naming the key:

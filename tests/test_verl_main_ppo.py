@@ -19,6 +19,7 @@ demo's default, differs only in the driver's advantages and the absent critic.)
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,3 +61,53 @@ def test_hdp_demo_verl_runs_ppo_steps_with_a_critic_on_hdp(tmp_path):
     for role in ("actor", "critic"):
         records = [json.loads(x) for x in (tmp_path / "hdp_calibration" / f"{role}.jsonl").read_text().splitlines()]
         assert {r["kind"] for r in records} == {"group", "round", "memory"}, role
+
+
+def _step_metrics(line: str) -> dict[str, float]:
+    """Every ``name:value`` of one verl console step line (NaN kept as NaN)."""
+    out = {}
+    for part in line.split(" - "):
+        name, _, value = part.strip().rpartition(":")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["rollout-correction", "critic-warmup"])
+def test_the_old_log_prob_pass_is_kept_whenever_the_driver_reads_it(tmp_path, case):
+    """``hdp demo --verl`` (GRPO through ``main_ppo``), on-policy, ``rollout.calculate_log_probs=False``:
+
+    * ``rollout-correction`` (``algorithm.rollout_correction.rollout_is=token``): the importance weights read the old
+      log-probs, so the pass runs on every step and every update is applied (before: the pass was skipped, the
+      weights read its NaN stand-ins and every step skipped its update, ``grad_norm`` NaN, while the job exited 0);
+    * ``critic-warmup`` (``trainer.critic_warmup=2``): step 1 trains no actor and keeps the pass, whose
+      ``actor/entropy`` it reports (before: missing); step 2 skips it and the update reports it.
+    """
+    sets = {"rollout-correction": ["algorithm.rollout_correction.rollout_is=token"],
+            "critic-warmup": ["trainer.critic_warmup=2"]}[case]
+    hdp = [sys.executable, "-m", "hdp.trainer"]
+    args = [*hdp, "demo", "--verl", "--out", str(tmp_path), "--steps", "2",
+            "--set", "actor_rollout_ref.rollout.calculate_log_probs=False"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-6000:]
+    steps = [_step_metrics(line) for line in log.splitlines() if re.search(r"\bstep:\d+ - ", line)]
+    assert len(steps) == 2, log[-4000:]
+    for i, m in enumerate(steps, start=1):
+        nan = sorted(k for k, v in m.items() if v != v and (k.startswith("rollout_corr/") or k in (
+            "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl")))
+        assert not nan, (i, nan)
+        assert "actor/entropy" in m, (i, sorted(m))
+        trains = case == "rollout-correction" or i == 2
+        skipped = case == "critic-warmup" and i == 2  # the only step with nothing reading the pass
+        assert m["actor/hdp/old_log_prob_skipped"] == float(skipped), (i, m["actor/hdp/old_log_prob_skipped"])
+        if trains:
+            assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, (i, m["actor/grad_norm"])
+            assert m["actor/hdp/nonfinite_skipped"] == 0.0, i
+        else:
+            assert "actor/pg_loss" not in m, i  # verl's critic warmup: no actor update on step 1

@@ -30,7 +30,8 @@ digest — a rank that calls something else is named on every rank (:class:`Call
 ``loss_fn`` failure is recorded where it happens, the rounds go on with a zero loss so the collectives
 line up, and the step guard raises it everywhere after the reduce; a NaN/inf loss, or a NaN/inf
 gradient on any rank (checked on the device and carried by the step's one reduce), skips the update
-everywhere and raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientError`).  A phase that breaks
+everywhere and raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientError`), and a run of
+``PlanningConfig.max_consecutive_skips`` such skips raises :class:`SkippedUpdatesError`.  A phase that breaks
 off inside its collectives (a peer died or hangs: ``PlanningConfig.collective_timeout_s``) raises
 :class:`~hdp.guard.DomainUnreachableError` and leaves the engine refusing further calls.
 
@@ -93,7 +94,7 @@ from hdp.trainer.agreement import Topic, agree_fields
 from hdp.trainer.planning import (RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, DomainPlanner, launcher_ranks_per_node,
                                   launcher_topology)
 from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundInput, next_token_targets
-from hdp.trainer.step import Pass, Prepared, Steps
+from hdp.trainer.step import Pass, Prepared, SkippedUpdatesError, Steps
 
 __all__ = [
     "Batch",
@@ -102,6 +103,7 @@ __all__ = [
     "ForwardOutput",
     "NonFiniteLossError",
     "NonFiniteGradientError",
+    "SkippedUpdatesError",
     "CallMismatchError",
     "EngineClosedError",
     "CheckpointFormat",
@@ -439,7 +441,9 @@ class HdpEngine:
                                            memory_limit=self.memory_limit),
             config.planning.auto_calibrate, groups, collective_device=self._core.collective_device,
             records_path=config.planning.records_path("engine"), memory=MemoryCalibration())
-        self._steps = Steps(self._core, self._planner, measure_memory=config.planning.measure_memory, loss_name="loss_fn")
+        self._steps = Steps(self._core, self._planner, measure_memory=config.planning.measure_memory, loss_name="loss_fn",
+                            max_consecutive_skips=config.planning.max_consecutive_skips,
+                            skips_option=config.planning.field_name("max_consecutive_skips"))
 
     def _groups_to_abort(self) -> set[dist.ProcessGroup]:
         """The groups a failure inside a phase aborts: the engine's own, and Megatron's while no other engine
@@ -820,7 +824,8 @@ class HdpEngine:
         ``loss_fn`` (raising, returning ``None``, a non-scalar or a tensor without grad) on any rank, and
         :class:`NonFiniteLossError` when a loss is NaN/inf or — :class:`NonFiniteGradientError`, a
         subclass — when the loss is finite but a gradient is NaN/inf on any rank (detected in the step's one
-        reduce, before the update).  Ctrl-C during validation: every other rank raises naming this one,
+        reduce, before the update); :class:`~hdp.trainer.step.SkippedUpdatesError` instead when that skip is
+        the ``PlanningConfig.max_consecutive_skips``-th in a row (it names the first one's cause).  Ctrl-C during validation: every other rank raises naming this one,
         this one raises its ``KeyboardInterrupt``, and the engine stays usable on every rank (a trainer may
         then save a checkpoint on every rank).  A rank that dies or hangs mid-step makes
         the others raise :class:`~hdp.guard.DomainUnreachableError` within

@@ -85,6 +85,12 @@ class HdpOptions(PlannerOptions):
     naming the step and the phase, instead of torch's 30 minutes.  On GPU/NPU set it above the slowest
     legitimate wait of a step (the longest round plus a checkpoint write), e.g. 600-1800 s; verl's default
     is 600 (`VERL_DEFAULTS`)."""
+    max_consecutive_skips: int | None = 3
+    """Updates skipped in a row (a NaN/inf loss or gradient on some rank, `hdp.trainer.step`) after which the
+    step raises `hdp.trainer.step.SkippedUpdatesError` on every rank, naming the count and the first skipped
+    step's cause, instead of skipping once more: one skip is a bad batch, a run of them a run that no longer
+    trains (the verl door would otherwise log ``grad_norm`` NaN and exit 0).  It raises at every skip from
+    there on until an update is applied.  ``None``: never (skip for ever)."""
     zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
     """MoE expert-path recomputation (`hdp.moe`, MindSpeed ``--moe-zero-memory`` semantics): ``none``,
     ``level0`` or ``level1``; needs a MoE model, expert TP 1 and per-expert MLPs (no grouped GEMM)."""
@@ -133,11 +139,19 @@ class HdpOptions(PlannerOptions):
             if not ok:
                 raise ValueError(f"{f('calibration_path')}={path!r}: pass a file path (it may hold {{role}}), or None "
                                  "for no records")
+        k = self.max_consecutive_skips
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"{f('max_consecutive_skips')}={k!r}: pass a number of skipped updates in a row >= 1 "
+                             "(1: the first skip raises), or None to never raise")
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1.0 <= float(t) <= MAX_TIMEOUT_S:
             raise ValueError(
                 f"{f('collective_timeout_s')}={t!r}: pass seconds in [1, {MAX_TIMEOUT_S:g}] (above the longest round "
                 "plus a checkpoint write on GPU/NPU)")
+
+    def field_name(self, name: str) -> str:
+        """Field ``name`` as this door's errors name it (``PlanningConfig.…``, ``actor_rollout_ref.actor.hdp.…``)."""
+        return self._field(name)
 
     # -- resolved once, when the engine is built --
 

@@ -23,7 +23,10 @@ A training step has two halves, because verl calls them separately (``forward_ba
 
 :meth:`Steps.train` is both halves after zeroing the gradients; :meth:`Steps.forward` a forward-only pass
 (agree, rounds without grad, reduce, the adapter's errors).  What each door does with a skipped update is
-its own: the library raises the error (:attr:`Outcome.skipped`), verl reports ``grad_norm`` NaN.
+its own: the library raises the error (:attr:`Outcome.skipped`), verl reports ``grad_norm`` NaN.  What is
+not: a run of them.  After ``max_consecutive_skips`` updates skipped in a row (`hdp.trainer.options.HdpOptions`)
+:meth:`Steps.finish` raises :class:`SkippedUpdatesError` on every rank — the skip decision is agreed, so the
+count is the same everywhere — naming the count and the first skipped step's cause, with nothing applied.
 
 :meth:`Steps.close` is the one teardown of what the steps hold (the plan-ahead thread, the core's watcher
 and hooks, every reference to the engine's groups); each door then destroys the groups it owns.
@@ -43,7 +46,23 @@ from hdp.trainer.memory import measured_row, start_measure
 from hdp.trainer.planning import DomainPlanner, plan_id
 from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundHooks, RoundLoss, StepState
 
-__all__ = ["Steps", "Prepared", "Pass", "Outcome", "plan_metrics"]
+__all__ = ["Steps", "Prepared", "Pass", "Outcome", "SkippedUpdatesError", "plan_metrics"]
+
+
+class SkippedUpdatesError(RuntimeError):
+    """``limit`` updates in a row were skipped for a non-finite loss or gradient (`Steps.finish`, raised on every
+    rank alike, nothing applied): the run no longer trains.  ``first`` is the first skip's error (also the
+    ``__cause__``), ``last`` this one's."""
+
+    def __init__(self, count: int, limit: int, option: str, first: NonFiniteLossError, last: NonFiniteLossError) -> None:
+        self.count = count
+        self.first = first
+        self.last = last
+        super().__init__(
+            f"step {last.step}: {count} updates in a row were skipped (a NaN/inf loss or gradient each; {option}="
+            f"{limit}), so the run no longer trains; nothing was applied. The first skip, at step {first.step}: "
+            f"{first}. Fix that cause, or raise {option} (None: never raise)"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,14 +157,21 @@ class Steps:
     """An engine's steps on its round core and planner (see the module docstring).
 
     ``measure_memory``: measure each training round's peak memory (when the planner has a memory model);
-    ``loss_name``: the adapter as the errors name it (``loss_fn``, ``verl loss function``).
+    ``loss_name``: the adapter as the errors name it (``loss_fn``, ``verl loss function``);
+    ``max_consecutive_skips``: the door's option (None: never raise), ``skips_option`` its name in errors.
     """
 
-    def __init__(self, core: RoundCore, planner: DomainPlanner, *, measure_memory: bool, loss_name: str) -> None:
+    def __init__(self, core: RoundCore, planner: DomainPlanner, *, measure_memory: bool, loss_name: str,
+                 max_consecutive_skips: int | None = None, skips_option: str = "max_consecutive_skips") -> None:
         self.core = core
         self.planner = planner
         self.measure_memory = bool(measure_memory) and planner.memory is not None
         self.loss_name = loss_name
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skips_option = skips_option
+        self.consecutive_skips = 0
+        """Updates skipped since the last one applied (alike on every rank)."""
+        self._first_skip: NonFiniteLossError | None = None
         self.step = 0
         """Training passes that passed their agreement (skipped ones included)."""
         self.round_seconds: list[float] = []
@@ -186,25 +212,36 @@ class Steps:
     def finish(self) -> Outcome:
         """The update of the passes since :meth:`zero_grad` (none: Megatron's optimizer on the gradients as
         they are): skipped on every rank when any was not finite, else the optimizer step; then every
-        pass's round times go to the planner.  Sets :attr:`Pass.outcome` on each."""
+        pass's round times go to the planner.  Sets :attr:`Pass.outcome` on each.  Raises
+        :class:`SkippedUpdatesError` on every rank when this skip makes ``max_consecutive_skips`` in a row."""
         passes, self._pending = self._pending, []
         core, step = self.core, self.step
         skipped = next((p.nonfinite for p in passes if p.nonfinite is not None), None)
         if skipped is not None:
             core.skip_update()
             outcome = Outcome(applied=False, grad_norm=math.nan, skipped=skipped, calibration={})
-        else:
-            with core.collectives("optimizer", step):
-                ok, grad_norm = core.optimizer_step()
-            if not ok:
-                raise RuntimeError(f"step {step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
-            calibration: dict[str, Any] = {}
-            with core.collectives("calibrate", step):
-                for p in passes:
-                    calibration = self.planner.observe(p.plan, p.round_seconds, step=p.step, phases=core.phases,
-                                                       memory_row=measured_row(p.plan, p.meter, p.static_bytes))
-            norm = float(grad_norm) if grad_norm is not None else math.nan
-            outcome = Outcome(applied=True, grad_norm=norm, skipped=None, calibration=calibration)
+            for p in passes:
+                p.outcome = outcome
+            self.consecutive_skips += 1
+            if self._first_skip is None:
+                self._first_skip = skipped
+            limit = self.max_consecutive_skips
+            if limit is not None and self.consecutive_skips >= limit:  # the same count on every rank: agreed skips
+                raise SkippedUpdatesError(self.consecutive_skips, limit, self.skips_option, self._first_skip,
+                                          skipped) from self._first_skip
+            return outcome
+        with core.collectives("optimizer", step):
+            ok, grad_norm = core.optimizer_step()
+        if not ok:
+            raise RuntimeError(f"step {step}: Megatron's optimizer skipped the update (inf/NaN gradients)")
+        calibration: dict[str, Any] = {}
+        with core.collectives("calibrate", step):
+            for p in passes:
+                calibration = self.planner.observe(p.plan, p.round_seconds, step=p.step, phases=core.phases,
+                                                   memory_row=measured_row(p.plan, p.meter, p.static_bytes))
+        norm = float(grad_norm) if grad_norm is not None else math.nan
+        outcome = Outcome(applied=True, grad_norm=norm, skipped=None, calibration=calibration)
+        self.consecutive_skips, self._first_skip = 0, None
         for p in passes:
             p.outcome = outcome
         return outcome

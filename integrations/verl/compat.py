@@ -263,7 +263,7 @@ def _stock_iterator(engine: Any, make_iterator: Any, data: Any, mini_batch_size:
                     dataloader_kwargs: Any) -> Iterator[Any]:
     from hdp.integrations.verl import minibatches, old_log_prob
 
-    old_log_prob.check_mini_batch(data, mini_batch_size, epochs)  # a skipped pass's stand-in: one update only
+    old_log_prob.check_update(data, mini_batch_size, epochs)  # a skipped pass: one update, nothing read its stand-in
     dp = int(engine.domain.size)
     n = int(data.batch_size[0])
     idx = minibatches.stock_minibatch_indices(n, dp, int(mini_batch_size), int(epochs), seed, dataloader_kwargs,
@@ -343,14 +343,16 @@ def balance_batch_for_stock_dp(trainer_cls: type) -> bool:
 
 def skip_redundant_old_log_prob(trainer_cls: type) -> bool:
     """Make verl's v1 trainer (``trainer_cls``: ``PPOTrainer``) skip the actor's old-log-prob pass when the job
-    says so (:func:`hdp.integrations.verl.old_log_prob.resolve`, decided once per trainer); True if this call
-    patched.
+    says so (:func:`hdp.integrations.verl.old_log_prob.resolve`, decided once per trainer) and the step does not
+    need it after all (`old_log_prob.needed_at_step`: the rollout's log-probs in the batch, a critic-warmup step);
+    True if this call patched.
 
     Why: verl 0.9.1 always runs the pass outside bypass mode (``_compute_old_log_prob``; its own shortcut,
     bypass mode, uses the rollout's log-probs and so changes the objective).  Wraps ``_compute_old_log_prob``
-    (skipped: `old_log_prob.skip_pass` writes the NaN stand-in; either way ``actor/hdp/old_log_prob_skipped``
-    says which ran) and ``_update_actor`` (the update's batch carries `old_log_prob.SKIP_FLAG`, for that call
-    only).  Subclasses that call them through ``super()`` get the same.  Can go when verl skips the pass."""
+    (skipped: `old_log_prob.skip_step` writes the NaN stand-in; either way ``actor/hdp/old_log_prob_skipped``
+    says which ran) and ``_update_actor`` (after a skipped pass the update's batch carries
+    `old_log_prob.SKIP_FLAG`, for that call only).  Subclasses that call them through ``super()`` get the same.
+    Can go when verl skips the pass."""
     from hdp.integrations.verl import old_log_prob
 
     orig_old = trainer_cls.__dict__.get("_compute_old_log_prob")
@@ -366,17 +368,27 @@ def skip_redundant_old_log_prob(trainer_cls: type) -> bool:
     @functools.wraps(orig_old)
     def _compute_old_log_prob(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
         on_hdp = str(self.config.actor_rollout_ref.actor.get("strategy", "")) == "hdp"
-        if not skips(self):
-            if on_hdp:
-                metrics["actor/hdp/old_log_prob_skipped"] = 0.0
-            return orig_old(self, batch, metrics, *args, **kwargs)
-        metrics["actor/hdp/old_log_prob_skipped"] = 1.0
-        return old_log_prob.skip_pass(batch)
+        self._hdp_skipped_pass = False
+        if skips(self):
+            kept = old_log_prob.skip_step(batch, self.config, int(getattr(self, "global_steps", 0)))
+            if not kept:
+                metrics["actor/hdp/old_log_prob_skipped"] = 1.0
+                self._hdp_skipped_pass = True
+                return batch
+            seen = self.__dict__.setdefault("_hdp_kept_for", set())
+            for why in kept:
+                if why.split(" (", 1)[0] not in seen:  # once per kind of reason
+                    seen.add(why.split(" (", 1)[0])
+                    logger.info("hdp: the old-log-prob pass runs on this step: %s", why)
+        if on_hdp:
+            metrics["actor/hdp/old_log_prob_skipped"] = 0.0
+        return orig_old(self, batch, metrics, *args, **kwargs)
 
     @functools.wraps(orig_update)
     def _update_actor(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
-        if not skips(self):
+        if not getattr(self, "_hdp_skipped_pass", False):
             return orig_update(self, batch, metrics, *args, **kwargs)
+        self._hdp_skipped_pass = False  # this step's update only
         batch.extra_info[old_log_prob.SKIP_FLAG] = True
         try:
             return orig_update(self, batch, metrics, *args, **kwargs)

@@ -86,13 +86,16 @@ class HdpOptions(options.HdpOptions):
     """The actor's old-log-prob pass on an on-policy step (`hdp.integrations.verl.old_log_prob`): ``auto`` skips
     it exactly when it is redundant (one mini-batch covering the batch, one PPO epoch, nothing reading the old
     log-probs before the update) and the update uses its own forward's log-probs, detached, as the old ones;
-    ``true`` skips it and is a config error naming the keys that make the step need it; ``false`` always runs it."""
+    ``true`` skips it and is a config error naming the keys that make the step need it; ``false`` always runs it.
+    ``1``/``0`` read as ``true``/``false``; after construction it holds the
+    `hdp.integrations.verl.old_log_prob.SkipOldLogProb` (one parser for this check and the driver's decision)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        v = self.skip_old_log_prob
-        if v not in (True, False, "auto"):
-            raise ValueError(f"{self._field('skip_old_log_prob')}={v!r}: pass auto, true or false")
+        from hdp.integrations.verl.old_log_prob import parse_option
+
+        object.__setattr__(self, "skip_old_log_prob", parse_option(self.skip_old_log_prob,
+                                                                   self._field("skip_old_log_prob")))
 
 
 @dataclass

@@ -20,6 +20,8 @@ What stays here is verl's:
   rank, verl's metrics reduced over the groups, hdp's added;
 * **verl's semantics on a non-finite loss or gradient**: as verl's FSDP engine, the update is skipped on
   every rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1); Megatron's optimizer would apply it.
+  Unlike verl, ``hdp.max_consecutive_skips`` skips in a row raise `hdp.trainer.step.SkippedUpdatesError` on
+  every rank (the job fails instead of exiting 0 without training).
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
 
@@ -153,7 +155,9 @@ class HdpMegatronEngine(_MegatronLM):
                                      opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
                                      records_path=records, memory=MemoryCalibration(), infer_budget=infer)
         self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
-        self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function")
+        self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function",
+                           max_consecutive_skips=opts.max_consecutive_skips,
+                           skips_option=f"{self.role_key}.hdp.max_consecutive_skips")
         self.same_rows = SameRows()  # verl's batch-wide settings at the groups' batch sizes, kept across steps
         self.losses_checked: dict[Any, Any] = {}  # loss functions found additive (VerlLoss.check_loss)
 
@@ -327,7 +331,8 @@ class HdpMegatronEngine(_MegatronLM):
     def optimizer_step(self) -> float:
         """The update of the passes since :meth:`optimizer_zero_grad` (`hdp.trainer.step.Steps.finish`); as
         verl's FSDP engine, a loss or gradient that was NaN/inf on any rank skips it on every rank and the
-        grad norm is NaN (Megatron's own optimizer would apply it: its NaN check is off outside FSDP)."""
+        grad norm is NaN (Megatron's own optimizer would apply it: its NaN check is off outside FSDP); the
+        ``hdp.max_consecutive_skips``-th skip in a row raises `hdp.trainer.step.SkippedUpdatesError` instead."""
         outcome = self.steps.finish()
         if outcome.skipped is not None:
             logger.warning("hdp engine: %s", outcome.skipped)

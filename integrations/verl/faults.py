@@ -15,6 +15,17 @@ and, on rank 1 only, inject:
   loaded through verl's workers (the critic's ``TrainingWorker`` is built beside the actor): refused on every
   rank before anything is written (``hdp.trainer.checkpoint.check_fit``), naming the first differing tensor
   (``names_tensor``), nothing changed; ``usable_after``: the engine's own checkpoint loads and it trains on;
+* ``verl-consecutive-skips-raise``: verl's loss is NaN on three updates in a row (``hdp.max_consecutive_skips``,
+  3): the first two are skipped as above, the third raises ``SkippedUpdatesError`` on every rank, naming the
+  count and the first skip's cause, with nothing applied (verl's own engines would skip on and exit 0);
+* ``verl-rollout-correction-keeps-pass``: with ``algorithm.rollout_correction.rollout_is=token`` the driver's
+  decision (`hdp.integrations.verl.old_log_prob.resolve`) keeps the old-log-prob pass, and the update it then
+  sends — the pass's old log-probs and verl's own importance weights against the rollout's — is applied with a
+  finite ``grad_norm`` (nothing raises; ``ok`` needs all of it);
+* ``verl-skipped-pass-read-by-driver``: what that job did before the decision kept the pass — an update flagged
+  as having skipped it whose batch carries ``rollout_is_weights`` computed from the NaN stand-ins — raises
+  ``ValueError`` on every rank naming ``skip_old_log_prob``, with nothing applied (before: every update was
+  skipped with ``grad_norm`` NaN and the job exited 0);
 * ``verl-own-error-in-round`` (last: the engine is unusable after it): rank 1 raises inside a round's
   forward and its process lives on, as a Ray actor does; every rank raises naming it within seconds: the
   peer is blocked in a CP ring on hdp's copy of the domain group, which the failing rank frees.  (On gloo
@@ -66,6 +77,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric.utils import reduce_metrics as verl_reduce_metrics
 
+    from hdp.integrations.verl import old_log_prob
     from hdp.integrations.verl.scaffolding import batches as B
     from hdp.integrations.verl.scaffolding.tiny import VOCAB
 
@@ -88,9 +100,13 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
     dist.broadcast_object_list(objs, src=src.index(True), group=dist.group.WORLD)
     adv = torch.randn(padded["responses"].shape, generator=torch.Generator().manual_seed(3)) * padded["response_mask"]
     extra = {"old_log_probs": objs[0], "advantages": adv, "ref_log_prob": objs[0]}
+    batch_extra: dict[str, Any] = {}  # what the next update's batch carries besides (set by a row, then cleared)
 
     def update() -> Any:
-        out = act.update_actor(B.update_batch(padded, extra, mini_batch_size=len(_LENGTHS)))
+        batch = B.update_batch(padded, {**extra, **batch_extra.get("tensors", {})}, mini_batch_size=len(_LENGTHS))
+        if batch_extra.get("flag"):
+            tu.assign_non_tensor(batch, **{old_log_prob.SKIP_FLAG: True})
+        out = act.update_actor(batch)
         return verl_reduce_metrics(tu.get(out, "metrics")) if out is not None else None
 
     update()  # a good step first: the optimizer holds state from here on
@@ -139,7 +155,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
         return undo
 
     def attempt(kind: str, call: Callable[[], Any] | None = None, on: Any = None) -> dict[str, Any]:
-        undo = inject(kind) if call is None else (lambda: None)
+        undo = inject(kind) if call is None and kind else (lambda: None)
         held = _held(on if on is not None else engine)
         before = _digest(held)
         t0 = time.time()
@@ -150,6 +166,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
             err = exc
         finally:
             undo()
+        batch_extra.clear()
         return {"raised": err is not None, "seconds": time.time() - t0, "unchanged": _digest(held) == before,
                 "error": None if err is None else f"{type(err).__name__}: {err}".splitlines()[0][:300],
                 "grad_norm": None if metrics is None else float(metrics.get("grad_norm", math.nan)),
@@ -180,6 +197,36 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
                            on=critic.engine if own == "critic" else engine)
         usable = _error_of(lambda: (load(str(Path(workdir, f"ckpt-{own}")), del_local_after_load=False), step()))
         out[row]["usable_after"] = usable is None
+    # a run of NaN updates: the first ones skipped as verl's, the max_consecutive_skips-th raises on every rank
+    limit = int(cfg.actor_rollout_ref.actor.hdp.max_consecutive_skips)
+    for _ in range(limit - 1):
+        attempt("nan")
+    out["verl-consecutive-skips-raise"] = attempt("nan")
+    m = update()
+    out["verl-consecutive-skips-raise"]["usable_after"] = m is None or math.isfinite(float(m["grad_norm"]))
+    out["verl-consecutive-skips-raise"]["limit"] = limit
+    # rollout correction: the driver keeps the pass, and the update it sends (the pass's old log-probs, verl's
+    # importance weights against the rollout's log-probs) is applied
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    corrected = compose(model, budget=_BUDGET, records=None, overrides=[
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={len(_LENGTHS)}", f"data.train_batch_size={len(_LENGTHS)}",
+        "actor_rollout_ref.rollout.calculate_log_probs=false", "algorithm.rollout_correction.rollout_is=token"])
+    rollout = objs[0] + 0.05 * torch.randn(objs[0].shape, generator=torch.Generator().manual_seed(4))
+    weights, _, _ = compute_rollout_correction_and_rejection_mask(objs[0], rollout, padded["response_mask"],
+                                                                  rollout_is="token", rollout_is_threshold=2.0)
+    batch_extra["tensors"] = {"rollout_is_weights": weights.batch["rollout_is_weights"]}
+    row = attempt("")
+    row["pass_kept"] = old_log_prob.resolve(corrected) is False and any(
+        "rollout_is=token" in r for r in old_log_prob.needed_by(corrected))
+    out["verl-rollout-correction-keeps-pass"] = row
+    # before that decision: the pass skipped (NaN stand-ins, the flag) and verl's weights computed from them
+    nan = torch.full_like(objs[0], float("nan"))
+    stand_in, _, _ = compute_rollout_correction_and_rejection_mask(nan, rollout, padded["response_mask"],
+                                                                   rollout_is="token", rollout_is_threshold=2.0)
+    batch_extra.update(flag=True, tensors={"old_log_probs": nan,
+                                           "rollout_is_weights": stand_in.batch["rollout_is_weights"]})
+    out["verl-skipped-pass-read-by-driver"] = attempt("")
     # last (the engine is unusable after it): rank 1 raises inside a round's forward, the shape an
     # out-of-memory takes, and its process (a Ray actor) lives on until rank 0 has left
     out["verl-own-error-in-round"] = attempt("forward")
@@ -221,9 +268,19 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     rows = []
     for fault in ("verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
                   "verl-nan-gradient", "verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor",
-                  "verl-own-error-in-round"):
+                  "verl-consecutive-skips-raise", "verl-rollout-correction-keeps-pass",
+                  "verl-skipped-pass-read-by-driver", "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
-        if fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
+        if fault == "verl-rollout-correction-keeps-pass":  # nothing raises: the pass kept, the update applied
+            row = _row(fault, 2, {r: {**v, "raised": True, "unchanged": True} for r, v in per.items()}, [], timeout_s)
+            row["ranks_raised"] = sorted(r for r, v in per.items() if v["raised"])
+            row["state_unchanged"] = all(v["unchanged"] for v in per.values())
+            row["pass_kept"] = all(v["pass_kept"] for v in per.values())
+            grad = [v["grad_norm"] for v in per.values() if v["grad_norm"] is not None]
+            row["applied_with_finite_grad_norm"] = bool(grad) and all(math.isfinite(g) for g in grad) and not any(
+                v["unchanged"] for v in per.values())
+            row["ok"] = bool(not row["ranks_raised"] and row["pass_kept"] and row["applied_with_finite_grad_norm"])
+        elif fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
             row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
             grad = [v["grad_norm"] for v in per.values() if v["grad_norm"] is not None]
             row["ranks_raised"] = sorted(r for r, v in per.items() if v["raised"])
@@ -245,6 +302,18 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
                                   and "entry 'lm_head.weight'" in (res[r][fault]["error"] or "") for r in range(2))
         row["usable_after"] = all(res[r][fault]["usable_after"] for r in range(2))
         row["ok"] = bool(row["ok"] and row["names_tensor"] and row["usable_after"])
+    runs = by_name["verl-consecutive-skips-raise"]
+    runs["usable_after"] = all(res[r]["verl-consecutive-skips-raise"]["usable_after"] for r in range(2))
+    runs["names_count_and_first_cause"] = all(
+        "SkippedUpdatesError" in e and f"{res[0]['verl-consecutive-skips-raise']['limit']} updates in a row" in e
+        and "max_consecutive_skips" in e and "The first skip, at step" in e
+        for e in (v["error"] or "" for v in (res[r]["verl-consecutive-skips-raise"] for r in range(2))))
+    runs["ok"] = bool(runs["ok"] and runs["usable_after"] and runs["names_count_and_first_cause"])
+    read = by_name["verl-skipped-pass-read-by-driver"]
+    read["names_option"] = all(
+        "ValueError" in (e or "") and "skip_old_log_prob" in (e or "") and "rollout_is_weights" in (e or "")
+        for e in (res[r]["verl-skipped-pass-read-by-driver"]["error"] for r in range(2)))
+    read["ok"] = bool(read["ok"] and read["names_option"])
     own = by_name["verl-own-error-in-round"]
     own["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
                                       for v in (res[r]["verl-own-error-in-round"] for r in range(2)))

@@ -23,14 +23,19 @@ the same lengths on one rank, a finite loss with a NaN gradient on one rank (ski
 ``NonFiniteGradientError``), one rank calling ``save_checkpoint`` or ``forward`` while the others train
 and a save whose ``format`` differs on one rank (every rank names the calls: ``CallMismatchError``), a
 real SIGINT on one rank during validation with its process alive (every rank raises within seconds, the
-interrupted one its ``KeyboardInterrupt``, and then every rank saves: ``save_after_on_every_rank``) —
-these rows also need ``seconds_to_exit`` <= 5 and the error named on every rank —, truncated and corrupted checkpoint files in both formats, a
+interrupted one its ``KeyboardInterrupt``, and then every rank saves: ``save_after_on_every_rank``), a run of
+NaN losses on one rank (``consecutive-skips-raise``: the ``PlanningConfig.max_consecutive_skips``-th skip in a
+row raises ``SkippedUpdatesError`` on every rank naming the first skip's cause, ``names_first_cause``, with
+nothing applied since the first, ``unchanged_since_first_skip``) — these rows also need ``seconds_to_exit`` <= 5
+and the error named on every rank —, truncated and corrupted checkpoint files in both formats, a
 checkpoint of another model in both formats, and with a forged manifest (the model-config digest rewritten): refused
 by the one fit check before anything is written (``hdp.trainer.checkpoint.check_fit``: the first differing tensor
 named with both shapes, on every rank within 5 s, nothing applied, the engine trains on); ``other-world`` (2 ranks load the
 4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
 (3 ranks, both formats, then a fresh job loads the previous checkpoint); ``verl`` (2 ranks of verl's
-own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank;
+own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank, a run
+of them that raises, rollout correction keeping the old-log-prob pass, an update that read its skipped
+pass's stand-ins;
 found through the ``hdp.faults`` entry point (the verl plugin's ``faults`` module); skipped, with a
 check saying so, where verl is not installed); ``own-error-in-round`` (4 ranks, collective timeout
 300 s); ``sigint-during-dist-checkpoint`` (3 ranks: SIGINT reaches rank 1 while it is blocked inside
@@ -75,6 +80,7 @@ _AGREED_AT_ONCE = {
     "other-model-per-rank": "does not fit this engine: state entry 'model.model.embedding.word_embeddings.weight'",
     "other-model-dist": "does not fit this engine: state entry 'embedding.word_embeddings.weight'",
     "other-model-forged-manifest": "does not fit this engine: state entry 'embedding.word_embeddings.weight'",
+    "consecutive-skips-raise": "updates in a row were skipped",
 }
 """In-process rows that must end on every rank within 5 s (one agreement), and what every error names."""
 OWN_ERROR_TIMEOUT_S = 300.0
@@ -256,6 +262,16 @@ def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[s
     out["ctrl-c-in-validation"]["save_after"] = _first_line(
         _error_of(lambda: engine.save_checkpoint(root / "after-ctrl-c", format="per-rank")))
     engine.train_step(_batch(1), nll_loss)  # the engine is still in step after every fault above
+
+    # a run of NaN losses (PlanningConfig.max_consecutive_skips, 3 by default): the first ones skip as above,
+    # the last raises SkippedUpdatesError on every rank, naming the count and the first skip's cause
+    held = _state_tensors(engine)
+    start = digest_of(held)
+    for _ in range(_config(timeout_s).planning.max_consecutive_skips - 1):
+        _error_of(lambda: engine.train_step(_batch(1), bad_loss("nan")))
+    out["consecutive-skips-raise"] = _attempt(engine, lambda: engine.train_step(_batch(1), bad_loss("nan")))
+    out["consecutive-skips-raise"]["unchanged_since_first_skip"] = digest_of(held) == start
+    engine.train_step(_batch(1), nll_loss)  # an applied update ends the run
 
     # checkpoints: save both formats at this step, train on, then load damaged copies
     for fmt in ("per-rank", "dist"):
@@ -713,6 +729,13 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
                 rows[-1]["save_after_on_every_rank"] = all(res[r][fault]["save_after"] is None for r in range(4))
                 rows[-1]["ok"] = bool(rows[-1]["ok"] and errors[1].startswith("KeyboardInterrupt")
                                       and rows[-1]["peers_name_rank_1"] and rows[-1]["save_after_on_every_rank"])
+            if fault == "consecutive-skips-raise":
+                rows[-1]["names_first_cause"] = all(e.startswith("SkippedUpdatesError") and "The first skip, at step"
+                                                    in e and "the loss is not finite" in e for e in errors)
+                rows[-1]["unchanged_since_first_skip"] = all(res[r][fault]["unchanged_since_first_skip"]
+                                                             for r in range(4))
+                rows[-1]["ok"] = bool(rows[-1]["ok"] and rows[-1]["names_first_cause"]
+                                      and rows[-1]["unchanged_since_first_skip"])
         if "other-world" in chosen:
             res2 = spawn(_other_world, 2, str(d), timeout_s, timeout=limit)
             rows.append(_row("other-world-per-rank", 2, {r: res2[r]["other-world-per-rank"] for r in range(2)}, [], timeout_s))

@@ -68,7 +68,7 @@ class HFServer:
 
     @torch.no_grad()
     def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
-        """Sample a response (ancestral sampling, token by token) with its log-probs."""
+        """Sample a response (ancestral sampling, token by token), with its log-probs when ``sampling_params`` asks."""
         temperature = float(sampling_params.get("temperature", 1.0) or 0.0)
         top_k = int(sampling_params.get("top_k", -1) or -1)
         max_new = int(sampling_params.get("max_tokens", sampling_params.get("max_new_tokens", self.response_length)))
@@ -104,8 +104,11 @@ class HFServer:
             if self.eos is not None and tok in (self.eos if isinstance(self.eos, list) else [self.eos]):
                 break
             step_ids = torch.tensor([[tok]], dtype=torch.int64)
+        # the log-probs only when asked (verl's agent loop: ``logprobs=rollout.calculate_log_probs``), as vLLM's
+        # server answers: verl's driver computes rollout correction whenever the rollout returned them
         return TokenOutput(
-            token_ids=out, log_probs=logps, stop_reason="completed", extra_fields={"global_steps": self.global_steps}
+            token_ids=out, log_probs=logps if sampling_params.get("logprobs") else None, stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps}
         )
 
     # control methods verl's replica manager calls; nothing to free or resume on CPU
