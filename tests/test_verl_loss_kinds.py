@@ -340,3 +340,12 @@ def test_the_driver_refuses_losses_that_depend_on_the_plan(overrides, match):
     else:
         with pytest.raises(ValueError, match=match):
             run()
+
+
+def test_a_loss_that_is_not_finite_is_not_judged():
+    """A NaN loss (a bad batch, a fault) is the step's non-finite rules' to handle (skip, then raise after
+    ``max_consecutive_skips``), not a refusal of the loss's kind."""
+    def nan_loss(samples, outputs):
+        return outputs[:, 0].sum() * float("nan")
+
+    assert K.check_additive(nan_loss, [5, 9, 3], [2, 6, 1], 1, what="t", keys="k") is False

@@ -41,7 +41,6 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -347,7 +346,8 @@ def check_additive(run: Callable[[Sequence[int], torch.Tensor], torch.Tensor], l
     the mini-batch's samples: the shortest and the longest response (``response_lengths``), values and
     gradients, with outputs drawn from a fixed seed.  ``lengths``: L_i of every sample.  Raises
     `LossNotAdditiveError` naming ``what`` and ``keys``, or `LossCollectiveError` when the loss runs a
-    collective.  Run on every rank inside the pass's agreement, before any round.  Returns whether the check
+    collective.  A loss that raises, needs no gradient or is not finite on these outputs is not judged here
+    (the rounds' own checks and the step's non-finite rules handle it).  Run on every rank inside the pass's agreement, before any round.  Returns whether the check
     was conclusive for the padded width too: the two samples' responses differ in length (a caller may then
     trust the verdict for the same loss and batch fields; with equal lengths it should check again)."""
     if len(lengths) < 2:
@@ -369,14 +369,22 @@ def check_additive(run: Callable[[Sequence[int], torch.Tensor], torch.Tensor], l
                 raise LossCollectiveError(f"{what} runs a collective ({exc}) inside the loss: hdp runs the loss on "
                                           "CP-group leaders only, a different number of times on each rank, so the "
                                           f"ranks would wait in different collectives; refused ({keys})") from None
+            except LossNotAdditiveError:
+                raise  # a policy loss refused by its kind (`policy_loss_kind`)
+            except Exception:  # noqa: BLE001 - a loss failing here fails in its rounds too, with their error rules
+                return False
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return False  # no gradient to compare: the rounds' own check of the loss names it
         vals[name] = loss.detach().to(torch.float64)
         (gr,) = torch.autograd.grad(loss, leaf, allow_unused=True)
         grads[name] = torch.zeros_like(leaf) if gr is None else gr
+    if not all(bool(torch.isfinite(x).all()) for x in (*vals.values(), *grads.values())):
+        return False  # a loss that is not finite here says nothing of its kind; the step's NaN rules judge it
     scale = max(float(v.abs()) for v in vals.values()) or 1.0
     gscale = max(float(x.abs().max()) for x in grads.values()) or 1.0
     dv = abs(float(vals["u"] - vals["a"] - vals["b"])) / scale
     dg = float((grads["u"] - grads["a"] - grads["b"]).abs().max()) / gscale
-    if not (dv <= RTOL and dg <= RTOL) or not (math.isfinite(dv) and math.isfinite(dg)):
+    if not (dv <= RTOL and dg <= RTOL):
         raise LossNotAdditiveError(
             f"{what} is not additive over samples under this config: on samples {a} and {b} of this mini-batch the "
             f"loss of both together is {float(vals['u']):.6g}, the sum of their losses apart {float(vals['a'] + vals['b']):.6g} "
