@@ -12,6 +12,8 @@ regress`` (tests/test_bench_regress.py), ``hdp demo --verl`` (tests/test_verl_ma
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +116,22 @@ def test_bench_verl_smallest() -> None:
 
 
 @pytest.mark.dist
-def test_demo_smoke(tmp_path: Path) -> None:
+def test_demo_smoke(tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The demo's output starts with its table's title, says once what the warm-up step pays for, and
+    prints no line twice among its warnings and notes: the cost model's fit (fitted twice in a run, on the
+    warm-up records and on all of them) is reported once, after the table, and never logged by a rank."""
     code, out, err = hdp_main("demo", "--ranks", "2", "--steps", "2", "--smoke", "--out", str(tmp_path))
-    assert code == 0, err[-3000:]
-    assert "static CP vs HDP" in out
+    ranks = capfd.readouterr()  # what the spawned ranks wrote to the process's stdout / stderr
+    assert code == 0, err[-3000:] + ranks.err[-3000:]
+    assert out.lstrip().startswith("hdp demo: static CP vs HDP on 2 gloo ranks"), out[:500]
+    assert out.count("untimed warm-up") == 1, out
+    lines = [ln.strip() for ln in (out + err + ranks.out + ranks.err).splitlines()]
+    warned = [ln for ln in lines if ln.lower().startswith(("warning", "note:")) or "calibrate:" in ln]
+    assert len(warned) == len(set(warned)), warned
+    assert not [ln for ln in lines if ln.startswith("WARNING")], lines  # the fit's warnings are in the result
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # would print in a terminal
+    assert not logged, logged
+    result = json.loads((tmp_path / "demo_result.json").read_text())
+    assert isinstance(result["calibration"].get("warnings", []), list) and result["calibration"]["planned_with"]
     written = {p.name for p in tmp_path.iterdir()}
     assert any(name.endswith(".json") for name in written), written

@@ -3,10 +3,13 @@
 Every rank builds one `HdpEngine` per policy from the same weights (set by parameter name, so
 every policy starts identically), then runs the same batches through each.  In the benchmark the
 policies alternate step by step (and which goes first alternates too), so slow phases of a shared
-machine hit both alike; the demo runs static CP first and HDP after it.  The first step of each
-policy is a warm-up and is not timed; after it every engine takes one more untimed step of the
-same batch under a mixed plan (single-rank and CP groups), so the cost model fitted from the
-warm-up records has seen every group size.  With ``tp``/``pp`` every policy runs the same TP × PP
+machine hit both alike; the demo runs static CP first and HDP after it.  Before any step every
+rank loads the compiled planner kernels of every policy (`warm_planner`; the parent compiles them
+first when it spawns the ranks, so a cold numba cache is compiled once, not once per rank), so no
+policy's first plan pays for a compile.  The first step of each policy is a warm-up and is not
+timed (each engine's first forward and backward, its process groups' first messages); after it
+every engine takes one more untimed step of the same batch under a mixed plan (single-rank and CP
+groups), so the cost model fitted from the warm-up records has seen every group size.  With ``tp``/``pp`` every policy runs the same TP × PP
 layout and plans over the domain of ``ranks / (tp · pp)`` ranks.
 
 Output (`bench_train`): tokens/s per rank (all timed steps' tokens over their time) and the median
@@ -15,7 +18,8 @@ step time per policy, its median seconds per phase of the step (``phases``: the 
 the update is exact whatever the plan), ``plans_differ`` (the policies' first timed plans are not one
 plan: otherwise the comparison compares nothing), the environment, — from the calibration records the
 engines write — a cost model fitted to this machine with the ratio of simulated to measured step time
-per policy, and
+per policy (``calibration``: the fit's warnings are in ``calibration.warnings``, never logged, and the
+model the timed steps were planned with in ``calibration.planned_with``), and
 ``plan_ahead``: the timed batches once more as one step of several mini-batches planned ahead
 (`HdpEngine.train_steps`), each mini-batch's ``hdp/planner_ms`` and ``hdp/planner_ms_exposed``.
 
@@ -44,7 +48,7 @@ from hdp.packing.cost import CostModel
 from hdp.trainer.phases import median_phases
 
 __all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "SMOKE", "bench_train", "compare_with_baseline", "domain_size",
-           "train_batch_lengths"]
+           "train_batch_lengths", "warm_planner"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +149,25 @@ def train_batch_lengths(spec: TrainBenchSpec, step: int) -> list[int]:
     return rng.permutation(lengths).tolist()
 
 
+MIXED_POLICY = "verl-kk"
+"""The policy of the warm-up's mixed plan (single-rank groups and CP groups)."""
+
+
+def warm_planner(policies: tuple[str, ...]) -> None:
+    """Import the planner module of every policy in ``policies`` and of the mixed plan's: importing a
+    policy compiles its numba kernels, or loads them from numba's on-disk cache (docs/design.md, "Where
+    the planner's code is").  Run before anything is timed, for every policy alike, so that no policy's
+    first plan pays for a compile (a cold cache costs ~26 s of CPU for the hdp policy; a warm one
+    ~0.5 s)."""
+    import importlib
+
+    from hdp.packing import Policy
+    from hdp.packing.planner import POLICY_MODULES
+
+    for name in dict.fromkeys((*policies, MIXED_POLICY)):
+        importlib.import_module(POLICY_MODULES[Policy(name)])
+
+
 def _init_param(name: str, p: torch.Tensor) -> None:
     """Weights keyed by the global parameter name: every policy and layout starts identically."""
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -187,6 +210,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     torch.set_num_threads(1)
+    warm_planner(spec.policies)  # every policy's kernels loaded before any step: no first plan compiles
     engines = {
         p: HdpEngine.build(_engine_config(spec, p, os.path.join(records_dir, f"{p}.jsonl")), dist.group.WORLD,
                             init_fn=_init_param)
@@ -200,7 +224,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
     # fit sees every group size even when the default cost model gives every policy the same CP
     # groups.  Every engine takes the same two updates, so the later losses still agree.
     mixed = make_plan(batches[0].lengths, PlannerConfig(
-        num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy="verl-kk"))
+        num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=MIXED_POLICY))
     for p in spec.policies:
         m = _timed_step(engines[p], batches[0])
         history[p].append({k: v for k, v in m.items() if isinstance(v, (int, float, dict, str))})
@@ -266,7 +290,9 @@ def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "Co
     """The cost model fitted on rank 0 to the warm-up records, broadcast over the world, and where it
     comes from.
 
-    Falls back to ``default`` (the engines' own ``auto`` model) when the records cannot be fitted.
+    Falls back to ``default`` (the engines' own ``auto`` model) when the records cannot be fitted; the
+    source says so and why (the result's ``calibration.planned_with``), and nothing is logged above INFO:
+    the fit of every policy's records after the run (`_calibration`) is the one the result reports.
     """
     from hdp.packing.calibrate import calibrate, load_records
 
@@ -279,10 +305,10 @@ def _fitted_cost(spec: TrainBenchSpec, records_dir: str, rank: int, default: "Co
                 records.extend(load_records(path))
         try:
             # [cost model] what the warm-up cannot determine comes from the engine's default preset
-            fitted[0] = asdict(calibrate(records, base=default).cost)
+            fitted[0] = asdict(calibrate(records, base=default, warn=False).cost)
             fitted[1] = "fitted to the warm-up records"
         except ValueError as exc:
-            logger.warning("bench train: cost model not fitted (%s); planning with the default", exc)
+            logger.info("bench train: cost model not fitted (%s); planning with the default", exc)
             fitted[1] = f"the engines' auto model; the warm-up fit was refused: {exc}"
     if dist.is_initialized():
         dist.broadcast_object_list(fitted, src=0, group=dist.group.WORLD)
@@ -365,7 +391,9 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
         return {"error": "no calibration records were written"}
     planned_with = CostModel(**planned_cost)
     try:
-        fit = calibrate(records, base=planned_with)  # what the records cannot determine: the model the bench planned with
+        # what the records cannot determine: the model the bench planned with; the fit's warnings go into
+        # the result (``warnings``), not the log: the command prints them once, beside the figures they qualify
+        fit = calibrate(records, base=planned_with, warn=False)
         cost = fit.cost
         out = fit.to_dict() if hasattr(fit, "to_dict") else {"r2": fit.r2}
         out["model"] = "fitted to every policy's records"
@@ -385,6 +413,7 @@ def _calibration(spec: TrainBenchSpec, hist: dict[str, list[dict[str, Any]]], re
         measured = statistics.median(m["perf/step_time"] for m in steps[1:])
         ratios[p] = statistics.median(predicted) / measured
     out["predicted_over_measured"] = ratios
+    out["planned_with"] = cost_source
     return out
 
 
@@ -403,6 +432,7 @@ def bench_train(spec: TrainBenchSpec) -> dict[str, Any]:
         if dist.get_rank() != 0:
             return {}
     else:
+        warm_planner(spec.policies)  # a cold cache compiled once here, then loaded by every rank
         out = spawn(_worker, spec.ranks, spec, records_dir, timeout=1800.0)[0]
     return _summarise(spec, out, records_dir)
 

@@ -459,7 +459,9 @@ def _load_baseline(path: str, policies: tuple[str, ...]) -> dict[str, Any]:
     return doc
 
 
-def _print_train_table(result: dict[str, Any], title: str) -> None:
+def _print_train_table(result: dict[str, Any], title: str, about: str | None = None) -> None:
+    """The comparison's tables (``title`` above the first), then ``about`` (what ran, when given), the
+    speedups and the cost model fitted to the run with its warnings, each printed once."""
     from rich.table import Table
 
     con = _console()
@@ -482,6 +484,10 @@ def _print_train_table(result: dict[str, Any], title: str) -> None:
             cells += [f"{r['losses'][s]:.6f}", _fmt_s(r["step_times_s"][s])]
         steps.add_row(str(s) + (" (warm-up)" if s == 0 else ""), *cells)
     con.print(steps)
+    con.print("step 0 is an untimed warm-up: each engine's first calls (torch, Megatron, its process groups); "
+              "every policy's planner kernels were compiled before it")
+    if about:
+        con.print(about)
     sp = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
     cpu = ", ".join(f"{k} {v:.2f}x" for k, v in result.get("speedup_cpu_time", {}).items())
     con.print(f"speedup (tokens/s): {sp}; per CPU-second of all ranks: {cpu}; losses match: "
@@ -491,6 +497,8 @@ def _print_train_table(result: dict[str, Any], title: str) -> None:
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())
         con.print(f"cost model fitted to this run's records (R² {cal.get('r2', float('nan')):.3f}); "
                   f"simulated / measured step time: {ratios}")
+    for msg in dict.fromkeys(cal.get("warnings", ())):  # the fit's own warnings, once each (never logged)
+        con.print(f"note: {msg}", markup=False)
 
 
 def _bench_attention(args: argparse.Namespace) -> int:

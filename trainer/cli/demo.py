@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
 from hdp.trainer.cli.bench import _print_train_table
 from hdp.trainer.cli.common import CliError, _console
 from hdp.trainer.cli.output import check_output_dir, write_atomic
+
+TITLE = "hdp demo: static CP vs HDP"
+"""How the demo's output starts: its table's title."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -38,11 +42,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(f"demo: {exc} (--ranks / --steps)") from exc
     _check_capacity(spec.ranks)
     con = _console()
-    con.print(f"hdp demo: {spec.ranks} gloo ranks on CPU, GPT {spec.num_layers} layers x {spec.hidden_size}, "
-              f"vocab {spec.vocab_size}, {spec.samples} samples per step, B={spec.max_tokens_per_rank} tokens/rank; "
-              "static CP first, then HDP, on the same batches")
-    result = bench_train(spec)
-    _print_train_table(result, "static CP vs HDP (CPU demo)")
+    # the output starts with the table: while the ranks train, a terminal shows a transient status only
+    running = (con.status(f"hdp demo: training static CP, then HDP, on {spec.ranks} gloo ranks (a few minutes on "
+                          "a laptop)") if con.is_terminal else contextlib.nullcontext())
+    with running:
+        result = bench_train(spec)
+    _print_train_table(result, f"{TITLE} on {spec.ranks} gloo ranks (CPU)",
+                       about=f"GPT {spec.num_layers} layers x {spec.hidden_size}, vocab {spec.vocab_size}, "
+                             f"{spec.samples} samples per step, B={spec.max_tokens_per_rank} tokens/rank; static "
+                             "CP first, then HDP, on the same batches and weights")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cal = result.get("calibration", {})
