@@ -190,8 +190,9 @@ def run_case(case: Case, policies: list[str] | tuple[str, ...]) -> list[dict[str
 CLUSTER_RANKS = (16, 64, 256, 1024)
 """Domain sizes of the cluster cases (8 ranks per node: 2 to 128 nodes)."""
 CLUSTER_BUDGETS = (4_608, 12_288)
-"""B of the cluster cases: the longest RL sample (4,096 + 32,768 tokens) fits CP8 at the first (the seed's
-regime without MoE zero-memory) and CP4 at the second (with level1, docs/memory.md's seed case)."""
+"""B of the cluster cases: the longest RL sample (4,096 + 32,768 tokens) fits CP8 at the first (the Ascend
+Qwen3-235B recipe's regime without MoE zero-memory) and CP4 at the second (with level1: docs/memory.md, "The
+Ascend Qwen3-235B recipe's 32K sample"; the recipe: docs/design.md, "The workload we were built from")."""
 CLUSTER_FAMILIES: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = (
     ("rl-32k", "rl", (("prompt_mean", 1024.0), ("response_cap", 32_768), ("response_mean", 12_288.0))),
     ("short-reasoning", "short-reasoning", ()),
@@ -208,8 +209,8 @@ CP8 and CP4 (node-local: aligned blocks inside a node), and the peers."""
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterCase:
-    """A domain over nodes of ``ranks_per_node`` ranks, under the two-level cost model of the seed's model
-    and layout (Qwen3-235B-A22B, PP 8)."""
+    """A domain over nodes of ``ranks_per_node`` ranks, under the two-level cost model of the Ascend
+    Qwen3-235B recipe's model and layout (Qwen3-235B-A22B, PP 8; docs/design.md)."""
 
     name: str
     workload: str

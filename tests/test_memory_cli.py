@@ -121,7 +121,7 @@ def test_whatif_table(capsys):
 
 
 def test_zero_memory_level1_needs_a_smaller_cp_group_for_a_32k_sample(tmp_path, capsys):
-    lengths = tmp_path / "seed.txt"
+    lengths = tmp_path / "qwen3_32k.txt"
     lengths.write_text("32768\n" + "2048\n" * 63)
     smallest = {}
     for zm in ("none", "level1"):

@@ -272,7 +272,7 @@ def test_the_self_calibration_window_records_each_groups_nodes():
 def test_the_job_node_map_follows_megatrons_rank_order():
     from hdp.trainer.planning import job_node_map, launcher_ranks_per_node
 
-    # the seed's layout: TP 1 x PP 8 x domain 16 on nodes of 8: a stage's 16 domain ranks on two nodes
+    # the Ascend Qwen3-235B recipe's layout: TP 1 x PP 8 x domain 16 on nodes of 8: a stage's 16 domain ranks on two nodes
     assert job_node_map(1, 8, 16, 8) == node_map(16, 8)
     # TP 2 x domain 8 on nodes of 4: two domain ranks per node
     assert job_node_map(2, 1, 8, 4) == node_map(8, 2)

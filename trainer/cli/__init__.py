@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="suite: only N in {8, 64}; cluster: only N in {16, 64}")
     s.add_argument("--cluster", action="store_true",
                    help="run the cluster cases: domains of 16-1,024 ranks on nodes of 8 under the two-level cost model "
-                        "(--model, default the seed's qwen3-235b-a22b; -N picks one size)")
+                        "(--model, default qwen3-235b-a22b, the model of the Ascend Qwen3-235B recipe's RL job in "
+                        "docs/design.md; -N picks one size)")
     s.add_argument("--strict", action="store_true", help="suite: exit 1 when a check fails")
     s.add_argument("--no-peers", action="store_true", help="skip the megatron-core reference entry")
     s.add_argument("--json", action="store_true", help="print one JSON object")
