@@ -3,8 +3,8 @@
 Each script's ``main_ppo`` overrides are read from the file (environment defaults substituted), composed
 with verl 0.9.1's ``ppo_trainer`` through Hydra, and turned into verl's actor and ref dataclasses — the
 step where every combination hdp cannot run (zero-memory with grouped GEMM, all-gather CP with
-``group_shape=any``, fused kernels, CP > 1, ...) raises naming the verl key.  Also checked: the layout the
-README names (PP and EP), that actor and ref build the model through ``vanilla_mbridge`` (the path the CPU
+``group_shape=any``, fused kernels, CP > 1, ...) raises naming the verl key.  Also checked: the layout
+docs/verl.md names (PP and EP), that actor and ref build the model through ``vanilla_mbridge`` (the path the CPU
 tests run), and that each combination the scripts avoid is indeed rejected.  Nothing here
 runs a model: the scripts are "not run on hardware".
 """

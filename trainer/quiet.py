@@ -18,8 +18,8 @@ THIRD_PARTY_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, r"Apex is not installed", r"megatron\."),
     (DeprecationWarning, r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'", r"megatron\."),
     (UserWarning, r"full scope is deprecated", r"megatron\."),
-    # GPU advice printed on every sequence-parallel linear, also on CPU (the README repeats it for
-    # GPU runs: set CUDA_DEVICE_MAX_CONNECTIONS=1 with sequence parallelism)
+    # GPU advice printed on every sequence-parallel linear, also on CPU (integrations/verl/VERL_NOTES.md
+    # repeats it for GPU runs: set CUDA_DEVICE_MAX_CONNECTIONS=1 with sequence parallelism)
     (UserWarning, r"When using sequence parallelism it is recommended to set the environment variable "
                   r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
     # Megatron's optimizer probes .grad of its non-leaf main parameters (harmless)

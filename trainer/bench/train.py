@@ -237,7 +237,7 @@ def _worker(rank: int, world: int, spec: TrainBenchSpec, records_dir: str) -> di
         order = [(s, p) for p in spec.policies for s in steps]
     for s, p in order:
         # planned as for PP = 1 (the engine's own default plans for the pipeline): local ranks share the
-        # CPU cores, so a pipeline bubble costs no time here and PP-aware plans only add rounds (README)
+        # CPU cores, so a pipeline bubble costs no time here and PP-aware plans only add rounds (docs/results.md, "Speed")
         plan = make_plan(batches[s].lengths, PlannerConfig(
             num_ranks=domain_size(spec), max_tokens_per_rank=spec.max_tokens_per_rank, policy=p, cost=cost))
         if s == 1:
