@@ -3,9 +3,9 @@
 Invariant 3 (docs/design.md): every rank of the domain computes the same plan from the same lengths and
 config (and, with TP and PP, every TP rank and pipeline stage of a domain rank runs that same
 plan).  If one rank's plan differs (different lengths, config or code version), the ranks would
-post different collectives and hang.  :func:`verify_plan` catches that with one fixed-size
-all-reduce that every rank takes part in, so it can never hang itself, and raises the same
-``ValueError`` on every rank naming the ranks whose plan differs.
+post different collectives and hang.  :func:`agree_step`, the one collective before every call of the
+engines, catches that with one fixed-size all-reduce that every rank takes part in, so it can never hang
+itself, and raises the same ``ValueError`` on every rank naming the ranks whose plan differs.
 
 The other checks here are pure and run before any communication: local ``cu_seqlens`` against the
 tensors they describe, and every group of a plan inside the domain.
@@ -33,7 +33,6 @@ from hdp.packing.plan import Plan
 __all__ = [
     "plan_digest",
     "text_digest",
-    "verify_plan",
     "agree_step",
     "Agreed",
     "CallMismatchError",
@@ -90,49 +89,9 @@ def text_digest(text: str) -> int:
 
 
 def plan_digest(plan: Plan) -> int:
-    """The plan checksum as a signed 64-bit integer (what :func:`verify_plan` compares)."""
+    """The plan checksum as a signed 64-bit integer (what :func:`agree_step` compares)."""
     value = int(plan.checksum(), 16)  # 16 hex digits = 64 bits
     return value - (1 << 64) if value >= (1 << 63) else value
-
-
-def verify_plan(
-    plan: Plan,
-    group: dist.ProcessGroup,
-    *,
-    device: torch.device | None = None,
-    domain_size: int | None = None,
-) -> None:
-    """Check that every rank of ``group`` holds the same plan; raise ``ValueError`` on every rank if not.
-
-    Call it before the first collective of a step.  ``group`` is the domain, or any group whose
-    ranks must all run the same plan (the engine passes the whole TP × PP × domain job, so the
-    check covers the domain, the pipeline and the TP ranks at once).  One ``all_reduce`` (MAX) of a
-    fixed-size int64 record ``[digest, num_samples, num_rounds, num_ranks]`` and its negation
-    (so the maximum and the minimum of every field) over the explicit ``group``; only when they
-    differ does a second, diagnostic ``all_gather`` name the ranks.  Every rank takes part whatever
-    its plan, so the check never hangs.  ``device`` defaults to CPU for gloo groups and the
-    accelerator otherwise.  Also raises when the plan's ``num_ranks`` differs from ``domain_size``
-    (default: the size of ``group``).
-    """
-    if group is None:
-        raise ValueError("group=None: pass the process group explicitly (None means the whole world)")
-    dev = device if device is not None else collective_device(group)
-    n = dist.get_world_size(group)
-    expect = n if domain_size is None else int(domain_size)
-    mine = torch.tensor(
-        [plan_digest(plan), plan.num_samples, plan.num_rounds, plan.num_ranks, 0], dtype=torch.int64, device=dev
-    )  # [W]
-    both = torch.cat([mine, -mine])  # [2W]: max of the fields, and minus their min
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = both[:_RECORD], -both[_RECORD:]
-    if not torch.equal(hi, lo):
-        _raise_mismatch(mine, group, n)
-    if plan.num_ranks != expect:
-        raise ValueError(
-            f"plan.num_ranks={plan.num_ranks} but the domain has {expect} ranks; "
-            f"plan with PlannerConfig(num_ranks={expect}, ...) for this domain"
-        )
-    logger.debug("plan %s agreed on %d ranks", plan.checksum(), n)
 
 
 def agree_step(
@@ -153,13 +112,13 @@ def agree_step(
     failed.  ``call`` describes the engine call and its arguments (``"save_checkpoint(path=..., format=...)"``);
     ``plan`` may be ``None`` for a call without one (a checkpoint).  One ``all_reduce`` (MAX) of the
     fixed-size int64 record ``[failed, vote, record, −record]`` (``record``: the call's digest, then the
-    plan fields of :func:`verify_plan` and the data digest).  When the calls differ, a diagnostic
+    plan's digest, samples, rounds and ranks, and the data digest).  When the calls differ, a diagnostic
     ``all_gather`` of every rank's call (:data:`CALL_BYTES`) names them and every rank raises
     :class:`CallMismatchError` — whatever failed on any rank: nothing ran.  Else returns
     :class:`Agreed`: the ranks that failed (a diagnostic ``all_gather`` names them, only when some did;
     the caller raises) and the largest ``vote`` (0 or 1: a decision every rank takes alike, such as
-    "some rank cannot write this format"); with no failure the plan is checked exactly like
-    :func:`verify_plan` (``ValueError`` on every rank on a mismatch).  Never hangs: the same collectives
+    "some rank cannot write this format"); with no failure the plan is checked (``ValueError`` on every
+    rank on a mismatch, naming the ranks whose plan differs).  Never hangs: the same collectives
     on every rank whatever their inputs.  ``label`` names the ranks' numbering in messages (ranks of
     ``group``: ``"world rank"`` when it is the whole job).
     """

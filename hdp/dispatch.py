@@ -15,17 +15,14 @@ chunks j and 2k-1-j with boundaries ``floor(c * L / 2k)``, :mod:`hdp.packing.chu
 position id of a local token is its offset inside its own sample, so RoPE sees the positions of
 the unsplit sample.
 
-Three ways in and out:
+What the engines use (every rank holds the whole batch: the library door's callers and verl, which
+hands each rank the mini-batch):
 
-* :func:`select_local` — every rank holds the whole batch (verl hands each rank the mini-batch):
-  pick this rank's chunks, no communication.
-* :func:`redistribute` — rank r holds only the samples it owns (``i % N == r`` or an explicit
-  owner list): one ``all_to_all_single`` over the domain group delivers every rank its chunks of
-  every round at once.  Split sizes follow from the plan on both ends, so only a fixed-size header
-  (dtype and feature shape, plus an error flag so a bad input raises on every rank instead of
-  hanging) is exchanged first.
+* :func:`local_meta` / :func:`pack` — this rank's chunks of a round, no communication;
 * :func:`gather_outputs` — per-token outputs of the local chunks (log-probs, entropies) go back as
-  full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``).
+  full per-sample tensors in the caller's order, with one padded ``all_gather`` (or ``gather``),
+  after a fixed-size header (dtype and feature shape, plus an error flag so a bad input raises on
+  every rank instead of hanging);
 * :func:`group_to_leader` — inside one round, the group's first rank (its leader) assembles the
   group's samples whole from its members' rows (for a loss that needs whole samples, such as
   verl's), point-to-point among the group's k ranks only; :func:`leader_to_group` hands each member
@@ -39,8 +36,6 @@ Every collective names its process group; none runs on ``group=None``.
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
@@ -55,23 +50,15 @@ from hdp.packing.plan import Plan
 
 __all__ = [
     "LocalMeta",
-    "LocalBatch",
     "local_meta",
     "local_metas",
     "pack",
-    "unpack_into",
-    "select_local",
     "group_to_leader",
     "leader_to_group",
     "group_samples_flat",
-    "owners_by_modulo",
-    "redistribute",
     "gather_outputs",
     "gather_whole_samples",
 ]
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True, eq=False)
 class LocalMeta:
@@ -113,21 +100,6 @@ class LocalMeta:
     def token_offset(self) -> torch.Tensor:
         """[T] int64: offset of each local token inside its sample (same as ``position_ids``)."""
         return self.position_ids
-
-
-@dataclass(frozen=True, eq=False)
-class LocalBatch:
-    """This rank's packed tokens of one round and their metadata."""
-
-    meta: LocalMeta
-    """Layout of ``values``."""
-    values: torch.Tensor
-    """[T, ...] local tokens in the canonical order (per sample: front chunk, back chunk)."""
-
-    def __post_init__(self) -> None:
-        if self.values.dim() < 1:
-            raise ValueError(f"values.shape={tuple(self.values.shape)}: expected [T, ...] with tokens on dim 0")
-        check_cu_seqlens(self.meta.cu_seqlens, int(self.values.shape[0]), field="meta.cu_seqlens")
 
 
 def local_meta(plan: Plan, rank: int, round_index: int) -> LocalMeta:
@@ -196,41 +168,6 @@ def pack(meta: LocalMeta, tensors: Sequence[torch.Tensor] | Mapping[int, torch.T
     return like.new_empty((0, *like.shape[1:]))  # [0, ...]
 
 
-def unpack_into(meta: LocalMeta, values: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
-    """Write local ``values`` [T, ...] into per-sample ``outputs[i]`` [L_i, ...] in place (inverse of `pack`)."""
-    if values.shape[0] != meta.num_tokens:
-        raise ValueError(
-            f"values.shape[0]={values.shape[0]}: round {meta.round_index} of rank {meta.rank} holds "
-            f"{meta.num_tokens} tokens"
-        )
-    cu = meta.cu_seqlens.tolist()
-    for n, (s, (fs, fe), (bs, be)) in enumerate(zip(meta.samples, meta.front, meta.back)):
-        off = cu[n]
-        outputs[s][fs:fe] = values[off : off + fe - fs]
-        outputs[s][bs:be] = values[off + fe - fs : cu[n + 1]]
-
-
-def select_local(plan: Plan, rank: int, round_index: int, tensors: Sequence[torch.Tensor]) -> LocalBatch:
-    """This rank's chunks of round ``round_index`` from a batch every rank holds; no communication.
-
-    ``tensors[i]`` is caller sample i, ``[L_i, ...]`` with ``L_i == plan.lengths[i]``.  Returns the
-    packed local tensor ``[T, ...]`` (per sample of the group in group order: front chunk, then
-    back chunk) with its :class:`LocalMeta` (group lengths, k, j, position ids, cu_seqlens, and the
-    map ``sample_index``/``position_ids`` back to (sample, token offset)).
-    """
-    if len(tensors) != plan.num_samples:
-        raise ValueError(
-            f"len(tensors)={len(tensors)}: the plan has {plan.num_samples} samples; pass one tensor per sample"
-        )
-    meta = local_meta(plan, rank, round_index)
-    return LocalBatch(meta=meta, values=pack(meta, tensors))
-
-
-def owners_by_modulo(num_samples: int, num_ranks: int) -> np.ndarray:
-    """[S] owner rank of each sample when rank r holds the samples with ``i % N == r``."""
-    return np.arange(num_samples, dtype=np.int64) % num_ranks
-
-
 # ---------------------------------------------------------------- header agreement (fixed size)
 
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -249,12 +186,6 @@ def _header(error: str | None, like: torch.Tensor | None, key: int) -> list[int]
         head[3] = like.dim() - 1
         head[4 : 4 + like.dim() - 1] = list(like.shape[1:])
     return head
-
-
-def _digest(values: np.ndarray) -> int:
-    """Signed 64-bit digest of an int64 array (compared across ranks)."""
-    raw = int.from_bytes(hashlib.sha256(np.ascontiguousarray(values, dtype=np.int64).tobytes()).digest()[:8], "little")
-    return raw - (1 << 64) if raw >= (1 << 63) else raw
 
 
 def _agree(
@@ -304,101 +235,6 @@ def _check_domain(plan: Plan, group: dist.ProcessGroup) -> int:
         raise ValueError("domain_group=None: pass the domain's process group explicitly (None means the whole world)")
     check_plan_domain(plan, dist.get_world_size(group))
     return dist.get_rank(group)
-
-
-# ---------------------------------------------------------------- redistribute
-
-
-def _check_shards(
-    plan: Plan, shards: Mapping[int, torch.Tensor], mine: set[int], template: torch.Tensor | None
-) -> str | None:
-    """The first problem with this rank's shards, or None (reported through the header, never raised alone)."""
-    if set(shards) != mine:
-        missing, extra = sorted(mine - set(shards)), sorted(set(shards) - mine)
-        return f"shards keys differ from the samples this rank owns: missing {missing[:8]}, not owned {extra[:8]}"
-    try:
-        for s, t in shards.items():
-            _check_sample_tensor("shards", s, t, int(plan.lengths[s]))
-            if template is not None and (t.dtype != template.dtype or t.shape[1:] != template.shape[1:]):
-                raise ValueError(f"shards[{s}] has dtype {t.dtype}, shape {tuple(t.shape)}; all shards must agree")
-    except (TypeError, ValueError) as exc:
-        return str(exc)
-    return None
-
-
-def redistribute(
-    plan: Plan,
-    shards: Mapping[int, torch.Tensor],
-    domain_group: dist.ProcessGroup,
-    *,
-    owners: Sequence[int] | np.ndarray | None = None,
-    like: torch.Tensor | None = None,
-) -> tuple[LocalBatch, ...]:
-    """Send every rank its chunks of every round, from ranks that each hold only some samples.
-
-    ``shards`` maps caller sample index -> ``[L_i, ...]`` for exactly the samples this rank owns;
-    ``owners[i]`` is the owning domain rank of sample i (default ``i % N``).  One
-    ``all_to_all_single`` over ``domain_group`` (after a fixed-size header all-gather that agrees
-    on dtype and trailing shape and turns a bad input on any rank into a ``ValueError`` on every
-    rank) moves all rounds at once.  ``like`` gives dtype, trailing shape and device when this rank
-    owns no sample.  Returns one :class:`LocalBatch` per round, equal to :func:`select_local` on
-    the full batch.  Not differentiable (data movement of inputs).
-
-    gloo supports ``all_to_all_single`` with uneven splits on CPU in the supported torch versions,
-    so no point-to-point fallback is needed.
-    """
-    me = _check_domain(plan, domain_group)
-    n = plan.num_ranks
-    own = owners_by_modulo(plan.num_samples, n) if owners is None else np.asarray(owners, dtype=np.int64)
-    error: str | None = None
-    if own.shape != (plan.num_samples,) or (own.size and (own.min() < 0 or own.max() >= n)):
-        error = (
-            f"owners: expected {plan.num_samples} domain ranks in [0, {n}); got shape {own.shape}; "
-            "pass one owner per sample (or None for i % N)"
-        )
-        own = owners_by_modulo(plan.num_samples, n)
-    mine = set(np.flatnonzero(own == me).tolist())
-    first = next(iter(shards.values()), None) if shards else None
-    template = first if first is not None else like
-    error = error or _check_shards(plan, shards, mine, template)
-    dev = collective_device(domain_group, template)
-    dtype, feat = _agree("redistribute", error, template, domain_group, dev, key=_digest(own))
-    width = int(np.prod(feat, dtype=np.int64))  # F
-
-    # send side: for every destination, its rounds in order, its canonical tokens of my samples
-    send_parts: list[torch.Tensor] = []
-    send_sizes = []
-    for d in range(n):
-        count = 0
-        for meta in local_metas(plan, d):
-            for s, (fs, fe), (bs, be) in zip(meta.samples, meta.front, meta.back):
-                if own[s] == me:
-                    t = shards[s].reshape(int(plan.lengths[s]), width)  # [L_i, F]
-                    send_parts += [t[fs:fe], t[bs:be]]
-                    count += (fe - fs) + (be - bs)
-        send_sizes.append(count)
-    send = torch.cat(send_parts) if send_parts else torch.empty((0, width), dtype=dtype, device=dev)  # [sum, F]
-
-    # receive side: my canonical tokens over all rounds, grouped by owner (stable)
-    metas = local_metas(plan, me)
-    sample_of = torch.cat([m.sample_index for m in metas]) if metas else torch.zeros(0, dtype=torch.int64)  # [Tr]
-    owner_of = torch.from_numpy(own)[sample_of]  # [Tr]
-    recv_sizes = torch.bincount(owner_of, minlength=n).tolist()
-    recv = torch.empty((int(sample_of.numel()), width), dtype=dtype, device=dev)  # [Tr, F]
-    dist.all_to_all_single(
-        recv, send.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=domain_group
-    )
-    order = torch.sort(owner_of, stable=True).indices.to(dev)  # [Tr] canonical position of each received row
-    local = torch.empty_like(recv)  # [Tr, F]
-    local[order] = recv
-    out: list[LocalBatch] = []
-    off = 0
-    for meta in metas:
-        vals = local[off : off + meta.num_tokens].reshape(meta.num_tokens, *feat)  # [T, ...]
-        out.append(LocalBatch(meta=meta, values=vals))
-        off += meta.num_tokens
-    logger.debug("redistribute: rank %d sent %s, received %s tokens", me, send_sizes, recv_sizes)
-    return tuple(out)
 
 
 # ---------------------------------------------------------------- gather outputs

@@ -52,8 +52,16 @@ from hdp.packing.cost import CostModel
 
 __all__ = [
     "HardwareProfile", "ModelPreset", "PROFILES", "MODELS", "get_profile", "get_model", "cost_model",
-    "RING_FLASH_ATTENTION_VARLEN", "CPU_NODE_LINK_US",
+    "RING_FLASH_ATTENTION_VARLEN", "CPU_NODE_LINK_US", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_PRESET",
 ]
+
+DEFAULT_MODEL = "deepseek-v3"
+"""The planner's model preset when nothing names one (`hdp plan`, `PlannerConfig`): the benchmark suite's
+reference case.  The engines default to their own model (``cost_model="auto"``)."""
+DEFAULT_PROFILE = "h100-nvlink"
+"""The planner's hardware profile when nothing names one."""
+DEFAULT_PRESET = f"{DEFAULT_MODEL}@{DEFAULT_PROFILE}"
+"""``MODEL@PROFILE`` of the planner's default cost model (what `cost_model` builds with no arguments)."""
 
 RING_FLASH_ATTENTION_VARLEN: dict = {
     "source": (
@@ -303,8 +311,8 @@ def get_model(name: str | ModelPreset) -> ModelPreset:
 
 
 def cost_model(
-    model: str | ModelPreset | float = "deepseek-v3",
-    profile: str | HardwareProfile = "h100-nvlink",
+    model: str | ModelPreset | float = DEFAULT_MODEL,
+    profile: str | HardwareProfile = DEFAULT_PROFILE,
 ) -> CostModel:
     """Build a `CostModel` (token² units) from a model preset (or a bare coefficient) and a profile.
 

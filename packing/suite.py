@@ -18,7 +18,7 @@ import numpy as np
 from hdp.packing.config import PlannerConfig, Policy
 from hdp.packing.cost import min_group_size
 from hdp.packing.planner import plan
-from hdp.packing.profiles import cost_model
+from hdp.packing.profiles import DEFAULT_MODEL, DEFAULT_PROFILE, cost_model
 from hdp.packing.simulate import simulate
 from hdp.packing.workloads import get_workload
 
@@ -63,9 +63,9 @@ class Case:
     """N: ranks in the domain."""
     max_tokens_per_rank: int
     """B: per-rank token budget of one round."""
-    model: str = "deepseek-v3"
+    model: str = DEFAULT_MODEL
     """Model preset name (`hdp.packing.MODELS`)."""
-    profile: str = "h100-nvlink"
+    profile: str = DEFAULT_PROFILE
     """Hardware profile name (`hdp.packing.PROFILES`)."""
     static_cp_size: int | None = None
     """CP size for static-cp style baselines; None = smallest power of two fitting the longest."""

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from dist_helper import run_distributed
-from hdp.checksum import check_cu_seqlens, check_plan_domain, plan_digest, verify_plan
+from dispatch_reference import verify_plan
+from hdp.checksum import check_cu_seqlens, check_plan_domain, plan_digest
 from hdp.packing import PlannerConfig, plan as make_plan
 from hdp.packing.plan import Plan
 

@@ -13,16 +13,8 @@ import torch.distributed as dist
 
 from dist_helper import run_distributed
 from hdp.cp.metadata import rank_layout
-from hdp.dispatch import (
-    gather_outputs,
-    local_meta,
-    local_metas,
-    owners_by_modulo,
-    pack,
-    redistribute,
-    select_local,
-    unpack_into,
-)
+from dispatch_reference import local_metas, owners_by_modulo, redistribute, select_local, unpack_into
+from hdp.dispatch import gather_outputs, local_meta, pack
 from hdp.packing import PlannerConfig, plan as make_plan
 from plan_factory import plan_with_k, random_plan
 

@@ -4,7 +4,7 @@ Checkpoints: Megatron distributed checkpointing (``format="auto"``/``"dist"``, d
 and the per-rank format must both resume bit for bit.
 
 Reference: a plain Megatron GPT in one process (same deterministic weights), the whole batch as
-one packed micro-batch, the loss of :func:`hdp.loss.aggregate_loss` (the formulas, not the
+one packed micro-batch, the loss of `loss_reference.aggregate_loss` (the formulas, not the
 weights), torch AdamW + grad clipping (Megatron's optimizer falls back to torch AdamW on CPU).
 
 Tolerances (float32): parameters after Adam steps 2e-6 absolute (an update moves a weight by
@@ -116,7 +116,7 @@ def _reference_model(**model_kw: object):
 
 
 def _reference_loss(model, batch, agg: str, with_advantages: bool = False) -> torch.Tensor:
-    from hdp.loss import aggregate_loss
+    from loss_reference import aggregate_loss
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp.trainer.model import packed_logits, token_logprobs
 

@@ -9,14 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from hdp.dispatch import local_metas, pack
-from hdp.loss import (
-    LossAggregation,
-    aggregate_loss,
-    ddp_average_scale,
-    local_loss_weights,
-    sample_token_weights,
-)
+from dispatch_reference import local_metas
+from hdp.dispatch import pack
+from hdp.loss import LossAggregation, sample_token_weights
+from loss_reference import aggregate_loss, ddp_average_scale, local_loss_weights
 from plan_factory import plan_with_k, random_plan
 
 

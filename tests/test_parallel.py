@@ -98,7 +98,7 @@ def _reference(batches, steps: int, model_kw: dict | None = None, entropy_coef: 
     one process on the whole batch (Megatron initialised TP = PP = EP = 1 for it, then torn down).
     ``entropy_coef`` c: the per-token loss is −log p − c·H (full-vocabulary entropy, naive path)."""
     from hdp import megatron_compat as mc
-    from hdp.loss import aggregate_loss
+    from loss_reference import aggregate_loss
     from hdp.trainer.attention_spec import packed_seq_params
     from hdp.trainer.model import build_gpt_model, packed_logits, token_logprobs
 

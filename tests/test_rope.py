@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hdp.dispatch import local_metas, select_local
+from dispatch_reference import local_metas, select_local
 from hdp.rope import apply_rope, apply_rope_packed, rope_cos_sin, rope_inv_freq
 from plan_factory import plan_with_k, random_plan
 

@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_helper import run_distributed
-from hdp.checksum import verify_plan
+from dispatch_reference import verify_plan
 from hdp.cp import CPAlgorithm, cp_attention
 from hdp.dispatch import gather_outputs, local_meta, pack
 from hdp.groups import DomainGroups
-from hdp.loss import LossAggregation, aggregate_loss, sample_token_weights
+from hdp.loss import LossAggregation, sample_token_weights
+from loss_reference import aggregate_loss
 from hdp.packing import PlannerConfig, plan as make_plan
 from hdp.rope import apply_rope, rope_cos_sin
 from hdp.packing.plan import Plan

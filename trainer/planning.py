@@ -30,7 +30,7 @@ Default cost model (``cost_model="auto"`` in both engines): the engine's own mod
 (`hdp.packing.model_shape.ModelShape`) on its device kind's profile — ``cpu-gloo`` on CPU,
 ``h100-nvlink`` on CUDA, ``ascend-910b-hccs`` on NPU — then refined by auto-calibration.  The
 planner alone (``hdp plan``, `hdp.packing.PlannerConfig`) has no model or device and defaults to
-``deepseek-v3@h100-nvlink``.
+`hdp.packing.profiles.DEFAULT_PRESET` (``deepseek-v3@h100-nvlink``).
 """
 
 from __future__ import annotations

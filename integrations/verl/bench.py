@@ -634,7 +634,7 @@ def _bench_worker(rank: int, world: int, steps: int, budget: int, seed: int, doo
         "model": "Megatron GPTModel, 2 layers, hidden 64, 4 q / 2 kv heads, vocab 128, fp32, CPU",
         "loss": "verl.workers.utils.losses.ppo_loss (core_algos vanilla policy loss, agg_loss token-mean)",
         "baseline": BASELINE,
-        "hdp": "hdp.integrations.verl.HdpMegatronEngine.train_batch, policy hdp",
+        "hdp": "hdp.integrations.verl.engine.HdpMegatronEngine.train_batch, policy hdp",
         "timing": "median over steps of the slowest rank's train_batch (rounds, reduce, distributed-optimizer "
                   "step, calibration, collect), alternating paths; phases: median of the step's hdp/time/* metrics",
     }

@@ -1,7 +1,10 @@
-"""The one module that imports verl (0.9.x): public names, plus the private ones hdp must touch.
+"""The one module that touches verl's private parts (0.9.x): private names, scoped patches, and the engine-side
+imports of verl's heavy modules.
 
-Every other file of :mod:`hdp.integrations.verl` imports verl through here, so a verl upgrade is
-checked in one place.  Private upstream state used here, and why:
+Other modules of :mod:`hdp.integrations.verl` import verl's public API directly (``verl.utils.tensordict_utils``,
+``verl.workers.config``, the loss functions, the trainer's config helpers); what is not public, or is changed
+for the duration of a call, lives here, so a verl upgrade is checked in one place.  Private upstream state used
+here, and why:
 
 * ``EngineRegistry._engines`` — read only, to make registration idempotent: verl's
   ``EngineRegistry.register`` asserts on a duplicate key (verl/workers/engine/base.py:389), and the

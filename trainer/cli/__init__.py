@@ -27,6 +27,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from hdp.packing.profiles import DEFAULT_MODEL, DEFAULT_PROFILE
 from hdp.trainer.cli.bench import add_bench_parsers
 from hdp.trainer.cli.common import (ALL_POLICIES, MOVED_FLAGS, CliError, Parser, _add_batch_args, _add_domain_args,
                                     nonnegative_int, positive_int, seed_int)
@@ -105,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="COST.json", default=None,
                    help="write the cost-model file (hdp plan / simulate --cost-model read it)")
     c.add_argument("--profile", default=None,
-                   help="base profile for parameters the records cannot determine (default h100-nvlink)")
-    c.add_argument("--model", default=None, help="base model preset (default deepseek-v3)")
+                   help=f"base profile for parameters the records cannot determine (default {DEFAULT_PROFILE})")
+    c.add_argument("--model", default=None, help=f"base model preset (default {DEFAULT_MODEL})")
     c.add_argument("--memory-cover", action="store_true", dest="memory_cover",
                    help="memory records: scale the fitted dynamic part up until no record's peak is under-predicted")
     c.add_argument("--json", action="store_true", help="print the cost-model file's JSON document")

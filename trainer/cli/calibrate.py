@@ -19,7 +19,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from hdp.packing.cost import PARAMETERS
     from hdp.packing.cost_file import cost_document, save_cost_model
 
-    model, profile = args.model or "deepseek-v3", args.profile or "h100-nvlink"
+    from hdp.packing.profiles import DEFAULT_MODEL, DEFAULT_PROFILE
+
+    model, profile = args.model or DEFAULT_MODEL, args.profile or DEFAULT_PROFILE
     base = cost_model(model, profile)
     base_name = f"{model}@{profile}"
     if args.out is not None:

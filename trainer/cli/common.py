@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from hdp.packing.moved import Moved
+from hdp.packing.profiles import DEFAULT_MODEL, DEFAULT_PROFILE
 from hdp.packing.workloads import MAX_LENGTHS_BYTES, MAX_SAMPLES  # the caps of --samples and --lengths
 
 
@@ -150,10 +151,10 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model", metavar="SPEC", dest="cost_model", default=None,
                    help="a cost-model file (hdp calibrate --out) or a preset MODEL@PROFILE, as cost_model means in "
                         "the library and verl; replaces --profile/--model/--linear-coef")
-    p.add_argument("--profile", default=None, help="hardware profile (default h100-nvlink)")
+    p.add_argument("--profile", default=None, help=f"hardware profile (default {DEFAULT_PROFILE})")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", default=None,
-                       help="cost-model preset (default deepseek-v3, or with --shape the preset of that name)")
+                       help=f"cost-model preset (default {DEFAULT_MODEL}, or with --shape the preset of that name)")
     model.add_argument("--linear-coef", type=float, default=None, help="linear coefficient a instead of a preset")
 
 
@@ -210,8 +211,8 @@ def _cost(args: argparse.Namespace):  # noqa: ANN202
         except ValueError as exc:
             raise CliError(str(exc)) from exc
     model: Any = args.linear_coef if args.linear_coef is not None else (
-        args.model or getattr(args, "shape", None) or "deepseek-v3")  # a shape's cost preset by default
-    return cost_model(model, args.profile or "h100-nvlink")
+        args.model or getattr(args, "shape", None) or DEFAULT_MODEL)  # a shape's cost preset by default
+    return cost_model(model, args.profile or DEFAULT_PROFILE)
 
 
 def _config(args: argparse.Namespace, policy: str, cost: Any = None, memory: Any = None):  # noqa: ANN202

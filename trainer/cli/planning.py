@@ -151,8 +151,10 @@ def _cost_name(args: argparse.Namespace) -> str:
     """The cost model the figures name (a file, MODEL@PROFILE, or the presets of --model/--profile)."""
     if getattr(args, "cost_model", None):
         return str(args.cost_model)
-    model = args.linear_coef if args.linear_coef is not None else (args.model or getattr(args, "shape", None) or "deepseek-v3")
-    return f"{model}@{args.profile or 'h100-nvlink'}"
+    from hdp.packing.profiles import DEFAULT_MODEL, DEFAULT_PROFILE
+
+    model = args.linear_coef if args.linear_coef is not None else (args.model or getattr(args, "shape", None) or DEFAULT_MODEL)
+    return f"{model}@{args.profile or DEFAULT_PROFILE}"
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
