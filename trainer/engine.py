@@ -22,7 +22,7 @@ configured aggregation (:mod:`hdp.loss`: Σ over the domain of Σ_t w_t ℓ_t is
 single-process loss), its loss adapter (``loss_fn`` on each round's local tokens), the outputs of
 :meth:`HdpEngine.forward` and checkpoints (:mod:`hdp.trainer.checkpoint`).
 
-Errors (README "Failure behaviour").  Whatever fails on one rank fails on every rank of the job,
+Errors (docs/design.md, "Failure contract").  Whatever fails on one rank fails on every rank of the job,
 before the next collective and with nothing applied: every public call that communicates starts with
 one fixed-size agreement over the job carrying the call's name and arguments, its validation and
 planning outcome (errors of any type, ``BaseException`` included), the plan checksum and the batch
