@@ -24,7 +24,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: F401 (grouped_experts.py)
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding  # noqa: F401 (grouped_experts.py)
 
 __all__ = [
     "MEGATRON_CORE_VERSION", "TESTED_VERSIONS", "dist_checkpointing", "parallel_state", "tensor_parallel",
@@ -33,6 +37,7 @@ __all__ = [
     "ProcessGroupCollection", "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "TransformerConfig", "AttnMaskType", "MegatronModule",
     "ModuleSpec", "TransformerBlockSubmodules", "get_num_layers_to_build", "MoELayer", "build_module",
+    "GroupedMLP", "SequentialMLP", "TEGroupedMLP", "MLPSubmodules",
 ]
 
 try:
