@@ -95,6 +95,17 @@ def test_swiglu_backward_equals_autograd(dtype: torch.dtype, offset: float) -> N
     assert dp.dtype == p.dtype and dx.dtype == dtype
 
 
+def test_model_config_grouped_gemm_is_validated() -> None:
+    """ModelConfig.moe_grouped_gemm: needs a MoE model and bf16 (Megatron's GroupedMLP asserts bf16)."""
+    from hdp.trainer.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"ModelConfig.moe_grouped_gemm=True: needs a MoE model"):
+        ModelConfig(moe_grouped_gemm=True, params_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"moe_grouped_gemm=True with params_dtype='float32'.*bfloat16"):
+        ModelConfig(num_moe_experts=4, moe_grouped_gemm=True)
+    assert ModelConfig(num_moe_experts=4, moe_grouped_gemm=True, params_dtype="bfloat16").moe_grouped_gemm
+
+
 def _unsupported() -> None:
     """Zero-memory on top of Megatron's own 'moe' recompute is refused with a message naming it."""
     from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
@@ -103,6 +114,15 @@ def _unsupported() -> None:
     with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
         build_moe_layer(cfg, "level0")
     build_moe_layer(cfg, "none")  # Megatron's own recompute alone is fine
+    # experts of another class, and TE's grouped layout with more than weight{i}: refused naming what was found
+    cfg = moe_transformer_config(hidden_size=H, ffn_hidden_size=F, num_experts=4, topk=2, ep=1, experts="te_grouped")
+    layer = build_moe_layer(cfg, experts="te_grouped")
+    layer.experts.linear_fc1.register_parameter("bias0", torch.nn.Parameter(torch.zeros(2 * F)))
+    with pytest.raises(ValueError, match=r"TEGroupedMLP linear_fc1 holds \['bias0', 'weight0'.*needs weight0..weight3"):
+        layer.set_zero_memory_level("level1")
+    layer.experts = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"experts are Linear \(zero-memory takes SequentialMLP, GroupedMLP, TEGroupedMLP\)"):
+        layer.set_zero_memory_level("level0")
 
 
 # ---- (a) layer exactness EP 1/2/4 + order of events --------------------------------------------------

@@ -246,8 +246,8 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, sizes: tuple[int, ...], *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, *weights)
         ctx.sizes = sizes
-        w = torch.stack(weights)  # [L, N, K]
-        return grouped_mm(x, w.transpose(1, 2), sizes)  # [R, N]
+        w = torch.stack([t.t() for t in weights])  # [L, K, N] row-major (torch's CPU grouped_mm reads it faster)
+        return grouped_mm(x, w, sizes)  # [R, N]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]

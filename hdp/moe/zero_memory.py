@@ -174,7 +174,8 @@ class _ExpertWeights:
     """The weights of one layer's local experts as grouped-GEMM operands, and their gradients back.
 
     ``params``: the parameters the zero-memory node takes (its gradients go to them, in this order):
-    fc1's then fc2's.  :meth:`w1` / :meth:`w2` build the [L, H, F1] / [L, F, H] operands from them.
+    fc1's then fc2's.  :meth:`fc1_fwd` / :meth:`fc2_fwd` (and ``_bwd`` for the input gradients) build
+    the grouped-GEMM operands from them.
     """
 
     kind: ExpertKind
@@ -195,19 +196,35 @@ class _ExpertWeights:
             params += [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)]
         return cls(kind=kind, num_local=n, params=tuple(params))
 
-    def w1(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """[L, H, F1]: fc1's GEMM operand (a view, or per-expert weights stacked and transposed)."""
+    # GEMM operands, each contiguous (row-major) where it is built: per-expert weights are stacked for the
+    # orientation the GEMM reads (torch's CPU grouped_mm ran 7% faster on a row-major operand than on a
+    # transposed view), GroupedMLP's are views of its two parameters.
+
+    def fc1_fwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, H, F1]: fc1's forward operand (h_l = x_l W[l])."""
         if self.kind is ExpertKind.GROUPED:
             w = params[0]  # [H, L·F1]
             return w.view(self.num_local, w.shape[0], -1)
-        return torch.stack(tuple(params[: self.num_local])).transpose(1, 2)  # [L, F1, H] -> [L, H, F1]
+        return torch.stack([w.t() for w in params[: self.num_local]])  # L x [F1, H]ᵀ -> [L, H, F1]
 
-    def w2(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """[L, F, H]: fc2's GEMM operand."""
+    def fc1_bwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, F1, H]: fc1's input-gradient operand (dx_l = dh_l W[l])."""
+        if self.kind is ExpertKind.GROUPED:
+            return self.fc1_fwd(params).transpose(1, 2)
+        return torch.stack(tuple(params[: self.num_local]))  # [L, F1, H]
+
+    def fc2_fwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, F, H]: fc2's forward operand."""
         if self.kind is ExpertKind.GROUPED:
             w = params[1]  # [L·F, H]
             return w.view(self.num_local, -1, w.shape[1])
-        return torch.stack(tuple(params[self.num_local:])).transpose(1, 2)  # [L, H, F] -> [L, F, H]
+        return torch.stack([w.t() for w in params[self.num_local:]])  # L x [H, F]ᵀ -> [L, F, H]
+
+    def fc2_bwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, H, F]: fc2's input-gradient operand (dz_l = dy_l W[l])."""
+        if self.kind is ExpertKind.GROUPED:
+            return self.fc2_fwd(params).transpose(1, 2)
+        return torch.stack(tuple(params[self.num_local:]))  # [L, H, F]
 
     def fc1_grads(self, x_g: torch.Tensor, dh: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """Gradients of fc1's parameters from its input x_g [R, H] and output gradient dh [R, F1]."""
@@ -309,17 +326,18 @@ def _swiglu_grads(parts: _SwigluParts, p: torch.Tensor, dz: torch.Tensor, dh: to
 
 
 def _experts_backward(
-    spec: _ExpertSpec, h_g: torch.Tensor, p_g: torch.Tensor, dy_g: torch.Tensor, w2: torch.Tensor,
+    spec: _ExpertSpec, h_g: torch.Tensor, p_g: torch.Tensor, dy_g: torch.Tensor, w2b: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """fc2 and activation × probs backward of all local experts from fc1's output h_g [R, F1], the
-    received probs p_g [R] and fc2's output gradient dy_g [R, H]; ``(dh [R, F1], dp [R], fc2 grads)``."""
+    received probs p_g [R], fc2's output gradient dy_g [R, H] and fc2's input-gradient operand w2b
+    [L, H, F]; ``(dh [R, F1], dp [R], fc2 grads)``."""
     sizes = spec.sizes
     if spec.swiglu_offset is not None:
         dh_g = torch.empty_like(h_g)  # [R, F1]
         z, parts = _swiglu_z(h_g, p_g, spec.swiglu_offset)  # [R, F]
         dw2 = spec.weights.fc2_grads(z, dy_g, sizes)  # fc2 weight grads
         del z
-        dz = grouped_mm(dy_g, w2.transpose(1, 2), sizes)  # [R, F] fc2 input grad
+        dz = grouped_mm(dy_g, w2b, sizes)  # [R, F] fc2 input grad
         dp_g = _swiglu_grads(parts, p_g, dz, dh_g)
         return dh_g, dp_g, dw2
     with torch.enable_grad():
@@ -327,7 +345,7 @@ def _experts_backward(
         p_l = p_g.detach().requires_grad_(True)
         z = _act_times_probs(spec, h_l, p_l)  # recomputed activation [R, F]
     dw2 = spec.weights.fc2_grads(z.detach(), dy_g, sizes)
-    dz = grouped_mm(dy_g, w2.transpose(1, 2), sizes)  # [R, F]
+    dz = grouped_mm(dy_g, w2b, sizes)  # [R, F]
     dh_g, dp_g = torch.autograd.grad(z, (h_l, p_l), dz)  # activation and probs backward
     return dh_g, dp_g, dw2
 
@@ -358,12 +376,12 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         p_g = _regroup(p_recv, group_index)  # [R]
         del x_recv, p_recv
         hidden = x_g.shape[1]
-        h_g = grouped_mm(x_g, spec.weights.w1(weights), spec.sizes)  # fc1 [R, F1]
+        h_g = grouped_mm(x_g, spec.weights.fc1_fwd(weights), spec.sizes)  # fc1 [R, F1]
         del x_g
         z = _act_times_probs(spec, h_g, p_g)  # [R, F]
         if not level0:
             del h_g  # level1 recomputes fc1 in backward
-        y_g = grouped_mm(z, spec.weights.w2(weights), spec.sizes)  # fc2 [R, H]
+        y_g = grouped_mm(z, spec.weights.fc2_fwd(weights), spec.sizes)  # fc2 [R, H]
         del z
         y_perm, _ = _all_to_all(_ungroup(y_g, group_index), meta.input_splits, meta.output_splits, spec.group)
         del y_g
@@ -405,7 +423,6 @@ class _ZeroMemoryExperts(torch.autograd.Function):
             x_re, x_work = _all_to_all(x.index_select(0, sorted_indices), *fwd, spec.group, async_op=True)
             spec.record("redispatch_issue")
             x_g: torch.Tensor | None = None
-            w1 = spec.weights.w1(weights)  # [L, H, F1]
             dy_g = _regroup(dy_recv, group_index)  # [R, H]
             del dy_recv
         else:
@@ -419,27 +436,27 @@ class _ZeroMemoryExperts(torch.autograd.Function):
             dy_recv, dy_work = _all_to_all(dy_perm, *fwd, spec.group, async_op=True)
             del dy_perm
             spec.record("combine_grad_issue")
-            w1 = spec.weights.w1(weights)  # [L, H, F1] (stacked while the re-dispatch is in flight)
+            w1f = spec.weights.fc1_fwd(weights)  # [L, H, F1] (built while the re-dispatch is in flight)
             _wait(x_work, p_work)
             spec.record("redispatch_wait")
             x_g = _regroup(x_re, group_index)  # [R, H]
             p_g = _regroup(p_re, group_index)  # [R]
             del x_re, p_re
-            h_g = grouped_mm(x_g, w1, sizes)  # [R, F1] recompute fc1 (dy's all-to-all in flight)
+            h_g = grouped_mm(x_g, w1f, sizes)  # [R, F1] recompute fc1 (dy's all-to-all in flight)
+            del w1f
             spec.record("fc1_recompute")
             _wait(dy_work)
             spec.record("combine_grad_a2a")
             dy_g = _regroup(dy_recv, group_index)  # [R, H]
             del dy_recv
 
-        dh_g, dp_g, dw2 = _experts_backward(spec, h_g, p_g, dy_g, spec.weights.w2(weights))
+        dh_g, dp_g, dw2 = _experts_backward(spec, h_g, p_g, dy_g, spec.weights.fc2_bwd(weights))
         spec.record("fc2_backward")
         spec.record("probs_backward")
         del h_g, p_g, dy_g
 
         spec.record("fc1_dgrad_start")
-        dx_g = grouped_mm(dh_g, w1.transpose(1, 2), sizes)  # [R, H] fc1 input grad
-        del w1
+        dx_g = grouped_mm(dh_g, spec.weights.fc1_bwd(weights), sizes)  # [R, H] fc1 input grad
         spec.record("fc1_dgrad_end")
         # input and probs gradients go home (combine direction) while fc1's weight gradient runs
         dx_perm, dx_work = _all_to_all(_ungroup(dx_g, group_index), *bwd, spec.group, async_op=True)

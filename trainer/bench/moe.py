@@ -36,12 +36,13 @@ time over sequential's − 1 per mode, the median over rounds of the ratio insid
 * ``layer_time_s`` / ``layer_overhead_vs_none`` / ...: the same for the forward + backward of one
   MoE layer alone (router, permute, dispatch, experts, combine, unpermute; no attention, no
   optimizer), same shape and modes.  This isolates the expert path, so its overheads are the
-  largest a model step can show.  Note that ``none`` here is Megatron's ``SequentialMLP``
-  path, which splits and concatenates the expert rows; the zero-memory path indexes them in
-  place, so its forward is cheaper and level0 can come out faster than ``none``.
+  largest a model step can show.  Note that ``none`` with ``sequential`` experts is Megatron's
+  ``SequentialMLP`` path, which splits and concatenates the expert rows and runs one GEMM per expert;
+  the zero-memory path indexes them in place and runs one grouped GEMM, so level0 can come out
+  faster than ``none``.
 * ``saved_bytes``: bytes of the unique storages autograd saves for backward during one MoE
   layer's forward, counted with ``torch.autograd.graph.saved_tensors_hooks`` (parameters
-  excluded; rank 0); ``freed_fraction_of_full``: (none − level) / (none − full_recompute).
+  excluded; rank 0; the grouped linears save their weights, never a stacked copy); ``freed_fraction_of_full``: (none − level) / (none − full_recompute).
 * ``flop_model``: the extra FLOPs each mode adds, as a fraction of the ``none`` step
   (``step_extra_fraction``) and of the ``none`` layer (``layer_extra_fraction``), for the
   benchmarked shape (balanced routing assumed; attention backward counted as 2.5 × its forward,
