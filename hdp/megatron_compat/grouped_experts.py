@@ -25,7 +25,10 @@ from hdp.kernels.grouped_gemm import grouped_linear
 from hdp.megatron_compat.names import (
     MLPSubmodules,
     ModuleSpec,
+    TEColumnParallelGroupedLinear,
     TEGroupedMLP,
+    TERowParallelGroupedLinear,
+    ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
     replace_prefix_for_sharding,
     tensor_parallel,
@@ -97,8 +100,6 @@ class GroupedLinearStandIn(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """TE's grouped entries: ``{prefix}weight{i}`` as expert i's sharded tensor on the expert axis
         (Megatron's ``TEGroupedLinear._sharded_state_dict_grouped``, without fp8 extra state)."""
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         pg = self._pg_collection
         ep_size, ep_rank = (pg.ep.size(), pg.ep.rank()) if pg is not None else (1, 0)
@@ -135,13 +136,6 @@ class RowGroupedLinear(GroupedLinearStandIn):
 def te_grouped_experts_spec() -> ModuleSpec:
     """``TEGroupedMLP`` experts over TransformerEngine's grouped linears where TE imports, else over
     :class:`ColumnGroupedLinear` / :class:`RowGroupedLinear` (same parameter names and math)."""
-    try:
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelGroupedLinear,
-            TERowParallelGroupedLinear,
-        )
-    except ImportError:
-        TEColumnParallelGroupedLinear = TERowParallelGroupedLinear = None
     if TEColumnParallelGroupedLinear is None or TERowParallelGroupedLinear is None:
         fc1, fc2 = ColumnGroupedLinear, RowGroupedLinear
     else:
