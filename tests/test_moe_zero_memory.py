@@ -106,6 +106,24 @@ def test_model_config_grouped_gemm_is_validated() -> None:
     assert ModelConfig(num_moe_experts=4, moe_grouped_gemm=True, params_dtype="bfloat16").moe_grouped_gemm
 
 
+def test_grouped_mlp_weights_shard_by_expert_across_ep_ranks() -> None:
+    """init_parameters' GroupedMLP rule: EP rank r's weight1 [H, L·F1] (viewed [L, H, F1] by GroupedMLP) holds
+    experts rL..rL+L-1 of the one-process weight1 [H, E·F1] (viewed [E, H, F1]); weight2 [L·F, H] likewise."""
+    from hdp.trainer.model import _grouped_expert_shard
+
+    e, ep, hid, f1, f = 4, 2, 3, 10, 5
+    n_local = e // ep
+    full1 = torch.arange(hid * e * f1, dtype=torch.float32).view(hid, e * f1)
+    full2 = torch.arange(e * f * hid, dtype=torch.float32).view(e * f, hid)
+    for r in range(ep):
+        w1 = _grouped_expert_shard(full1, torch.empty(hid, n_local * f1), r)
+        w2 = _grouped_expert_shard(full2, torch.empty(n_local * f, hid), r)
+        for local in range(n_local):
+            glob = r * n_local + local
+            assert torch.equal(w1.view(n_local, hid, f1)[local], full1.view(e, hid, f1)[glob])
+            assert torch.equal(w2.view(n_local, f, hid)[local], full2.view(e, f, hid)[glob])
+
+
 def _unsupported() -> None:
     """Zero-memory on top of Megatron's own 'moe' recompute is refused with a message naming it."""
     from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
