@@ -114,6 +114,7 @@ def test_layout_checks_belong_to_the_layout_so_every_door_has_them() -> None:
     (["demo", "--steps", "1"], ("steps=1", "--steps")),
     (["demo", "--ranks", "100000"], ("--ranks=100000", "local ranks")),
     (["bench", "moe", "--ep", "0"], ("argument --ep: 0",)),
+    (["bench", "moe", "--experts", "sequential,grouped"], ("--experts='sequential,grouped'", "sequential, te_grouped")),
     (["bench", "attention", "--tokens", "0"], ("argument --tokens: 0",)),
     (["bench", "train", "--tp", "0"], ("argument --tp: 0",)),
 ])

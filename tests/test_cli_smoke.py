@@ -61,8 +61,13 @@ def test_bench_moe_smoke() -> None:
     r = _json("bench", "moe", "--smoke", "--json")
     _has(r, {"saved_bytes", "freed_fraction_of_full", "step_time_s", "step_overhead_vs_none",
              "step_overhead_paired_median", "step_cpu_overhead_paired_median", "layer_time_s", "flop_model",
-             "targets", "shape", "config"}, "bench moe")
+             "targets", "shape", "config", "experts", "grouped_vs_sequential"}, "bench moe")
     assert set(r["freed_fraction_of_full"]) == {"level0", "level1"}
+    # the grouped-expert rows beside SequentialMLP's, and the targets on them
+    assert set(r["experts"]) == {"sequential", "te_grouped"}
+    assert set(r["grouped_vs_sequential"]["step_paired_median"]) == {"none", "level0", "level1", "full_recompute"}
+    _has(r["targets"]["grouped"], {"level0_frees_ge_70pct_of_full", "level1_frees_ge_90pct_of_full",
+                                   "level0_not_slower_than_sequential_level0"}, "bench moe targets.grouped")
 
 
 @pytest.mark.dist

@@ -102,14 +102,15 @@ def _shim_scope(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.tensor_parallel import random as rnd
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import experts, grouped_gemm_util, moe_utils
 
     def snapshot() -> dict[str, object]:
         snap = {m: importlib.import_module(m).torch for m in mc._PROXIED_MODULES}
         snap.update(tracker_cls=rnd.CudaRNGStatesTracker, clip=clip_grads.clip_grad_by_total_norm_fp32,
                     dopt_init=distrib_optimizer.DistributedOptimizer.__dict__["__init__"],
                     move=moe_utils.maybe_move_tensor_to_cpu, gemm=hasattr(moe_utils, "te_general_gemm"),
-                    tensor_type=torch.Tensor.type)
+                    tensor_type=torch.Tensor.type, grouped_gemm=grouped_gemm_util.grouped_gemm,
+                    gg_ops=grouped_gemm_util.ops, jit_fuser=experts.jit_fuser)
         return snap
 
     assert not mc.cpu_shim_applied()
@@ -123,6 +124,9 @@ def _shim_scope(rank: int, world: int) -> None:
     assert all(getattr(patched[m], "_hdp_cpu_proxy", False) for m in mc._PROXIED_MODULES)
     assert patched["clip"] is not before["clip"] and patched["dopt_init"] is not before["dopt_init"]
     assert patched["tensor_type"] is before["tensor_type"]  # Tensor.type is never swapped
+    # GroupedMLP's grouped_gemm package calls served by torch's grouped_mm; its torch.compile off
+    assert before["grouped_gemm"] is None and patched["gg_ops"].gmm is not None
+    assert patched["jit_fuser"] is not before["jit_fuser"]
     first.undo()
     first.undo()  # idempotent
     assert mc.cpu_shim_applied() and snapshot() == patched  # the other hold keeps it

@@ -75,7 +75,7 @@ def test_swiglu_backward_equals_autograd(dtype: torch.dtype, offset: float) -> N
     (Megatron MLP's unfused graph: chunk, silu, (b + offset), x probs, .to(dtype), fc2)."""
     import torch.nn.functional as F
 
-    from hdp.moe.zero_memory import _swiglu_backward
+    from hdp.moe.zero_memory import _swiglu_grads, _swiglu_z
 
     g = torch.Generator().manual_seed(3)
     n, f, h = 37, 24, 16
@@ -88,9 +88,40 @@ def test_swiglu_backward_equals_autograd(dtype: torch.dtype, offset: float) -> N
     act = F.silu(a) * (b + offset)
     ((act * pr.unsqueeze(-1)).to(act.dtype) @ w2r.t()).backward(dy)
     dx = torch.empty_like(x)
-    dw2, dp = _swiglu_backward(x, p, dy, w2, dx, offset)
+    z, parts = _swiglu_z(x, p, offset)
+    dw2 = dy.t().matmul(z)  # what the zero-memory path's grouped weight-gradient GEMM computes per expert
+    dp = _swiglu_grads(parts, p, dy.matmul(w2), dx)
     assert torch.equal(dx, xr.grad) and torch.equal(dp, pr.grad) and torch.equal(dw2, w2r.grad)
     assert dp.dtype == p.dtype and dx.dtype == dtype
+
+
+def test_model_config_grouped_gemm_is_validated() -> None:
+    """ModelConfig.moe_grouped_gemm: needs a MoE model and bf16 (Megatron's GroupedMLP asserts bf16)."""
+    from hdp.trainer.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"ModelConfig.moe_grouped_gemm=True: needs a MoE model"):
+        ModelConfig(moe_grouped_gemm=True, params_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"moe_grouped_gemm=True with params_dtype='float32'.*bfloat16"):
+        ModelConfig(num_moe_experts=4, moe_grouped_gemm=True)
+    assert ModelConfig(num_moe_experts=4, moe_grouped_gemm=True, params_dtype="bfloat16").moe_grouped_gemm
+
+
+def test_grouped_mlp_weights_shard_by_expert_across_ep_ranks() -> None:
+    """init_parameters' GroupedMLP rule: EP rank r's weight1 [H, L·F1] (viewed [L, H, F1] by GroupedMLP) holds
+    experts rL..rL+L-1 of the one-process weight1 [H, E·F1] (viewed [E, H, F1]); weight2 [L·F, H] likewise."""
+    from hdp.trainer.model import _grouped_expert_shard
+
+    e, ep, hid, f1, f = 4, 2, 3, 10, 5
+    n_local = e // ep
+    full1 = torch.arange(hid * e * f1, dtype=torch.float32).view(hid, e * f1)
+    full2 = torch.arange(e * f * hid, dtype=torch.float32).view(e * f, hid)
+    for r in range(ep):
+        w1 = _grouped_expert_shard(full1, torch.empty(hid, n_local * f1), r)
+        w2 = _grouped_expert_shard(full2, torch.empty(n_local * f, hid), r)
+        for local in range(n_local):
+            glob = r * n_local + local
+            assert torch.equal(w1.view(n_local, hid, f1)[local], full1.view(e, hid, f1)[glob])
+            assert torch.equal(w2.view(n_local, f, hid)[local], full2.view(e, f, hid)[glob])
 
 
 def _unsupported() -> None:
@@ -101,6 +132,15 @@ def _unsupported() -> None:
     with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
         build_moe_layer(cfg, "level0")
     build_moe_layer(cfg, "none")  # Megatron's own recompute alone is fine
+    # experts of another class, and TE's grouped layout with more than weight{i}: refused naming what was found
+    cfg = moe_transformer_config(hidden_size=H, ffn_hidden_size=F, num_experts=4, topk=2, ep=1, experts="te_grouped")
+    layer = build_moe_layer(cfg, experts="te_grouped")
+    layer.experts.linear_fc1.register_parameter("bias0", torch.nn.Parameter(torch.zeros(2 * F)))
+    with pytest.raises(ValueError, match=r"TEGroupedMLP linear_fc1 holds \['bias0', 'weight0'.*needs weight0..weight3"):
+        layer.set_zero_memory_level("level1")
+    layer.experts = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"experts are Linear \(zero-memory takes SequentialMLP, GroupedMLP, TEGroupedMLP\)"):
+        layer.set_zero_memory_level("level0")
 
 
 # ---- (a) layer exactness EP 1/2/4 + order of events --------------------------------------------------
@@ -261,3 +301,144 @@ def test_bench_moe_saved_bytes_order() -> None:
     sb = res["saved_bytes"]
     assert sb["none"] > sb["level0"] > sb["level1"] >= sb["full_recompute"] > 0
     assert res["freed_fraction_of_full"]["level0"] >= 0.6 and res["freed_fraction_of_full"]["level1"] >= 0.9
+
+
+# ---- (d) grouped experts: Megatron's GroupedMLP and TransformerEngine's layout, EP 2 ----------------------
+
+# The zero-memory node runs the same grouped GEMMs as the plain layer (one seam, hdp.kernels.grouped_gemm,
+# also serves Megatron's gmm calls and the TE stand-in on CPU) and the same elementwise ops in the same
+# dtypes and order, so outputs and every gradient agree to the bit (tolerance 0), in float32 and bfloat16
+# (GroupedMLP runs bf16 only).
+GROUPED_CASES = (("grouped", torch.bfloat16), ("te_grouped", torch.float32), ("te_grouped", torch.bfloat16))
+RANK1_EMPTY = (4, 5, 6, 7)  # at EP 2 every expert of rank 1: it receives nothing
+
+
+def _expert_weight(got: dict, kind: str, local: int, n_local: int) -> torch.Tensor:
+    """fc1 weight gradient of local expert ``local`` in ``kind``'s layout."""
+    if kind == "grouped":
+        w = got["experts.weight1"]  # [H, L·F1]
+        return w.view(n_local, w.shape[0], -1)[local]
+    return got[f"experts.linear_fc1.weight{local}"]
+
+
+def _grouped_exactness(rank: int, world: int) -> list[str]:
+    from hdp import megatron_compat as mc
+    from hdp.kernels.grouped_gemm import GroupedGemmBackend, backend_for
+    from hdp.moe import ZeroMemoryTrace
+    from hdp.moe.zero_memory import ExpertKind
+    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
+
+    ep, n_local = 2, E // 2
+    rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)
+    seen = []
+    for kind, dtype in GROUPED_CASES:
+        for topk, empty in ((2, EMPTY), (3, RANK1_EMPTY)):
+            torch.manual_seed(0)
+            tcfg = moe_transformer_config(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=topk, ep=ep,
+                                          experts=kind, dtype=dtype)
+            layer = build_moe_layer(tcfg, experts=kind)
+            assert ExpertKind.of(layer.experts).value == {"grouped": "GroupedMLP", "te_grouped": "TEGroupedMLP"}[kind]
+            with torch.no_grad():
+                for e in empty:
+                    layer.router.weight[e].fill_(-1.0)
+            g = torch.Generator().manual_seed(10 + rank)
+            x0 = (torch.rand(TOKENS[rank], 1, H, generator=g) + 0.1).to(dtype)
+            dy = torch.randn(TOKENS[rank], 1, H, generator=g).to(dtype)
+            ref_out, ref = _run_level(layer, "none", x0, dy)
+            for level in ("level0", "level1"):
+                trace = ZeroMemoryTrace()
+                out, got = _run_level(layer, level, x0, dy, trace)
+                what = f"{kind} {dtype} top{topk} {level}"
+                torch.testing.assert_close(out, ref_out, atol=0, rtol=0, msg=lambda m: f"{what} out: {m}")
+                assert set(got) == set(ref)
+                for k in ref:
+                    torch.testing.assert_close(got[k], ref[k], atol=0, rtol=0, msg=lambda m, k=k: f"{what} grad {k}: {m}")
+                for local in range(n_local):
+                    if rank * n_local + local in empty:
+                        assert torch.count_nonzero(_expert_weight(got, kind, local, n_local)) == 0
+                    elif TOKENS[rank] > 1:
+                        assert torch.count_nonzero(_expert_weight(got, kind, local, n_local)) > 0, (what, local)
+                ev = trace.index
+                if level == "level0":
+                    assert ev("combine_grad_a2a") < ev("redispatch_issue") < ev("fc1_dgrad_start"), trace.events
+                    assert ev("fc1_dgrad_end") < ev("redispatch_wait") < ev("fc1_wgrad"), trace.events
+                else:
+                    assert trace.events[0] == "redispatch_issue", trace.events
+                    assert ev("unpermute_backward") < ev("combine_grad_issue") < ev("redispatch_wait") \
+                        < ev("fc1_recompute") < ev("combine_grad_a2a") < ev("fc2_backward"), trace.events
+                assert ev("fc1_dgrad_end") < ev("fc1_wgrad") < ev("dispatch_grad_a2a_wait"), trace.events
+                seen.append(what)
+            # the grouped GEMMs of these shapes are torch's grouped_mm (not the loop fallback)
+            x2 = torch.zeros(4, H, dtype=dtype)
+            assert backend_for(x2, torch.zeros(2, H, F, dtype=dtype))[0] is GroupedGemmBackend.TORCH
+    rt.close()
+    return seen
+
+
+def test_zero_memory_grouped_experts_match_megatron_ep2() -> None:
+    """Megatron's GroupedMLP (bf16; its gmm calls served by torch's grouped_mm) and TEGroupedMLP's layout
+    (fp32 and bf16): level0 / level1 outputs and every gradient equal the plain layer's bit for bit,
+    experts without tokens (a whole rank in one routing) get zero
+    gradients, others nonzero, and the re-dispatch overlap order holds."""
+    seen = run_distributed(_grouped_exactness, 2, timeout=200)
+    assert len(seen[0]) == len(GROUPED_CASES) * 2 * 2
+
+
+# ---- (e) grouped experts through the engine: EP 2 x PP 2, with and without zero-memory --------------------
+
+ENGINE_LENGTHS = [40, 13, 22, 9, 30, 5]  # the 40-token sample needs a CP group of 2 at budget 32
+
+
+def _engine_grouped(rank: int, world: int) -> None:
+    """HdpEngine.build of a MoE GPT with Megatron's GroupedMLP (bf16), EP 2 x PP 2 on 4 ranks: a train step
+    with zero-memory (level1 on the first MoE layer of each stage, level0 on the second) equals the same step
+    without it bit for bit (loss, grad norm, every parameter after the update)."""
+    import dataclasses
+    import zlib
+
+    from hdp.packing import cost_model
+    from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
+    from hdp.trainer.engine import Batch, HdpEngine, nll_loss
+    from hdp.trainer.model import ModelConfig, OptimConfig
+
+    def init(name: str, p: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        val = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        p.copy_(1.0 + 0.1 * val if p.dim() == 1 else 0.05 * val)
+
+    model = ModelConfig(vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                        max_sequence_length=128, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                        activation="swiglu", params_dtype="bfloat16", moe_grouped_gemm=True)
+    base = EngineConfig(model=model, parallel=ParallelConfig(pp=2, ep=2), optim=OptimConfig(lr=1e-3, adam_eps=1e-3),
+                        planning=PlanningConfig(max_tokens_per_rank=32, cost_model=cost_model("deepseek-v3", "h100-nvlink")))
+    g = torch.Generator().manual_seed(5)
+    batch = Batch(tokens=[torch.randint(0, 128, (n,), generator=g) for n in ENGINE_LENGTHS],
+                  loss_mask=[torch.ones(n) for n in ENGINE_LENGTHS])
+    results = {}
+    for mode, level, first_n in (("none", "none", None), ("level1-first1", "level1", 1)):
+        cfg = dataclasses.replace(base, planning=dataclasses.replace(base.planning, zero_memory=level,
+                                                                     zero_memory_num_layers=first_n))
+        engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=init)
+        experts = [m for m in engine.model.module.modules() if type(m).__name__ == "GroupedMLP"]
+        assert len(experts) == 2, experts  # this stage's two MoE layers
+        zm = [lay.zero_memory_level.value for lay in engine.model.module.decoder.layers.modules()
+              if hasattr(lay, "zero_memory_level")] if level != "none" else []
+        if mode == "level1-first1":
+            assert zm == ["level1", "level0"], zm
+        metrics = engine.train_step(batch, nll_loss)
+        assert metrics["hdp/microbatches"] >= 2, metrics  # several rounds through the two stages
+        params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
+        results[mode] = ((metrics["loss"], metrics["grad_norm"]), params)
+        engine.close()
+    ref_metrics, ref_params = results["none"]
+    for mode in ("level1-first1",):
+        got_metrics, params = results[mode]
+        assert got_metrics == ref_metrics, (mode, got_metrics, ref_metrics)
+        assert set(params) == set(ref_params)
+        for n, p in ref_params.items():
+            assert torch.equal(params[n], p), f"{mode}: {n} differs by {float((params[n].float() - p.float()).abs().max())}"
+
+
+@pytest.mark.slow
+def test_engine_grouped_experts_zero_memory_ep2_pp2_equals_no_zero_memory() -> None:
+    run_distributed(_engine_grouped, 4, timeout=300)

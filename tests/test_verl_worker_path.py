@@ -46,7 +46,7 @@ ENTROPY_COEFF = 0.01  # the update differentiates through the entropy too (vocab
 
 
 def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int = 1, vpp: int = 1,
-             budget: int = BUDGET) -> object:
+             budget: int = BUDGET, grouped: bool = False) -> object:
     """The scaffolding's verl config (ppo_trainer, model_engine=hdp, a tiny fp32 model on CPU) with this
     test's loss, layout and checkpoint settings."""
     from hdp.integrations.verl.scaffolding.worker import compose
@@ -78,6 +78,8 @@ def _compose(model_path: str, *, moe: bool, ckpt_dir: str, tp: int = 1, pp: int 
             "actor_rollout_ref.actor.megatron.param_offload=true",
             "actor_rollout_ref.actor.megatron.optimizer_offload=true",
         ]
+    if grouped:  # grouped-GEMM experts (TEGroupedMLP, as mbridge builds them on GPUs) with zero-memory
+        overrides.append("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True")
     return compose(model_path, budget=budget, records=f"{ckpt_dir}/records/actor.jsonl", overrides=overrides)
 
 
@@ -125,9 +127,10 @@ def _safetensors(path: str) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str, vpp: int = 1) -> None:
+def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp: str, vpp: int = 1,
+            grouped: bool = False) -> None:
     """verl's worker on ``world`` = TP x PP x domain ranks (``vpp`` virtual stages each); ``full``: also
-    update x2, checkpoint, continue."""
+    update x2, checkpoint, continue; ``grouped``: the actor's experts as grouped GEMMs (``moe_grouped_gemm``)."""
     import logging
 
     from hdp.integrations.verl.scaffolding import install
@@ -155,7 +158,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     if rank == 0:
         build_tiny(model_path, moe=moe, layers=layers)
     dist.barrier(group=dist.group.WORLD)
-    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp, vpp=vpp, budget=budget)
+    cfg = _compose(model_path, moe=moe, ckpt_dir=tmp, tp=tp, pp=pp, vpp=vpp, budget=budget, grouped=grouped)
 
     ref = actor_worker(cfg, role="ref")
     act = actor_worker(cfg, role="actor")
@@ -175,8 +178,16 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     if moe:  # hdp's MoE zero-memory layers replaced Megatron's MoELayer in every layer
         from hdp.moe import ZeroMemoryMoELayer
 
+        from hdp.moe.zero_memory import ExpertKind
+
         zm = [m for m in engine.module[0].modules() if isinstance(m, ZeroMemoryMoELayer)]
         assert len(zm) == layers // (pp * vpp) and all(m.zero_memory_level.value == "level1" for m in zm), zm  # this stage's layers
+        # the experts zero-memory found: TransformerEngine's grouped layout (weight{i}) with moe_grouped_gemm
+        kind = ExpertKind.TE_GROUPED if grouped else ExpertKind.SEQUENTIAL
+        assert all(ExpertKind.of(m.experts) is kind for m in zm), [type(m.experts).__name__ for m in zm]
+        if grouped:
+            names = {n for n, _ in engine.module[0].named_parameters()}
+            assert any(n.endswith("mlp.experts.linear_fc1.weight0") for n in names), sorted(names)[:8]
 
     # HF export right after loading == the HF checkpoint (names and values; TP/PP/EP shards gathered)
     exported = {n: t.detach().clone() for n, t in engine.get_per_tensor_param()[0]}
@@ -322,6 +333,7 @@ def _adam_moments(engine) -> list:
 CASES = {
     "qwen3": (False, 1, 1, True),
     "qwen3moe-ep2-level1-offload": (True, 1, 1, True),
+    "qwen3moe-ep2-grouped-level1": (True, 1, 1, True),  # moe_grouped_gemm=True: TEGroupedMLP experts
     "qwen3-tp2-sp": (False, 2, 1, True),
     "qwen3-pp2": (False, 1, 2, True),
     "qwen3-pp2-vpp2": (False, 1, 2, True),  # 4 layers, 2 virtual stages per rank: the interleaved schedule
@@ -333,7 +345,7 @@ CASES = {
 def test_actor_rollout_ref_worker_drives_hdp(case: str, tmp_path) -> None:
     moe, tp, pp, full = CASES[case]
     vpp = 2 if "vpp2" in case else 1
-    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), vpp, timeout=300)
+    run_distributed(_worker, 2 * tp * pp, moe, tp, pp, full, str(tmp_path), vpp, "grouped" in case, timeout=300)
 
 
 # ---- self-calibration through verl's worker: from a CP-free cost model to one that predicts the machine ----

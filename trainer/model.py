@@ -96,6 +96,12 @@ class ModelConfig(MovedFields):
     """Experts each token is routed to."""
     moe_ffn_hidden_size: int | None = None
     """Expert MLP width; ``None``: ffn_hidden_size."""
+    moe_grouped_gemm: bool = False
+    """Experts as Megatron's ``GroupedMLP`` (all local experts in one grouped GEMM per projection;
+    weights ``experts.weight1`` [H, L·F1] and ``experts.weight2`` [L·F, H]) instead of per-expert MLPs
+    (``SequentialMLP``).  Megatron's ``GroupedMLP`` runs bfloat16 only (``params_dtype='bfloat16'``);
+    on CPU its grouped-GEMM calls run torch's ``grouped_mm`` (hdp's CPU shim), on GPUs Megatron calls
+    the ``grouped_gemm`` package.  MoE zero-memory takes both kinds."""
     attention_backend: CoreAttentionBackend = CoreAttentionBackend.HDP
     """Core attention module."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -130,6 +136,12 @@ class ModelConfig(MovedFields):
             raise ValueError(f"ModelConfig.recompute={self.recompute!r}: choose 'none', 'selective' or 'full'")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.params_dtype={self.params_dtype!r}: choose one of {list(_DTYPES)}")
+        if self.moe_grouped_gemm and self.num_moe_experts is None:
+            raise ValueError("ModelConfig.moe_grouped_gemm=True: needs a MoE model; set num_moe_experts "
+                             "or moe_grouped_gemm=False")
+        if self.moe_grouped_gemm and self.params_dtype != "bfloat16":
+            raise ValueError(f"ModelConfig.moe_grouped_gemm=True with params_dtype={self.params_dtype!r}: Megatron's "
+                             "GroupedMLP runs bfloat16 only; set params_dtype='bfloat16' or moe_grouped_gemm=False")
         if self.num_moe_experts is not None and not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(
                 f"ModelConfig.moe_router_topk={self.moe_router_topk}: must be in [1, {self.num_moe_experts}]"
@@ -257,7 +269,7 @@ def transformer_config(
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
         )
@@ -269,7 +281,7 @@ def layer_spec(cfg: ModelConfig) -> mc.ModuleSpec:
     :class:`HdpNorm` for the layer norms."""
     base = mc.get_gpt_layer_local_spec(
         num_experts=cfg.num_moe_experts,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=cfg.moe_grouped_gemm,
         normalization=cfg.normalization,
     )
     core = core_attention_module(cfg.attention_backend, RopeConfig(base=cfg.rotary_base))
@@ -457,6 +469,19 @@ def _tp_shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: in
     return torch.cat(pieces[tp_rank :: tp_size], dim=dim)
 
 
+_GROUPED_EXPERT_WEIGHT = re.compile(r"\.experts\.weight[12]$")
+
+
+def _grouped_expert_shard(full: torch.Tensor, param: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    """This EP rank's ``GroupedMLP`` weight from the one-process one ``full``.
+
+    ``GroupedMLP`` views ``weight1`` [H, L·F1] as [L, H, F1] (``weight2`` [L·F, H] as [L, F, H]), so
+    local expert l's matrix is a contiguous block of the flat weight, and this rank's L experts are
+    block ``ep_rank`` of the one-process weight's flat storage."""
+    n = param.numel()
+    return full.reshape(-1)[ep_rank * n:(ep_rank + 1) * n].view(param.shape)
+
+
 def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     shape = list(param.shape)
     if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
@@ -479,10 +504,21 @@ def init_parameters(
     ``init_fn`` sees the parameter as a one-process model has it: its global name
     (:func:`global_param_names`) and its full, unsharded shape; this rank keeps its TP shard.  So
     a rank-independent ``init_fn`` gives the same model for every TP / PP / EP layout.  Expert
-    parameters (expert-TP 1) are never TP-sharded.
+    parameters (expert-TP 1) are never TP-sharded.  ``GroupedMLP``'s ``experts.weight1`` /
+    ``weight2`` hold all local experts: ``init_fn`` sees the one-process weight (every expert) and this
+    rank keeps its experts' block.
     """
     names = global_param_names(model, ep_rank=ep_rank, experts_per_rank=experts_per_rank)
+    num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or experts_per_rank
     for name, p in model.named_parameters():
+        if _GROUPED_EXPERT_WEIGHT.search(name):  # GroupedMLP: all local experts in one weight
+            ep = num_experts // experts_per_rank
+            shape = list(p.shape)
+            shape[1 if name.endswith("weight1") else 0] *= ep  # [H, E·F1] / [E·F, H]
+            full = torch.empty(shape, dtype=p.dtype, device=p.device)
+            init_fn(names[name], full)
+            p.copy_(_grouped_expert_shard(full, p, ep_rank))
+            continue
         expert = not getattr(p, "allreduce", True)
         size = 1 if expert else tp_size
         full = torch.empty(_full_shape(p, size), dtype=p.dtype, device=p.device)

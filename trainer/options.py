@@ -93,7 +93,10 @@ class HdpOptions(PlannerOptions):
     there on until an update is applied.  ``None``: never (skip for ever)."""
     zero_memory: ZeroMemoryLevel = ZeroMemoryLevel.NONE
     """MoE expert-path recomputation (`hdp.moe`, MindSpeed ``--moe-zero-memory`` semantics): ``none``,
-    ``level0`` or ``level1``; needs a MoE model, expert TP 1 and per-expert MLPs (no grouped GEMM)."""
+    ``level0`` or ``level1``; needs a MoE model and expert TP 1.  Takes every expert kind Megatron builds:
+    per-expert MLPs (``SequentialMLP``), Megatron's grouped GEMM (``GroupedMLP``, ``moe_grouped_gemm=True``)
+    and TransformerEngine's grouped experts (``TEGroupedMLP``, as mbridge and Megatron-Bridge build them); the
+    expert GEMMs of the zero-memory path run as one grouped GEMM (`hdp.kernels.grouped_gemm`)."""
     zero_memory_num_layers: int | None = None
     """``level1`` only on the first n MoE layers of each pipeline stage (the others ``level0``); ``None``: all."""
 

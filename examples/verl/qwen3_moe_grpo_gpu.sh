@@ -7,13 +7,13 @@
 # pipeline stage's 8 GPUs form hdp's domain (Megatron's DP group with CP = 1): every long response gets
 # a CP group of just enough of those 8 GPUs, short ones run on one GPU.  94 layers over 8 stages:
 # 11 on the first and the last, 12 on each of the 6 in between.  MoE zero-memory level1 frees the
-# expert path's activations (so a 32K response fits a smaller CP group); it needs SequentialMLP experts
-# (moe_grouped_gemm=False; hdp rejects the combination naming the key otherwise).
+# expert path's activations (so a 32K response fits a smaller CP group), with grouped-GEMM experts
+# (moe_grouped_gemm=True: mbridge builds TransformerEngine's TEGroupedMLP; zero-memory runs their GEMMs as
+# torch's grouped_mm, bf16 on compute capability >= 8.0).
 #
-# Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
-# Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
-# On GPUs mbridge 0.15 maps only TransformerEngine's grouped-expert weight names, so zero-memory's
-# SequentialMLP experts are expected to need that mapping (docs/verl.md, "Not run").
+# Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run (there with a CPU
+# stand-in of TE's grouped linear, same weight names); verl 0.9.1's default, Megatron-Bridge
+# (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
 #
 # Needs: verl==0.9.1 installed without its [megatron] extra, megatron-core 0.16.x, PyPI mbridge,
 # TransformerEngine, vLLM, and hdp with its verl extra from a checkout or a built wheel:
@@ -64,7 +64,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=11 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=11 \
-    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=False \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall \
     actor_rollout_ref.actor.hdp.policy=hdp \

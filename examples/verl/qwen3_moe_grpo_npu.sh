@@ -11,7 +11,9 @@
 # core attention, so MindSpeed's flash-attention patch does not reach it: the hdp engine runs hdp's
 # pure-torch attention kernel on NPU today (the npu_fusion_attention adapter in hdp.kernels.npu is
 # unrun) — expect slow attention.  All-gather CP on aligned power-of-two groups (HCCS full mesh);
-# zero-memory level0 with SequentialMLP experts (grouped GEMM is rejected with zero-memory).
+# zero-memory level0 with grouped-GEMM experts (moe_grouped_gemm=True; zero-memory runs their GEMMs through
+# torch_npu's npu_grouped_matmul, an adapter not run on hardware; whichever of Megatron's expert modules
+# MindSpeed builds must be SequentialMLP, GroupedMLP or TEGroupedMLP, or hdp refuses naming the class).
 #
 # Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
 # Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
@@ -73,7 +75,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=23 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=23 \
-    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=False \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rmsnorm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_swiglu=True \

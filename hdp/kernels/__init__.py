@@ -5,6 +5,9 @@ bottom-right causal, ``lse`` as ``[Hq, Tq]`` with ``-inf`` for rows that see no 
 picks one for a device.  One adapter module per third-party kernel: :mod:`.flash_attn` (the
 flash-attn package), :mod:`.torch_flash` (torch's own fused varlen flash attention), :mod:`.npu`
 (``torch_npu``).
+
+Beside them, :mod:`hdp.kernels.grouped_gemm` is the one seam of MoE grouped GEMMs (torch's
+``grouped_mm`` on CPU and CUDA, torch_npu's grouped matmul on NPU, a loop of matmuls elsewhere).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 * :mod:`~hdp.megatron_compat.names` — every private or version-sensitive Megatron-core name hdp uses;
 * :mod:`~hdp.megatron_compat.cpu_shim` — the scoped CPU shim (patches applied only for a CPU device);
 * :mod:`~hdp.megatron_compat.p2p` — pipeline send/receive of hdp's variable-length rounds;
-* :mod:`~hdp.megatron_compat.runtime` — Megatron's parallel state: initialise, release.
+* :mod:`~hdp.megatron_compat.runtime` — Megatron's parallel state: initialise, release;
+* :mod:`~hdp.megatron_compat.grouped_experts` — ``TEGroupedMLP`` without TransformerEngine: a stand-in
+  of TE's grouped linear (same ``weight{i}`` parameters, hdp's grouped GEMM), and the spec swap.
 
 Every private (or version-sensitive) Megatron-core name that hdp uses is imported in
 :mod:`~hdp.megatron_compat.names` and nowhere else, and :func:`apply_cpu_shim` holds every patch hdp
@@ -39,6 +41,9 @@ How the patches work
   afterwards).  ``torch.Tensor.type`` itself is never replaced, so nothing changes for any other
   tensor or thread, and nothing is swapped while the optimizer steps.  The grad-clipping helper
   that asserts the CUDA name is replaced by the same arithmetic without the assertion.
+* **Grouped-GEMM experts**: Megatron's ``GroupedMLP`` calls the CUDA-only ``grouped_gemm`` package;
+  on CPU its ``grouped_gemm_util`` module names are bound to :func:`hdp.kernels.grouped_gemm.gmm`
+  (torch's ``grouped_mm``), and ``jit_fuser`` (``torch.compile``) is the identity in the experts module.
 * **Distributed checkpointing**: ``dist_checkpointing`` (re-exported here) runs on CPU through the
   two proxied ``dist_checkpointing.strategies`` modules below; its torch_dist writer also needs
   ``psutil`` and starts a ``multiprocessing`` Manager and forked writers, so the calling process

@@ -83,7 +83,7 @@ _PROXIED_MODULES: dict[str, str] = {
 }
 # Not proxied (megatron-core 0.16.1 paths hdp does not take): DDP's torch.cuda.Stream (only with
 # num_distributed_optimizer_instances > 1), moe_utils' aux-loss logging tracker (device="cuda",
-# only with load-balancing losses tracked), the legacy GroupedMLP expert weights (moe_grouped_gemm).
+# only with load-balancing losses tracked).
 
 _FACTORIES = (
     "tensor",
@@ -336,6 +336,11 @@ def _make_cpu_clip_grad_by_total_norm_fp32(orig: Callable[..., None]) -> Callabl
     return clip_grad_by_total_norm_fp32
 
 
+def _no_fuser(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's ``jit_fuser`` decorator as the identity (see :func:`_install`)."""
+    return fn
+
+
 # --- the patch registry and the scoped handle ---------------------------------------------------------
 
 _MISSING = object()
@@ -468,6 +473,28 @@ def _install() -> None:
 
     st.set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     st.set(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    from hdp.kernels.grouped_gemm import GmmNamespace
+
+    # megatron-core 0.16.1: GroupedMLP (moe_grouped_gemm=True on the local spec) asserts that the
+    # grouped_gemm package imports and calls its ops.gmm, a CUDA-only extension.  On CPU torch's
+    # grouped_mm serves those calls: grouped_gemm_util's module names are bound to
+    # hdp.kernels.grouped_gemm's gmm (same signature, differentiable), only when the package is
+    # absent.  Can go when Megatron's GroupedMLP calls torch's grouped_mm itself.
+    if getattr(grouped_gemm_util, "grouped_gemm", None) is None:
+        st.set(grouped_gemm_util, "grouped_gemm", GmmNamespace)
+        st.set(grouped_gemm_util, "ops", GmmNamespace.ops)
+
+    from megatron.core.transformer.moe import experts
+
+    # megatron-core 0.16.1: GroupedMLP wraps its activation in jit_fuser, i.e. torch.compile; on CPU
+    # that compiles with inductor's C++ backend at the first call (32 s measured for a 4-expert layer)
+    # and again for every new row count (3 s each), for an elementwise function, and the fused kernel
+    # rounds bfloat16 differently from eager.  In the experts module only, jit_fuser is the identity:
+    # eager runs the same math.  Can go when Megatron lets the caller switch the fuser off per device.
+    st.set(experts, "jit_fuser", _no_fuser)
     logger.debug("megatron-core %s CPU shim applied (%d patches)", MEGATRON_CORE_VERSION, len(st.patches))
 
 

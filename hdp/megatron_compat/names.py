@@ -27,7 +27,19 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.mlp import MLPSubmodules
+# TransformerEngine's grouped linears as Megatron wraps them; both None when TransformerEngine is absent
+from megatron.core.extensions.transformer_engine import (  # noqa: F401 (grouped_experts.py)
+    TEColumnParallelGroupedLinear,
+    TERowParallelGroupedLinear,
+)
 from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import (  # noqa: F401 (grouped_experts.py)
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding  # noqa: F401 (grouped_experts.py)
 
 __all__ = [
     "MEGATRON_CORE_VERSION", "TESTED_VERSIONS", "dist_checkpointing", "parallel_state", "tensor_parallel",
@@ -37,6 +49,7 @@ __all__ = [
     "forward_backward_pipelining_without_interleaving", "TransformerConfig", "AttnMaskType", "MegatronModule",
     "ModuleSpec", "TransformerBlockSubmodules", "get_num_layers_to_build", "MoELayer", "build_module",
     "nested_values", "ShardedObject", "ShardedTensor", "apply_factories", "load_sharded_metadata",
+    "GroupedMLP", "SequentialMLP", "TEGroupedMLP", "MLPSubmodules",
 ]
 
 try:

@@ -2,7 +2,9 @@
 
 :class:`ZeroMemoryMoELayer` is Megatron-core's ``MoELayer`` (all-to-all dispatcher) whose expert path
 frees its activations in forward and recomputes them in backward, with the re-dispatch all-to-all
-hidden behind the fc1 input-gradient GEMM (MindSpeed ``--moe-zero-memory`` behaviour).  Apply it
+hidden behind the fc1 input-gradient GEMM (MindSpeed ``--moe-zero-memory`` behaviour), on every
+expert kind Megatron builds (:class:`ExpertKind`: ``SequentialMLP``, ``GroupedMLP``, ``TEGroupedMLP``)
+with the expert GEMMs as one grouped GEMM (:mod:`hdp.kernels.grouped_gemm`).  Apply it
 with :func:`apply_zero_memory` on a built model or :func:`zero_memory_layer_spec` on a layer spec.
 :mod:`hdp.moe.budget` turns the memory saved into a larger planner token budget.
 
@@ -23,6 +25,7 @@ __all__ = [
     "token_budget_with_zero_memory",
     "ZeroMemoryMoELayer",
     "ZeroMemoryTrace",
+    "ExpertKind",
     "apply_zero_memory",
     "zero_memory_layer_spec",
     "DispatchMeta",
@@ -33,6 +36,7 @@ __all__ = [
 _LAZY = {
     "ZeroMemoryMoELayer": "hdp.moe.zero_memory",
     "ZeroMemoryTrace": "hdp.moe.zero_memory",
+    "ExpertKind": "hdp.moe.zero_memory",
     "apply_zero_memory": "hdp.moe.zero_memory",
     "zero_memory_layer_spec": "hdp.moe.zero_memory",
     "DispatchMeta": "hdp.moe.metadata",

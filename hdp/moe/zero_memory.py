@@ -1,14 +1,21 @@
 """MoE zero-memory recomputation: free expert activations in forward, recompute them in backward.
 
 Reference behaviour: MindSpeed ``--moe-zero-memory level0|level1`` (written from its description;
-device-agnostic, on Megatron-core's ``MoELayer`` with the all-to-all dispatcher and
-``SequentialMLP`` experts).
+device-agnostic, on Megatron-core's ``MoELayer`` with the all-to-all dispatcher).  Every expert kind
+Megatron builds is taken (:class:`ExpertKind`): ``SequentialMLP`` (per-expert MLPs), ``GroupedMLP``
+(Megatron's grouped GEMM: ``weight1`` [H, L·F1], ``weight2`` [L·F, H]) and ``TEGroupedMLP``
+(TransformerEngine's grouped linears, ``linear_fc1.weight{l}`` [F1, H] and ``linear_fc2.weight{l}``
+[H, F], as mbridge and Megatron-Bridge build experts on GPUs).  Whatever the kind, the expert GEMMs
+inside the zero-memory node run as **one grouped GEMM** per projection and direction
+(:mod:`hdp.kernels.grouped_gemm`: torch's ``grouped_mm`` on CPU and CUDA, torch_npu's grouped
+matmul on NPU, a loop of matmuls where neither serves).
 
 Dimension legend (one MoE layer on one rank):
     T   tokens of the layer input (flattened [s, b] -> T);  H hidden size
     S   rows sent = T · topk (permutation 1, ordered by expert);  R rows received (local experts)
     F   expert FFN width;  F1 fc1 output width (2F for gated units such as SwiGLU, else F)
-    n_l rows of local expert l (sum_l n_l = R)
+    L   local experts;  n_l rows of local expert l (sum_l n_l = R)
+    W1  [L, H, F1] fc1 weights as GEMM operands (h_l = x_l W1[l]);  W2 [L, F, H] fc2 weights
 
 The expert path is one autograd node, :class:`_ZeroMemoryExperts` (input x [T, H], permuted probs
 [S], expert weights -> the layer's routed output [T, H]), from the permutation to the
@@ -17,11 +24,16 @@ unpermutation, so that its backward starts where the layer's backward starts::
     x_perm = x[sorted_indices]                   [S, H]   permutation 1
     x_recv = all_to_all(x_perm)                  [R, H]   dispatch (EP group)
     x_g    = x_recv[group_index]                 [R, H]   regroup by local expert
-    h_l    = x_l @ W1_l^T                        [n_l, F1] fc1
-    z_l    = (act(h_l) * p_l[:, None]).to(dt)    [n_l, F]  activation (SwiGLU: silu(h_a)·h_b) x probs
-    y_l    = z_l @ W2_l^T                        [n_l, H]  fc2
+    h      = grouped_mm(x_g, W1)                 [R, F1]  fc1 (h_l = x_l W1[l])
+    z      = (act(h) * p_g[:, None]).to(dt)      [R, F]   activation (SwiGLU: silu(h_a)·h_b) x probs
+    y_g    = grouped_mm(z, W2)                   [R, H]   fc2
     y_perm = all_to_all(ungroup(y_g))            [S, H]   combine
     out    = scatter_add(y_perm -> sorted_indices) [T, H] unpermute
+
+Backward GEMMs: dz = grouped_mm(dy, W2ᵀ), dx_g = grouped_mm(dh, W1ᵀ) (input gradients) and the
+weight gradients as grouped GEMMs over the row groups (``grouped_mm_wgrad``).  Per-expert weights
+(``SequentialMLP``, ``TEGroupedMLP``) are stacked into W1 / W2 at each use (forward, backward),
+never saved stacked; ``GroupedMLP``'s are views of its two parameters.
 
 Saved for backward (everything else -- x_perm, x_recv, x_g, act(h), z, y -- is freed in forward):
 
@@ -49,6 +61,7 @@ hides behind and waited on after it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -58,6 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hdp import megatron_compat as mc
+from hdp.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from hdp.moe.levels import ZeroMemoryLevel, layer_levels
 from hdp.moe.metadata import DispatchMeta, dispatch_meta, permutation_indices
 
@@ -65,6 +79,7 @@ __all__ = [
     "ZeroMemoryLevel",
     "ZeroMemoryTrace",
     "ZeroMemoryMoELayer",
+    "ExpertKind",
     "zero_memory_layer_spec",
     "apply_zero_memory",
     "layer_levels",
@@ -132,6 +147,98 @@ def _wait(*works: Any) -> None:
             w.wait()
 
 
+class ExpertKind(enum.Enum):
+    """How a MoE layer's experts hold their weights (the three kinds Megatron-core builds)."""
+
+    SEQUENTIAL = "SequentialMLP"
+    """Per-expert MLPs: ``local_experts[l].linear_fc1.weight`` [F1, H], ``.linear_fc2.weight`` [H, F]."""
+    GROUPED = "GroupedMLP"
+    """Megatron's grouped GEMM (``moe_grouped_gemm=True``, local spec): ``weight1`` [H, L·F1] viewed as
+    [L, H, F1], ``weight2`` [L·F, H] viewed as [L, F, H]."""
+    TE_GROUPED = "TEGroupedMLP"
+    """TransformerEngine's grouped linears (``moe_grouped_gemm=True``, TE spec; mbridge, Megatron-Bridge):
+    ``linear_fc1.weight{l}`` [F1, H], ``linear_fc2.weight{l}`` [H, F]."""
+
+    @classmethod
+    def of(cls, experts: Any) -> "ExpertKind | None":
+        """The kind of a Megatron experts module, ``None`` for any other module."""
+        for kind, klass in ((cls.SEQUENTIAL, mc.SequentialMLP), (cls.GROUPED, mc.GroupedMLP),
+                            (cls.TE_GROUPED, mc.TEGroupedMLP)):
+            if isinstance(experts, klass):
+                return kind
+        return None
+
+
+@dataclass(frozen=True)
+class _ExpertWeights:
+    """The weights of one layer's local experts as grouped-GEMM operands, and their gradients back.
+
+    ``params``: the parameters the zero-memory node takes (its gradients go to them, in this order):
+    fc1's then fc2's.  :meth:`fc1_fwd` / :meth:`fc2_fwd` (and ``_bwd`` for the input gradients) build
+    the grouped-GEMM operands from them.
+    """
+
+    kind: ExpertKind
+    num_local: int
+    params: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, experts: Any, kind: ExpertKind) -> "_ExpertWeights":
+        """The weights of ``experts`` (a module of ``kind``)."""
+        n = int(experts.num_local_experts)
+        if kind is ExpertKind.SEQUENTIAL:
+            mods = list(experts.local_experts)
+            params = [m.linear_fc1.weight for m in mods] + [m.linear_fc2.weight for m in mods]
+        elif kind is ExpertKind.GROUPED:
+            params = [experts.weight1, experts.weight2]
+        else:
+            params = [getattr(experts.linear_fc1, f"weight{i}") for i in range(n)]
+            params += [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)]
+        return cls(kind=kind, num_local=n, params=tuple(params))
+
+    # GEMM operands, each contiguous (row-major) where it is built: per-expert weights are stacked for the
+    # orientation the GEMM reads (torch's CPU grouped_mm ran 7% faster on a row-major operand than on a
+    # transposed view), GroupedMLP's are views of its two parameters.
+
+    def fc1_fwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, H, F1]: fc1's forward operand (h_l = x_l W[l])."""
+        if self.kind is ExpertKind.GROUPED:
+            w = params[0]  # [H, L·F1]
+            return w.view(self.num_local, w.shape[0], -1)
+        return torch.stack([w.t() for w in params[: self.num_local]])  # L x [F1, H]ᵀ -> [L, H, F1]
+
+    def fc1_bwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, F1, H]: fc1's input-gradient operand (dx_l = dh_l W[l])."""
+        if self.kind is ExpertKind.GROUPED:
+            return self.fc1_fwd(params).transpose(1, 2)
+        return torch.stack(tuple(params[: self.num_local]))  # [L, F1, H]
+
+    def fc2_fwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, F, H]: fc2's forward operand."""
+        if self.kind is ExpertKind.GROUPED:
+            w = params[1]  # [L·F, H]
+            return w.view(self.num_local, -1, w.shape[1])
+        return torch.stack([w.t() for w in params[self.num_local:]])  # L x [H, F]ᵀ -> [L, F, H]
+
+    def fc2_bwd(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[L, H, F]: fc2's input-gradient operand (dz_l = dy_l W[l])."""
+        if self.kind is ExpertKind.GROUPED:
+            return self.fc2_fwd(params).transpose(1, 2)
+        return torch.stack(tuple(params[self.num_local:]))  # [L, H, F]
+
+    def fc1_grads(self, x_g: torch.Tensor, dh: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Gradients of fc1's parameters from its input x_g [R, H] and output gradient dh [R, F1]."""
+        if self.kind is ExpertKind.GROUPED:
+            return (grouped_mm_wgrad(x_g, dh, sizes).view(self.params[0].shape),)  # [L, H, F1] -> [H, L·F1]
+        return tuple(grouped_mm_wgrad(dh, x_g, sizes).unbind(0))  # L x [F1, H]
+
+    def fc2_grads(self, z: torch.Tensor, dy: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Gradients of fc2's parameters from its input z [R, F] and output gradient dy [R, H]."""
+        if self.kind is ExpertKind.GROUPED:
+            return (grouped_mm_wgrad(z, dy, sizes).view(self.params[1].shape),)  # [L, F, H] -> [L·F, H]
+        return tuple(grouped_mm_wgrad(dy, z, sizes).unbind(0))  # L x [H, F]
+
+
 @dataclass(frozen=True)
 class _ExpertSpec:
     """Non-tensor arguments of :class:`_ZeroMemoryExperts`."""
@@ -141,22 +248,21 @@ class _ExpertSpec:
     group: dist.ProcessGroup | None  # None when ep == 1
     activation: Callable[[torch.Tensor], torch.Tensor]
     trace: ZeroMemoryTrace | None
+    weights: _ExpertWeights
     swiglu_offset: float | None = None
-    """Set (Megatron's ``glu_linear_offset``) when the activation is plain SwiGLU (silu, no clamp):
-    the activation backward then runs the explicit formulas of :func:`_swiglu_backward`."""
+    """Set (Megatron's ``glu_linear_offset``; 0 for ``GroupedMLP``) when the activation is plain
+    SwiGLU (silu, no clamp): the activation backward then runs the explicit formulas of
+    :func:`_swiglu_grads`."""
 
     def record(self, name: str) -> None:
         """Record event ``name`` on the trace, if one is attached."""
         if self.trace is not None:
             self.trace.record(name)
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """[(start, end)] row range of each local expert in the grouped layout."""
-        out, off = [], 0
-        for n in self.meta.tokens_per_local_expert:
-            out.append((off, off + n))
-            off += n
-        return out
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """[L] rows of each local expert in the grouped layout."""
+        return self.meta.tokens_per_local_expert
 
 
 def _regroup(t: torch.Tensor, group_index: torch.Tensor | None) -> torch.Tensor:
@@ -175,41 +281,73 @@ def _act_times_probs(spec: _ExpertSpec, h: torch.Tensor, p: torch.Tensor) -> tor
     return (a * p.unsqueeze(-1)).to(a.dtype)
 
 
-def _swiglu_backward(
-    h: torch.Tensor, p: torch.Tensor, dy: torch.Tensor, w2: torch.Tensor, dh: torch.Tensor, offset: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's fc2 and SwiGLU-times-probs backward from its fc1 output; ``(dW2, dp)``.
+@dataclass
+class _SwigluParts:
+    """Intermediates of the SwiGLU × probs forward that its backward reuses (rows of h)."""
 
-    h [n, 2F] (fc1 output: gate half a, linear half b), p [n] probs, dy [n, H] grad of fc2's
-    output, w2 [H, F]; writes d h into ``dh`` [n, 2F].  Forward (Megatron MLP, unfused path):
-    act = silu(a) · (b + offset), z = (act · p).to(dt), y = z W2ᵀ.  Backward: the elementwise ops
-    autograd runs for that graph, in its order and dtypes (so results equal autograd's)::
+    a: torch.Tensor  # [n, F] gate half of h (view)
+    b: torch.Tensor  # [n, F] linear half of h (+ offset)
+    sa: torch.Tensor  # [n, F] silu(a)
+    act: torch.Tensor  # [n, F] silu(a) · b
 
-        dW2 = dyᵀ z;  dz = dy W2;  dp = Σ_f dz·act;  dact = dz·p
-        db = dact · silu(a);  da = silu_backward(dact · (b + offset), a)
-    """
+
+def _swiglu_z(h: torch.Tensor, p: torch.Tensor, offset: float) -> tuple[torch.Tensor, _SwigluParts]:
+    """z = (silu(a) · (b + offset) · p).to(dt) [n, F] from h [n, 2F] (gate half a, linear half b) and
+    probs p [n]; Megatron MLP's unfused graph, op by op."""
     f = h.shape[1] // 2
     a, b = h[:, :f], h[:, f:]  # [n, F] views
     if offset:
         b = b + offset
     sa = F.silu(a)  # [n, F]
     act = sa * b  # [n, F]
-    zdt = torch.promote_types(act.dtype, p.dtype)
+    z = (act * p.unsqueeze(-1)).to(act.dtype)  # [n, F] recomputed activation x probs
+    return z, _SwigluParts(a=a, b=b, sa=sa, act=act)
+
+
+def _swiglu_grads(parts: _SwigluParts, p: torch.Tensor, dz: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU × probs backward from dz [n, F] (grad of z); writes d h into ``dh`` [n, 2F] and
+    returns dp [n].  The elementwise ops autograd runs for :func:`_swiglu_z`'s graph, in its order
+    and dtypes (so results equal autograd's)::
+
+        dp = Σ_f dz·act;  dact = dz·p;  db = dact · silu(a);  da = silu_backward(dact · (b + offset), a)
+    """
+    f = dh.shape[1] // 2
+    zdt = torch.promote_types(parts.act.dtype, p.dtype)
     pc = p.unsqueeze(-1)  # [n, 1]
-    z = (act * pc).to(act.dtype)  # [n, F] recomputed activation x probs
-    dw2 = dy.t().matmul(z)  # fc2 weight grad [H, F]
-    del z
-    dz = dy.matmul(w2)  # fc2 input grad [n, F]
     dzc = dz.to(zdt)
-    dp = (dzc * act).sum(-1)  # [n] probs grad (in the promoted dtype, as autograd's mul backward)
-    del act
-    del dz
-    dact = dzc.mul_(pc).to(h.dtype)  # [n, F] (dzc is dz itself or its fresh up-cast: free to overwrite)
-    torch.mul(dact, sa, out=dh[:, f:])  # d b
-    del sa
-    dsa = dact.mul_(b)  # [n, F] d silu(a)
-    torch.ops.aten.silu_backward.grad_input(dsa, a, grad_input=dh[:, :f])  # d a
-    return dw2, dp.to(p.dtype)
+    dp = (dzc * parts.act).sum(-1)  # [n] probs grad (in the promoted dtype, as autograd's mul backward)
+    parts.act = None  # type: ignore[assignment]  (freed)
+    dact = dzc.mul_(pc).to(dh.dtype)  # [n, F] (dzc is dz itself or its fresh up-cast: free to overwrite)
+    torch.mul(dact, parts.sa, out=dh[:, f:])  # d b
+    parts.sa = None  # type: ignore[assignment]
+    dsa = dact.mul_(parts.b)  # [n, F] d silu(a)
+    torch.ops.aten.silu_backward.grad_input(dsa, parts.a, grad_input=dh[:, :f])  # d a
+    return dp.to(p.dtype)
+
+
+def _experts_backward(
+    spec: _ExpertSpec, h_g: torch.Tensor, p_g: torch.Tensor, dy_g: torch.Tensor, w2b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """fc2 and activation × probs backward of all local experts from fc1's output h_g [R, F1], the
+    received probs p_g [R], fc2's output gradient dy_g [R, H] and fc2's input-gradient operand w2b
+    [L, H, F]; ``(dh [R, F1], dp [R], fc2 grads)``."""
+    sizes = spec.sizes
+    if spec.swiglu_offset is not None:
+        dh_g = torch.empty_like(h_g)  # [R, F1]
+        z, parts = _swiglu_z(h_g, p_g, spec.swiglu_offset)  # [R, F]
+        dw2 = spec.weights.fc2_grads(z, dy_g, sizes)  # fc2 weight grads
+        del z
+        dz = grouped_mm(dy_g, w2b, sizes)  # [R, F] fc2 input grad
+        dp_g = _swiglu_grads(parts, p_g, dz, dh_g)
+        return dh_g, dp_g, dw2
+    with torch.enable_grad():
+        h_l = h_g.detach().requires_grad_(True)
+        p_l = p_g.detach().requires_grad_(True)
+        z = _act_times_probs(spec, h_l, p_l)  # recomputed activation [R, F]
+    dw2 = spec.weights.fc2_grads(z.detach(), dy_g, sizes)
+    dz = grouped_mm(dy_g, w2b, sizes)  # [R, F]
+    dh_g, dp_g = torch.autograd.grad(z, (h_l, p_l), dz)  # activation and probs backward
+    return dh_g, dp_g, dw2
 
 
 class _ZeroMemoryExperts(torch.autograd.Function):
@@ -229,9 +367,7 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         meta = spec.meta
-        n_local = meta.num_local_experts
         level0 = spec.level is ZeroMemoryLevel.LEVEL0
-        w1, w2 = weights[:n_local], weights[n_local:]
         x_perm = x.index_select(0, sorted_indices)  # [S, H]
         x_recv, _ = _all_to_all(x_perm, meta.output_splits, meta.input_splits, spec.group)  # [R, H]
         p_recv, _ = _all_to_all(probs_perm, meta.output_splits, meta.input_splits, spec.group)  # [R]
@@ -239,19 +375,14 @@ class _ZeroMemoryExperts(torch.autograd.Function):
         x_g = _regroup(x_recv, group_index)  # [R, H]
         p_g = _regroup(p_recv, group_index)  # [R]
         del x_recv, p_recv
-        num_rows, hidden = x_g.shape
-        # level0 keeps fc1's output for backward; level1 only needs one expert's at a time
-        h_g = x_g.new_empty((num_rows, w1[0].shape[0])) if level0 else None  # [R, F1]
-        y_g = x_g.new_empty((num_rows, hidden))  # [R, H]
-        for (s, e), w1_l, w2_l in zip(spec.chunks(), w1, w2):
-            if h_g is not None:
-                h_l = torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # fc1 [n_l, F1]
-            else:
-                h_l = torch.mm(x_g[s:e], w1_l.t())
-            z = _act_times_probs(spec, h_l, p_g[s:e])  # [n_l, F]
-            torch.mm(z, w2_l.t(), out=y_g[s:e])  # fc2 [n_l, H]
-            del z, h_l
+        hidden = x_g.shape[1]
+        h_g = grouped_mm(x_g, spec.weights.fc1_fwd(weights), spec.sizes)  # fc1 [R, F1]
         del x_g
+        z = _act_times_probs(spec, h_g, p_g)  # [R, F]
+        if not level0:
+            del h_g  # level1 recomputes fc1 in backward
+        y_g = grouped_mm(z, spec.weights.fc2_fwd(weights), spec.sizes)  # fc2 [R, H]
+        del z
         y_perm, _ = _all_to_all(_ungroup(y_g, group_index), meta.input_splits, meta.output_splits, spec.group)
         del y_g
         # unpermute (Megatron's moe_utils.unpermute without merging probs): scatter-add rows home
@@ -271,14 +402,13 @@ class _ZeroMemoryExperts(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         spec: _ExpertSpec = ctx.spec
         meta = spec.meta
-        n_local = meta.num_local_experts
+        sizes = spec.sizes
         level0 = spec.level is ZeroMemoryLevel.LEVEL0
         if level0:
             x, sorted_indices, gi, h_g, p_g, *weights = ctx.saved_tensors
         else:
             x, sorted_indices, gi, probs_perm, *weights = ctx.saved_tensors
         group_index = gi if ctx.has_group_index else None
-        w1, w2 = weights[:n_local], weights[n_local:]
         fwd = (meta.output_splits, meta.input_splits)  # dispatch direction (out, in)
         bwd = (meta.input_splits, meta.output_splits)  # combine direction
 
@@ -306,48 +436,27 @@ class _ZeroMemoryExperts(torch.autograd.Function):
             dy_recv, dy_work = _all_to_all(dy_perm, *fwd, spec.group, async_op=True)
             del dy_perm
             spec.record("combine_grad_issue")
+            w1f = spec.weights.fc1_fwd(weights)  # [L, H, F1] (built while the re-dispatch is in flight)
             _wait(x_work, p_work)
             spec.record("redispatch_wait")
             x_g = _regroup(x_re, group_index)  # [R, H]
             p_g = _regroup(p_re, group_index)  # [R]
             del x_re, p_re
-            h_g = x_g.new_empty((x_g.shape[0], w1[0].shape[0]))  # [R, F1]
-            for (s, e), w1_l in zip(spec.chunks(), w1):
-                torch.mm(x_g[s:e], w1_l.t(), out=h_g[s:e])  # recompute fc1 (dy's all-to-all in flight)
+            h_g = grouped_mm(x_g, w1f, sizes)  # [R, F1] recompute fc1 (dy's all-to-all in flight)
+            del w1f
             spec.record("fc1_recompute")
             _wait(dy_work)
             spec.record("combine_grad_a2a")
             dy_g = _regroup(dy_recv, group_index)  # [R, H]
             del dy_recv
 
-        dh_g = torch.empty_like(h_g)  # [R, F1]
-        dp_g = torch.empty_like(p_g)  # [R]
-        dw2: list[torch.Tensor] = []
-        for (s, e), w2_l in zip(spec.chunks(), w2):
-            if spec.swiglu_offset is not None:
-                dw2_l, dp_g[s:e] = _swiglu_backward(h_g[s:e], p_g[s:e], dy_g[s:e], w2_l, dh_g[s:e],
-                                                    spec.swiglu_offset)
-                dw2.append(dw2_l)
-                continue
-            with torch.enable_grad():
-                h_l = h_g[s:e].detach().requires_grad_(True)
-                p_l = p_g[s:e].detach().requires_grad_(True)
-                z = _act_times_probs(spec, h_l, p_l)  # recomputed activation [n_l, F]
-            dy_l = dy_g[s:e]
-            dw2.append(dy_l.t().matmul(z.detach()))  # fc2 weight grad [H, F]
-            dz = dy_l.matmul(w2_l)  # fc2 input grad [n_l, F]
-            dh_l, dp_l = torch.autograd.grad(z, (h_l, p_l), dz)  # activation and probs backward
-            dh_g[s:e] = dh_l
-            dp_g[s:e] = dp_l
-            del z, dz, dh_l, dp_l
+        dh_g, dp_g, dw2 = _experts_backward(spec, h_g, p_g, dy_g, spec.weights.fc2_bwd(weights))
         spec.record("fc2_backward")
         spec.record("probs_backward")
         del h_g, p_g, dy_g
 
         spec.record("fc1_dgrad_start")
-        dx_g = x.new_empty((dh_g.shape[0], x.shape[1]))  # [R, H]
-        for (s, e), w1_l in zip(spec.chunks(), w1):
-            torch.mm(dh_g[s:e], w1_l, out=dx_g[s:e])  # fc1 input grad
+        dx_g = grouped_mm(dh_g, spec.weights.fc1_bwd(weights), sizes)  # [R, H] fc1 input grad
         spec.record("fc1_dgrad_end")
         # input and probs gradients go home (combine direction) while fc1's weight gradient runs
         dx_perm, dx_work = _all_to_all(_ungroup(dx_g, group_index), *bwd, spec.group, async_op=True)
@@ -360,7 +469,7 @@ class _ZeroMemoryExperts(torch.autograd.Function):
             x_g = _regroup(x_re, group_index)  # [R, H]
             del x_re
         assert x_g is not None
-        dw1 = [dh_g[s:e].t().matmul(x_g[s:e]) for (s, e) in spec.chunks()]  # fc1 weight grads [F1, H]
+        dw1 = spec.weights.fc1_grads(x_g, dh_g, sizes)  # fc1 weight grads
         spec.record("fc1_wgrad")
         del x_g, dh_g
 
@@ -373,11 +482,20 @@ class _ZeroMemoryExperts(torch.autograd.Function):
 # --- the layer -----------------------------------------------------------------------------------------
 
 
-def _expert_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Activation of Megatron's expert MLP (non-fused path of ``megatron.core.transformer.mlp.MLP``)."""
+def _expert_activation(config: Any, kind: ExpertKind) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation of the experts: the non-fused path of Megatron's ``MLP`` (``SequentialMLP``) and of
+    ``TEGroupedMLP`` (gated: clamp and ``glu_linear_offset`` applied), or ``GroupedMLP``'s own
+    (gated: ``act(h_a) · h_b``, no clamp, no offset)."""
     act = config.activation_func
     if not config.gated_linear_unit:
         return act
+    if kind is ExpertKind.GROUPED:
+
+        def grouped_glu(h: torch.Tensor) -> torch.Tensor:
+            x_glu, x_linear = torch.chunk(h, 2, dim=-1)  # [n, F] each
+            return act(x_glu) * x_linear
+
+        return grouped_glu
     clamp = config.activation_func_clamp_value
     offset = config.glu_linear_offset
 
@@ -391,9 +509,14 @@ def _expert_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return glu
 
 
-def _swiglu_offset(config: Any) -> float | None:
-    """``glu_linear_offset`` when the expert activation is plain SwiGLU (gated silu, no clamp), else None."""
-    if config.gated_linear_unit and config.activation_func is F.silu and config.activation_func_clamp_value is None:
+def _swiglu_offset(config: Any, kind: ExpertKind) -> float | None:
+    """The linear half's offset when the expert activation is plain SwiGLU (gated silu, no clamp):
+    ``glu_linear_offset`` (``GroupedMLP``: 0, it applies neither), else None."""
+    if not (config.gated_linear_unit and config.activation_func is F.silu):
+        return None
+    if kind is ExpertKind.GROUPED:
+        return 0.0
+    if config.activation_func_clamp_value is None:
         return float(config.glu_linear_offset)
     return None
 
@@ -403,9 +526,10 @@ class ZeroMemoryMoELayer(mc.MoELayer):
 
     Same parameters, state-dict names and numerics as ``MoELayer``; with ``ZeroMemoryLevel.NONE``
     it *is* ``MoELayer.forward``.  Supported configuration (checked when a level other than NONE is
-    set): all-to-all dispatcher, ``SequentialMLP`` experts without bias, expert TP = 1, dropless
-    (no capacity factor / padding), no fp8/fp4, no latent projections, no shared-expert overlap,
-    and not combined with Megatron's own ``moe`` recompute.
+    set): all-to-all dispatcher; ``SequentialMLP``, ``GroupedMLP`` or ``TEGroupedMLP`` experts
+    (:class:`ExpertKind`) without bias; expert TP = 1, dropless (no capacity factor / padding), no
+    fp8/fp4, no latent projections, no shared-expert overlap, and not combined with Megatron's own
+    ``moe`` recompute.
 
     ``trace``: optional :class:`ZeroMemoryTrace` receiving the backward's event order.
     """
@@ -455,8 +579,17 @@ class ZeroMemoryMoELayer(mc.MoELayer):
         problems = []
         if cfg.moe_token_dispatcher_type != "alltoall":
             problems.append(f"moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} (needs 'alltoall')")
-        if type(self.experts).__name__ != "SequentialMLP":
-            problems.append(f"experts are {type(self.experts).__name__} (needs SequentialMLP: moe_grouped_gemm=False)")
+        kind = ExpertKind.of(self.experts)
+        if kind is None:
+            problems.append(f"experts are {type(self.experts).__name__} (zero-memory takes "
+                            + ", ".join(k.value for k in ExpertKind) + ")")
+        elif kind is ExpertKind.TE_GROUPED:
+            n = int(self.experts.num_local_experts)
+            for proj in ("linear_fc1", "linear_fc2"):
+                names = {name for name, _ in getattr(self.experts, proj).named_parameters()}
+                if names != {f"weight{i}" for i in range(n)}:
+                    problems.append(f"TEGroupedMLP {proj} holds {sorted(names)} (needs weight0..weight{n - 1}, "
+                                    "one [out, in] weight per expert)")
         if cfg.add_bias_linear:
             problems.append("add_bias_linear=True (expert biases are not supported)")
         if (cfg.expert_tensor_parallel_size or 1) != 1:
@@ -499,17 +632,19 @@ class ZeroMemoryMoELayer(mc.MoELayer):
         sorted_indices = permutation_indices(routing_map)  # [S]
         probs_perm = probs.T.contiguous().masked_select(routing_map.T.contiguous())  # [S]
         group_index = None if meta.group_index is None else meta.group_index.to(x.device)
+        kind = ExpertKind.of(self.experts)
+        assert kind is not None  # _check_supported
+        weights = _ExpertWeights.of(self.experts, kind)
         spec = _ExpertSpec(
             level=self.zero_memory_level,
             meta=meta,
             group=self.ep_group if meta.ep_size > 1 else None,
-            activation=_expert_activation(self.experts.config),
+            activation=_expert_activation(self.experts.config, kind),
             trace=self.trace,
-            swiglu_offset=_swiglu_offset(self.experts.config),
+            weights=weights,
+            swiglu_offset=_swiglu_offset(self.experts.config, kind),
         )
-        experts = self.experts.local_experts
-        weights = [m.linear_fc1.weight for m in experts] + [m.linear_fc2.weight for m in experts]
-        out = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights)  # [T, H]
+        out = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights.params)  # [T, H]
         out = out.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_out is not None:
             out = out + shared_out

@@ -23,7 +23,6 @@ __all__ = [
     "check_fused_kernels",
     "check_actor_config",
     "check_per_token_loss",
-    "check_zero_memory_experts",
     "check_model_features",
     "check_engine_settings",
     "check_shared_layout",
@@ -96,16 +95,6 @@ def check_per_token_loss(value: Any, key: str) -> None:
             f"{key}={value!r}: hdp's round loop returns verl's globally normalised loss per group (Megatron's "
             "per-micro-batch regime), not the per-token 3-tuple; remove the override (MoE aux/z losses then follow "
             "Megatron's per-micro-batch scaling)"
-        )
-
-
-def check_zero_memory_experts(grouped_gemm: Any, zero_memory: str, key: str, zero_key: str) -> None:
-    """MoE zero-memory recomputes per-expert MLPs (``SequentialMLP``): grouped-GEMM experts cannot run it.
-    ``key``: the grouped-GEMM setting's key; ``zero_key``: hdp's zero-memory option's key."""
-    if zero_memory != "none" and grouped_gemm is not None and bool(grouped_gemm):
-        raise ValueError(
-            f"{key}={grouped_gemm!r} with {zero_key}={zero_memory}: zero-memory recomputes the per-expert MLPs "
-            f"(SequentialMLP) and cannot run grouped GEMM experts; set {key}=False or {zero_key}=none"
         )
 
 

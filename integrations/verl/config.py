@@ -35,7 +35,6 @@ from hdp.integrations.verl.checks import (
     check_remove_padding,
     check_token_budgets,
     check_ulysses,
-    check_zero_memory_experts,
     role_key,
 )
 from hdp.moe.zero_memory import ZeroMemoryLevel
@@ -140,9 +139,6 @@ class HdpEngineConfig(compat.McoreEngineConfig):
                 f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
-        overrides = dict(self.override_transformer_config or {})
-        check_zero_memory_experts(overrides.get("moe_grouped_gemm", False), self.hdp.zero_memory.value,
-                                  f"{key}.override_transformer_config.moe_grouped_gemm", f"{hkey}.zero_memory")
         check_fused_kernels(getattr(self, "use_fused_kernels", False))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:

@@ -46,7 +46,7 @@ from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
 from hdp.integrations.verl.checkpoint import loaded_view, saved_view
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
-                                          check_shared_layout, check_zero_memory_experts, role_key)
+                                          check_shared_layout, role_key)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
 from hdp.integrations.verl.routes import route_replay
@@ -219,8 +219,6 @@ class HdpMegatronEngine(_MegatronLM):
         cfg, key = self.tf_config, f"{self.role_key}.megatron.override_transformer_config"
         if cfg is not None:  # what the built config says (a model's own defaults included)
             check_per_token_loss(getattr(cfg, "calculate_per_token_loss", False), f"{key}.calculate_per_token_loss")
-            check_zero_memory_experts(getattr(cfg, "moe_grouped_gemm", False), self.hdp_config.hdp.zero_memory.value,
-                                      f"{key}.moe_grouped_gemm", f"{self.role_key}.hdp.zero_memory")
 
     def _build_megatron_module(self) -> Any:
         module = super()._build_megatron_module()

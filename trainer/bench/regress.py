@@ -234,7 +234,8 @@ def _moe() -> dict[str, Any]:
 
     # 30 paired steps: on the shared 2-core VM the level1 row's paired median spread over 0.09 in three runs of
     # 12 steps (and 0.036-0.095 in full runs: half over the row's tolerance) and over 0.03 in three of 30
-    return bench_moe(ep=2, tokens=1024, seq_length=512, num_experts=32, topk=4, iters=30, layer_iters=3)
+    return bench_moe(ep=2, tokens=1024, seq_length=512, num_experts=32, topk=4, iters=30, layer_iters=3,
+                     experts=("sequential",))
 
 
 def _memory() -> dict[str, Any]:

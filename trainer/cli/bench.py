@@ -73,6 +73,9 @@ def add_moe(sub: Any) -> argparse.ArgumentParser:
                    help="sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
     p.add_argument("--system-malloc", action="store_true", dest="system_malloc",
                    help="glibc's default malloc instead of reusing freed memory like a GPU allocator")
+    p.add_argument("--experts", default="sequential,te_grouped", metavar="A,B",
+                   help="expert kinds side by side: sequential (SequentialMLP), te_grouped (TEGroupedMLP's grouped "
+                        "GEMMs) (default both)")
     p.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny MoE, one timed step (seconds; "
                                                         "checks that it runs, its figures are not the benchmark's)")
     return p
@@ -300,6 +303,11 @@ def _bench_moe(args: argparse.Namespace) -> int:
     shape = dict(SMOKE) if args.smoke else {}
     if args.seq_length:
         shape["seq_length"] = args.seq_length
+    kinds = tuple(k.strip() for k in args.experts.split(",") if k.strip())
+    bad = [k for k in kinds if k not in ("sequential", "te_grouped")]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise CliError(f"--experts={args.experts!r}: choose distinct kinds among sequential, te_grouped")
+    shape["experts"] = kinds
     result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
     if args.json:
         _emit_json(result)

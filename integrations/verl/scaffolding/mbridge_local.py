@@ -5,8 +5,12 @@ mbridge 0.15 builds every model with ``get_gpt_decoder_block_spec(config, use_tr
 norm fused into ``linear_qkv.layer_norm_weight``, grouped experts ``experts.linear_fc1.weight{i}``).
 Without TransformerEngine (CPU) the local spec is the only one that builds, so these subclasses
 
-* build the local spec, with ``moe_grouped_gemm=False`` (``SequentialMLP`` experts, which hdp's
-  MoE zero-memory needs) and the fused-kernel flags off (no Apex / TE on CPU);
+* build the local spec, with the fused-kernel flags off (no Apex / TE on CPU) and, by default,
+  ``moe_grouped_gemm=False`` (``SequentialMLP`` experts);
+* with ``moe_grouped_gemm=True`` (verl's ``override_transformer_config.moe_grouped_gemm=True``; mbridge's
+  own default for Qwen3-MoE) build the experts as on GPUs, Megatron's ``TEGroupedMLP``, over hdp's CPU
+  stand-in of TransformerEngine's grouped linear (:mod:`hdp.megatron_compat.grouped_experts`: the same
+  ``experts.linear_fc1.weight{i}`` parameters mbridge maps);
 * translate the local parameter names to the TE names mbridge maps, so loading, EP expert
   numbering and export (``export_weights``) stay mbridge's own code.
 
@@ -15,6 +19,7 @@ Without TransformerEngine (CPU) the local spec is the only one that builds, so t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
@@ -81,8 +86,13 @@ class _LocalSpec:
     def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+        from hdp.megatron_compat.grouped_experts import with_te_grouped_experts
+
         self.has_vp_stage = True
         spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)  # type: ignore[attr-defined]
+        if self.config.moe_grouped_gemm:  # type: ignore[attr-defined]
+            # TE's experts, as mbridge builds them on GPUs (the local spec's would be the legacy GroupedMLP)
+            spec = dataclasses.replace(spec, layer_specs=[with_te_grouped_experts(s) for s in spec.layer_specs])
         return _sp_norms(spec)
 
     def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
