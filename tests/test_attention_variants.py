@@ -243,3 +243,62 @@ def test_handled_fields_give_the_settings():
     assert check_attention_config(_tf(window_size=(-1, 0))).window is None  # left -1: unbounded
     with pytest.raises(ValueError, match=r"window_size=\(7, 3\)"):
         check_attention_config(_tf(window_size=(7, 3)))
+
+
+# ---- model level: hdp's Megatron GPT against Megatron's own local attention (2 ranks, one CP group) -------
+
+MODEL_VARIANTS = {
+    "window-every-2nd-layer-scale": dict(window_size=5, window_attn_skip_freq=2, softmax_scale=0.2),
+    "off-by-one": dict(softmax_type="off-by-one"),
+    "learnable-sinks-window": dict(softmax_type="learnable", window_size=9),
+}
+
+
+def _model_variant(rank, world, name):
+    from hdp import megatron_compat as mc
+    from hdp.trainer.attention_spec import CPContext, packed_seq_params
+    from hdp.trainer.model import ModelConfig, build_gpt_model, packed_logits
+
+    rt = mc.initialize_megatron(device="cpu", seed=1234)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      **MODEL_VARIANTS[name])
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, "cpu", groups=rt.groups)
+    if cfg.softmax_type.value == "learnable":  # sinks of both signs and sizes, not Megatron's 0.02-std init
+        with torch.no_grad():
+            for layer in model.decoder.layers:
+                layer.self_attention.core_attention.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
+    stock = mc.GPTModel(config=model.config, transformer_layer_spec=mc.get_gpt_layer_local_spec(
+        normalization=cfg.normalization), vocab_size=64, max_sequence_length=64, position_embedding_type="rope",
+        rotary_base=cfg.rotary_base)
+    missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
+    assert not [k for k in missing if "_extra_state" not in k] and not unexpected, (missing, unexpected)
+    lengths = (29, 6)  # one CP group of 2 ranks: 29 tokens cut into chunks of 7-8, the windows cross them
+    gen = torch.Generator().manual_seed(5)
+    samples = [torch.randint(0, 64, (n,), generator=gen) for n in lengths]
+    weights = [torch.randn(n, 64, generator=gen) for n in lengths]
+    groups = DomainGroups.build(dist.group.WORLD)
+    ctx = CPContext(group_lengths=lengths, k_group=2, ring=groups.ring(0, 2))
+    lay = ctx.layout()
+    pick = lambda xs: torch.cat([torch.cat([x[fs:fe], x[bs:be]])  # noqa: E731
+                                 for x, (fs, fe), (bs, be) in zip(xs, lay.front, lay.back)])
+    logits = packed_logits(model, pick(samples), packed_seq_params(lengths, torch.device("cpu"), cp=ctx))
+    (logits * pick(weights)).sum().backward()
+    ref = [stock(input_ids=s[None], position_ids=torch.arange(len(s))[None], attention_mask=None)[0]
+           for s in samples]  # [L, V] each, Megatron's own RoPE and DotProductAttention
+    sum((r * w).sum() for r, w in zip(ref, weights)).backward()
+    torch.testing.assert_close(logits, pick(ref), atol=1e-5, rtol=0, msg=lambda m: f"{name} logits: {m}")
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    for n, g in grads.items():  # each rank's loss covers its own tokens: the sum over the group is the full grad
+        g = g.clone()
+        dist.all_reduce(g, group=dist.group.WORLD)
+        torch.testing.assert_close(g, stock_grads[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
+    if cfg.softmax_type.value == "learnable":
+        assert any("softmax_offset" in n for n in grads)
+    rt.close()
+
+
+@pytest.mark.parametrize("name", list(MODEL_VARIANTS))
+def test_model_variants_match_megatrons_local_attention(name):
+    run_distributed(_model_variant, 2, name, timeout=240)
