@@ -100,6 +100,10 @@ class ModelConfig(MovedFields):
     """Head dim; ``None``: hidden_size / num_attention_heads."""
     qk_layernorm: bool = False
     """RMS/LayerNorm on each query and key head before RoPE (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm layer (HF ``rms_norm_eps``)."""
     window_size: int | None = None
     """Sliding-window attention: each token sees the keys at most this many positions before it (Megatron
     ``window_size=(w, 0)``; HF ``sliding_window = w + 1``); ``None``: full causal attention."""
@@ -160,6 +164,8 @@ class ModelConfig(MovedFields):
 
     def _check_attention(self) -> None:
         """The attention fields (typed and validated here; the Megatron side by ``check_attention_config``)."""
+        if not (isinstance(self.norm_epsilon, (int, float)) and 0 < self.norm_epsilon < 1):
+            raise ValueError(f"ModelConfig.norm_epsilon={self.norm_epsilon!r}: pass a small positive number (1e-5, 1e-6)")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"ModelConfig.rotary_percent={self.rotary_percent}: must be in (0, 1]")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -287,6 +293,8 @@ def transformer_config(
         normalization=cfg.normalization,
         kv_channels=cfg.kv_channels,
         qk_layernorm=cfg.qk_layernorm,
+        add_qkv_bias=cfg.add_qkv_bias,
+        layernorm_epsilon=cfg.norm_epsilon,
         window_size=(cfg.window_size, 0) if cfg.window_size is not None else None,
         window_attn_skip_freq=(list(cfg.window_attn_skip_freq) if isinstance(cfg.window_attn_skip_freq, tuple)
                                else cfg.window_attn_skip_freq),
