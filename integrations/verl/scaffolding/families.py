@@ -74,9 +74,9 @@ class Case:
         for role in ("actor", "ref"):
             key = f"actor_rollout_ref.{role}.megatron.override_transformer_config"
             if self.sinks is not None:
-                out.append(f"+{key}.softmax_type={self.sinks}")
+                out.append(f"++{key}.softmax_type={self.sinks}")
             if self.softmax_scale is not None:
-                out.append(f"+{key}.softmax_scale={self.softmax_scale}")
+                out.append(f"++{key}.softmax_scale={self.softmax_scale}")
         return out
 
 
@@ -249,7 +249,8 @@ def library_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
         batch = Batch(tokens=tokens)
         plan = engine.plan(batch)
         got = engine.forward(batch, plan=plan).logprobs
-        want = hf_logprobs(ref, tokens)
+        with torch.no_grad():
+            want = hf_logprobs(ref, tokens)
         err = max(float((a.float() - b).abs().max()) for a, b in zip(got, want))
         metrics = engine.train_step(batch, plan=plan)
     finally:
@@ -258,10 +259,10 @@ def library_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     loss = -sum(w[1:].sum() for w in hf_logprobs(ref, tokens)) / n_tok
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters() if p.grad is not None))
-    loss_rel = abs(metrics["loss"] - float(loss)) / max(1.0, abs(float(loss)))
-    norm_rel = abs(metrics["grad_norm"] - norm) / norm
+    loss_rel = abs(float(metrics["loss"]) - float(loss)) / max(1.0, abs(float(loss)))
+    norm_rel = abs(float(metrics["grad_norm"]) - norm) / norm
     return {"logp_err": err, "loss_rel": loss_rel, "norm_rel": norm_rel, "cp_groups": int((plan.group_size > 1).sum()),
-            "ok": err <= LOGP_TOL and loss_rel <= LOSS_RTOL and norm_rel <= NORM_RTOL}
+            "ok": bool(err <= LOGP_TOL and loss_rel <= LOSS_RTOL and norm_rel <= NORM_RTOL)}
 
 
 # ---- the verl door --------------------------------------------------------------------------------------------
@@ -327,7 +328,8 @@ def verl_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if rank == src:
         ref = reference_model(path, case, sinks)
-        want = hf_logprobs(ref, [p + r for p, r in samples])
+        with torch.no_grad():
+            want = hf_logprobs(ref, [p + r for p, r in samples])
         # verl aligns log-probs with the inputs: position p holds log p(token p+1)
         err = max(float((a[:-1].float() - b[1:]).abs().max()) for a, b in zip(got, want))
         data = B.update_batch(padded, extra, mini_batch_size=n, calculate_entropy=False)
@@ -341,11 +343,11 @@ def verl_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
         loss.backward()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters() if p.grad is not None))
         m = reduce_metrics(tu.get(upd, "metrics"))
-        loss_rel = abs(m["loss"] - float(loss)) / max(1.0, abs(float(loss)))
-        norm_rel = abs(m["grad_norm"] - norm) / norm
+        loss_rel = abs(float(m["loss"]) - float(loss)) / max(1.0, abs(float(loss)))
+        norm_rel = abs(float(m["grad_norm"]) - norm) / norm
         result = {"logp_err": err, "loss_rel": loss_rel, "norm_rel": norm_rel,
                   "cp_groups": int((plan.group_size > 1).sum()),
-                  "ok": err <= LOGP_TOL and loss_rel <= LOSS_RTOL and norm_rel <= NORM_RTOL}
+                  "ok": bool(err <= LOGP_TOL and loss_rel <= LOSS_RTOL and norm_rel <= NORM_RTOL)}
     box = [result]
     dist.broadcast_object_list(box, src=src, group=dist.group.WORLD)
     return box[0]
