@@ -259,7 +259,7 @@ def library_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     loss = -sum(w[1:].sum() for w in hf_logprobs(ref, tokens)) / n_tok
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters() if p.grad is not None))
-    loss_rel = abs(float(metrics["loss"]) - float(loss)) / max(1.0, abs(float(loss)))
+    loss_rel = abs(float(metrics["loss"]) - loss.item()) / max(1.0, abs(loss.item()))
     norm_rel = abs(float(metrics["grad_norm"]) - norm) / norm
     return {"logp_err": err, "loss_rel": loss_rel, "norm_rel": norm_rel, "cp_groups": int((plan.group_size > 1).sum()),
             "ok": bool(err <= LOGP_TOL and loss_rel <= LOSS_RTOL and norm_rel <= NORM_RTOL)}
@@ -343,7 +343,7 @@ def verl_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
         loss.backward()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters() if p.grad is not None))
         m = reduce_metrics(tu.get(upd, "metrics"))
-        loss_rel = abs(float(m["loss"]) - float(loss)) / max(1.0, abs(float(loss)))
+        loss_rel = abs(float(m["loss"]) - loss.item()) / max(1.0, abs(loss.item()))
         norm_rel = abs(float(m["grad_norm"]) - norm) / norm
         result = {"logp_err": err, "loss_rel": loss_rel, "norm_rel": norm_rel,
                   "cp_groups": int((plan.group_size > 1).sum()),
