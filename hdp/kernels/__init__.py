@@ -114,7 +114,7 @@ class AttentionKernel:
                 cu_seqlens_k: torch.Tensor, causal: bool, scale: float, *,
                 window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``fwd`` with the variants: ``(out [Tq, Hq, Dv], lse [Hq, Tq])``."""
-        if self.name is KernelName.REFERENCE or self._needs_reference(q, v, window):
+        if self._needs_reference(q, v, window):
             return reference.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
         if window is not None:
             return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)  # type: ignore[call-arg]
@@ -124,7 +124,7 @@ class AttentionKernel:
                  lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                  scale: float, *, window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``bwd`` with the variants: ``(dq, dk, dv)``."""
-        if self.name is KernelName.REFERENCE or self._needs_reference(q, v, window):
+        if self._needs_reference(q, v, window):
             return reference.attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                       window=window)
         if window is not None:
