@@ -90,6 +90,30 @@ def test_local_kernel_window_sink_and_value_dim_match_naive(window, sink_kind):
         torch.testing.assert_close(sink.grad, ref_sink.grad, atol=TOL64, rtol=0)
 
 
+def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those_calls():
+    """An adapter that declares no window (flash-attn, torch-flash, NPU) is called for plain calls only; a
+    windowed call, or one with Dv != D, runs the reference kernel."""
+    from hdp.kernels import AttentionKernel, KernelName
+
+    calls = []
+
+    def fwd(*a):
+        calls.append("fwd")
+        return reference.attn_fwd(*a)
+
+    kern = AttentionKernel(KernelName.TORCH_FLASH, fwd, reference.attn_bwd)
+    q, k, v, _ = _qkv(10, 1, dv=D)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    pos = torch.arange(10)
+    kern.forward(q, k, v, cu, cu, True, 0.5)
+    assert calls == ["fwd"]
+    out, _ = kern.forward(q, k, v, cu, cu, True, 0.5, window=KeyWindow(2, pos, pos))
+    _, _, v6, _ = _qkv(10, 1, dv=DV)
+    kern.forward(q, k, v6, cu, cu, True, 0.5)
+    assert calls == ["fwd"]  # neither went to the adapter
+    torch.testing.assert_close(out, naive(q, k, v, [10], 0.5, window=2), atol=TOL64, rtol=0)
+
+
 @pytest.mark.parametrize("window", [0, 2, 9])
 def test_reference_blocks_with_window(window):
     """Blocks smaller than the window and than the samples: skipped, full and partial blocks all occur."""
