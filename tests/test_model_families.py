@@ -29,6 +29,12 @@ def _library(rank: int, world: int, name: str, root: str) -> dict:
     return library_door(rank, world, name, root)
 
 
+def _library_tp2(rank: int, world: int, name: str, root: str) -> dict:
+    from hdp.integrations.verl.scaffolding.families import library_door
+
+    return library_door(rank, world, name, root, tp=2)
+
+
 def _verl(rank: int, world: int, name: str, root: str) -> dict:
     from hdp.integrations.verl.scaffolding.families import verl_door
 
@@ -49,6 +55,13 @@ def _check(results: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", LIBRARY)
 def test_library_door_matches_hf(name: str, tmp_path) -> None:
     _check(run_distributed(_library, 2, name, str(tmp_path), timeout=300), name)
+
+
+@pytest.mark.parametrize("name", ["mistral-sinks", "qwen2-window"])
+def test_library_door_under_tp2_matches_hf(name: str, tmp_path) -> None:
+    """TP 2 x domain 2 (sequence parallel): the learned sinks are TP-sharded by head like Megatron's
+    ``softmax_offset``; Qwen2's QKV bias and per-layer windows on each TP rank's heads."""
+    _check(run_distributed(_library_tp2, 4, name, str(tmp_path), timeout=400), name)
 
 
 @pytest.mark.slow

@@ -219,14 +219,15 @@ def _random_tokens(lengths: Sequence[int], vocab: int, seed: int) -> list[torch.
     return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
 
 
-def library_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
-    """One family through ``HdpEngine.build`` on ``world`` gloo ranks (a domain): log-probs, loss and grad norm
-    against HF.  Returns ``{"logp_err", "loss_rel", "norm_rel", "cp_groups", "ok"}`` (the same on every rank)."""
+def library_door(rank: int, world: int, name: str, root: str, tp: int = 1) -> dict[str, Any]:
+    """One family through ``HdpEngine.build`` on ``world`` gloo ranks (TP ``tp`` × a domain of the rest): log-probs,
+    loss and grad norm against HF.  Returns ``{"logp_err", "loss_rel", "norm_rel", "cp_groups", "ok"}`` (the same on
+    every rank)."""
     import torch.distributed as dist
 
     from hdp.integrations.verl.scaffolding.tiny import build_tiny
     from hdp.packing import cost_model
-    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.config import EngineConfig, ParallelConfig, PlanningConfig
     from hdp.trainer.engine import Batch, HdpEngine
     from hdp.trainer.model import OptimConfig
 
@@ -239,6 +240,7 @@ def library_door(rank: int, world: int, name: str, root: str) -> dict[str, Any]:
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     cfg = EngineConfig(
         model=model_config(ref.config, case),
+        parallel=ParallelConfig(tp=tp),
         optim=OptimConfig(lr=1e-3),
         planning=PlanningConfig(max_tokens_per_rank=LIBRARY_BUDGET, cost_model=cost_model("cpu-tiny", "cpu-gloo")),
         device="cpu",
