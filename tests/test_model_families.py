@@ -87,3 +87,48 @@ def test_every_family_has_a_regress_row() -> None:
 
     assert [name for name, _ in MODEL_FAMILIES] == list(CASES)
     assert {f"models-{name}-exact" for name in CASES} <= {r.name for r in ROWS}
+
+
+def _sinks_checkpoint(rank: int, world: int, root: str) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from hdp.integrations.verl.scaffolding.families import CASES, hf_init_fn, model_config, reference_model
+    from hdp.integrations.verl.scaffolding.tiny import build_tiny
+    from hdp.packing import cost_model
+    from hdp.trainer.config import EngineConfig, PlanningConfig
+    from hdp.trainer.engine import HdpEngine
+
+    case = CASES["mistral-sinks"]
+    path = os.path.join(root, "model")
+    if rank == 0:
+        build_tiny(path, family=case.hf)
+    dist.barrier(group=dist.group.WORLD)
+    ref = reference_model(path, case)
+    cfg = EngineConfig(model=model_config(ref.config, case), device="cpu", planning=PlanningConfig(
+        max_tokens_per_rank=48, cost_model=cost_model("cpu-tiny", "cpu-gloo")))
+    engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=hf_init_fn(ref.state_dict(), ref.config))
+    out = {}
+    try:
+        for fmt in ("dist", "per-rank"):
+            ckpt = os.path.join(root, f"ckpt-{fmt}")
+            engine.save_checkpoint(ckpt, format=fmt)
+            saved = {n: p.detach().clone() for n, p in engine.model.named_parameters() if "softmax_offset" in n}
+            with torch.no_grad():
+                for n, p in engine.model.named_parameters():
+                    if n in saved:
+                        p.add_(1.0)
+            engine.load_checkpoint(ckpt)
+            now = {n: p.detach() for n, p in engine.model.named_parameters() if n in saved}
+            out[fmt] = len(saved) == 2 and all(torch.equal(saved[n], now[n]) for n in saved)
+    finally:
+        engine.close()
+    return out
+
+
+def test_library_door_checkpoints_keep_the_learned_sinks(tmp_path) -> None:
+    """``softmax_offset`` (one per layer) is saved and restored by Megatron's distributed format and the per-rank one."""
+    for r in run_distributed(_sinks_checkpoint, 2, str(tmp_path), timeout=300):
+        assert r == {"dist": True, "per-rank": True}, r
