@@ -63,3 +63,81 @@ def test_rope_bad_input():
         apply_rope_packed(torch.zeros(4, 1, 4), torch.arange(4), rotary_dim=8)
     with pytest.raises(ValueError, match="expected THD"):
         apply_rope_packed(torch.zeros(4, 4), torch.arange(4))
+
+
+# ---- frequency variants against transformers' own definitions --------------------------------------------
+
+
+def _hf_cases():
+    from transformers import LlamaConfig, Qwen3Config
+
+    from hdp.rope import RopeScaling
+
+    common = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024)
+    return [
+        ("llama3", LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}),
+         RopeScaling(type="llama3", factor=8.0, original_max_position_embeddings=64), 5e5),
+        ("yarn", Qwen3Config(**common, head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                                     "original_max_position_embeddings": 32}),
+         RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=32), 1e6),
+        ("yarn-deepseek", Qwen3Config(**common, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 64,
+            "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 16, "truncate": False}),
+         RopeScaling(type="yarn", factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.707,
+                     beta_fast=16, truncate=False), 1e4),
+        ("linear", LlamaConfig(**common, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+         RopeScaling(type="linear", factor=2.0), 1e4),
+        ("dynamic", LlamaConfig(**common, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+         RopeScaling(type="dynamic", factor=2.0, original_max_position_embeddings=1024), 1e4),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_frequencies_match_transformers(index):
+    """inv_freq and the attention factor of every variant equal transformers' (to its float32 evaluation: 2e-6
+    relative, the YaRN ramp between whole dims in float32), and the cos/sin tables at positions up to 300."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hdp.rope import rope_frequencies
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        name, hf, spec, base = _hf_cases()[index]
+    kind = hf.rope_parameters["rope_type"]
+    want, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    got, got_factor = rope_frequencies(16, base=base, scaling=spec, dtype=torch.float64)
+    torch.testing.assert_close(got, want.double(), rtol=2e-6, atol=0, msg=lambda m: f"{name}: {m}")
+    assert got_factor == pytest.approx(factor, rel=1e-12), name
+    pos = torch.arange(300)
+    cos, sin = rope_cos_sin(pos, 16, base=base, scaling=spec, dtype=torch.float64)
+    ang = pos[:, None].double() * want.double()[None]
+    torch.testing.assert_close(cos[:, 0, :8], ang.cos() * factor, atol=1e-4, rtol=0)  # float32 inv_freq x 300
+    torch.testing.assert_close(sin[:, 0, 8:], ang.sin() * factor, atol=1e-4, rtol=0)
+
+
+def test_rope_scaling_validation_names_the_field():
+    from hdp.rope import RopeScaling
+
+    with pytest.raises(ValueError, match="RopeScaling.type='longrope'"):
+        RopeScaling(type="longrope")
+    with pytest.raises(ValueError, match="original_max_position_embeddings=None: rope_type llama3"):
+        RopeScaling(type="llama3", factor=8.0)
+    with pytest.raises(ValueError, match="low_freq_factor=4.0, high_freq_factor=1.0"):
+        RopeScaling(type="llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=4.0,
+                    high_freq_factor=1.0)
+    with pytest.raises(ValueError, match="factor=0"):
+        RopeScaling(type="linear", factor=0)
+
+
+def test_decoupled_rope_part_rotates_the_tail():
+    """``start``: a RoPE part at the end of the head (MLA's q_pe / k_pe) rotates as a head of its own."""
+    x = torch.randn(5, 2, 12, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(5), 4, dtype=torch.float64)
+    out = apply_rope(x, cos, sin, start=8)
+    assert torch.equal(out[..., :8], x[..., :8])
+    torch.testing.assert_close(out[..., 8:], apply_rope(x[..., 8:].contiguous(), cos, sin), atol=0, rtol=0)

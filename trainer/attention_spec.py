@@ -27,8 +27,15 @@ Tensor parallelism.  Megatron's QKV projection hands core attention this TP rank
 gathers the sequence before it); hdp's attention runs on those local heads, and a CP ring or
 all-gather connects the domain ranks of the same TP rank and pipeline stage.
 
+Attention variants.  :func:`hdp.trainer.attention_config.check_attention_config` classifies every
+attention setting of the ``TransformerConfig`` (computed here, refused at build, or Megatron's own
+outside core attention); :class:`HdpCoreAttention` computes the handled ones exactly under CP: RoPE
+frequency variants (:class:`RopeConfig.scaling`, :mod:`hdp.rope`), a custom ``softmax_scale``,
+sliding windows by sample position (per-layer patterns, across CP chunk boundaries) and softmax
+sinks (``off-by-one``, or ``learnable``: the parameter ``softmax_offset`` [Hq], Megatron's name).
+
 Legend: T local tokens (THD, packed; Tr real ones, the rest padding), Hq/Hkv query/kv heads of
-this TP rank, D head dim, S samples.
+this TP rank, D query/key head dim, Dv value head dim, S samples.
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ import torch
 from hdp.cp import CPAlgorithm, cp_attention
 from hdp.cp import metadata as cp_metadata
 from hdp.groups import DomainGroups, RingSpec
-from hdp.kernels import AttentionKernel, get_kernel, kernel_attention
+from hdp.kernels import AttentionKernel, KeyWindow, get_kernel, kernel_attention
 from hdp.megatron_compat import AttnMaskType, MegatronModule, PackedSeqParams, TransformerConfig
-from hdp.rope import apply_rope, rope_cos_sin
+from hdp.rope import RopeScaling, apply_rope, rope_cos_sin
+from hdp.trainer.attention_config import AttentionSettings, SoftmaxType, check_attention_config
 
 __all__ = [
     "CoreAttentionBackend",
@@ -81,12 +89,16 @@ class RopeConfig:
     """Fraction of the head dim that is rotated (Megatron's ``rotary_percent``)."""
     enabled: bool = True
     """Whether to apply RoPE at all."""
+    scaling: RopeScaling | None = None
+    """Frequency variant (llama3, yarn, linear, dynamic; :class:`hdp.rope.RopeScaling`); ``None``: plain RoPE."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.percent <= 1.0:
             raise ValueError(f"RopeConfig.percent={self.percent}: must be in (0, 1]")
         if self.base <= 0:
             raise ValueError(f"RopeConfig.base={self.base}: must be > 0")
+        if self.scaling is not None and not isinstance(self.scaling, RopeScaling):
+            raise ValueError(f"RopeConfig.scaling={self.scaling!r}: pass a hdp.rope.RopeScaling or None")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -231,10 +243,10 @@ def _rope_cos_sin(
     """cos/sin [T, 1, Dr] for this micro-batch, built once and reused by every layer (cached on ``psp``)."""
     rotary_dim = int(head_dim * rope.percent)
     rotary_dim -= rotary_dim % 2
-    key = (rotary_dim, float(rope.base), dtype, positions.device)
+    key = (rotary_dim, float(rope.base), rope.scaling, dtype, positions.device)
     hit = psp.rope_cache.get(key)
     if hit is None:
-        hit = rope_cos_sin(positions, rotary_dim, base=rope.base, dtype=dtype)
+        hit = rope_cos_sin(positions, rotary_dim, base=rope.base, dtype=dtype, scaling=rope.scaling)
         psp.rope_cache[key] = hit
     return hit
 
@@ -245,12 +257,17 @@ def _rope_cos_sin(
 class HdpCoreAttention(MegatronModule):
     """Core attention with Megatron's call signature, over packed THD micro-batches.
 
-    ``forward(query [T,Hq,D], key [T,Hkv,D], value [T,Hkv,D], attention_mask, attn_mask_type=,
-    attention_bias=, packed_seq_params=) -> [T, Hq·D]``.  Applies RoPE at the positions carried by
+    ``forward(query [T,Hq,D], key [T,Hkv,D], value [T,Hkv,Dv], attention_mask, attn_mask_type=,
+    attention_bias=, packed_seq_params=) -> [T, Hq·Dv]``.  Applies RoPE at the positions carried by
     ``packed_seq_params`` (see :class:`HdpPackedSeqParams`), then causal attention per sample:
     :func:`hdp.cp.cp_attention` when a :class:`CPContext` is set, else the local kernel (k = 1).
     The trailing ``packed_seq_params.pad_tokens`` padding tokens get zeros; a group rank whose
     layout holds no token still runs the group's communication with 0 local tokens.
+
+    The attention settings come from ``config`` (:func:`~hdp.trainer.attention_config.check_attention_config`,
+    which refuses what hdp does not compute) unless ``settings`` is given (the verl door reconciles
+    them with the HF config first); ``softmax_scale`` (Megatron passes ``config.softmax_scale``)
+    overrides theirs.  This layer's sliding window and RoPE follow its ``layer_number``.
     """
 
     def __init__(
@@ -264,9 +281,10 @@ class HdpCoreAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         rope: RopeConfig | None = None,
+        settings: AttentionSettings | None = None,
     ) -> None:
         super().__init__(config=config)
-        del cp_comm_type, pg_collection  # Megatron's CP is off (size 1); hdp supplies CP itself
+        del cp_comm_type  # Megatron's CP is off (size 1); hdp supplies CP itself
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type}: hdp core attention is causal only")
         if attention_type != "self":
@@ -276,9 +294,39 @@ class HdpCoreAttention(MegatronModule):
             raise ValueError(
                 f"TransformerConfig.attention_dropout={dropout}: hdp core attention has no dropout; set it to 0.0"
             )
+        checked = check_attention_config(config)  # raises on every setting hdp does not compute
+        self.settings = settings if settings is not None else checked
         self.layer_number = layer_number
         self.rope = rope if rope is not None else RopeConfig()
-        self.softmax_scale = softmax_scale
+        self.rope_enabled = self.rope.enabled and self.settings.rope_for(layer_number)
+        self.window = self.settings.window_for(layer_number)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.settings.softmax_scale
+        self.softmax_type = self.settings.softmax_type
+        tp = pg_collection.tp if pg_collection is not None and getattr(pg_collection, "tp", None) is not None else None
+        self.tp_group = tp
+        tp_size = tp.size() if tp is not None else int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        heads = config.num_attention_heads // tp_size
+        if self.softmax_type is SoftmaxType.LEARNABLE:
+            # Megatron's name and layout: one logit per local query head, TP-sharded on dim 0
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            from hdp.megatron_compat import tensor_parallel
+
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset.data)
+            else:
+                torch.nn.init.zeros_(self.softmax_offset)
+        else:
+            self.softmax_offset = None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """Megatron's sharded state of the learnable sinks (as ``DotProductAttention``'s); empty otherwise."""
+        from hdp.megatron_compat import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if self.softmax_offset is not None else {}
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def forward(
         self,
@@ -290,7 +338,7 @@ class HdpCoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """Causal attention of the packed samples; returns [T, Hq·D]."""
+        """Causal attention of the packed samples; returns [T, Hq·Dv]."""
         del attention_mask  # causality and sample boundaries come from packed_seq_params
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type}: hdp core attention is causal only")
@@ -304,14 +352,25 @@ class HdpCoreAttention(MegatronModule):
         psp = packed_seq_params
         pad = psp.pad_tokens
         real = query.shape[0] - pad
-        q, k, v = query[:real], key[:real], value[:real]  # [Tr, Hq, D], [Tr, Hkv, D], [Tr, Hkv, D]
-        out = self._attend(q, k, v, psp)  # [Tr, Hq, D]
+        q, k, v = query[:real], key[:real], value[:real]  # [Tr, Hq, D], [Tr, Hkv, D], [Tr, Hkv, Dv]
+        out = self._attend(q, k, v, psp)  # [Tr, Hq, Dv]
         if pad:
             out = torch.cat([out, out.new_zeros((pad, *out.shape[1:]))])  # padding: zeros, no grad path
-        return out.reshape(out.shape[0], -1)  # [T, Hq*D]
+        return out.reshape(out.shape[0], -1)  # [T, Hq*Dv]
+
+    def _sink(self, q: torch.Tensor) -> torch.Tensor | None:
+        """[Hq] sink logits of this layer (``None``: vanilla softmax)."""
+        if self.softmax_type is SoftmaxType.VANILLA:
+            return None
+        if self.softmax_type is SoftmaxType.OFF_BY_ONE:
+            return q.new_zeros(q.shape[1], dtype=torch.float32)
+        assert self.softmax_offset is not None
+        if self.softmax_offset.shape[0] != q.shape[1]:
+            raise ValueError(f"softmax_offset has {self.softmax_offset.shape[0]} heads but the query {q.shape[1]}")
+        return self.softmax_offset
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, psp: HdpPackedSeqParams) -> torch.Tensor:
-        """[Tr, Hq, D] causal attention of the real tokens (RoPE first), inside the group's CP context."""
+        """[Tr, Hq, Dv] causal attention of the real tokens (RoPE first), inside the group's CP context."""
         cp = psp.cp
         positions = psp.positions if psp.positions is not None else sample_positions(psp.cu_seqlens_q)
         if positions.shape[0] != q.shape[0]:
@@ -319,16 +378,22 @@ class HdpCoreAttention(MegatronModule):
                 f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]} real tokens "
                 f"(+{psp.pad_tokens} padding)"
             )
-        if q.shape[0] and self.rope.enabled:
+        if q.shape[0] and self.rope_enabled:
             cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [Tr, 1, Dr]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         scale = self._scale(q)
+        sink = self._sink(q)
         if cp is None:
             if q.shape[0] == 0:  # an idle rank: padding only
-                return q.new_zeros(q.shape)
+                return q.new_zeros((*q.shape[:2], v.shape[-1]))
             cu = psp.cu_seqlens_q
-            out, _ = kernel_attention(q, k, v, cu, cu, True, scale, get_kernel(q.device))  # [Tr, Hq, D]
+            win = None
+            if self.window is not None:
+                pos = positions.to(q.device)
+                win = KeyWindow(self.window, pos, pos)
+            out, _ = kernel_attention(q, k, v, cu, cu, True, scale, get_kernel(q.device), window=win,
+                                      sink=sink)  # [Tr, Hq, Dv]
             return out
         # a group rank whose layout holds no token still joins the ring / all-gather (forward and
         # backward) with 0 local tokens, so its peers' communication lines up
@@ -343,7 +408,9 @@ class HdpCoreAttention(MegatronModule):
             algo=cp.algo,
             kernel=cp.kernel,
             scale=scale,
-        )  # [Tr, Hq, D]
+            window=self.window,
+            sink=sink,
+        )  # [Tr, Hq, Dv]
 
     def _scale(self, q: torch.Tensor) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -23,6 +23,7 @@ Legend: T packed tokens of a micro-batch, V vocabulary, Vl = V/TP local vocabula
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from typing import Any, Callable, ClassVar, Literal, Sequence
 import torch
 
 from hdp import megatron_compat as mc
+from hdp.rope import RopeScaling
+from hdp.trainer.attention_config import SoftmaxType
 from hdp.trainer.attention_spec import (
     CoreAttentionBackend,
     HdpPackedSeqParams,
@@ -88,6 +91,29 @@ class ModelConfig(MovedFields):
     """Longest sample the model accepts."""
     rotary_base: float = 10000.0
     """RoPE base theta (applied by hdp attention)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dim RoPE rotates (HF ``partial_rotary_factor``)."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency variant (``llama3``, ``yarn``, ``linear``, ``dynamic``; :class:`hdp.rope.RopeScaling`);
+    ``None``: plain RoPE."""
+    kv_channels: int | None = None
+    """Head dim; ``None``: hidden_size / num_attention_heads."""
+    qk_layernorm: bool = False
+    """RMS/LayerNorm on each query and key head before RoPE (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm layer (HF ``rms_norm_eps``)."""
+    window_size: int | None = None
+    """Sliding-window attention: each token sees the keys at most this many positions before it (Megatron
+    ``window_size=(w, 0)``; HF ``sliding_window = w + 1``); ``None``: full causal attention."""
+    window_attn_skip_freq: int | tuple[bool, ...] | None = None
+    """Which layers use the window (Megatron's): an int n keeps full attention on every n-th layer, a tuple has
+    one entry per layer (True: window); ``None``: every layer."""
+    softmax_type: SoftmaxType = SoftmaxType.VANILLA
+    """Softmax sinks: ``off-by-one`` (+1 in every denominator) or ``learnable`` (one logit per head, gpt-oss)."""
+    softmax_scale: float | None = None
+    """Attention logit scale; ``None``: 1 / sqrt(head dim)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
     """Norm layer type."""
     num_moe_experts: int | None = None
@@ -146,6 +172,56 @@ class ModelConfig(MovedFields):
             raise ValueError(
                 f"ModelConfig.moe_router_topk={self.moe_router_topk}: must be in [1, {self.num_moe_experts}]"
             )
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """The attention fields (typed and validated here; the Megatron side by ``check_attention_config``)."""
+        if not (isinstance(self.norm_epsilon, (int, float)) and 0 < self.norm_epsilon < 1):
+            raise ValueError(f"ModelConfig.norm_epsilon={self.norm_epsilon!r}: pass a small positive number (1e-5, 1e-6)")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"ModelConfig.rotary_percent={self.rotary_percent}: must be in (0, 1]")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: pass a hdp.rope.RopeScaling or None")
+        limit = self.rope_scaling.max_positions if self.rope_scaling is not None else None
+        if limit is not None and self.max_sequence_length > limit:
+            raise ValueError(
+                f"ModelConfig.max_sequence_length={self.max_sequence_length}: rope_scaling type "
+                f"{self.rope_scaling.type.value} is exact only for samples of at most "  # type: ignore[union-attr]
+                f"original_max_position_embeddings={limit} tokens; set max_sequence_length <= {limit}"
+            )
+        if self.kv_channels is not None and (isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int)
+                                             or self.kv_channels < 2):
+            raise ValueError(f"ModelConfig.kv_channels={self.kv_channels!r}: pass the head dim (an integer >= 2) or None")
+        if self.window_size is not None and (isinstance(self.window_size, bool) or not isinstance(self.window_size, int)
+                                             or self.window_size < 0):
+            raise ValueError(f"ModelConfig.window_size={self.window_size!r}: pass an integer >= 0 or None")
+        skip = self.window_attn_skip_freq
+        if skip is not None:
+            if self.window_size is None:
+                raise ValueError(f"ModelConfig.window_attn_skip_freq={skip!r}: set window_size too")
+            if isinstance(skip, bool) or not isinstance(skip, (int, tuple)):
+                raise ValueError(f"ModelConfig.window_attn_skip_freq={skip!r}: pass an int or a tuple of bools")
+            if isinstance(skip, int) and skip < 1:
+                raise ValueError(f"ModelConfig.window_attn_skip_freq={skip}: must be >= 1")
+            if isinstance(skip, tuple) and len(skip) != self.num_layers:
+                raise ValueError(
+                    f"ModelConfig.window_attn_skip_freq has {len(skip)} entries for num_layers={self.num_layers}"
+                )
+        if not isinstance(self.softmax_type, SoftmaxType):
+            try:
+                object.__setattr__(self, "softmax_type", SoftmaxType(self.softmax_type))
+            except ValueError as exc:
+                raise ValueError(
+                    f"ModelConfig.softmax_type={self.softmax_type!r}: choose one of {[t.value for t in SoftmaxType]}"
+                ) from exc
+        if self.softmax_scale is not None and not (isinstance(self.softmax_scale, (int, float))
+                                                   and math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
+            raise ValueError(f"ModelConfig.softmax_scale={self.softmax_scale!r}: pass a finite number > 0 or None")
+
+    @property
+    def head_dim(self) -> int:
+        """Query/key/value head dim."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def is_moe(self) -> bool:
@@ -158,7 +234,7 @@ class ModelConfig(MovedFields):
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         return ModelShape(
             name="hdp-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=heads,
-            num_kv_heads=self.num_query_groups or heads, head_dim=self.hidden_size // heads, ffn_hidden_size=ffn,
+            num_kv_heads=self.num_query_groups or heads, head_dim=self.head_dim, ffn_hidden_size=ffn,
             vocab_size=self.vocab_size, num_experts=self.num_moe_experts or 0,
             topk=self.moe_router_topk if self.num_moe_experts else 0,
             moe_ffn_hidden_size=(self.moe_ffn_hidden_size or ffn) if self.num_moe_experts else 0,
@@ -227,6 +303,15 @@ def transformer_config(
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,
+        kv_channels=cfg.kv_channels,
+        qk_layernorm=cfg.qk_layernorm,
+        add_qkv_bias=cfg.add_qkv_bias,
+        layernorm_epsilon=cfg.norm_epsilon,
+        window_size=(cfg.window_size, 0) if cfg.window_size is not None else None,
+        window_attn_skip_freq=(list(cfg.window_attn_skip_freq) if isinstance(cfg.window_attn_skip_freq, tuple)
+                               else cfg.window_attn_skip_freq),
+        softmax_type=cfg.softmax_type.value,
+        softmax_scale=cfg.softmax_scale,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
@@ -283,10 +368,13 @@ def layer_spec(cfg: ModelConfig) -> mc.ModuleSpec:
         num_experts=cfg.num_moe_experts,
         moe_grouped_gemm=cfg.moe_grouped_gemm,
         normalization=cfg.normalization,
+        qk_layernorm=cfg.qk_layernorm,
     )
-    core = core_attention_module(cfg.attention_backend, RopeConfig(base=cfg.rotary_base))
+    rope = RopeConfig(base=cfg.rotary_base, percent=cfg.rotary_percent, scaling=cfg.rope_scaling)
+    core = core_attention_module(cfg.attention_backend, rope)
     attn = base.submodules.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
+    norms = {n: HdpNorm for n in ("q_layernorm", "k_layernorm") if cfg.qk_layernorm}  # runs under SP too
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=core, **norms)
     new_attn = dataclasses.replace(attn, submodules=attn_sub)
     sub = dataclasses.replace(
         base.submodules, self_attention=new_attn, input_layernorm=HdpNorm, pre_mlp_layernorm=HdpNorm

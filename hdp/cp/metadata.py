@@ -18,6 +18,10 @@ at step s rank j holds the K/V of source i = (j - s) mod k.
   * i > j: only the local *back* chunks vs all of i, non-causal (chunks i and 2k-1-i both
     precede 2k-1-j; the local front chunk j precedes both and sees nothing).
 Both non-causal cases cost about 2·c² for chunk size c, so every step is balanced.
+
+Sliding windows (:func:`step_sees_keys`): a query at sample position p sees keys at [p - left, p],
+so a step whose source keys all lie more than ``left`` positions before every local query of the
+same sample computes nothing and is skipped (its K/V still travels on around the ring).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ __all__ = [
     "group_layouts",
     "ring_schedule",
     "positions",
+    "step_sees_keys",
     "AllGatherIndex",
     "allgather_index",
 ]
@@ -112,6 +117,8 @@ class RankLayout:
     """[sum front] int64: local indices of the front-chunk tokens."""
     back_index: torch.Tensor
     """[sum back] int64: local indices of the back-chunk tokens."""
+    positions: torch.Tensor
+    """[T] int64: sample position of every local token (front chunk then back chunk, per sample)."""
 
     @property
     def front_tokens(self) -> int:
@@ -138,6 +145,7 @@ def rank_layout(lengths: Sequence[int], k: int, j: int) -> RankLayout:
     back_idx = [np.arange(s + f, s + f + b, dtype=np.int64) for s, f, b in zip(starts, fl, bl)]
     chunk_lens = np.stack([fl, bl], axis=1).reshape(-1)  # [2S] (front_0, back_0, front_1, ...)
     cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
+    pos = [np.arange(a, b, dtype=np.int64) for chunk in zip(front, back) for a, b in chunk]
     return RankLayout(
         lengths=lens,
         k=k,
@@ -151,6 +159,7 @@ def rank_layout(lengths: Sequence[int], k: int, j: int) -> RankLayout:
         cu_chunks=_cu(chunk_lens),
         front_index=cat(front_idx),
         back_index=cat(back_idx),
+        positions=cat(pos),
     )
 
 
@@ -173,12 +182,28 @@ def ring_schedule(k: int, j: int) -> tuple[RingStep, ...]:
 
 def positions(lengths: Sequence[int], k: int, j: int) -> torch.Tensor:
     """[T] int64: position id of every local token inside its sample (for RoPE)."""
-    lay = rank_layout(lengths, k, j)
-    parts = []
-    for (fs, fe), (bs, be) in zip(lay.front, lay.back):
-        parts.append(np.arange(fs, fe, dtype=np.int64))
-        parts.append(np.arange(bs, be, dtype=np.int64))
-    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return rank_layout(lengths, k, j).positions
+
+
+def step_sees_keys(lay: RankLayout, src: RankLayout, case: StepCase, left: int | None) -> bool:
+    """Whether a ring step of ``case`` (queries of ``lay``, keys of ``src``) has any visible key under a
+    sliding window of ``left`` positions (``None``: no window; the step always computes)."""
+    if left is None or case is StepCase.LOCAL_CAUSAL:
+        return True
+    for s in range(len(lay.lengths)):
+        (fs, fe), (bs, be) = lay.front[s], lay.back[s]
+        (sfs, sfe), (sbs, sbe) = src.front[s], src.back[s]
+        if case is StepCase.FRONT_KEYS:  # every local query against src's front chunk
+            first_q = fs if fe > fs else bs
+            has_q, last_k = (fe > fs or be > bs), sfe - 1
+            has_k = sfe > sfs
+        else:  # BACK_QUERIES: the local back chunk against all of src
+            first_q, has_q = bs, be > bs
+            has_k = sfe > sfs or sbe > sbs
+            last_k = sbe - 1 if sbe > sbs else sfe - 1
+        if has_q and has_k and first_q - left <= last_k:
+            return True
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,6 +223,10 @@ class AllGatherIndex:
     """[2S+1] int32: local chunk boundaries (front_0, back_0, front_1, ...)."""
     cu_k: torch.Tensor
     """[2S+1] int32: boundaries of the key prefixes, paired with ``cu_q``."""
+    q_positions: torch.Tensor
+    """[T] int64: sample position of every local query row (the local layout's positions)."""
+    k_positions: torch.Tensor
+    """[Tk'] int64: sample position of every key of the prefixes (0 .. end of the chunk, per chunk)."""
 
 
 def allgather_index(lengths: Sequence[int], k: int, j: int) -> AllGatherIndex:
@@ -219,9 +248,12 @@ def allgather_index(lengths: Sequence[int], k: int, j: int) -> AllGatherIndex:
         key_parts += [origin[:fe_j], origin[:be_j]]
         prefix_lens += [fe_j, be_j]
     key_index = np.concatenate(key_parts) if key_parts else np.zeros(0, np.int64)
+    k_pos = [np.arange(n, dtype=np.int64) for n in prefix_lens]
     return AllGatherIndex(
         pad=pad,
         key_index=torch.from_numpy(key_index),
         cu_q=lays[j].cu_chunks,
         cu_k=_cu(np.asarray(prefix_lens, dtype=np.int64)),
+        q_positions=lays[j].positions,
+        k_positions=torch.from_numpy(np.concatenate(k_pos) if k_pos else np.zeros(0, np.int64)),
     )

@@ -8,11 +8,20 @@ flash-attn package), :mod:`.torch_flash` (torch's own fused varlen flash attenti
 
 Beside them, :mod:`hdp.kernels.grouped_gemm` is the one seam of MoE grouped GEMMs (torch's
 ``grouped_mm`` on CPU and CUDA, torch_npu's grouped matmul on NPU, a loop of matmuls elsewhere).
+
+Variants (:mod:`.variants`): a sliding window by sample position (:class:`KeyWindow`) and value
+heads wider or narrower than query/key heads (Dv != D, as MLA) are computed by the reference kernel;
+an adapter declares what it computes itself (:attr:`AttentionKernel.native_window`,
+:attr:`AttentionKernel.distinct_value_dim`), and :meth:`AttentionKernel.forward` /
+:meth:`AttentionKernel.backward` run the reference kernel for a call that needs more (logged once per
+kernel and reason).  Softmax sinks need nothing from a kernel: they are merged after the kernels'
+log-sum-exp (:func:`merge_sink`), in :func:`kernel_attention` and in every CP algorithm.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,8 +29,13 @@ import torch
 
 from hdp import device as _device
 from hdp.kernels import reference
+from hdp.kernels.variants import KeyWindow, merge_sink, sink_grad
 
-__all__ = ["KernelName", "AttentionKernel", "FwdFn", "BwdFn", "get_kernel", "kernel_attention"]
+__all__ = ["KernelName", "AttentionKernel", "FwdFn", "BwdFn", "KeyWindow", "get_kernel", "kernel_attention",
+           "merge_sink", "sink_grad"]
+
+logger = logging.getLogger(__name__)
+_FALLBACK_LOGGED: set[tuple[str, str]] = set()
 
 
 class KernelName(enum.Enum):
@@ -68,7 +82,11 @@ class BwdFn(Protocol):
 
 @dataclass(frozen=True)
 class AttentionKernel:
-    """A local varlen attention kernel: a forward returning (out, lse) and a backward from them."""
+    """A local varlen attention kernel: a forward returning (out, lse) and a backward from them.
+
+    Call it through :meth:`forward` / :meth:`backward`: they take the variants (``window``, Dv != D)
+    and run the reference kernel for what this kernel does not compute itself.
+    """
 
     name: KernelName
     """Which implementation this is."""
@@ -76,11 +94,52 @@ class AttentionKernel:
     """Forward: see :func:`hdp.kernels.reference.attn_fwd`."""
     bwd: BwdFn
     """Backward: see :func:`hdp.kernels.reference.attn_bwd`."""
+    native_window: bool = False
+    """``fwd``/``bwd`` take ``window=`` (a :class:`KeyWindow`) themselves."""
+    distinct_value_dim: bool = False
+    """``fwd``/``bwd`` take value heads of another width than query/key heads (Dv != D)."""
+
+    def _needs_reference(self, q: torch.Tensor, v: torch.Tensor, window: KeyWindow | None) -> bool:
+        why = None
+        if window is not None and not self.native_window:
+            why = "a sliding window by sample position"
+        elif v.shape[-1] != q.shape[-1] and not self.distinct_value_dim:
+            why = f"value heads of dim {v.shape[-1]} != query/key dim {q.shape[-1]}"
+        if why is None:
+            return False
+        if (self.name.value, why) not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add((self.name.value, why))
+            logger.warning("attention kernel %s does not compute %s: those calls run the reference kernel",
+                           self.name.value, why)
+        return True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, causal: bool, scale: float, *,
+                window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fwd`` with the variants: ``(out [Tq, Hq, Dv], lse [Hq, Tq])``."""
+        if self._needs_reference(q, v, window):
+            return reference.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
+        if window is not None:
+            return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)  # type: ignore[call-arg]
+        return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
+                 scale: float, *, window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``bwd`` with the variants: ``(dq, dk, dv)``."""
+        if self._needs_reference(q, v, window):
+            return reference.attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                      window=window)
+        if window is not None:
+            return self.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,  # type: ignore[call-arg]
+                            window=window)
+        return self.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
 
 
 def _load(name: KernelName) -> AttentionKernel:
     if name is KernelName.REFERENCE:
-        return AttentionKernel(name, reference.attn_fwd, reference.attn_bwd)
+        return AttentionKernel(name, reference.attn_fwd, reference.attn_bwd, native_window=True,
+                               distinct_value_dim=True)
     if name is KernelName.FLASH_ATTN:
         from hdp.kernels import flash_attn as fa
 
@@ -128,7 +187,7 @@ def get_kernel(device: torch.device, name: KernelName | str | None = None) -> At
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Autograd wrapper of one kernel call; ``lse`` is returned without gradient."""
+    """Autograd wrapper of one kernel call (plus the sink merge); ``lse`` is returned without gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -136,15 +195,19 @@ class _KernelAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sink: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor,
         cu_seqlens_k: torch.Tensor,
         causal: bool,
         scale: float,
         kernel: AttentionKernel,
+        window: KeyWindow | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = kernel.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)  # type: ignore[attr-defined]
-        ctx.causal, ctx.scale, ctx.kernel = causal, scale, kernel  # type: ignore[attr-defined]
+        out, lse = kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
+        if sink is not None:
+            out, lse = merge_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sink)  # type: ignore[attr-defined]
+        ctx.causal, ctx.scale, ctx.kernel, ctx.window = causal, scale, kernel, window  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(lse)  # type: ignore[attr-defined]
         return out, lse
 
@@ -152,11 +215,13 @@ class _KernelAttention(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: object, dout: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[object, ...]:
-        q, k, v, out, lse, cq, ck = ctx.saved_tensors  # type: ignore[attr-defined]
-        dq, dk, dv = ctx.kernel.bwd(  # type: ignore[attr-defined]
-            dout.contiguous(), q, k, v, out, lse, cq, ck, ctx.causal, ctx.scale  # type: ignore[attr-defined]
+        q, k, v, out, lse, cq, ck, sink = ctx.saved_tensors  # type: ignore[attr-defined]
+        dout = dout.contiguous()
+        dq, dk, dv = ctx.kernel.backward(  # type: ignore[attr-defined]
+            dout, q, k, v, out, lse, cq, ck, ctx.causal, ctx.scale, window=ctx.window  # type: ignore[attr-defined]
         )
-        return dq, dk, dv, None, None, None, None, None
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 def kernel_attention(
@@ -168,6 +233,13 @@ def kernel_attention(
     causal: bool,
     scale: float,
     kernel: AttentionKernel,
+    *,
+    window: KeyWindow | None = None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable local varlen attention with ``kernel``: ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
-    return _KernelAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, kernel)
+    """Differentiable local varlen attention with ``kernel``: ``(out [Tq, Hq, Dv], lse [Hq, Tq])``.
+
+    ``window``: a sliding window by sample position; ``sink`` [Hq]: one value-less logit per head in
+    the softmax denominator (differentiable), see :mod:`hdp.kernels.variants`.
+    """
+    return _KernelAttention.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, causal, scale, kernel, window)

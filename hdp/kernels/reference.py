@@ -3,14 +3,16 @@
 Dimension legend (used in every shape comment below):
     Tq, Tk  packed query / key tokens (all sequences concatenated, THD layout)
     Hq, Hkv query heads / key-value heads; G = Hq // Hkv query heads per kv head (GQA)
-    D       head dim
+    D       query / key head dim; Dv value head dim (= D, or not: MLA)
     S       number of sequences (``len(cu_seqlens) - 1``)
     bq, bk  rows / columns of one block (``BLOCK_Q`` / ``BLOCK_K`` at most)
 
 Query head ``h`` reads kv head ``h // G`` (the usual GQA grouping).  ``causal`` uses the
 bottom-right alignment of flash-attn: query ``i`` of a query sequence of length ``m`` sees key
 ``j`` of the paired key sequence of length ``n`` iff ``j <= i + (n - m)``.  Rows that see no key
-get ``out = 0`` and ``lse = -inf``.
+get ``out = 0`` and ``lse = -inf``.  An optional :class:`~hdp.kernels.variants.KeyWindow` narrows
+each row's keys to a sliding window by sample position (the start of the visible range moves; the
+causal end stays).
 
 Forward: online softmax over key blocks (FlashAttention, Dao et al. 2022, alg. 1):
     m' = max(m, rowmax(S_b));  l' = l·e^(m-m') + rowsum(e^(S_b-m'));  acc' = acc·e^(m-m') + e^(S_b-m') V_b
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hdp.kernels.variants import KeyWindow
 
 __all__ = ["attn_fwd", "attn_bwd", "check_varlen", "BLOCK_Q", "BLOCK_K"]
 
@@ -65,8 +69,8 @@ def check_varlen(
         raise ValueError(
             f"q/k/v: expected THD tensors [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same tokens and heads")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dim: q has D={q.shape[2]}, k has D={k.shape[2]}; they must match")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
@@ -123,7 +127,30 @@ class _Visibility:
         return (cols[None, :] >= self.start_t[i0:i1, None]) & (cols[None, :] < self.end_t[i0:i1, None])
 
 
-def _visibility(cq: list[int], ck: list[int], causal: bool, device: torch.device) -> _Visibility:
+def _window_start(
+    start: np.ndarray, end: np.ndarray, seq: np.ndarray, ck_a: np.ndarray, window: KeyWindow
+) -> np.ndarray:
+    """[Tq] first key index at sample position >= q_pos - left, inside each row's sequence."""
+    q_pos = window.q_pos.detach().cpu().numpy().astype(np.int64)  # [Tq]
+    k_pos = window.k_pos.detach().cpu().numpy().astype(np.int64)  # [Tk]
+    if q_pos.shape[0] != start.shape[0] or k_pos.shape[0] != int(ck_a[-1]):
+        raise ValueError(
+            f"window: q_pos has {q_pos.shape[0]} and k_pos {k_pos.shape[0]} positions for {start.shape[0]} query "
+            f"and {int(ck_a[-1])} key rows; pass one sample position per row"
+        )
+    # one sorted key axis: sequence s's keys at s·span + position (positions ascend inside a sequence)
+    span = int(max(k_pos.max(initial=0), q_pos.max(initial=0))) + window.left + 2
+    kseq = np.repeat(np.arange(len(ck_a) - 1, dtype=np.int64), np.diff(ck_a))  # [Tk]
+    keys = kseq * span + k_pos  # [Tk]
+    if keys.size > 1 and np.any(np.diff(keys) < 0):
+        raise ValueError("window: key positions must be non-decreasing inside each key sequence")
+    first = np.searchsorted(keys, seq * span + (q_pos - window.left), side="left")  # [Tq]
+    return np.minimum(np.maximum(first, start), np.maximum(end, start))
+
+
+def _visibility(
+    cq: list[int], ck: list[int], causal: bool, device: torch.device, window: KeyWindow | None = None
+) -> _Visibility:
     cq_a = np.asarray(cq, dtype=np.int64)
     ck_a = np.asarray(ck, dtype=np.int64)
     lq = np.diff(cq_a)  # [S]
@@ -137,6 +164,8 @@ def _visibility(cq: list[int], ck: list[int], causal: bool, device: torch.device
     else:
         vis = lk[seq]
     end = start + vis
+    if window is not None:
+        start = _window_start(start, end, seq, ck_a, window)
     return _Visibility(
         start=start,
         end=end,
@@ -156,24 +185,26 @@ def attn_fwd(
     *,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: KeyWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Variable-length attention forward.
 
-    q: [Tq, Hq, D], k/v: [Tk, Hkv, D], cu_seqlens_*: [S + 1] integer boundaries.
-    Returns ``(out [Tq, Hq, D] in q.dtype, lse [Hq, Tq] in float32, or float64 for float64 inputs)``.
+    q: [Tq, Hq, D], k: [Tk, Hkv, D], v: [Tk, Hkv, Dv], cu_seqlens_*: [S + 1] integer boundaries;
+    ``window``: a sliding window by sample position (:class:`~hdp.kernels.variants.KeyWindow`).
+    Returns ``(out [Tq, Hq, Dv] in q.dtype, lse [Hq, Tq] in float32, or float64 for float64 inputs)``.
     """
     cq, ck = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    vis = _visibility(cq, ck, causal, q.device)
+    vis = _visibility(cq, ck, causal, q.device, window)
     acc_t = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[2]
     g = hq // hkv
     neg_inf = -math.inf
 
     qh = (q.to(acc_t) * scale).view(tq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D] (view)
     kh = k.to(acc_t).permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
     vh = v.to(acc_t).permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
-    out = torch.zeros((hkv, g, tq, d), dtype=acc_t, device=q.device)  # [Hkv, G, Tq, D]
+    out = torch.zeros((hkv, g, tq, dv), dtype=acc_t, device=q.device)  # [Hkv, G, Tq, Dv]
     lse = torch.full((hkv, g, tq), neg_inf, dtype=acc_t, device=q.device)  # [Hkv, G, Tq]
 
     for i0 in range(0, tq, block_q):
@@ -185,7 +216,7 @@ def attn_fwd(
         qb = qh[:, :, i0:i1].reshape(hkv, g * nb, d)  # [Hkv, G*bq, D]
         m = torch.full((hkv, g * nb), neg_inf, dtype=acc_t, device=q.device)  # running row max
         l = torch.zeros((hkv, g * nb), dtype=acc_t, device=q.device)  # running row sum
-        acc = torch.zeros((hkv, g * nb, d), dtype=acc_t, device=q.device)  # [Hkv, G*bq, D]
+        acc = torch.zeros((hkv, g * nb, dv), dtype=acc_t, device=q.device)  # [Hkv, G*bq, Dv]
         for j0 in range(krange[0], krange[1], block_k):
             j1 = min(j0 + block_k, krange[1])
             kind = vis.block_kind(i0, i1, j0, j1)
@@ -200,15 +231,15 @@ def attn_fwd(
             p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # [Hkv, G*bq, bk], in place over s
             alpha = torch.exp(m - m_safe)  # [Hkv, G*bq]; exp(-inf) = 0 for empty history
             l = l.mul_(alpha).add_(p.sum(dim=-1))
-            acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.bmm(p, vh[:, j0:j1]))  # [Hkv, G*bq, D]
+            acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.bmm(p, vh[:, j0:j1]))  # [Hkv, G*bq, Dv]
             m = m_new
         seen = l > 0
         lse_b = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), neg_inf)
-        out_b = acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)  # [Hkv, G*bq, D]
-        out[:, :, i0:i1] = out_b.view(hkv, g, nb, d)  # [Hkv, G, bq, D]
+        out_b = acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)  # [Hkv, G*bq, Dv]
+        out[:, :, i0:i1] = out_b.view(hkv, g, nb, dv)  # [Hkv, G, bq, Dv]
         lse[:, :, i0:i1] = lse_b.view(hkv, g, nb)  # [Hkv, G, bq]
 
-    out_thd = out.permute(2, 0, 1, 3).reshape(tq, hq, d).to(q.dtype)  # [Tq, Hq, D]
+    out_thd = out.permute(2, 0, 1, 3).reshape(tq, hq, dv).to(q.dtype)  # [Tq, Hq, Dv]
     return out_thd, lse.reshape(hq, tq)  # lse: [Hq, Tq]
 
 
@@ -226,28 +257,31 @@ def attn_bwd(
     *,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: KeyWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Variable-length attention backward from the saved ``out`` and ``lse``.
 
     ``out``/``lse`` may come from a larger computation (ring attention passes the merged output
     and log-sum-exp); the formulas stay exact because ``P = exp(S - lse)`` uses them as given.
-    Returns ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` in the dtypes of q, k, v.
+    Returns ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv])`` in the dtypes of q, k, v.
     """
     cq, ck = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError(f"dout{tuple(dout.shape)} and out{tuple(out.shape)} must match q{tuple(q.shape)}")
+    want = (*q.shape[:2], v.shape[2])
+    if tuple(dout.shape) != want or tuple(out.shape) != want:
+        raise ValueError(f"dout{tuple(dout.shape)} and out{tuple(out.shape)} must be [Tq, Hq, Dv] = {want}")
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse{tuple(lse.shape)}: expected [Hq, Tq] = {(q.shape[1], q.shape[0])}")
-    vis = _visibility(cq, ck, causal, q.device)
+    vis = _visibility(cq, ck, causal, q.device, window)
     acc_t = _acc_dtype(q.dtype)
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
+    dv = v.shape[2]
     g = hq // hkv
 
     qh = (q.to(acc_t) * scale).view(tq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D] (view)
-    doh = dout.to(acc_t).reshape(tq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D] (view if contiguous)
+    doh = dout.to(acc_t).reshape(tq, hkv, g, dv).permute(1, 2, 0, 3)  # [Hkv, G, Tq, Dv] (view if contiguous)
     kh = k.to(acc_t).permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
-    vh = v.to(acc_t).permute(1, 0, 2).contiguous()  # [Hkv, Tk, D]
+    vh = v.to(acc_t).permute(1, 0, 2).contiguous()  # [Hkv, Tk, Dv]
     drow = (dout.to(acc_t) * out.to(acc_t)).sum(-1)  # [Tq, Hq]  Drow = rowsum(dO ∘ O)
     drow = drow.t().reshape(hkv, g, tq)  # [Hkv, G, Tq]
     lse_h = lse.to(acc_t).reshape(hkv, g, tq)  # [Hkv, G, Tq]
@@ -256,7 +290,7 @@ def attn_bwd(
 
     dq = torch.zeros((hkv, g, tq, d), dtype=acc_t, device=q.device)  # [Hkv, G, Tq, D]
     dk = torch.zeros((hkv, tk, d), dtype=acc_t, device=q.device)  # [Hkv, Tk, D]
-    dv = torch.zeros((hkv, tk, d), dtype=acc_t, device=q.device)  # [Hkv, Tk, D]
+    dvv = torch.zeros((hkv, tk, dv), dtype=acc_t, device=q.device)  # [Hkv, Tk, Dv]
 
     for i0 in range(0, tq, block_q):
         i1 = min(i0 + block_q, tq)
@@ -265,7 +299,7 @@ def attn_bwd(
         if krange is None:
             continue
         qb = qh[:, :, i0:i1].reshape(hkv, g * nb, d)  # [Hkv, G*bq, D]
-        dob = doh[:, :, i0:i1].reshape(hkv, g * nb, d)  # [Hkv, G*bq, D]
+        dob = doh[:, :, i0:i1].reshape(hkv, g * nb, dv)  # [Hkv, G*bq, Dv]
         lse_b = lse_h[:, :, i0:i1].reshape(hkv, g * nb, 1)  # [Hkv, G*bq, 1]
         drow_b = drow[:, :, i0:i1].reshape(hkv, g * nb, 1)  # [Hkv, G*bq, 1]
         dq_b = torch.zeros((hkv, g * nb, d), dtype=acc_t, device=q.device)  # [Hkv, G*bq, D]
@@ -275,13 +309,13 @@ def attn_bwd(
             if kind == _SKIP:
                 continue
             kb = kh[:, j0:j1]  # [Hkv, bk, D]
-            vb = vh[:, j0:j1]  # [Hkv, bk, D]
+            vb = vh[:, j0:j1]  # [Hkv, bk, Dv]
             s = torch.bmm(qb, kb.transpose(1, 2))  # [Hkv, G*bq, bk]
             if kind == _PARTIAL:
                 hide = ~vis.mask(i0, i1, j0, j1)  # [bq, bk]
                 s.view(hkv, g, nb, j1 - j0).masked_fill_(hide, -math.inf)  # [Hkv, G, bq, bk] view
             p = s.sub_(lse_b).exp_()  # [Hkv, G*bq, bk]  P = exp(S - lse)
-            dv[:, j0:j1] += torch.bmm(p.transpose(1, 2), dob)  # [Hkv, bk, D]
+            dvv[:, j0:j1] += torch.bmm(p.transpose(1, 2), dob)  # [Hkv, bk, Dv]
             dp = torch.bmm(dob, vb.transpose(1, 2))  # [Hkv, G*bq, bk]
             ds = dp.sub_(drow_b).mul_(p)  # [Hkv, G*bq, bk]  dS = P ∘ (dP - Drow)
             dq_b += torch.bmm(ds, kb)  # [Hkv, G*bq, D]  (scale applied below)
@@ -290,5 +324,5 @@ def attn_bwd(
 
     dq_thd = dq.permute(2, 0, 1, 3).reshape(tq, hq, d).to(q.dtype)  # [Tq, Hq, D]
     dk_thd = dk.permute(1, 0, 2).to(k.dtype)  # [Tk, Hkv, D]
-    dv_thd = dv.permute(1, 0, 2).to(v.dtype)  # [Tk, Hkv, D]
+    dv_thd = dvv.permute(1, 0, 2).to(v.dtype)  # [Tk, Hkv, Dv]
     return dq_thd, dk_thd.contiguous(), dv_thd.contiguous()

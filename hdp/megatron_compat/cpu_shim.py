@@ -63,6 +63,9 @@ _PROXIED_MODULES: dict[str, str] = {
     # transformer.utils.get_default_causal_mask: torch.ones(sq, sq, device="cuda"), used by
     # Megatron's local DotProductAttention (hdp's tests use it as the reference).
     "megatron.core.transformer.utils": "local attention causal-mask device literal",
+    # DotProductAttention.__init__: the softmax_offset of softmax_type off-by-one / learnable is created on
+    # torch.cuda.current_device() (hdp's tests use the local attention as the reference for sinks).
+    "megatron.core.transformer.dot_product_attention": "local attention's softmax_offset device",
     # forward_backward_no_pipelining / _with(out)_interleaving: total_num_tokens = torch.zeros(...,
     # device="cuda") (hit by every schedule call).
     "megatron.core.pipeline_parallel.schedules": "schedule token-count device literal",

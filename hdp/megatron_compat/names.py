@@ -24,6 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -50,6 +51,7 @@ __all__ = [
     "ModuleSpec", "TransformerBlockSubmodules", "get_num_layers_to_build", "MoELayer", "build_module",
     "nested_values", "ShardedObject", "ShardedTensor", "apply_factories", "load_sharded_metadata",
     "GroupedMLP", "SequentialMLP", "TEGroupedMLP", "MLPSubmodules",
+    "make_sharded_tensors_for_checkpoint",
 ]
 
 try:

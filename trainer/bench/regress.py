@@ -229,6 +229,10 @@ def _verl_old_logprob() -> dict[str, Any]:
     return {**result, "pass_time_ratio": t["skipped"] / t["run"] if t["run"] > 0 else math.nan}
 
 
+def _models() -> dict[str, Any]:
+    return _entry_point("models")()
+
+
 def _moe() -> dict[str, Any]:
     from hdp.trainer.bench.moe import bench_moe
 
@@ -301,6 +305,7 @@ RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
     "train-tp2-pp2": _train(8, 2, 2),
     "verl": _verl,
     "verl-old-logprob": _verl_old_logprob,
+    "models": _models,
     "moe": _moe,
     "memory": _memory,
     "planner": _planner,
@@ -313,6 +318,26 @@ RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
 MAY_SKIP = frozenset({"device"})
 """Benchmarks that skip on a machine without a GPU or NPU (`NoDevice`): their rows need a baseline figure
 only when they ran (`check_covered` leaves them to the run's verdicts)."""
+
+
+MODEL_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("llama3.1", "Llama 3.1 (rope_type llama3)"),
+    ("qwen3-yarn", "Qwen3 with YaRN"),
+    ("qwen2-window", "Qwen2, per-layer sliding window"),
+    ("mistral-window", "Mistral sliding window (library door only: no mbridge bridge)"),
+    ("mistral-sinks", "gpt-oss-style learned sinks + window (library door only)"),
+    ("qwen3-off-by-one", "Qwen3 with off-by-one sinks"),
+    ("qwen3-scale", "Qwen3 with a custom softmax_scale"),
+)
+"""`hdp bench models`' families (`hdp.integrations.verl.scaffolding.families.CASES`) with a row each."""
+
+
+def _model_rows() -> tuple[Row, ...]:
+    return tuple(
+        Row(f"models-{name}-exact", "models", f"{what}: log-probs, loss, grad norm = HF on both doors, CP group",
+            "true", 0.0, False, lambda r, name=name: bool(r["families"][name]["ok"]))
+        for name, what in MODEL_FAMILIES
+    )
 
 
 def _train_rows(bench: str, layout: str) -> tuple[Row, ...]:
@@ -347,6 +372,7 @@ ROWS: tuple[Row, ...] = (
         lambda r: bool(r["metrics_match"] and r["sides_differ"])),
     Row("verl-old-logprob-time", "verl-old-logprob", "timing_s/old_log_prob skipped / run (median of the steps)",
         "lower", 0.1, True, lambda r: r["pass_time_ratio"], SHARE),  # a skipped pass may take 0 s
+    *_model_rows(),
     Row("moe-level1-freed", "moe", "zero-memory level1: activation bytes freed / full recompute's", "higher",
         0.02, True, lambda r: r["freed_fraction_of_full"]["level1"], Bounds(0.0, 2.0)),
     Row("moe-level1-overhead", "moe", "zero-memory level1 step CPU time over none - 1 (paired median)", "lower",

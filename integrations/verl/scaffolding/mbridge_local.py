@@ -1,4 +1,4 @@
-"""mbridge bridges for Qwen3 / Qwen3-MoE on Megatron's *local* layer spec (CPU, no TransformerEngine).
+"""mbridge bridges for Qwen3 / Qwen3-MoE / Qwen2 / Llama on Megatron's *local* layer spec (CPU, no TransformerEngine).
 
 mbridge 0.15 builds every model with ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
 (``mbridge/core/llm_bridge.py``), and its name mappings assume TransformerEngine's layout (the input
@@ -14,7 +14,7 @@ Without TransformerEngine (CPU) the local spec is the only one that builds, so t
 * translate the local parameter names to the TE names mbridge maps, so loading, EP expert
   numbering and export (``export_weights``) stay mbridge's own code.
 
-:func:`register` puts them into mbridge's registry under "qwen3" and "qwen3_moe".
+:func:`register` puts them into mbridge's registry under "qwen3", "qwen3_moe", "qwen2" and "llama".
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import re
 from typing import Any, Optional
 
 from mbridge.core.bridge import register_model
+from mbridge.models.llama import LLaMABridge
+from mbridge.models.qwen2 import Qwen2Bridge
 from mbridge.models.qwen3 import Qwen3Bridge
 from mbridge.models.qwen3moe import Qwen3MoEBridge
 
-__all__ = ["LocalQwen3Bridge", "LocalQwen3MoEBridge", "register", "te_name"]
+__all__ = ["LocalQwen3Bridge", "LocalQwen3MoEBridge", "LocalQwen2Bridge", "LocalLlamaBridge", "register", "te_name"]
 
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _CPU_FLAGS = {
@@ -118,7 +120,17 @@ class LocalQwen3MoEBridge(_LocalSpec, Qwen3MoEBridge):
     _dense_norm_fused = False
 
 
+class LocalQwen2Bridge(_LocalSpec, Qwen2Bridge):
+    """Qwen2 (dense, QKV bias) on the local spec."""
+
+
+class LocalLlamaBridge(_LocalSpec, LLaMABridge):
+    """Llama (2 / 3.x) on the local spec."""
+
+
 def register() -> None:
-    """Make mbridge's ``AutoBridge`` build Qwen3 / Qwen3-MoE with the local spec."""
+    """Make mbridge's ``AutoBridge`` build Qwen3 / Qwen3-MoE / Qwen2 / Llama with the local spec."""
     register_model("qwen3")(LocalQwen3Bridge)
     register_model("qwen3_moe")(LocalQwen3MoEBridge)
+    register_model("qwen2")(LocalQwen2Bridge)
+    register_model("llama")(LocalLlamaBridge)

@@ -1,6 +1,8 @@
-"""Tiny Qwen3 / Qwen3-MoE checkpoints with random weights and a small tokenizer, built locally.
+"""Tiny Qwen3 / Qwen3-MoE checkpoints (and the other families hdp computes exactly: Llama 3.1, Qwen3 with
+YaRN, Qwen2 with a sliding window, Mistral) with random weights and a small tokenizer, built locally.
 
-Nothing is downloaded: the config comes from ``transformers``' ``Qwen3Config`` / ``Qwen3MoeConfig``,
+Nothing is downloaded: the config comes from ``transformers``' ``Qwen3Config`` / ``Qwen3MoeConfig`` (and
+``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``: :data:`FAMILIES`, :func:`family_config`),
 the weights from a seeded random init, the tokenizer from ``tokenizers``' ``WordLevel`` model (one
 token per word, digit or symbol) with a Qwen-style chat template, all written with ``save_pretrained``.
 """
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["VOCAB", "build_tokenizer", "build_tiny", "PAD", "EOS"]
+__all__ = ["VOCAB", "build_tokenizer", "build_tiny", "family_config", "FAMILIES", "PAD", "EOS"]
 
 PAD = "<|endoftext|>"
 EOS = "<|im_end|>"
@@ -49,16 +51,64 @@ def build_tokenizer(path: str | Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def build_tiny(path: str | Path, *, moe: bool = False, seed: int = 0, layers: int = 2) -> Path:
-    """Save a tiny Qwen3 (or Qwen3-MoE: 4 experts, top-2) with random weights and the tokenizer; returns ``path``.
+FAMILIES = ("qwen3", "llama3.1", "qwen3-yarn", "qwen2-window", "mistral-window")
+"""The tiny families :func:`family_config` builds (besides the Qwen3-MoE of :func:`build_tiny`)."""
+
+WINDOW = 6
+"""The sliding window of the tiny windowed families (HF ``sliding_window``: keys up to 5 positions back):
+shorter than the CP chunks of the tests' long samples, so windows cross chunk boundaries and whole ring steps
+fall outside them."""
+
+
+def family_config(family: str, *, layers: int = 2, vocab: int = VOCAB) -> object:
+    """The HF config of a tiny model of ``family`` (:data:`FAMILIES`): hidden 32, 4 query / 2 KV heads of dim
+    16 (Mistral: 8), SwiGLU 64, untied embeddings, fp32.
+
+    * ``llama3.1``: ``rope_type: llama3`` (factor 8, low/high 1/4, theta 5e5) with a pretraining length of 32
+      so that short test samples already cross its smoothing band;
+    * ``qwen3-yarn``: ``rope_type: yarn`` (factor 4 over a pretraining length of 32: attention factor 1.139);
+    * ``qwen2-window``: Qwen2 (QKV bias) with ``use_sliding_window``: window :data:`WINDOW` on layers from
+      ``max_window_layers`` = 1 on (layer 1 full, the others sliding);
+    * ``mistral-window``: ``sliding_window`` :data:`WINDOW` on every layer (no mbridge bridge).
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=None, eos_token_id=2, torch_dtype="float32")
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "qwen3-yarn":
+        return Qwen3Config(**common, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32})
+    if family == "llama3.1":
+        return LlamaConfig(**common, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if family == "qwen2-window":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                           use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    if family == "mistral-window":
+        return MistralConfig(**common, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             sliding_window=WINDOW)
+    raise ValueError(f"family={family!r}: choose one of {list(FAMILIES)}")
+
+
+def build_tiny(path: str | Path, *, moe: bool = False, seed: int = 0, layers: int = 2, family: str = "qwen3") -> Path:
+    """Save a tiny Qwen3 (or Qwen3-MoE: 4 experts, top-2; or another ``family`` of :func:`family_config`) with
+    random weights and the tokenizer; returns ``path``.
 
     hidden 32, 4 query / 2 KV heads of dim 16, vocab :data:`VOCAB`, untied embeddings, fp32 weights.
     """
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path)
+    if family != "qwen3" and not moe:
+        cfg = family_config(family, layers=layers)
+        _save_random(cfg, path, seed)
+        return path
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -81,11 +131,20 @@ def build_tiny(path: str | Path, *, moe: bool = False, seed: int = 0, layers: in
         )
     else:
         cfg = Qwen3Config(**common, intermediate_size=64)
+    _save_random(cfg, path, seed)
+    return path
+
+
+def _save_random(cfg: object, path: Path, seed: int) -> None:
+    """``AutoModelForCausalLM`` of ``cfg`` with seeded random weights (norms in [0.5, 1.5], biases O(0.1)), saved."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # non-trivial norms so a mis-mapped norm weight shows up
+    with torch.no_grad():  # non-trivial norms and biases so a mis-mapped one shows up
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
-    return path

@@ -1,0 +1,328 @@
+"""Attention variants hdp computes (sliding windows by sample position, softmax sinks, a custom scale, value
+heads of another width) and the table that classifies every attention setting of Megatron's TransformerConfig.
+
+References: naive float64 attention with an explicit mask (kernel and CP levels, tolerance 1e-10 absolute,
+float64 throughout), Megatron's own ``GPTModel`` with its local ``DotProductAttention`` on the same weights
+(model level: logits 1e-5 absolute in float32, values O(1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helper import run_distributed
+from hdp.cp import CPAlgorithm, cp_attention
+from hdp.cp.metadata import StepCase, group_layouts, positions, rank_layout, ring_schedule, step_sees_keys
+from hdp.groups import DomainGroups
+from hdp.kernels import KeyWindow, get_kernel, kernel_attention
+from hdp.kernels import reference
+
+HQ, HKV, D, DV = 4, 2, 8, 6
+TOL64 = 1e-10
+
+
+def naive(q, k, v, lengths, scale, *, window=None, sink=None):
+    """Causal attention per sample in float64 with an explicit mask: key j visible to query i iff
+    i - window <= j <= i; ``sink`` [Hq]: one value-less logit per head in the denominator."""
+    g = q.shape[1] // k.shape[1]
+    outs, off = [], 0
+    for n in lengths:
+        qs, ks, vs = q[off : off + n], k[off : off + n], v[off : off + n]
+        sc = torch.einsum("ihd,jhd->hij", qs, ks.repeat_interleave(g, 1)) * scale  # [Hq, n, n]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        hide = j > i
+        if window is not None:
+            hide = hide | (j < i - window)
+        sc = sc.masked_fill(hide, -math.inf)
+        if sink is not None:
+            sc = torch.cat([sc, sink.to(sc.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)  # [Hq, n, n+1]
+        p = sc.softmax(-1)[..., :n]
+        outs.append(torch.einsum("hij,jhd->ihd", p, vs.repeat_interleave(g, 1)))
+        off += n
+    return torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[2]))
+
+
+def _qkv(total, seed, dv=DV, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, HQ, D, generator=gen, dtype=dtype)
+    k = torch.randn(total, HKV, D, generator=gen, dtype=dtype)
+    v = torch.randn(total, HKV, dv, generator=gen, dtype=dtype)
+    dout = torch.randn(total, HQ, dv, generator=gen, dtype=dtype)
+    return q, k, v, dout
+
+
+# ---- kernel level (one process) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 0, 3, 20])
+@pytest.mark.parametrize("sink_kind", [None, "zero", "learned"])
+def test_local_kernel_window_sink_and_value_dim_match_naive(window, sink_kind):
+    """kernel_attention (the reference kernel) against the naive mask, with
+    gradients of q, k, v and the sink."""
+    lengths = [13, 1, 30, 7]
+    q, k, v, dout = _qkv(sum(lengths), 3)
+    sink = None
+    if sink_kind == "zero":
+        sink = torch.zeros(HQ, dtype=torch.float64)
+    elif sink_kind == "learned":
+        sink = torch.randn(HQ, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    win = None if window is None else KeyWindow(window, pos, pos)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kern = get_kernel(torch.device("cpu"))  # block sizes smaller than the window: test_reference_blocks_with_window
+    out, lse = kernel_attention(*leaves, cu, cu, True, 0.37, kern, window=win, sink=sink)
+    out.backward(dout)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sink = sink.detach().clone().requires_grad_() if sink_kind == "learned" else sink
+    ref = naive(*ref_leaves, lengths, 0.37, window=window, sink=ref_sink)
+    ref.backward(dout)
+    assert out.shape == (sum(lengths), HQ, DV)
+    torch.testing.assert_close(out, ref, atol=TOL64, rtol=0)
+    for a, b in zip(leaves, ref_leaves):
+        torch.testing.assert_close(a.grad, b.grad, atol=TOL64, rtol=0)
+    if sink_kind == "learned":
+        torch.testing.assert_close(sink.grad, ref_sink.grad, atol=TOL64, rtol=0)
+
+
+def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those_calls():
+    """An adapter that declares no window (flash-attn, torch-flash, NPU) is called for plain calls only; a
+    windowed call, or one with Dv != D, runs the reference kernel."""
+    from hdp.kernels import AttentionKernel, KernelName
+
+    calls = []
+
+    def fwd(*a):
+        calls.append("fwd")
+        return reference.attn_fwd(*a)
+
+    kern = AttentionKernel(KernelName.TORCH_FLASH, fwd, reference.attn_bwd)
+    q, k, v, _ = _qkv(10, 1, dv=D)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    pos = torch.arange(10)
+    kern.forward(q, k, v, cu, cu, True, 0.5)
+    assert calls == ["fwd"]
+    out, _ = kern.forward(q, k, v, cu, cu, True, 0.5, window=KeyWindow(2, pos, pos))
+    _, _, v6, _ = _qkv(10, 1, dv=DV)
+    kern.forward(q, k, v6, cu, cu, True, 0.5)
+    assert calls == ["fwd"]  # neither went to the adapter
+    torch.testing.assert_close(out, naive(q, k, v, [10], 0.5, window=2), atol=TOL64, rtol=0)
+
+
+@pytest.mark.parametrize("window", [0, 2, 9])
+def test_reference_blocks_with_window(window):
+    """Blocks smaller than the window and than the samples: skipped, full and partial blocks all occur."""
+    lengths = [40, 3, 25]
+    q, k, v, dout = _qkv(sum(lengths), 5, dv=D)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    win = KeyWindow(window, pos, pos)
+    out, lse = reference.attn_fwd(q, k, v, cu, cu, True, 0.5, block_q=4, block_k=8, window=win)
+    dq, dk, dv = reference.attn_bwd(dout, q, k, v, out, lse, cu, cu, True, 0.5, block_q=4, block_k=8, window=win)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive(*leaves, lengths, 0.5, window=window)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, atol=TOL64, rtol=0)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got, leaf.grad, atol=TOL64, rtol=0)
+
+
+def test_window_by_position_not_by_row():
+    """The zigzag local layout of rank 0 of 2 holds chunks 0 and 3 of a sample: rows adjacent, positions far
+    apart.  A window by position must hide chunk 0 from chunk 3; one by rows would not."""
+    lengths, k_group = [16], 2
+    lay = rank_layout(lengths, k_group, 0)
+    assert lay.front == ((0, 4),) and lay.back == ((12, 16),)
+    q, k, v, _ = _qkv(16, 7, dv=D)
+    idx = positions(lengths, k_group, 0)
+    cu = lay.cu_seqlens
+    out, _ = reference.attn_fwd(q[idx], k[idx], v[idx], cu, cu, True, 0.5, window=KeyWindow(3, idx, idx))
+    full = naive(q, k, v, lengths, 0.5, window=3)
+    # rows of chunk 3 (positions 12..15) only see keys 9..15 of the sample; chunk 0 is too far, and keys 4..11
+    # live on the other rank: the local result is the window restricted to local keys
+    local_keys_visible = naive(q[idx], k[idx], v[idx], [8], 0.5, window=None)  # by rows: chunk 0 visible
+    assert not torch.allclose(out[4:], local_keys_visible[4:])
+    torch.testing.assert_close(out[:4], full[:4], atol=TOL64, rtol=0)  # chunk 0: the whole window is local
+
+
+def test_step_sees_keys_skips_only_steps_outside_every_window():
+    lengths = [64]
+    lays = group_layouts(lengths, 4)
+    seen = {w: [(j, s.source) for j in range(4) for s in ring_schedule(4, j)
+                if step_sees_keys(lays[j], lays[s.source], s.case, w)] for w in (None, 100, 8, 0)}
+    assert len(seen[None]) == len(seen[100]) == 16  # every step of every rank
+    assert len(seen[0]) == 4  # only the local step: a 0-window sees the token itself
+    assert 4 < len(seen[8]) < 16  # a window of 8 over chunks of 8: neighbours only
+    for j, i in seen[8]:  # what is kept is a chunk pair at most 8 positions apart
+        assert j == i or any(abs(a - b) <= 8 + 8 for a in (lays[j].front[0][0], lays[j].back[0][0])
+                             for b in (lays[i].front[0][0], lays[i].back[0][0]))
+    assert step_sees_keys(lays[1], lays[0], StepCase.FRONT_KEYS, 8)  # chunk 1 sees the end of chunk 0
+
+
+# ---- CP level (2 and 4 gloo ranks) -----------------------------------------------------------------------
+
+CP_CASES = {2: {(0, 2): [37, 5, 1, 20]}, 4: {(0, 4): [41, 3, 9]}}
+
+
+def _cp_variants(rank, world):
+    groups = DomainGroups.build(dist.group.WORLD)
+    kern = get_kernel(torch.device("cpu"))
+    (start, size), lengths = next(iter(CP_CASES[world].items()))
+    total = sum(lengths)
+    algos = [CPAlgorithm.RING, CPAlgorithm.ALLGATHER]
+    # windows shorter than a chunk (steps skipped), crossing chunk boundaries, and wider than any sample
+    for case, (window, sink_kind, dv) in enumerate([(3, "learned", DV), (7, None, D), (11, "zero", DV),
+                                                     (None, "learned", DV), (1000, None, D)]):
+        q, k, v, dout = _qkv(total, 100 + case, dv=dv)
+        sink = None
+        if sink_kind == "zero":
+            sink = torch.zeros(HQ, dtype=torch.float64)
+        elif sink_kind == "learned":
+            sink = torch.randn(HQ, dtype=torch.float64, generator=torch.Generator().manual_seed(case))
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_sink = sink.clone().requires_grad_() if sink_kind == "learned" else sink
+        ref = naive(*ref_leaves, lengths, 0.31, window=window, sink=ref_sink)
+        ref.backward(dout)
+        pos = rank - start
+        lay = rank_layout(lengths, size, pos)
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]])
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.diff(lay.cu_seqlens.long()))
+        idx = offsets[seq] + lay.positions
+        for algo in algos:
+            leaves = [t[idx].clone().requires_grad_() for t in (q, k, v)]
+            my_sink = sink.clone().requires_grad_() if sink_kind == "learned" else sink
+            out = cp_attention(*leaves, lengths, size, ring=groups.ring(start, size), groups=groups, algo=algo,
+                               kernel=kern, scale=0.31, window=window, sink=my_sink)
+            out.backward(dout[idx])
+            what = f"window={window} sink={sink_kind} dv={dv} {algo.value}"
+            torch.testing.assert_close(out, ref[idx], atol=TOL64, rtol=0, msg=lambda m: f"{what} out: {m}")
+            for name, a, b in zip("qkv", leaves, ref_leaves):
+                torch.testing.assert_close(a.grad, b.grad[idx], atol=TOL64, rtol=0,
+                                           msg=lambda m, name=name: f"{what} d{name}: {m}")
+            if sink_kind == "learned":  # each rank holds part of the rows: the sum over the group is the gradient
+                g = my_sink.grad.clone()
+                dist.all_reduce(g, group=dist.group.WORLD)
+                torch.testing.assert_close(g, ref_sink.grad, atol=TOL64, rtol=0, msg=lambda m: f"{what} dsink: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_window_and_sinks_match_single_process(world):
+    run_distributed(_cp_variants, world, timeout=240)
+
+
+# ---- the field table ---------------------------------------------------------------------------------------
+
+
+def test_every_attention_field_of_the_installed_megatron_is_classified():
+    """Every attention-looking field of the installed TransformerConfig is handled, refused or left to Megatron."""
+    from hdp.megatron_compat import TransformerConfig
+    from hdp.trainer.attention_config import FIELDS, unclassified_fields
+
+    missing = unclassified_fields(TransformerConfig)
+    assert not missing, f"TransformerConfig fields hdp does not classify (add them to attention_config.FIELDS): {missing}"
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert {"window_size", "softmax_type", "softmax_scale", "multi_latent_attention"} <= set(FIELDS) & names
+
+    @dataclasses.dataclass
+    class Upgraded(TransformerConfig):  # a Megatron release that adds an attention setting
+        attention_temperature: float = 1.0
+
+    assert unclassified_fields(Upgraded) == ["attention_temperature"]
+
+
+def _tf(**kw):
+    from hdp.megatron_compat import TransformerConfig
+
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("rotary_interleaved", True), ("multi_latent_attention", True), ("qk_clip", True),
+    ("log_max_attention_logit", True), ("attention_dropout", 0.1), ("experimental_attention_variant", "gated_delta_net"),
+])
+def test_refused_fields_raise_naming_the_field(field, value):
+    from hdp.trainer.attention_config import check_attention_config
+
+    cfg = _tf()
+    object.__setattr__(cfg, field, value)  # past TransformerConfig's own post-init checks
+    with pytest.raises(ValueError, match=rf"TransformerConfig\.{field}="):
+        check_attention_config(cfg)
+
+
+def test_handled_fields_give_the_settings():
+    from hdp.trainer.attention_config import SoftmaxType, check_attention_config
+
+    s = check_attention_config(_tf(window_size=(7, 0), window_attn_skip_freq=2, softmax_type="learnable",
+                                   softmax_scale=0.25, no_rope_freq=[0, 0, 0, 1]))
+    assert s.softmax_scale == 0.25 and s.softmax_type is SoftmaxType.LEARNABLE
+    assert [s.window_for(layer) for layer in (1, 2, 3, 4)] == [7, None, 7, None]  # Megatron: every 2nd layer full
+    assert [s.rope_for(layer) for layer in (1, 2, 3, 4)] == [True, True, True, False]
+    assert check_attention_config(_tf(window_size=(-1, 0))).window is None  # left -1: unbounded
+    with pytest.raises(ValueError, match=r"window_size=\(7, 3\)"):
+        check_attention_config(_tf(window_size=(7, 3)))
+
+
+# ---- model level: hdp's Megatron GPT against Megatron's own local attention (2 ranks, one CP group) -------
+
+MODEL_VARIANTS = {
+    "window-every-2nd-layer-scale": dict(window_size=5, window_attn_skip_freq=2, softmax_scale=0.2),
+    "off-by-one": dict(softmax_type="off-by-one"),
+    "learnable-sinks-window": dict(softmax_type="learnable", window_size=9),
+}
+
+
+def _model_variant(rank, world, name):
+    from hdp import megatron_compat as mc
+    from hdp.trainer.attention_spec import CPContext, packed_seq_params
+    from hdp.trainer.model import ModelConfig, build_gpt_model, packed_logits
+
+    rt = mc.initialize_megatron(device="cpu", seed=1234)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      **MODEL_VARIANTS[name])
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, "cpu", groups=rt.groups)
+    if cfg.softmax_type.value == "learnable":  # sinks of both signs and sizes, not Megatron's 0.02-std init
+        with torch.no_grad():
+            for layer in model.decoder.layers:
+                layer.self_attention.core_attention.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
+    stock = mc.GPTModel(config=model.config, transformer_layer_spec=mc.get_gpt_layer_local_spec(
+        normalization=cfg.normalization), vocab_size=64, max_sequence_length=64, position_embedding_type="rope",
+        rotary_base=cfg.rotary_base)
+    missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
+    assert not [k for k in missing if "_extra_state" not in k] and not unexpected, (missing, unexpected)
+    lengths = (29, 6)  # one CP group of 2 ranks: 29 tokens cut into chunks of 7-8, the windows cross them
+    gen = torch.Generator().manual_seed(5)
+    samples = [torch.randint(0, 64, (n,), generator=gen) for n in lengths]
+    weights = [torch.randn(n, 64, generator=gen) for n in lengths]
+    groups = DomainGroups.build(dist.group.WORLD)
+    ctx = CPContext(group_lengths=lengths, k_group=2, ring=groups.ring(0, 2))
+    lay = ctx.layout()
+    pick = lambda xs: torch.cat([torch.cat([x[fs:fe], x[bs:be]])  # noqa: E731
+                                 for x, (fs, fe), (bs, be) in zip(xs, lay.front, lay.back)])
+    logits = packed_logits(model, pick(samples), packed_seq_params(lengths, torch.device("cpu"), cp=ctx))
+    (logits * pick(weights)).sum().backward()
+    ref = [stock(input_ids=s[None], position_ids=torch.arange(len(s))[None], attention_mask=None)[0]
+           for s in samples]  # [L, V] each, Megatron's own RoPE and DotProductAttention
+    sum((r * w).sum() for r, w in zip(ref, weights)).backward()
+    torch.testing.assert_close(logits, pick(ref), atol=1e-5, rtol=0, msg=lambda m: f"{name} logits: {m}")
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    for n, g in grads.items():  # each rank's loss covers its own tokens: the sum over the group is the full grad
+        g = g.clone()
+        dist.all_reduce(g, group=dist.group.WORLD)
+        torch.testing.assert_close(g, stock_grads[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
+    if cfg.softmax_type.value == "learnable":
+        assert any("softmax_offset" in n for n in grads)
+    rt.close()
+
+
+@pytest.mark.parametrize("name", list(MODEL_VARIANTS))
+def test_model_variants_match_megatrons_local_attention(name):
+    run_distributed(_model_variant, 2, name, timeout=240)
