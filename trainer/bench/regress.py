@@ -329,7 +329,7 @@ MODEL_FAMILIES: tuple[tuple[str, str], ...] = (
     ("qwen3-off-by-one", "Qwen3 with off-by-one sinks"),
     ("qwen3-scale", "Qwen3 with a custom softmax_scale"),
 )
-"""`hdp bench models`' families (`hdp.integrations.verl.scaffolding.families.CASES`) with a row each."""
+"""`hdp bench models`' families (the verl plugin's scaffolding `families.CASES`) with a row each."""
 
 
 def _model_rows() -> tuple[Row, ...]:
