@@ -30,8 +30,13 @@ the domain size, recompute mode, MoE zero-memory level, CP algorithm) and a few 
   ring — two K/V receive buffers ``2 · T · 2K · b``, the fp32 output and LSE accumulators
   ``T · (Q + heads) · 4``, and in backward the travelling fp32 dK/dV ``T · 2K · 4``; all-gather — the
   group's gathered K/V ``k · T · 2K · b`` and their fp32 gradients;
-* **logits** (last stage): the logits ``T · V/TP · b`` and their gradient, plus one fp32 vocabulary
-  chunk ``T · min(4096, V/TP) · 4`` (`hdp.logprobs`);
+* **logits** (last stage), by the log-prob path (`MemoryLayout.fused_logprobs`): from logits
+  (`hdp.logprobs`), the logits ``T · V/TP · b`` and their gradient, plus one fp32 vocabulary chunk
+  ``T · min(4096, V/TP) · 4``; fused (`hdp.fused_logprobs`: from the hidden states and the output weight,
+  no [T, V/TP]), the hidden states it keeps and their fp32 gradient accumulator ``T · h · (b + 4)``, five
+  fp32 per-token statistics ``T · 20``, and one chunk's working set, ``16 · min(T, 4096) · min(4096, V/TP)``
+  (four fp32 [tokens × columns] arrays) plus the fp32 weight-gradient chunk ``min(4096, V/TP) · h · 4``
+  (`logits_bytes`);
 * **headroom** — a fitted constant: allocator fragmentation, workspaces, communication buffers.
 
 The analytic terms are multiplied by fitted coefficients (``activation``, ``expert``, ``cp``,
@@ -55,7 +60,7 @@ from hdp.packing.cost import min_group_size
 from hdp.packing.model_shape import ModelShape, get_shape
 from hdp.packing.moe_memory import ActivationMemoryModel, MoEShape, ZeroMemoryLevel
 
-__all__ = ["MemoryLayout", "MemoryCoefficients", "MemoryModel", "MemoryBudget", "fit_memory", "RECOMPUTE",
+__all__ = ["MemoryLayout", "MemoryCoefficients", "MemoryModel", "MemoryBudget", "fit_memory", "RECOMPUTE", "logits_bytes",
            "GB", "memory_features", "window_tokens", "rerun_tokens", "plan_memory", "memory_stats", "rank_group_sizes", "model_for"]
 
 GB = 1 << 30
@@ -66,7 +71,20 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.3g} GB"
 RECOMPUTE = ("none", "selective", "full")
 _LOGIT_CHUNK = 4096
+"""Vocabulary columns per chunk of both log-prob paths (`hdp.logprobs.DEFAULT_CHUNK`)."""
+_TOKEN_CHUNK = 4096
+"""Tokens per chunk of the fused path (`hdp.fused_logprobs.DEFAULT_TOKEN_CHUNK`)."""
 _FEATURES = ("activation", "expert", "cp", "logits")
+
+
+def logits_bytes(tokens: float, hidden: int, vocab_rows: float, activation_bytes: int, *, fused: bool) -> float:
+    """The logits term of a round of ``tokens`` tokens on the last stage (the module docstring's formulas):
+    from the logits, or on the fused path (``fused``); ``vocab_rows`` = V / TP."""
+    cols = min(_LOGIT_CHUNK, vocab_rows)
+    if not fused:
+        return tokens * (2 * vocab_rows * activation_bytes + cols * 4)
+    rows = min(_TOKEN_CHUNK, tokens)
+    return tokens * (hidden * (activation_bytes + 4) + 5 * 4) + 16 * rows * cols + cols * hidden * 4
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,12 +123,18 @@ class MemoryLayout:
     """Bytes per parameter (bf16: 2, fp32: 4)."""
     activation_bytes: int = 2
     """Bytes per activation element."""
+    fused_logprobs: bool = False
+    """The last stage computes log-probs on the fused path (`hdp.fused_logprobs`: from the hidden states and
+    the output layer's weight, never holding the logits); False: from the logits (`hdp.logprobs`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "etp", "domain", "param_bytes", "activation_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MemoryLayout.{name}={v!r}: pass an integer >= 1")
+        if not isinstance(self.fused_logprobs, bool):
+            raise ValueError(f"MemoryLayout.fused_logprobs={self.fused_logprobs!r}: pass True (the fused log-prob "
+                             "path) or False (log-probs from the logits)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"MemoryLayout.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         ZeroMemoryLevel.parse(self.zero_memory)
@@ -351,8 +375,8 @@ class MemoryModel:
                 cp = group_size * tokens * kv * (b + 4)
         logits = 0.0
         if stage == lay.pp - 1:
-            vl = s.vocab_size / lay.tp
-            logits = tokens * (2 * vl * lay.activation_bytes + min(_LOGIT_CHUNK, vl) * 4)
+            logits = logits_bytes(tokens, s.hidden_size, s.vocab_size / lay.tp, lay.activation_bytes,
+                                  fused=lay.fused_logprobs)
         return {"activation": a, "expert": e, "cp": cp, "logits": logits}
 
     def dynamic_bytes(self, tokens: float, group_size: int, **kwargs: Any) -> float:
