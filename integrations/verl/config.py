@@ -140,7 +140,8 @@ class HdpEngineConfig(compat.McoreEngineConfig):
         overrides = dict(self.override_transformer_config or {})
         check_zero_memory_experts(overrides.get("moe_grouped_gemm", False), self.hdp.zero_memory.value,
                                   f"{key}.override_transformer_config.moe_grouped_gemm", f"{hkey}.zero_memory")
-        check_fused_kernels(getattr(self, "use_fused_kernels", False))
+        check_fused_kernels(getattr(self, "use_fused_kernels", False),
+                            key="critic.model" if self.role == "critic" else "actor_rollout_ref.model")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")
@@ -179,7 +180,7 @@ class HdpActorConfig(compat.McoreActorConfig):
         super().validate(n_gpus, train_batch_size, model_config)
         if model_config is not None:
             check_remove_padding(model_config.get("use_remove_padding", True))
-            check_fused_kernels(model_config.get("use_fused_kernels", False))
+            check_fused_kernels(model_config.get("use_fused_kernels", False), model_config.get("fused_kernel_options", None))
 
 
 @dataclass
