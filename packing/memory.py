@@ -78,13 +78,16 @@ _FEATURES = ("activation", "expert", "cp", "logits")
 
 
 def logits_bytes(tokens: float, hidden: int, vocab_rows: float, activation_bytes: int, *, fused: bool) -> float:
-    """The logits term of a round of ``tokens`` tokens on the last stage (the module docstring's formulas):
-    from the logits, or on the fused path (``fused``); ``vocab_rows`` = V / TP."""
+    """The logits term of a round of ``tokens`` tokens (a number or an array) on the last stage (the module
+    docstring's formulas): from the logits (linear in T), or on the fused path (``fused``: linear plus the
+    bounded chunk working set); ``vocab_rows`` = V / TP."""
     cols = min(_LOGIT_CHUNK, vocab_rows)
     if not fused:
         return tokens * (2 * vocab_rows * activation_bytes + cols * 4)
-    rows = min(_TOKEN_CHUNK, tokens)
-    return tokens * (hidden * (activation_bytes + 4) + 5 * 4) + 16 * rows * cols + cols * hidden * 4
+    rows = np.minimum(_TOKEN_CHUNK, tokens)  # scalars or arrays of tokens (`plan_memory`)
+    bounded = 16 * rows * cols + np.where(np.asarray(tokens) > 0, cols * hidden * 4, 0)  # no round: no chunk
+    out = tokens * (hidden * (activation_bytes + 4) + 5 * 4) + bounded
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def _divisors(n: int) -> list[int]:
@@ -405,8 +408,26 @@ class MemoryModel:
                 return 0
             per = self.dynamic_bytes(1.0, group_size, stage=st) - self.coef.headroom_bytes  # linear in T
             t = int(room // per) if per > 0 else 1 << 40
+            if self.layout.fused_logprobs and st == self.layout.pp - 1 and 0 < t < 1 << 40:
+                t = self._largest_fitting(t, room, group_size, st)
             best = t if best is None else min(best, t)
         return max(0, int(best or 0))
+
+    def _largest_fitting(self, t: int, room: float, group_size: int, stage: int) -> int:
+        """The largest T whose dynamic bytes on ``stage`` fit ``room``, from ``t`` that fits: the fused path's
+        chunk working set is bounded (not ∝ T), so the bytes per token at T = 1 over-count it and the linear
+        answer ``t`` is a lower bound; doubling, then bisection (the bytes grow with T)."""
+        def fits(n: int) -> bool:
+            return self.dynamic_bytes(float(n), group_size, stage=stage) - self.coef.headroom_bytes <= room
+
+        lo = t
+        hi = 2 * lo
+        while hi < 1 << 40 and fits(hi):
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def describe_static(self, stage: int = 0) -> str:
         """``"P GB parameters + G GB gradients + O GB optimizer"`` of ``stage``."""
@@ -619,6 +640,10 @@ def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np
             if tokens.size else tokens
         wmax = np.stack([rerun_tokens(tokens[:, j], model, st) for j in range(tokens.shape[1])], axis=1) \
             if tokens.size else tokens
+        # on the fused log-prob path the logits term is not linear in the tokens (its chunk working set is
+        # bounded): it is priced per round below, the other terms through their per-token rates
+        exact = model.layout.fused_logprobs and st == model.layout.pp - 1
+        linear = [n for n in _FEATURES if not (exact and n == "logits")]
         for k in np.unique(sizes):
             sel = sizes == k
             # the features are linear in the round's tokens, the window's sum and the window's largest round
@@ -626,8 +651,12 @@ def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np
             fw = model.features(0.0, int(k), stage=st, window_tokens=1.0, window_max=0.0)
             fm = model.features(0.0, int(k), stage=st, window_tokens=0.0, window_max=1.0)
             c = model.coef
-            per_t, per_w, per_m = (sum(getattr(c, n) * f[n] for n in _FEATURES) for f in (f1, fw, fm))
+            per_t, per_w, per_m = (sum(getattr(c, n) * f[n] for n in linear) for f in (f1, fw, fm))
             peak = static + c.headroom_bytes + per_t * tokens[sel] + per_w * win[sel] + per_m * wmax[sel]
+            if exact:
+                s, lay = model.shape, model.layout
+                peak = peak + c.logits * logits_bytes(tokens[sel], s.hidden_size, s.vocab_size / lay.tp,
+                                                      lay.activation_bytes, fused=True)
             out[sel] = np.maximum(out[sel], peak)
     return out
 
@@ -646,7 +675,8 @@ def memory_stats(plan: Any, tokens: np.ndarray, model: MemoryModel, limit: float
         "model": model.shape.name,
         "layout": {"tp": model.layout.tp, "pp": model.layout.pp, "vpp": model.layout.vpp, "ep": model.layout.ep,
                    "domain": model.layout.domain, "recompute": model.layout.recompute,
-                   "zero_memory": model.layout.zero_memory, "cp_algorithm": model.layout.cp_algorithm},
+                   "zero_memory": model.layout.zero_memory, "cp_algorithm": model.layout.cp_algorithm,
+                   "fused_logprobs": model.layout.fused_logprobs},
     }
     if limit is not None:
         out["within_limit"] = bool(out["peak_bytes"] <= limit * (1 + 1e-9))
