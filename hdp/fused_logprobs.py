@@ -145,8 +145,10 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """[Tc, C] x = (h @ wᵀ) · inv_t in ``acc``: the product in the inputs' dtype, as the output layer's."""
-    return (h @ w.t()).to(acc) * inv_t[:, None]
+    """[Tc, C] x = (h @ wᵀ) · inv_t in ``acc``: the product in the inputs' dtype, as the output layer's, then
+    one multiplication by the ``acc`` [Tc] column, which promotes it (one pass over the chunk)."""
+    assert inv_t.dtype == acc
+    return (h @ w.t()) * inv_t[:, None]
 
 
 def _tp_combine(m: torch.Tensor, parts: list[torch.Tensor], scaled: list[bool], group: dist.ProcessGroup
@@ -189,10 +191,10 @@ class _FusedLogprobEntropy(torch.autograd.Function):
                 m_old = m[i0:i1]
                 m_new = torch.maximum(m_old, x.max(dim=-1).values)  # [Tc]
                 scale = torch.exp(m_old - m_new)  # [Tc]; exp(-inf) = 0 on the first chunk
-                e = torch.exp(x - m_new[:, None])  # [Tc, C]
+                e = (x - m_new[:, None]).exp_()  # [Tc, C]
                 s[i0:i1] = s[i0:i1] * scale + e.sum(-1)
                 if w is not None:
-                    w[i0:i1] = w[i0:i1] * scale + (e * x).sum(-1)
+                    w[i0:i1] = w[i0:i1] * scale + torch.einsum("ij,ij->i", e, x)  # Σ_c e·x, one pass
                 m[i0:i1] = m_new
                 del x, e
         parts = [s, x_tgt] + ([w] if w is not None else [])
@@ -225,19 +227,25 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             dw_c = torch.zeros(w_c.shape, dtype=acc, device=weight.device) if need_w else None  # [C, H]
             for i0, i1 in _chunks(t_len, ctx.token_chunk):
                 h_i = hidden[i0:i1]  # [Tc, H]
-                x = _logits(h_i, w_c, inv_t[i0:i1], acc)  # [Tc, C]
-                p = torch.exp(x - lse[i0:i1, None])  # [Tc, C]
-                d = torch.zeros_like(p)  # [Tc, C] d logits / (1/t)
+                it = inv_t[i0:i1]  # [Tc]
+                x = _logits(h_i, w_c, it, acc)  # [Tc, C]
+                d = (x - lse[i0:i1, None]).exp_()  # [Tc, C] p
+                # d logits = (1/t)·(g·onehot − p·(g + g_H·(x − E_p[x]))), the per-row factors folded in place
+                if g_h is not None:
+                    coef = x.sub_(mean_x[i0:i1, None]).mul_((-g_h[i0:i1] * it)[:, None])  # −(1/t)·g_H·(x − E)
+                    if g_lp is not None:
+                        coef.sub_((g_lp[i0:i1] * it)[:, None])  # − (1/t)·g
+                    d.mul_(coef)
+                    del coef
+                else:
+                    d.mul_((-g_lp[i0:i1] * it)[:, None])  # −(1/t)·g·p
                 if g_lp is not None:
-                    g = g_lp[i0:i1]
-                    d -= g[:, None] * p
                     lt = local_t[i0:i1]
                     hit = (lt >= c0) & (lt < c1)
-                    d.scatter_add_(1, (lt - c0).clamp(0, c1 - c0 - 1)[:, None], (g * hit)[:, None])  # + g at the target
-                if g_h is not None:
-                    d -= g_h[i0:i1, None] * p * (x - mean_x[i0:i1, None])
-                del x, p
-                d = (d * inv_t[i0:i1, None]).to(hidden.dtype)  # [Tc, C] d logits in the model's dtype
+                    d.scatter_add_(1, (lt - c0).clamp(0, c1 - c0 - 1)[:, None],
+                                   (g_lp[i0:i1] * it * hit)[:, None])  # + (1/t)·g at the target
+                del x
+                d = d.to(hidden.dtype)  # [Tc, C] d logits in the model's dtype
                 if dh is not None:
                     dh[i0:i1] += (d @ w_c).to(acc)  # [Tc, H]
                 if dw_c is not None:

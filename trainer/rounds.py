@@ -23,9 +23,10 @@ A step's phases are
    samples for verl.  That output is the logits [T, Vl] (the logits path), or on the fused log-prob
    path (``fused_logprobs``: the output layer returns its TP-gathered input,
    `hdp.megatron_compat.head`) a `hdp.fused_logprobs.LastHidden` — the final hidden states [T, H] and
-   the output layer's weight shard [Vl, H] — from which the adapter computes log-probs without [T, Vl].  The adapter returns the round's share of the step loss (the sum over the
-   domain of the shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches``
-   and DDP's ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
+   the output layer's weight shard [Vl, H] — from which the adapter computes log-probs without
+   [T, Vl].  The adapter returns the round's share of the step loss (the sum over the domain of the
+   shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches`` and DDP's
+   ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
    the rounds go on with a zero loss, so every collective lines up;
 3. **reduce** (:meth:`RoundCore.reduce`): one all-reduce over the job of (loss, adapter failed, ranks
    whose gradient buffers hold a NaN/inf — each rank's own device-side check —, per-sample non-finite
@@ -147,11 +148,12 @@ class RoundInput:
 class RoundLoss(Protocol):
     """An engine's loss adapter: called on the last stage for every round where this rank holds tokens.
 
-    ``adapter(rnd, out) -> scalar or None``, ``out`` the round's output on this rank's Tr real tokens: logits
-    [Tr, Vl], or on the fused path a `hdp.fused_logprobs.LastHidden` (hidden states [Tr, H] and the output
-    layer's weight shard; `hdp.fused_logprobs.token_logprobs_entropy` takes either).  In a training step, the round's share of the
-    step loss (its gradient summed over the domain is the exact gradient), or ``None`` when this rank
-    adds nothing; in a forward-only pass the return value is ignored (the adapter keeps its outputs).
+    ``adapter(rnd, out) -> scalar or None``, ``out`` the round's output on this rank's Tr real tokens:
+    logits [Tr, Vl], or on the fused path a `hdp.fused_logprobs.LastHidden` (hidden states [Tr, H] and
+    the output layer's weight shard; `hdp.fused_logprobs.token_logprobs_entropy` takes either).  In a
+    training step, the round's share of the step loss (its gradient summed over the domain is the exact
+    gradient), or ``None`` when this rank adds nothing; in a forward-only pass the return value is ignored
+    (the adapter keeps its outputs).
     May raise: the core records the first error, runs the remaining rounds with a zero loss (still
     calling the adapter, whose collectives must line up) and reports it in :meth:`RoundCore.reduce`.
     """
@@ -248,6 +250,14 @@ class RoundCore:
         self.optimizer = optimizer
         self.megatron_groups = megatron_groups
         self.chunks = list(chunks)
+        self._heads: dict[int, mc.HiddenHead] = {}  # id(chunk) -> its output layer returning hidden states
+        if fused_logprobs:  # first: a model it cannot replace raises before the core starts anything
+            for m in self.chunks:
+                head = mc.install_hidden_head(m)
+                if head is not None:
+                    self._heads[id(m)] = head
+        self.fused_logprobs = bool(fused_logprobs)
+        """Whether the last stage hands the adapter a `hdp.fused_logprobs.LastHidden` (else logits)."""
         self.device = torch.device(device)
         self.pad_token_id = int(pad_token_id)
         self.cp_algorithm = CPAlgorithm(cp_algorithm)
@@ -269,14 +279,6 @@ class RoundCore:
         """Host seconds per phase of the current step (`hdp.trainer.phases`; read by the calibration gather)."""
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
         self._chunk_index = {id(m): i for i, m in enumerate(self.chunks)}
-        self._heads: dict[int, mc.HiddenHead] = {}  # id(chunk) -> its output layer returning hidden states
-        if fused_logprobs:
-            for m in self.chunks:
-                head = mc.install_hidden_head(m)
-                if head is not None:
-                    self._heads[id(m)] = head
-        self.fused_logprobs = bool(fused_logprobs)
-        """Whether the last stage hands the adapter a `hdp.fused_logprobs.LastHidden` (else logits)."""
         self._holds_loss = any(_post_process(m) for m in self.chunks)
         self._state: StepState | None = None
         self._hooks = [
