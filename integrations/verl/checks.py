@@ -168,9 +168,10 @@ def check_model_features(model_config: Any, engine_config: Any) -> None:
     multimodal models.  Checked when the engine is constructed (the worker has filled in
     ``use_fused_kernels`` by then)."""
     key = role_key(engine_config)
+    critic = key == CRITIC_KEY  # a value head: fused kernels do not apply (`uses_fused_logprobs`), nor their options
     check_fused_kernels(getattr(engine_config, "use_fused_kernels", False),
-                        getattr(model_config, "fused_kernel_options", None),
-                        "critic.model" if key == CRITIC_KEY else "actor_rollout_ref.model")
+                        None if critic else getattr(model_config, "fused_kernel_options", None),
+                        "critic.model" if critic else "actor_rollout_ref.model")
     overrides = getattr(engine_config, "override_transformer_config", None) or {}
     check_per_token_loss(overrides.get("calculate_per_token_loss", False),
                          f"{key}.megatron.override_transformer_config.calculate_per_token_loss")
