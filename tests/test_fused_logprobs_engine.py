@@ -82,6 +82,8 @@ def _worker(rank: int, world: int, sp: bool) -> None:
         metrics = engine.train_step(batch, loss_fn)
         after = engine.forward(batch)
         params = {n: p.detach().clone() for n, p in engine.model.module.named_parameters()}
+        # the head returns hidden states during the engine's rounds only: outside them the model is Megatron's
+        assert "forward" not in engine.model.module.output_layer.__dict__
         runs[path] = (before, metrics, after, params)
         engine.close()
     (b0, m0, a0, p0), (b1, m1, a1, p1) = runs["off"], runs["auto"]

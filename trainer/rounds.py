@@ -236,8 +236,8 @@ class RoundCore:
     optimizer over ``chunks`` (``None`` for a forward-only engine); ``abort_groups``: every process group
     the engine communicates on (aborted when a rank fails inside a phase, :mod:`hdp.alarm`);
     ``on_broken``: called when a phase breaks off inside its collectives, to free every group the engine
-    holds (see :meth:`collectives`); ``fused_logprobs``: the fused log-prob path — the output layer of the
-    chunk holding it returns its input (`hdp.megatron_compat.head`, undone by :meth:`close`) and the adapter
+    holds (see :meth:`collectives`); ``fused_logprobs``: the fused log-prob path — during :meth:`run` the
+    output layer of the chunk holding it returns its input (`hdp.megatron_compat.head`) and the adapter
     receives a `hdp.fused_logprobs.LastHidden` (ValueError naming the reason when the model's output layer
     cannot be replaced exactly: `hdp.megatron_compat.fused_head_problem`).
     """
@@ -250,14 +250,14 @@ class RoundCore:
         self.optimizer = optimizer
         self.megatron_groups = megatron_groups
         self.chunks = list(chunks)
-        self._heads: dict[int, mc.HiddenHead] = {}  # id(chunk) -> its output layer returning hidden states
         if fused_logprobs:  # first: a model it cannot replace raises before the core starts anything
             for m in self.chunks:
-                head = mc.install_hidden_head(m)
-                if head is not None:
-                    self._heads[id(m)] = head
+                problem = mc.fused_head_problem(m)
+                if problem is not None:
+                    raise ValueError(f"the fused log-prob path cannot replace this model's output layer: {problem}")
         self.fused_logprobs = bool(fused_logprobs)
         """Whether the last stage hands the adapter a `hdp.fused_logprobs.LastHidden` (else logits)."""
+        self._heads: dict[int, mc.HiddenHead] = {}  # id(chunk) -> its hidden-state output layer, during `run`
         self.device = torch.device(device)
         self.pad_token_id = int(pad_token_id)
         self.cp_algorithm = CPAlgorithm(cp_algorithm)
@@ -298,9 +298,6 @@ class RoundCore:
         self.alarm.close()
         for hook in self._hooks:
             hook.remove()
-        for head in self._heads.values():
-            head.remove()
-        self._heads = {}
         self._hooks, self.chunks, self._chunk_index, self._p2p, self._state = [], [], {}, None, None
         self.optimizer = None
         self.groups = self.guard = self.megatron_groups = None  # type: ignore[assignment]
@@ -653,6 +650,8 @@ class RoundCore:
                     scope.enter_context(meter.activate())
                 if dev.type == "cpu":  # Megatron's recompute (ModelConfig.recompute) saves a CUDA RNG state
                     scope.enter_context(mc.cpu_checkpoint_rng())
+                if self.fused_logprobs:
+                    scope.enter_context(self._hidden_heads())
                 self._schedule(chunks, m, p2p, kwargs)
         except BaseException:
             # the failed call's frames keep these (closures of module hooks hold the forward's kwargs)
@@ -668,6 +667,22 @@ class RoundCore:
         if left:
             raise RuntimeError(f"pipeline schedule of {m} micro-batches ended with {left} expected messages not received")
         return state
+
+    @contextlib.contextmanager
+    def _hidden_heads(self) -> Iterator[None]:
+        """The fused path's output layers (`hdp.megatron_compat.install_hidden_head`) for this run's rounds
+        only: another engine on the same model (verl's engine around the library's chunks, a reference
+        forward) meets Megatron's own."""
+        try:
+            for m in self.chunks:
+                head = mc.install_hidden_head(m)
+                if head is not None:
+                    self._heads[id(m)] = head
+            yield
+        finally:
+            for head in reversed(list(self._heads.values())):
+                head.remove()
+            self._heads = {}
 
     def _schedule(self, chunks: Sequence[Any], m: int, p2p: Any, kwargs: dict[str, Any]) -> None:
         """Megatron's schedule for this layout: no pipelining, 1F1B, or interleaved."""

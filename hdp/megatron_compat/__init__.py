@@ -9,7 +9,7 @@
 Every private (or version-sensitive) Megatron-core name that hdp uses is imported in
 :mod:`~hdp.megatron_compat.names` and nowhere else, and :func:`apply_cpu_shim` holds every patch hdp
 applies to Megatron-core's modules, classes and functions (the one other change, :func:`install_hidden_head`,
-replaces the forward of one output-layer *instance* of one engine, undone when it closes).  The shim is the
+replaces the forward of one output-layer *instance* during one engine's rounds).  The shim is the
 minimum that lets megatron-core run a GPT model with tensor, pipeline and expert parallelism, DDP
 and the distributed optimizer on CPU with gloo.
 

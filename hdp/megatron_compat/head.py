@@ -6,7 +6,9 @@ weight=output_weight)`` and returns ``logits.transpose(0, 1)`` [1, T, Vl]; the o
 ``ColumnParallelLinear`` that, under sequence parallelism, all-gathers the sequence-parallel rows over TP
 first (its backward reduce-scatters the input gradient), and otherwise all-reduces the input gradient over
 TP in its backward.  :func:`install_hidden_head` replaces the forward **of that one module instance** (an
-instance attribute: other models, and Megatron's class, are untouched) by one that does only the TP part:
+instance attribute: other models, and Megatron's class, are untouched), for as long as the caller holds the
+handle — the round core holds it for its own rounds only, so another engine (or anything else) running the
+same model meets Megatron's forward — by one that does only the TP part:
 
     h = gather_from_sequence_parallel_region(x)   (sequence parallel: AG forward, RS backward)
     h = copy_to_tensor_model_parallel_region(x)   (TP without it: identity forward, AR backward)
@@ -20,7 +22,7 @@ vocabulary shard; the mapping's backward sums it, exactly as it sums the output 
 Why a patch: megatron-core 0.16.1 has no option to return the pre-logit hidden states from the training
 forward (``GPTModel.forward`` with ``labels`` computes the cross-entropy, without them the logits; MTP and
 ``inference_context`` options aside).  It can go when Megatron offers such an output (or a fused
-log-prob output layer).  Undone by :meth:`HiddenHead.remove` (the engine's close).
+log-prob output layer).  Undone by :meth:`HiddenHead.remove` (at the end of each of the core's runs).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class HiddenHead:
     def __init__(self, layer: Any) -> None:
         self.layer = layer
         self.weight: torch.Tensor | None = None
+        self._previous = layer.__dict__.get("forward")  # an instance forward set before this one, if any
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
@@ -90,10 +93,13 @@ class HiddenHead:
         return hidden, None
 
     def remove(self) -> None:
-        """Megatron's forward back (idempotent)."""
+        """The forward the layer had before back: Megatron's (idempotent)."""
         if self.layer is not None and self.layer.__dict__.get("forward") == self.forward:
-            del self.layer.forward
-        self.layer, self.weight = None, None
+            if self._previous is None:
+                del self.layer.forward
+            else:
+                self.layer.forward = self._previous
+        self.layer, self.weight, self._previous = None, None, None
 
 
 def install_hidden_head(model: Any) -> HiddenHead | None:
