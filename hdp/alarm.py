@@ -13,7 +13,7 @@ happened, so it
    rank's own outstanding collectives (not run on hardware).  On gloo it ends none, neither here nor
    on a peer (`ProcessGroup.abort` and `shutdown` alike, measured with torch 2.13: a peer blocked in
    an all-reduce waits until this process exits); there the caller also frees the groups it holds
-   (`hdp.trainer.rounds.RoundCore`: a freed gloo group closes its connections, which does release
+   (`hdp.core.rounds.RoundCore`: a freed gloo group closes its connections, which does release
    the peers).
 
 Every rank runs a **watcher** thread that polls the store's counter (``poll_s``); when another

@@ -1,6 +1,6 @@
 """Self-calibration of the cost model from the rounds a job times (pure numpy; no torch.distributed).
 
-The engine times every round on every rank; `hdp.trainer.planning` gathers those times so that every
+The engine times every round on every rank; `hdp.core.planning` gathers those times so that every
 rank of the job holds the same ``[N, R]`` table (a domain rank's slowest TP rank and stage) and feeds it here:
 
 * `CostWindow` turns a step's plan and its ``[N, R]`` round times into calibration records

@@ -265,7 +265,7 @@ def resolve_cost(value: object, field_name: str, *, auto: "Callable[[], CostMode
     * ``"MODEL@PROFILE"``: the presets (`hdp.packing.MODELS` @ `hdp.packing.PROFILES`), e.g.
       ``"dense-8b@h100-nvlink"``;
     * ``"auto"``: ``auto()`` — an engine's own model shape on its device's profile
-      (`hdp.trainer.planning.auto_cost_model`); only engines can resolve it;
+      (`hdp.core.planning.auto_cost_model`); only engines can resolve it;
     * anything else: the path of a cost-model file (``hdp calibrate --records R.jsonl --out COST.json``),
       read once here.
 

@@ -221,7 +221,7 @@ def test_cp_window_and_sinks_match_single_process(world):
 def test_every_attention_field_of_the_installed_megatron_is_classified():
     """Every attention-looking field of the installed TransformerConfig is handled, refused or left to Megatron."""
     from hdp.megatron_compat import TransformerConfig
-    from hdp.trainer.attention_config import FIELDS, unclassified_fields
+    from hdp.core.attention_config import FIELDS, unclassified_fields
 
     missing = unclassified_fields(TransformerConfig)
     assert not missing, f"TransformerConfig fields hdp does not classify (add them to attention_config.FIELDS): {missing}"
@@ -248,7 +248,7 @@ def _tf(**kw):
     ("log_max_attention_logit", True), ("attention_dropout", 0.1), ("experimental_attention_variant", "gated_delta_net"),
 ])
 def test_refused_fields_raise_naming_the_field(field, value):
-    from hdp.trainer.attention_config import check_attention_config
+    from hdp.core.attention_config import check_attention_config
 
     cfg = _tf()
     object.__setattr__(cfg, field, value)  # past TransformerConfig's own post-init checks
@@ -257,7 +257,7 @@ def test_refused_fields_raise_naming_the_field(field, value):
 
 
 def test_handled_fields_give_the_settings():
-    from hdp.trainer.attention_config import SoftmaxType, check_attention_config
+    from hdp.core.attention_config import SoftmaxType, check_attention_config
 
     s = check_attention_config(_tf(window_size=(7, 0), window_attn_skip_freq=2, softmax_type="learnable",
                                    softmax_scale=0.25, no_rope_freq=[0, 0, 0, 1]))
@@ -280,7 +280,7 @@ MODEL_VARIANTS = {
 
 def _model_variant(rank, world, name):
     from hdp import megatron_compat as mc
-    from hdp.trainer.attention_spec import CPContext, packed_seq_params
+    from hdp.core.attention_spec import CPContext, packed_seq_params
     from hdp.trainer.model import ModelConfig, build_gpt_model, packed_logits
 
     rt = mc.initialize_megatron(device="cpu", seed=1234)

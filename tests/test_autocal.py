@@ -281,8 +281,8 @@ def _layout(rank: int, world: int):
 
 
 def _domain_worker(rank: int, world: int, break_rank0: bool) -> None:
-    import hdp.trainer.planning as planning
-    from hdp.trainer.planning import DomainPlanner
+    import hdp.core.planning as planning
+    from hdp.core.planning import DomainPlanner
 
     if break_rank0 and rank == 0:
         def boom(*a, **k):

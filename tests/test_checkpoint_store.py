@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dist_helper import run_distributed
 from hdp.guard import DomainStepError, StepGuard
-from hdp.trainer.checkpoint import CheckpointError, read_manifest, save_slots, verify_checkpoint
+from hdp.core.checkpoint import CheckpointError, read_manifest, save_slots, verify_checkpoint
 
 WORLD = 3
 META = {"model_digest": "abc", "domain_size": WORLD}
@@ -124,7 +124,7 @@ def test_forked_writers_die_with_a_killed_parent(tmp_path):
     pidfile = tmp_path / "child.pid"
     script = textwrap.dedent(f"""
         import os, time
-        from hdp.trainer.checkpoint import writers_die_with_parent
+        from hdp.core.checkpoint import writers_die_with_parent
         with writers_die_with_parent():
             pid = os.fork()
             if pid == 0:
@@ -256,7 +256,7 @@ def test_a_waiter_that_locks_the_released_lock_file_retries(tmp_path, monkeypatc
     because C holds the lock; without C, B retries and holds the file at the path."""
     import fcntl
 
-    from hdp.trainer.checkpoint import _SaveLock
+    from hdp.core.checkpoint import _SaveLock
 
     real_flock = fcntl.flock
     root = tmp_path / "ckpt"

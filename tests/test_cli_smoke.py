@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from cli_helper import hdp_json, hdp_main
-from hdp.trainer.phases import PHASES
+from hdp.core.phases import PHASES
 
 
 def _json(*args: str) -> dict[str, Any]:

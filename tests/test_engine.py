@@ -117,7 +117,7 @@ def _reference_model(**model_kw: object):
 
 def _reference_loss(model, batch, agg: str, with_advantages: bool = False) -> torch.Tensor:
     from loss_reference import aggregate_loss
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import packed_logits, token_logprobs
 
     lengths = batch.lengths
@@ -193,7 +193,7 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
             # forward: log-probs in the caller's order equal the single-process ones
             out = engine.forward(batches[0])
             ref = _reference_model()
-            from hdp.trainer.attention_spec import packed_seq_params
+            from hdp.core.attention_spec import packed_seq_params
             from hdp.trainer.model import packed_logits, token_logprobs
 
             with torch.no_grad():
@@ -216,7 +216,7 @@ def _dense_exactness(rank: int, world: int, ckpt_dir: str) -> None:
                     assert key in m, key
                 if name == "hdp":
                     engine.save_checkpoint(ckpt_dir)  # auto: Megatron distributed checkpointing
-                    from hdp.trainer.checkpoint import read_manifest
+                    from hdp.core.checkpoint import read_manifest
 
                     man = read_manifest(ckpt_dir)
                     assert man.format == "dist" and "metadata.json" in man.files, man
@@ -265,7 +265,7 @@ def _moe_exactness(rank: int, world: int, ckpt_root: str) -> None:
             losses.append(engine.train_step(b, nll_loss)["loss"])
             if s == 0:
                 engine.save_checkpoint(ckpt, format=fmt)
-                from hdp.trainer.checkpoint import read_manifest
+                from hdp.core.checkpoint import read_manifest
 
                 man = read_manifest(ckpt)
                 assert man.format == fmt and marker in man.files, (fmt, man)
@@ -345,7 +345,7 @@ def _short_plan():
 def _short_samples(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from hdp.cp.metadata import rank_layout
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.engine import Batch, HdpEngine, nll_loss
     from hdp.trainer.model import packed_logits, token_logprobs
 
@@ -532,7 +532,14 @@ def test_engine_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="PlanningConfig.collective_timeout_s=0: pass seconds in"):
         PlanningConfig(collective_timeout_s=0)
     cfg = EngineConfig(planning=PlanningConfig(policy="static-cp", group_shape="pow2", cp_algorithm="allgather"))
-    assert cfg.planning.planner_config(4).num_ranks == 4
+    # cost_model="auto" stays in the config; the step stack resolves it, at one moment for both doors
+    from hdp.core.planning import auto_cost_model
+    from hdp.core.stack import resolve_cost
+
+    assert cfg.planning.cost_model == "auto"
+    cost = resolve_cost(cfg.planning, cfg.model.shape, "cpu")
+    assert cost == auto_cost_model(cfg.model.shape(), "cpu")
+    assert cfg.planning.planner_config(4, cost=cost).num_ranks == 4
     with pytest.raises(Exception):
         cfg.seed = 3  # frozen
 

@@ -420,7 +420,7 @@ def test_a_missing_loss_closed_engine_and_bad_inputs_raise_clear_errors(tmp_path
 
 
 def _other_model_checkpoint(rank: int, world: int, tmp: str) -> None:
-    from hdp.trainer.checkpoint import CheckpointError
+    from hdp.core.checkpoint import CheckpointError
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     saver = HdpEngine.build(_config(), dist.group.WORLD, init_fn=_init)

@@ -45,7 +45,7 @@ def _setup(ep: int = 1, **model_kw: object) -> tuple[object, object, object]:
 
 def _packing_exact(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import packed_logits
 
     cfg, model, rt = _setup()
@@ -86,7 +86,7 @@ def test_packed_thd_forward_matches_per_sample() -> None:
 
 
 def test_other_attention_backends_name_their_dependency() -> None:
-    from hdp.trainer.attention_spec import CoreAttentionBackend, core_attention_module
+    from hdp.core.attention_spec import CoreAttentionBackend, core_attention_module
 
     with pytest.raises(NotImplementedError, match="TransformerEngine"):
         core_attention_module(CoreAttentionBackend.TE)
@@ -162,7 +162,7 @@ def _reference_step(
 
     Returns the parameters after the step and the global grad norm before clipping.
     """
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import packed_logits, token_logprobs
 
     tokens, targets, mask = _packed_targets(samples)
@@ -187,7 +187,7 @@ def _cp_forward_and_ddp_step(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from hdp.groups import DomainGroups
     from hdp.cp import metadata
-    from hdp.trainer.attention_spec import CPContext, packed_seq_params
+    from hdp.core.attention_spec import CPContext, packed_seq_params
     from hdp.trainer.model import OptimConfig, build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp
 
     cfg, model, rt = _setup()
@@ -258,7 +258,7 @@ def test_cp_group_in_model_and_ddp_distributed_optimizer_step_match_single_proce
 
 def _moe_step(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import OptimConfig, build_optimizer, packed_logits, token_logprobs, wrap_ddp
 
     cfg, model, rt = _setup(ep=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)

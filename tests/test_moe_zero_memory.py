@@ -236,7 +236,7 @@ def test_zero_memory_layer_matches_megatron_ep1_ep2_ep4() -> None:
 def _gpt_step(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from hdp.moe import ZeroMemoryLevel, ZeroMemoryMoELayer, apply_zero_memory
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import (
         ModelConfig, OptimConfig, build_gpt_model, build_optimizer, packed_logits, token_logprobs, wrap_ddp,
     )

@@ -99,7 +99,7 @@ def _reference(batches, steps: int, model_kw: dict | None = None, entropy_coef: 
     ``entropy_coef`` c: the per-token loss is −log p − c·H (full-vocabulary entropy, naive path)."""
     from hdp import megatron_compat as mc
     from loss_reference import aggregate_loss
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import build_gpt_model, packed_logits, token_logprobs
 
     rt = mc.initialize_megatron(device="cpu", seed=1)

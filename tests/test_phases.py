@@ -1,4 +1,4 @@
-"""Per-phase step timing (`hdp.trainer.phases`): the names, the one-step lag of the late phases, and the
+"""Per-phase step timing (`hdp.core.phases`): the names, the one-step lag of the late phases, and the
 slowest rank's seconds carried on the calibration gather (the library door; the verl door's metrics are
 checked in tests/test_verl_engine_dist.py)."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dist_helper import run_distributed
-from hdp.trainer.phases import LATE_PHASES, PHASES, PhaseTimer, metric_name
+from hdp.core.phases import LATE_PHASES, PHASES, PhaseTimer, metric_name
 
 SLEEP_S = 0.3
 """What one rank's loss function sleeps in one step (the others do not)."""

@@ -1,4 +1,4 @@
-"""Planning ahead (`hdp.trainer.plan_ahead`): the same plans as in line, a stale plan dropped when the
+"""Planning ahead (`hdp.core.plan_ahead`): the same plans as in line, a stale plan dropped when the
 config changed, errors raised in line, the thread gone after close; and through the engine's
 `train_steps`, the exposed planning time of every mini-batch after the first is a small share."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from hdp.packing import PlannerConfig, plan
 from hdp.packing.workloads import get_workload
-from hdp.trainer.plan_ahead import PlanAhead
+from hdp.core.plan_ahead import PlanAhead
 
 
 def _batches(n: int, size: int = 256) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The planner's options are declared once (`PlannerOptions`) and shared by every config that plans; the
-engine options both doors share are declared once (`hdp.trainer.options.HdpOptions`), and verl's shipped
+engine options both doors share are declared once (`hdp.core.options.HdpOptions`), and verl's shipped
 YAML holds exactly that declaration's defaults."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import yaml
 
 from hdp.packing import CostModel, PlannerConfig
 from hdp.packing.config import PlannerOptions
-from hdp.trainer import options
+from hdp.core import options
 from hdp.trainer.config import PlanningConfig
 
 pytest.importorskip("verl")  # verl first: it loads hdp's plugin, which registers the engine

@@ -270,7 +270,7 @@ def test_the_self_calibration_window_records_each_groups_nodes():
 
 
 def test_the_job_node_map_follows_megatrons_rank_order():
-    from hdp.trainer.planning import job_node_map, launcher_ranks_per_node
+    from hdp.core.planning import job_node_map, launcher_ranks_per_node
 
     # the Ascend Qwen3-235B recipe's layout: TP 1 x PP 8 x domain 16 on nodes of 8: a stage's 16 domain ranks on two nodes
     assert job_node_map(1, 8, 16, 8) == node_map(16, 8)
@@ -290,7 +290,7 @@ def test_the_job_node_map_follows_megatrons_rank_order():
         with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE='.*': the launcher's ranks per node must be an integer "
                                              r"in \[1, 65536\]"):
             launcher_ranks_per_node({"LOCAL_WORLD_SIZE": bad})
-    from hdp.trainer.planning import launcher_topology
+    from hdp.core.planning import launcher_topology
 
     # what the engines agree on: the variable in effect, and the one after it never read (so it may differ)
     assert launcher_topology({"LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "8"}) == {

@@ -230,7 +230,7 @@ def test_round_targets_follow_verls_alignment():
     token p+1 of its sample (verl's no_padding_2_padding alignment), the pad id after the last."""
     from hdp.dispatch import local_meta, pack
     from hdp.packing import PlannerConfig, plan
-    from hdp.trainer.rounds import next_token_targets
+    from hdp.core.rounds import next_token_targets
 
     samples = [torch.arange(10, 10 + n) for n in (9, 4, 12)]
     targets = next_token_targets(samples, 0)

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, tmp: str) -> None:
     from hdp.integrations.verl.engine import HdpMegatronEngine, HdpMegatronValueEngine
     from hdp.integrations.verl.scaffolding import batches as B
     from hdp.integrations.verl.scaffolding.tiny import VOCAB
-    from hdp.trainer.planning import plan_id
+    from hdp.core.planning import plan_id
 
     layout = [f"actor_rollout_ref.{r}.megatron.{k}={v}" for r in ("actor", "ref")
               for k, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp))]

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int) -> None:
     from hdp.integrations.verl.bench import (actor_config, build_engines, grads_close, main_grads, plan_that_ran,
                                              reference_step, verl_update_batch)
     from hdp.integrations.verl.batch import sample_lengths
-    from hdp.trainer.planning import plan_id
+    from hdp.core.planning import plan_id
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     mc.initialize_megatron(device="cpu", seed=1234)
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int) -> None:
     dist.broadcast(norm, src=0, group=dist.group.WORLD)
     assert abs(float(norm) - ref_norm) <= 1e-4 * ref_norm, (float(norm), ref_norm)
     if rank == 0:  # the step's phases, the slowest rank's (the late ones belong to a previous step: none yet)
-        from hdp.trainer.phases import LATE_PHASES, PHASES, metric_name
+        from hdp.core.phases import LATE_PHASES, PHASES, metric_name
 
         got = {p: out["metrics"][metric_name(p)][0] for p in PHASES}
         assert all(math.isnan(v) if p in LATE_PHASES else v >= 0.0 for p, v in got.items()), got

@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, seed: int) -> None:
     from hdp.dispatch import group_to_leader, leader_to_group, local_meta, pack
     from hdp.groups import DomainGroups
     from hdp.packing import PlannerConfig, plan
-    from hdp.trainer.rounds import next_token_targets
+    from hdp.core.rounds import next_token_targets
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 

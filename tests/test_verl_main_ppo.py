@@ -33,7 +33,7 @@ pytest.importorskip("transfer_queue")
 
 @pytest.mark.slow
 def test_hdp_demo_verl_runs_ppo_steps_with_a_critic_on_hdp(tmp_path):
-    from hdp.trainer.phases import PHASES
+    from hdp.core.phases import PHASES
 
     hdp = [sys.executable, "-m", "hdp.trainer"]
     out = subprocess.run([*hdp, "demo", "--verl", "--critic", "--out", str(tmp_path), "--steps", "2",

@@ -201,7 +201,7 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
     probe = B.ref_batch(padded)
     tu.assign_non_tensor(probe, max_token_len_per_gpu=budget)
     from hdp.integrations.verl.batch import sample_lengths
-    from hdp.trainer.planning import plan_id
+    from hdp.core.planning import plan_id
 
     probe_plan = engine.planner.plan(sample_lengths(probe))  # the engine's planner on this batch (what the update's
     assert max(probe_plan.group_size) > 1, "the batch must put a sample on a CP group"  # take() plans in line)

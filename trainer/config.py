@@ -3,7 +3,7 @@
 An :class:`EngineConfig` is everything a worker process needs to build an engine: the model
 shape (:class:`hdp.trainer.model.ModelConfig`), the optimizer
 (:class:`hdp.trainer.model.OptimConfig`), how each step is planned and run (:class:`PlanningConfig`:
-hdp's options, declared once for both doors in `hdp.trainer.options`) and how the per-token loss is
+hdp's options, declared once for both doors in `hdp.core.options`) and how the per-token loss is
 aggregated.  It is plain data: picklable, so a launcher can hand it to
 spawned workers.  Validation raises ``ValueError`` naming the dotted field, the value and the fix;
 it never probes hardware.
@@ -11,21 +11,22 @@ it never probes hardware.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import ClassVar
+
+import torch
 
 from hdp.device import DEVICE_KINDS
 from hdp.fused_logprobs import FusedLogprobs
 from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing.config import parse_enum
-from hdp.packing.cost_file import AUTO
-from hdp.packing.memory import MemoryCoefficients
+from hdp.packing.memory import MemoryCoefficients, MemoryModel
 from hdp.packing.moved import Moved, MovedFields
 from hdp.trainer.model import ModelConfig, OptimConfig
-from hdp.trainer.options import HdpOptions
+from hdp.core.memory import check_static_fits, engine_memory_model, resolve_memory_limit
+from hdp.core.options import HdpOptions
 from hdp.trainer.parallel import ParallelConfig
 
 __all__ = ["PlanningConfig", "EngineConfig", "ParallelConfig"]
@@ -34,7 +35,7 @@ __all__ = ["PlanningConfig", "EngineConfig", "ParallelConfig"]
 @dataclass(frozen=True, kw_only=True)
 class PlanningConfig(HdpOptions):
     """The library door's hdp options: how every step is planned and run.  Every field but one is
-    declared once for both doors in `hdp.trainer.options.HdpOptions` (the planner's options, the token
+    declared once for both doors in `hdp.core.options.HdpOptions` (the planner's options, the token
     budget, the memory limit, the cost model, CP attention, self-calibration, the calibration records,
     the collective timeout, MoE zero-memory); the domain size N comes from the engine."""
 
@@ -77,7 +78,7 @@ class EngineConfig(MovedFields):
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Adam with Megatron's distributed optimizer."""
     planning: PlanningConfig = field(default_factory=PlanningConfig)
-    """hdp's options (`hdp.trainer.options.HdpOptions`, shared with the verl door): token budget, memory limit,
+    """hdp's options (`hdp.core.options.HdpOptions`, shared with the verl door): token budget, memory limit,
     policy, group shape, cost model, CP algorithm, calibration, collective timeout, MoE zero-memory."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """TP / PP (virtual PP) / EP layout kept under hdp; the domain is world / (TP · PP)."""
@@ -126,12 +127,28 @@ class EngineConfig(MovedFields):
             raise ValueError(
                 f"EngineConfig.device={self.device!r}: pass one of {', '.join(DEVICE_KINDS)} (with ':i' for an index)"
             )
-        if self.planning.cost_model == AUTO:  # the model's own shape on the device's profile, resolved once
-            from hdp.trainer.planning import auto_cost_model
-
-            object.__setattr__(self, "planning", dataclasses.replace(
-                self.planning, cost_model=auto_cost_model(self.model.shape(), kind)))
         if not 0 <= self.pad_token_id < self.model.vocab_size:
             raise ValueError(
                 f"EngineConfig.pad_token_id={self.pad_token_id}: must be in [0, model.vocab_size={self.model.vocab_size})"
             )
+
+    @property
+    def uses_fused_logprobs(self) -> bool:
+        """Whether the engine runs the fused log-prob path: ``auto`` and ``on`` (its Megatron GPT's output layer
+        always allows it exactly: `hdp.megatron_compat.fused_head_problem`)."""
+        return self.fused_logprobs is not FusedLogprobs.OFF
+
+    def memory_setup(self, device: torch.device, domain: int) -> tuple[MemoryModel, float | None]:
+        """The job's memory model (`hdp.core.memory.engine_memory_model`) on a domain of ``domain`` ranks and the
+        resolved limit in bytes; ValueError naming ``PlanningConfig.max_memory_gb`` when the limit is below the
+        layout's static memory (pure: raised alike on every rank before any collective)."""
+        par, plan = self.parallel, self.planning
+        model = engine_memory_model(
+            self.model.shape(), tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.expert_tp, domain=domain,
+            recompute=self.model.recompute, zero_memory=plan.zero_memory.value, cp_algorithm=plan.cp_algorithm.value,
+            param_bytes=4 if self.model.params_dtype == "float32" else 2, coef=plan.memory_coefficients,
+            fused_logprobs=self.uses_fused_logprobs)
+        limit = resolve_memory_limit(plan.max_memory_gb, device)
+        if limit is not None:
+            check_static_fits(model, limit, "PlanningConfig.max_memory_gb")
+        return model, limit

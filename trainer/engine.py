@@ -35,29 +35,19 @@ everywhere and raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientErro
 off inside its collectives (a peer died or hangs: ``PlanningConfig.collective_timeout_s``) raises
 :class:`~hdp.guard.DomainUnreachableError` and leaves the engine refusing further calls.
 
-Token alignment.  Per-token tensors of a :class:`Batch` (loss mask, advantages, old log-probs)
-are indexed like the tokens: element t describes token t.  Token t is *predicted* from the
-tokens before it, so log p(token t) comes from the logits at position t-1.  hdp shifts every
-per-token tensor by one per sample *before* the zigzag split (``x'[p] = x[p+1]``, last = 0) so that
-all local tensors of a round line up with the local logits; the loss function therefore receives,
-at local position p, the target token (``local.targets[p]``) and the caller's values for that
-target.  Token 0 of a sample is never predicted (its mask is ignored, its log-prob is 0).
-
-Legend: S samples, L_i sample length, T local tokens of one round (Tr real), V vocabulary,
-Vl = V/TP, R rounds.
+The engine's own parts live beside it: the batch, its validation, target alignment and the loss adapter
+(:mod:`hdp.trainer.batch`), Megatron's parallel state shared by the engines of a process
+(:mod:`hdp.trainer.shared_megatron`), checkpoints (:mod:`hdp.trainer.checkpointer`), and how a call is
+described to its agreement (:mod:`hdp.trainer.calls`).  The step stack is built by
+:func:`hdp.core.stack.build_steps`, as verl's engine builds it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,36 +55,25 @@ import torch.distributed as dist
 from hdp import device as _device
 from hdp import megatron_compat as mc
 from hdp.checksum import CallMismatchError
+from hdp.core.agreement import agree_fields
+from hdp.core.optim_state import CheckpointFormat
+from hdp.core.planning import DomainPlanner, launcher_ranks_per_node, launcher_topology
+from hdp.core.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore
+from hdp.core.stack import StackParts, build_steps
+from hdp.core.step import Pass, Prepared, SkippedUpdatesError
 from hdp.digest import batch_digest
-from hdp.dispatch import gather_outputs, pack
+from hdp.dispatch import gather_outputs
 from hdp.groups import DomainGroups, GroupLedger, LayoutGroups, copy_of_group
-from hdp.fused_logprobs import FusedLogprobs, LastHidden, token_logprobs_entropy
-from hdp.loss import sample_token_weights
-from hdp.megatron_compat import dist_checkpointing
 from hdp.moe.levels import ZeroMemoryLevel
 from hdp.moe.zero_memory import apply_zero_memory
-from hdp.packing import Plan, check_plan, simulate
-from hdp.trainer import checkpoint as ckpt
+from hdp.packing import Plan, simulate
+from hdp.trainer.batch import (Batch, ForwardOutput, LocalTensors, LossAdapter, LossFn, check_given_plan, nll_loss,
+                               shifted_inputs, validate_batch)
+from hdp.trainer.calls import BUILD_TOPICS, callable_name, compared_fields
+from hdp.trainer.checkpointer import Checkpointer
 from hdp.trainer.config import EngineConfig
 from hdp.trainer.model import build_model_chunks, build_optimizer, global_param_name, init_parameters, wrap_ddp
-from hdp.trainer.optim_state import (
-    CheckpointFormat,
-    checkpoint_format,
-    dist_checkpoint_problem,
-    ensure_optimizer_state,
-    load_shard_state,
-    optimizers,
-    restore_adam_steps,
-    shard_state,
-    to_device,
-    to_host,
-)
-from hdp.trainer.memory import MemoryCalibration, check_static_fits, engine_memory_model, resolve_memory_limit, static_bytes
-from hdp.trainer.agreement import Topic, agree_fields
-from hdp.trainer.planning import (RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, DomainPlanner, launcher_ranks_per_node,
-                                  launcher_topology)
-from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundInput, next_token_targets
-from hdp.trainer.step import Pass, Prepared, SkippedUpdatesError, Steps
+from hdp.trainer.shared_megatron import SharedMegatron
 
 __all__ = [
     "Batch",
@@ -115,307 +94,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# ---- data ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class Batch:
-    """The global batch of one step, the same on every rank of the domain.
-
-    ``tokens[i]`` is sample i ([L_i] integer ids).  ``loss_mask[i]`` ([L_i], bool or float) marks
-    the tokens that count in the loss (``None``: all).  ``extras[name][i]`` ([L_i, ...]) are further
-    per-token tensors (advantages, old log-probs, ...) that the loss function receives chunked like
-    the tokens.  All per-token tensors are indexed like the tokens (see the module docstring).
-    """
-
-    tokens: Sequence[torch.Tensor]
-    """One 1-D integer tensor [L_i] per sample."""
-    loss_mask: Sequence[torch.Tensor] | None = None
-    """One [L_i] mask per sample; ``None``: every token counts."""
-    extras: Mapping[str, Sequence[torch.Tensor]] = field(default_factory=dict)
-    """name -> one [L_i, ...] tensor per sample."""
-
-    @property
-    def lengths(self) -> list[int]:
-        """L_i of every sample."""
-        return [int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0 for t in self.tokens]
-
-
-@dataclass(frozen=True, eq=False)
-class LocalTensors:
-    """This rank's tokens of one round, as the loss function receives them (aligned to the *targets*)."""
-
-    round_index: int
-    """Round of the plan."""
-    samples: tuple[int, ...]
-    """Caller indices of the group's samples."""
-    targets: torch.Tensor
-    """[T] the token each local position predicts."""
-    mask: torch.Tensor
-    """[T] float loss mask of the targets."""
-    extras: Mapping[str, torch.Tensor]
-    """name -> [T, ...] the caller's per-token tensors of the targets."""
-    sample_index: torch.Tensor
-    """[T] caller index of each local token's sample."""
-    target_position: torch.Tensor
-    """[T] position of each target token inside its sample (1 .. L_i; L_i marks the padded last slot)."""
-    output: torch.Tensor | LastHidden
-    """The round's last-stage output (with grad): the logits [T, V/TP] (``EngineConfig.fused_logprobs=off``),
-    or the final hidden states and the output layer's weight shard (`hdp.fused_logprobs.LastHidden`)."""
-    tp_group: dist.ProcessGroup
-    """The tensor-parallel group the logits are sharded over (a size-1 group without TP)."""
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """[T, V] logits (with grad).  Under tensor parallelism this is the TP rank's vocabulary shard
-        [T, V/TP]: ``log_softmax(logits)`` is then only the shard's distribution.  For full-vocabulary
-        quantities use :meth:`entropy` or :func:`hdp.fused_logprobs.token_logprobs_entropy` of ``output``
-        with ``tp_group``.  On the fused path they are built here, once per round, when first read: [T, V/TP]
-        and, in backward, their gradient — the memory that path saves otherwise."""
-        if isinstance(self.output, torch.Tensor):
-            return self.output
-        if "logits" not in self._cache:
-            self._cache["logits"] = self.output.logits()
-        return self._cache["logits"]
-
-    def entropy(self) -> torch.Tensor:
-        """[T] entropy of the full-vocabulary next-token distribution at each local position,
-        differentiable (an entropy bonus gets its gradient) and TP-aware (collective over ``tp_group``:
-        call it on every TP rank alike).  Computed once per round (chunked, no [T, V] copy)."""
-        if "entropy" not in self._cache:
-            _, ent = token_logprobs_entropy(self.output, self.targets, self.tp_group, entropy=True)
-            self._cache["entropy"] = ent
-        return self._cache["entropy"]
-
-
-class LossFn(Protocol):
-    """``loss_fn(local, logprobs [T], weights [T]) -> scalar``.
-
-    Must return Σ_t weights[t] · ℓ_t for the per-token loss ℓ it wants (``weights`` already hold the
-    mask and the global normaliser of the configured aggregation), so that the sum over the
-    domain is the exact loss of the whole batch.  ``logprobs`` [T] are full-vocabulary log-probs of
-    the targets (with grad, TP-aware); an entropy bonus is ``-c * (weights * local.entropy()).sum()``.
-    """
-
-    def __call__(self, local: LocalTensors, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
-
-
-def nll_loss(local: LocalTensors, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Supervised fine-tuning loss: Σ_t w_t · (−log p(target_t))."""
-    del local
-    return -(weights * logprobs).sum()
-
-
-@dataclass(frozen=True, eq=False)
-class ForwardOutput:
-    """Per-token outputs of :meth:`HdpEngine.forward`, in the caller's sample order."""
-
-    logprobs: list[torch.Tensor]
-    """[L_i] float32: log p(token t | tokens before t); 0 at t = 0."""
-    entropies: list[torch.Tensor]
-    """[L_i] float32: entropy of the distribution that predicts token t; 0 at t = 0."""
-
-
-# ---- per-step state --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class _Inputs:
-    """A validated batch's per-sample tensors, shifted to target alignment (what the loss adapter reads)."""
-
-    tokens: list[torch.Tensor]  # S x [L_i] int64
-    targets: list[torch.Tensor]  # S x [L_i] int64 (token p+1; pad at the end)
-    mask: list[torch.Tensor]  # S x [L_i] float32 (mask of token p+1)
-    weights: list[torch.Tensor]  # S x [L_i] float32 loss weights (target aligned)
-    extras: dict[str, list[torch.Tensor]]  # name -> S x [L_i, ...] (target aligned)
-
-
-def _shift(x: torch.Tensor) -> torch.Tensor:
-    """[L, ...] -> [L, ...] with out[p] = x[p+1] and a zero last row (per-sample next-token alignment)."""
-    return torch.cat([x[1:], torch.zeros_like(x[:1])])
-
-
-class _LossAdapter:
-    """The library engine's round loss: ``loss_fn`` on this rank's local tokens with hdp's weights; in a
-    forward pass, the round's (log-prob, entropy) kept for :meth:`HdpEngine.forward`."""
-
-    def __init__(self, prep: _Inputs, loss_fn: LossFn | None, tp_group: dist.ProcessGroup, device: torch.device):
-        self.prep, self.loss_fn, self.tp, self.device = prep, loss_fn, tp_group, device
-        self.outputs: dict[int, torch.Tensor] = {}  # forward: round -> [Tr, 2] (log-prob, entropy)
-
-    def __call__(self, rnd: RoundInput, out: torch.Tensor | LastHidden) -> torch.Tensor | None:
-        meta, prep, dev = rnd.meta, self.prep, self.device
-        assert meta is not None
-        targets = pack(meta, prep.targets).to(dev)  # [Tr]
-        if self.loss_fn is None:  # forward
-            lp, ent = token_logprobs_entropy(out, targets, self.tp, entropy=True)  # [Tr], [Tr]
-            self.outputs[rnd.index] = torch.stack([lp.float(), ent.float()], dim=-1).detach()  # [Tr, 2]
-            return None
-        local = LocalTensors(
-            round_index=meta.round_index, samples=meta.samples, targets=targets, mask=pack(meta, prep.mask).to(dev),
-            extras={name: pack(meta, xs).to(dev) for name, xs in prep.extras.items()},
-            sample_index=meta.sample_index.to(dev), target_position=(meta.position_ids + 1).to(dev),
-            output=out, tp_group=self.tp,
-        )
-        # on the fused path the entropy comes with the log-probs (one pass over the products; its backward runs
-        # only if the loss reads local.entropy()); on the logits path it is computed when asked for
-        fused = isinstance(out, LastHidden)
-        logprobs, ent = token_logprobs_entropy(out, targets, self.tp, entropy=fused)  # [Tr], [Tr] or None
-        if ent is not None:
-            local._cache["entropy"] = ent
-        loss = self.loss_fn(local, logprobs, pack(meta, prep.weights).to(dev))
-        if loss is None:  # would train on a zero loss (Adam's momentum still moves the parameters)
-            raise TypeError(
-                f"loss_fn returned None in round {meta.round_index} (samples {list(meta.samples)}); return a scalar "
-                "tensor: Σ_t weights[t] · ℓ_t of the per-token loss ℓ (hdp.trainer.engine.nll_loss: "
-                "-(weights * logprobs).sum())")
-        return loss
-
-
-# ---- the engine ------------------------------------------------------------------------------------
-
-
-def _fused(config: EngineConfig) -> bool:
-    """Whether the engine runs the fused log-prob path: ``auto`` and ``on`` (its Megatron GPT's output layer
-    always allows it exactly: `hdp.megatron_compat.fused_head_problem`)."""
-    return config.fused_logprobs is not FusedLogprobs.OFF
-
-
-def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tuple[Any, float | None]:
-    """The job's memory model (`hdp.trainer.memory.engine_memory_model`) and the resolved limit in bytes;
-    ValueError naming ``PlanningConfig.max_memory_gb`` when the limit is below the layout's static memory
-    (pure: raised alike on every rank before any collective)."""
-    par = config.parallel
-    model = engine_memory_model(
-        config.model.shape(), tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.expert_tp, domain=domain,
-        recompute=config.model.recompute, zero_memory=config.planning.zero_memory.value,
-        cp_algorithm=config.planning.cp_algorithm.value, param_bytes=4 if config.model.params_dtype == "float32" else 2,
-        coef=config.planning.memory_coefficients, fused_logprobs=_fused(config))
-    limit = resolve_memory_limit(config.planning.max_memory_gb, device)
-    if limit is not None:
-        check_static_fits(model, limit, "PlanningConfig.max_memory_gb")
-    return model, limit
-
-
-
 class EngineClosedError(RuntimeError):
     """A call on an engine that was closed (:meth:`HdpEngine.close`, or released after a phase broke off)."""
-
-
-def _config_fields(obj: Any, prefix: str) -> dict[str, str]:
-    """Dotted field -> ``repr`` of every leaf of a (nested) config dataclass, in declaration order."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out: dict[str, str] = {}
-        for f in dataclasses.fields(obj):
-            out.update(_config_fields(getattr(obj, f.name), f"{prefix}.{f.name}"))
-        return out
-    return {prefix: repr(obj)}
-
-
-def _compared_fields(config: EngineConfig) -> dict[str, str]:
-    """The fields of ``config`` every rank of a job must share: all of them, the device by its kind only
-    (``cuda:0`` on one rank and ``cuda:1`` on another is one job)."""
-    fields = _config_fields(config, "EngineConfig")
-    fields["EngineConfig.device"] = repr(str(config.device).split(":", 1)[0])
-    return fields
-
-
-BUILD_TOPICS: dict[str, Topic] = {
-    "EngineConfig": ("the EngineConfig", "every rank must build the engine with the same config (nothing was built)"),
-    **{key: ("the launcher's topology", f"{TOPOLOGY_FIX} (nothing was built)") for key in RANKS_PER_NODE_KEYS},
-}
-"""What differs and how to mend it, for the fields `HdpEngine.build` agrees on (`hdp.trainer.agreement`)."""
-
-
-class _SharedMegatron:
-    """Megatron's parallel state, shared by the engines of this process.
-
-    megatron-core keeps one parallel state per process (``parallel_state``'s module globals: one TP × PP ×
-    EP layout, one RNG tracker), and parts of Megatron read it instead of the groups they are given.  So
-    the engines of one process share it: the first build initialises it (its groups in a ledger of their
-    own), later builds with the same layout reuse it, and the last engine to close destroys it.  A build
-    with another layout while an engine holds it is refused (:meth:`check`).  ``current`` is that one
-    process-wide state (it mirrors Megatron's own global)."""
-
-    current: ClassVar["_SharedMegatron | None"] = None
-
-    def __init__(self, layout: dict[str, Any], runtime: mc.MegatronRuntime, ledger: GroupLedger) -> None:
-        self.layout, self.runtime, self.ledger, self.holders = layout, runtime, ledger, 1
-
-    @classmethod
-    def _live(cls) -> "_SharedMegatron | None":
-        cur = cls.current
-        return cur if cur is not None and cur.holders > 0 and cur.runtime.current else None
-
-    @classmethod
-    def check(cls, layout: dict[str, Any]) -> None:
-        """Raise ``ValueError`` (pure: before any collective) when an open engine holds Megatron's state with
-        another layout."""
-        cur = cls._live()
-        if cur is not None and cur.layout != layout:
-            held = ", ".join(f"{k}={v}" for k, v in cur.layout.items())
-            want = ", ".join(f"{k}={v}" for k, v in layout.items())
-            raise ValueError(
-                f"HdpEngine.build: {cur.holders} open engine(s) of this process hold Megatron's parallel state with "
-                f"layout {held}; this engine asks for {want}. Megatron keeps one parallel state per process, so the "
-                "engines of one process share one layout: build this one with the same EngineConfig.parallel, or "
-                "close() the open engine(s) first"
-            )
-
-    @classmethod
-    def acquire(cls, layout: dict[str, Any], seed: int, make: Callable[[], mc.MegatronRuntime]) -> "_SharedMegatron":
-        """The live state of this layout, held once more (Megatron's RNG tracker reseeded with ``seed``, as a
-        fresh initialisation would), or a new one from ``make`` (collective over the world)."""
-        cls.check(layout)
-        cur = cls._live()
-        if cur is not None:
-            mc.manual_seed(seed)
-            cur.holders += 1
-            return cur
-        ledger = GroupLedger()
-        try:
-            runtime = make()
-        except BaseException:
-            ledger.release()
-            raise
-        ledger.seal()
-        cls.current = shared = cls(layout, runtime, ledger)
-        return shared
-
-    def release(self) -> None:
-        """One holder less; the last one destroys the parallel state, its groups and the checkpoint writer."""
-        self.holders -= 1
-        if self.holders > 0:
-            return
-        self.runtime.close()
-        self.ledger.release()
-        mc.stop_checkpoint_writer()
-        if _SharedMegatron.current is self:
-            _SharedMegatron.current = None
-
-
-def _callable_name(fn: Any) -> str:
-    """A loss function's name as every rank of a job spells it (module and qualified name)."""
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
-
-
-def _check_path(path: Any, what: str) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{what}(path={path!r}): pass the checkpoint directory as a str or os.PathLike")
-
-
-def _call(name: str, step: int, **args: Any) -> str:
-    """The description of a public call that its agreement compares across the job (``path`` as given)."""
-    parts = [f"step={step}"]
-    for key, value in args.items():
-        if key == "path" and isinstance(value, (str, os.PathLike)):
-            value = os.fspath(value)
-        elif isinstance(value, CheckpointFormat):
-            value = value.value
-        parts.append(f"{key}={value!r}")
-    return f"{name}({', '.join(parts)})"
 
 
 class HdpEngine:
@@ -425,8 +105,8 @@ class HdpEngine:
     Attributes: ``groups`` (:class:`hdp.groups.LayoutGroups`, every process group by name),
     ``rank`` / ``num_ranks`` (this rank's domain rank and N), ``model_chunks`` (the DDP-wrapped
     model chunks of this rank: one, or ``virtual_pp``), ``optimizer`` (Megatron's distributed optimizer),
-    ``planner`` (the :class:`~hdp.trainer.planning.DomainPlanner`: options, the cost model in use,
-    calibration state), ``core`` (the :class:`~hdp.trainer.rounds.RoundCore`), ``round_seconds`` (this
+    ``planner`` (the :class:`~hdp.core.planning.DomainPlanner`: options, the cost model in use,
+    calibration state), ``core`` (the :class:`~hdp.core.rounds.RoundCore`), ``round_seconds`` (this
     rank's measured seconds per round of the last training step).  After :meth:`close` every method and
     these attributes raise :class:`EngineClosedError`.
 
@@ -439,7 +119,7 @@ class HdpEngine:
 
     def __init__(self, config: EngineConfig, groups: LayoutGroups, runtime: mc.MegatronRuntime,
                  model_chunks: Sequence[Any], optimizer: Any, device: torch.device,
-                 ledger: GroupLedger | None = None, shared: _SharedMegatron | None = None) -> None:
+                 ledger: GroupLedger | None = None, shared: SharedMegatron | None = None) -> None:
         self.config = config
         self._groups = groups
         self._runtime = runtime
@@ -451,23 +131,16 @@ class HdpEngine:
         self._closed = False
         self._ledger = ledger  # the groups close() destroys (build() makes it)
         self._shared = shared  # Megatron's parallel state, held while the engine is open
-        self._core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self._chunks, device=device,
-                               pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
-                               timeout_s=config.planning.collective_timeout_s, optimizer=optimizer,
-                               abort_groups=self._groups_to_abort, on_broken=self.close,
-                               fused_logprobs=_fused(config))
-        par = config.parallel
-        self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
+        self.memory_model, self.memory_limit = config.memory_setup(device, self.num_ranks)
         """The job's per-rank memory model and the bytes per device the plans stay within (``None``: the
         token budget only)."""
-        self._planner = DomainPlanner(
-            config.planning.planner_config(self.num_ranks, pipeline_stages=par.pp, memory_model=self.memory_model,
-                                           memory_limit=self.memory_limit),
-            config.planning.auto_calibrate, groups, collective_device=self._core.collective_device,
-            records_path=config.planning.records_path("engine"), memory=MemoryCalibration())
-        self._steps = Steps(self._core, self._planner, measure_memory=config.planning.measure_memory, loss_name="loss_fn",
-                            max_consecutive_skips=config.planning.max_consecutive_skips,
-                            skips_option=config.planning.field_name("max_consecutive_skips"))
+        self._steps = build_steps(config.planning, StackParts(
+            groups=groups, megatron_groups=runtime.groups, chunks=self._chunks, optimizer=optimizer, device=device,
+            shape=config.model.shape, pad_token_id=config.pad_token_id, memory_model=self.memory_model,
+            memory_limit=self.memory_limit, abort_groups=self._groups_to_abort, on_broken=self.close,
+            fused_logprobs=config.uses_fused_logprobs, records_role="engine"), loss_name="loss_fn")
+        self._core, self._planner = self._steps.core, self._steps.planner
+        self._checkpointer = Checkpointer(self)
 
     def _groups_to_abort(self) -> set[dist.ProcessGroup]:
         """The groups a failure inside a phase aborts: the engine's own, and Megatron's while no other engine
@@ -494,7 +167,7 @@ class HdpEngine:
 
     @property
     def core(self) -> RoundCore:
-        """The round core (:class:`~hdp.trainer.rounds.RoundCore`)."""
+        """The round core (:class:`~hdp.core.rounds.RoundCore`)."""
         self._open("core")
         return self._core
 
@@ -518,7 +191,7 @@ class HdpEngine:
 
     @property
     def planner(self) -> DomainPlanner:
-        """The :class:`~hdp.trainer.planning.DomainPlanner` (options, cost model, calibration state)."""
+        """The :class:`~hdp.core.planning.DomainPlanner` (options, cost model, calibration state)."""
         self._open("planner")
         return self._planner
 
@@ -556,7 +229,7 @@ class HdpEngine:
         (``config.parallel``) is checked against the world and the model first, on every rank and
         before any collective; then one small all-reduce compares a digest of ``config`` and of the
         launcher's topology variables (``RAY_LOCAL_WORLD_SIZE``, ``LOCAL_WORLD_SIZE``:
-        `hdp.trainer.planning.launcher_topology`) over the job (before Megatron is initialised): a config
+        `hdp.core.planning.launcher_topology`) over the job (before Megatron is initialised): a config
         or a variable that differs between ranks raises ``ValueError`` on every rank naming the first field
         that differs and its value on each rank (the device is compared by its kind only), and a variable
         bad on every rank alike (not an integer in [1, 65536]) raises on every rank naming it.  ``init_fn(name, full)``, if given, fills each parameter before DDP
@@ -585,14 +258,14 @@ class HdpEngine:
         par = config.parallel
         par.check_world(world)  # pure: the same ValueError on every rank, before any collective
         device = _device.select_device(config.device)
-        _memory_setup(config, device, world // (par.tp * par.pp))  # a limit below the static memory: ValueError
+        config.memory_setup(device, world // (par.tp * par.pp))  # a limit below the static memory: ValueError
         layout = {"world": world, "tp": par.tp, "pp": par.pp, "virtual_pp": par.vpp, "ep": par.ep,
                   "expert_tp": par.expert_tp}
-        _SharedMegatron.check(layout)  # another open engine with another layout: ValueError, before any collective
-        fields = {**_compared_fields(config), **launcher_topology()}  # the config and the launcher's ranks per node
+        SharedMegatron.check(layout)  # another open engine with another layout: ValueError, before any collective
+        fields = {**compared_fields(config), **launcher_topology()}  # the config and the launcher's ranks per node
         timeout_s = float(config.planning.collective_timeout_s)
         ledger = GroupLedger()  # every group made from here on is this engine's: close() destroys them
-        shared: _SharedMegatron | None = None
+        shared: SharedMegatron | None = None
         try:
             job = RoundCore.job_group(world, timeout_s)  # the engine's agreement group, bounded timeout
             agree_fields(fields, job, torch.device("cpu") if "gloo" in str(dist.get_backend(job)) else device,
@@ -601,7 +274,7 @@ class HdpEngine:
                 launcher_ranks_per_node()
             except ValueError as exc:
                 raise ValueError(f"HdpEngine.build: {exc} (nothing was built)") from None
-            shared = _SharedMegatron.acquire(layout, config.seed, lambda: mc.initialize_megatron(
+            shared = SharedMegatron.acquire(layout, config.seed, lambda: mc.initialize_megatron(
                 device=device,
                 tensor_model_parallel_size=par.tp,
                 pipeline_model_parallel_size=par.pp,
@@ -642,8 +315,7 @@ class HdpEngine:
             groups = LayoutGroups(world=job, domain=DomainGroups.build(own, timeout_s=timeout_s), tp=pgc.tp,
                                   pp=pgc.pp, ep=pgc.ep)
             ledger.seal(exclude=shared.ledger.created())  # this engine's groups; Megatron's are the shared state's
-            engine = cls(config, groups, runtime, ddp, optimizer, device, ledger, shared)
-            engine._planner.measure_static(static_bytes(ddp, optimizers(optimizer)))  # the job's most, one all-reduce
+            engine = cls(config, groups, runtime, ddp, optimizer, device, ledger, shared)  # the stack: one all-reduce
         except BaseException:
             shared.release()
             ledger.release()
@@ -692,91 +364,15 @@ class HdpEngine:
         self._open(what)
         self._core.usable(f"HdpEngine.{what}")  # broke off in a phase (its groups were released then)
 
+
     # -- validation and planning --
 
     def _validate(self, batch: Batch) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the field, the value and the fix (pure)."""
-        if not isinstance(batch, Batch):
-            raise TypeError(f"batch is {type(batch).__name__}; pass a hdp.trainer.engine.Batch")
-        toks = batch.tokens
-        if len(toks) == 0:
-            raise ValueError("Batch.tokens is empty: a step needs at least one sample; skip empty batches")
-        vocab = self.config.model.vocab_size
-        budget = self.config.planning.max_tokens_per_rank
-        cap = self.num_ranks * budget if budget is not None else None  # else the planner's memory check
-        for i, t in enumerate(toks):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"Batch.tokens[{i}] is {type(t).__name__}; pass a 1-D integer torch.Tensor")
-            if t.dtype.is_complex:
-                raise TypeError(
-                    f"Batch.tokens[{i}] has dtype {t.dtype}: token ids are integers; pass a 1-D integer tensor [L_i] "
-                    "(e.g. torch.int64)"
-                )
-            if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(
-                    f"Batch.tokens[{i}] has shape {tuple(t.shape)}, dtype {t.dtype}; pass a 1-D integer tensor [L_i]"
-                )
-            n = int(t.shape[0])
-            if n == 0:
-                raise ValueError(f"Batch.tokens[{i}] is empty (0 tokens); drop empty samples from the batch")
-            if cap is not None and n > cap:
-                raise ValueError(
-                    f"Batch.tokens[{i}] has {n} tokens but the domain holds at most {self.num_ranks} ranks x "
-                    f"PlanningConfig.max_tokens_per_rank={self.config.planning.max_tokens_per_rank} = {cap} tokens "
-                    "per sample; raise max_tokens_per_rank (memory permitting) or truncate the sample"
-                )
-            if n > self.config.model.max_sequence_length:
-                raise ValueError(
-                    f"Batch.tokens[{i}] has {n} tokens > ModelConfig.max_sequence_length="
-                    f"{self.config.model.max_sequence_length}; raise it or truncate the sample"
-                )
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= vocab:
-                raise ValueError(
-                    f"Batch.tokens[{i}] holds ids in [{lo}, {hi}] outside the vocabulary [0, {vocab}); "
-                    "fix the tokenizer or ModelConfig.vocab_size"
-                )
-        lengths = [int(t.shape[0]) for t in toks]
-
-        def check(name: str, tensors: Sequence[torch.Tensor] | None) -> None:
-            if tensors is None:
-                return
-            if len(tensors) != len(lengths):
-                raise ValueError(
-                    f"Batch.{name} has {len(tensors)} tensors for {len(lengths)} samples; pass one per sample"
-                )
-            for i, (x, n) in enumerate(zip(tensors, lengths)):
-                if not isinstance(x, torch.Tensor):
-                    raise TypeError(f"Batch.{name}[{i}] is {type(x).__name__}; pass a torch.Tensor [L_i, ...]")
-                if x.dim() < 1 or int(x.shape[0]) != n:
-                    raise ValueError(
-                        f"Batch.{name}[{i}] has shape {tuple(x.shape)} but sample {i} has {n} tokens; "
-                        f"pass one value per token ([{n}, ...])"
-                    )
-
-        check("loss_mask", batch.loss_mask)
-        for i, m in enumerate(batch.loss_mask or ()):
-            # a mask selects tokens (hdp.loss counts them: n_i = Σ_t m_it); it is not a per-token weight
-            if m.dtype.is_complex:
-                raise TypeError(f"Batch.loss_mask[{i}] has dtype {m.dtype}; pass a bool or 0/1 mask [L_i]")
-            if m.dtype != torch.bool:
-                odd = (m != 0) & (m != 1)
-                if bool(odd.any()):
-                    bad = m[odd].flatten()[0].item()
-                    raise ValueError(
-                        f"Batch.loss_mask[{i}] holds {bad!r} at token {int(torch.nonzero(odd.flatten())[0])}: a loss "
-                        "mask is 0 or 1 (it selects the tokens that count; hdp's loss aggregation counts them); pass a "
-                        "bool or 0/1 mask, and per-token weights (advantages) through Batch.extras"
-                    )
-        if not isinstance(batch.extras, Mapping):
-            raise TypeError(f"Batch.extras is {type(batch.extras).__name__}; pass a dict name -> per-sample tensors")
-        for name, tensors in batch.extras.items():
-            if not isinstance(name, str):
-                raise TypeError(
-                    f"Batch.extras has the key {name!r} ({type(name).__name__}); extras are named by strings "
-                    "(the loss function reads local.extras[name]): use str keys"
-                )
-            check(f"extras[{name!r}]", tensors)
+        """Raise ``ValueError``/``TypeError`` naming the field, the value and the fix (pure;
+        `hdp.trainer.batch.validate_batch`)."""
+        validate_batch(batch, num_ranks=self.num_ranks, max_tokens_per_rank=self.config.planning.max_tokens_per_rank,
+                       max_sequence_length=self.config.model.max_sequence_length,
+                       vocab_size=self.config.model.vocab_size)
 
     def plan(self, batch: Batch) -> Plan:
         """The plan of ``batch`` on this domain (pure; the same on every rank of the job)."""
@@ -784,17 +380,6 @@ class HdpEngine:
         self._validate(batch)
         return self.planner.plan(batch.lengths)
 
-    def _check_given_plan(self, plan: Plan, batch: Batch) -> None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan is {type(plan).__name__}; pass a hdp.packing.Plan (engine.plan(batch)) or None")
-        if plan.num_ranks != self.num_ranks:
-            raise ValueError(f"plan.num_ranks={plan.num_ranks}: the domain has {self.num_ranks} ranks; re-plan for it")
-        if plan.lengths.tolist() != batch.lengths:
-            raise ValueError(
-                f"plan.lengths={plan.lengths.tolist()} differ from the batch lengths {batch.lengths}; "
-                "plan this batch (engine.plan(batch))"
-            )
-        check_plan(plan)  # PlanError (a ValueError) naming the column, the sample or round, and the fix
 
     def _prepare(self, batch: Batch, given: Plan | None, loss_fn: LossFn | None,
                  check: Callable[[], None] | None = None) -> Callable[[], Prepared]:
@@ -812,28 +397,17 @@ class HdpEngine:
                 taken = self.planner.take(batch.lengths)
                 plan, ms, exposed = taken.plan, taken.planner_ms, taken.exposed_ms
             else:
-                self._check_given_plan(given, batch)
+                check_given_plan(given, batch, self.num_ranks)
                 plan = given if given.stats is not None else given.with_stats(simulate(given, self.planner.cost, 0.0))
                 exposed = (time.perf_counter() - t0) * 1e3
                 ms = exposed if given.stats is None else given.stats.planner_ms
-            inputs = self._shifted(batch)
+            inputs = shifted_inputs(batch, pad_token_id=self.config.pad_token_id,
+                                    aggregation=self.config.loss_aggregation,
+                                    loss_scale_factor=self.config.loss_scale_factor)
             return Prepared(plan, batch_digest(batch.tokens, batch.loss_mask, batch.extras), inputs.tokens,
-                            _LossAdapter(inputs, loss_fn, self.groups.tp, self.device), ms, exposed)
+                            LossAdapter(inputs, loss_fn, self.groups.tp, self.device), ms, exposed)
 
         return prepare
-
-    def _shifted(self, batch: Batch) -> _Inputs:
-        tokens = [t.to(torch.int64) for t in batch.tokens]
-        targets = next_token_targets(tokens, self.config.pad_token_id)
-        masks = [
-            torch.ones(t.shape[0], dtype=torch.float32) if batch.loss_mask is None else batch.loss_mask[i].to(torch.float32)
-            for i, t in enumerate(tokens)
-        ]
-        mask = [_shift(m) for m in masks]
-        weights = sample_token_weights(mask, self.config.loss_aggregation,
-                                       loss_scale_factor=self.config.loss_scale_factor, dtype=torch.float32)
-        extras = {name: [_shift(x) for x in xs] for name, xs in batch.extras.items()}
-        return _Inputs(tokens, targets, mask, weights, extras)
 
     # -- public steps --
 
@@ -868,11 +442,11 @@ class HdpEngine:
                     "engine.forward(batch)"
                 )
 
-        call = (f"{name}(step={self.step + 1}, loss_fn={_callable_name(loss_fn)}, "
+        call = (f"{name}(step={self.step + 1}, loss_fn={callable_name(loss_fn)}, "
                 f"plan={'given' if plan is not None else 'None'})")
         what = name.split("[", 1)[0]
         self._usable(what)
-        done = self._steps.train(what, call, self._prepare(batch, plan, loss_fn, check_loss_fn))
+        done = self._steps.train_batch(what, call, self._prepare(batch, plan, loss_fn, check_loss_fn))
         assert done.outcome is not None
         if done.outcome.skipped is not None:  # skipped on every rank: nothing applied
             raise done.outcome.skipped
@@ -906,7 +480,7 @@ class HdpEngine:
         """
         self._usable("forward")
         call = f"forward(step={self.step}, plan={'given' if plan is not None else 'None'})"
-        done = self._steps.forward("forward", call, self._prepare(batch, plan, None), label="forward")
+        done = self._steps.infer_batch("forward", call, self._prepare(batch, plan, None), label="forward")
         with self.core.collectives("forward", self.step):
             return self._forward_outputs(done.plan, done.adapter.outputs)
 
@@ -944,7 +518,6 @@ class HdpEngine:
             "hdp/idle_ratio_max": float(stats.max_idle_ratio) if stats else float("nan"),
             "hdp/step": self.step,
         }
-
     # -- state --
 
     def state_dict(self) -> dict[str, Any]:
@@ -954,224 +527,17 @@ class HdpEngine:
             return {"model": self.model_chunks[0].module.state_dict(), "step": self.step}
         return {**{f"model{i}": c.module.state_dict() for i, c in enumerate(self.model_chunks)}, "step": self.step}
 
-    def _model_sharded_state_dict(self) -> dict[str, Any]:
-        if len(self.model_chunks) == 1:
-            return self.model_chunks[0].module.sharded_state_dict()
-        return {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(self.model_chunks)}
-
-    def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
-        ensure_optimizer_state(self.optimizer)
-        model_sd = self._model_sharded_state_dict()
-        # megatron-core 0.16.1: the default 'fully_sharded_model_space' relies on flattened_range,
-        # which dist_checkpointing rejects, and 'fully_reshardable' gathers through a hard-coded
-        # ``.cuda()``; 'dp_reshardable' saves each rank's optimizer shard without communication
-        # (load with the same layout).
-        meta = {"distrib_optim_sharding_type": "dp_reshardable"}
-        return {
-            "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
-            "hdp_step": self.step,
-        }
-
-    def _load_model_state(self, model_state: Mapping[str, Any]) -> None:
-        if len(self.model_chunks) == 1:
-            self.model_chunks[0].module.load_state_dict(model_state)
-        else:
-            for i, c in enumerate(self.model_chunks):
-                c.module.load_state_dict(model_state[f"model{i}"])
-
-    def _layout(self) -> dict[str, int]:
-        par = self.config.parallel
-        return {"world_size": self.groups.world_size, "domain_size": self.num_ranks, "tp": par.tp, "pp": par.pp,
-                "virtual_pp": par.vpp, "ep": par.ep}
-
-    def _model_digest(self) -> str:
-        """sha256 (16 hex digits) of the model configuration: a checkpoint loads only into the same model."""
-        cfg = json.dumps(dataclasses.asdict(self.config.model), sort_keys=True, default=str)
-        return hashlib.sha256(cfg.encode()).hexdigest()[:16]
-
-    def _checkpoint_meta(self, fmt: CheckpointFormat) -> dict[str, Any]:
-        return {"model_config": self._model_digest(), "hdp_format": fmt.value, **self._layout()}
-
-    def _saved_view(self, manifest: ckpt.Manifest, slot: Path) -> ckpt.StateView:
-        """What the checkpoint's slot holds, from metadata (`hdp.trainer.checkpoint.check_fit`): a ``dist`` slot's
-        Megatron metadata (the whole job), or this rank's ``per-rank`` file, memory-mapped."""
-        if manifest.format == CheckpointFormat.DIST.value:
-            entries = ckpt.dist_checkpoint_tensors(slot)
-        else:
-            entries = ckpt.torch_file_tensors(slot / f"rank_{self.groups.world_rank}.pt")
-        layout = {k: manifest.meta.get(k) for k in self._layout()}
-        return ckpt.StateView(parts={"state": entries}, meta={"model_config": manifest.meta.get("model_config")},
-                              layout=layout)
-
-    def _loaded_view(self, fmt: str) -> ckpt.StateView:
-        """What this rank would load in format ``fmt``: the Megatron sharded state dict a ``dist`` save writes, or the
-        state a ``per-rank`` save writes (no copy of the tensors: shapes and dtypes only)."""
-        if fmt == CheckpointFormat.DIST.value:
-            entries = ckpt.sharded_state_tensors(self._sharded_state_dict(is_loading=False))
-        else:
-            entries = ckpt.state_tensors(self._payload())
-        return ckpt.StateView(parts={"state": entries}, meta={"model_config": self._model_digest()},
-                              layout=self._layout())
-
-    def _check_layout(self, manifest: ckpt.Manifest) -> None:
-        """A per-rank checkpoint loads only on the layout that wrote it; a ``dist`` one on another domain size,
-        but with the TP and PP sizes that wrote it (the optimizer state is saved ``dp_reshardable``)."""
-        if manifest.format != CheckpointFormat.PER_RANK.value:
-            mine = self._layout()
-            changed = {k: (manifest.meta.get(k), mine[k]) for k in ("tp", "pp") if k in manifest.meta
-                       and manifest.meta.get(k) != mine[k]}
-            if changed:
-                what = ", ".join(f"{k.upper()} {old} -> {new}" for k, (old, new) in changed.items())
-                raise ckpt.CheckpointError(
-                    f"checkpoint (step {manifest.step}, format 'dist') was saved with TP {manifest.meta.get('tp')} x "
-                    f"PP {manifest.meta.get('pp')}; this engine has TP {mine['tp']} x PP {mine['pp']} (the layout "
-                    f"changed: {what}). A dist checkpoint reshards over the domain size only (megatron-core 0.16.1 "
-                    "saves the distributed optimizer's state as dp_reshardable): load it with the TP and PP that "
-                    "saved it"
-                )
-            return
-        saved = {k: manifest.meta.get(k) for k in self._layout()}
-        if saved != self._layout():
-            raise ckpt.CheckpointError(
-                f"checkpoint (step {manifest.step}, format 'per-rank') was saved with layout {saved}; this engine has "
-                f"{self._layout()}. A per-rank checkpoint loads only on the same layout (save with format='dist')"
-            )
-
-    def _payload(self) -> dict[str, Any]:
-        """This rank's whole training state (what a per-rank checkpoint holds; tensors are live references)."""
-        ensure_optimizer_state(self.optimizer)  # a fresh optimizer: Adam's zero state, as its first step makes
-        return {
-            "format": CheckpointFormat.PER_RANK.value,
-            "layout": self._layout(),
-            "model": self.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_shards": [shard_state(o) for o in optimizers(self.optimizer)],
-            "hdp_step": self.step,
-        }
-
-    def _apply_payload(self, state: Mapping[str, Any]) -> None:
-        """Put :meth:`_payload`'s state (on this engine's device) into the model and the optimizer."""
-        model = state["model"]
-        self._load_model_state(model["model"] if len(self.model_chunks) == 1 else model)
-        self.optimizer.load_state_dict(state["optimizer"])
-        for opt, shard in zip(optimizers(self.optimizer), state["optimizer_shards"]):
-            load_shard_state(opt, shard)
-        self.step = int(state["hdp_step"])
 
     def save_checkpoint(self, path: str | os.PathLike[str], *, format: CheckpointFormat | str = "auto") -> None:
-        """Save model, optimizer and step counter into the directory ``path`` (collective over the job).
-
-        Atomic and verified (:mod:`hdp.trainer.checkpoint`): every rank writes into the free data
-        slot of ``path``, flushes and hashes its files, and one manifest (format version, world and
-        domain size, layout, model-config digest, step, sha256 of every file) is renamed into place
-        once every rank has written — a process killed during the save leaves the previous
-        checkpoint loadable.  Any error on any rank raises on every rank and leaves the previous
-        checkpoint as it was.
-
-        ``dist``: Megatron distributed checkpointing (model + distributed-optimizer sharded state
-        dicts, torch_dist backend, optimizer as ``dp_reshardable``); its forked writer processes
-        die with their rank.  megatron-core 0.16.1's writer needs ``psutil`` and starts worker
-        processes, so the rank must not run in a daemonic process.  ``per-rank``: every rank writes
-        ``rank_{global rank}.pt`` with its model chunks, the optimizer's common state and its own
-        optimizer shard (load with the same layout).  ``auto``: ``dist`` when every rank of the job
-        can write it, else ``per-rank``.  Raises ``ValueError`` on every rank when ``dist`` is asked
-        for and some rank cannot write it.
-        """
+        """Save model, optimizer and step counter into the directory ``path`` (collective over the job):
+        atomic and verified, ``dist`` / ``per-rank`` / ``auto`` (:meth:`hdp.trainer.checkpointer.Checkpointer.save`).
+        Any error on any rank raises on every rank and leaves the previous checkpoint as it was."""
         self._usable("save_checkpoint")
-        box: list[tuple[CheckpointFormat, str | None]] = []
-
-        def work() -> tuple[None, int, int]:
-            _check_path(path, "save_checkpoint")
-            fmt = checkpoint_format(format)
-            problem = dist_checkpoint_problem() if fmt is not CheckpointFormat.PER_RANK else None
-            box.append((fmt, problem))
-            return None, 0, 0 if problem is None else 1  # the vote: some rank cannot write 'dist'
-
-        # the call's one agreement: the same call and arguments everywhere, and one format decision for all
-        _, cannot = self.core.agree_call("save_checkpoint", self.step, _call("save_checkpoint", self.step, path=path,
-                                                                              format=format), work)
-        fmt, problem = box[0]
-        if fmt is not CheckpointFormat.PER_RANK:
-            if not cannot:
-                fmt = CheckpointFormat.DIST
-            elif fmt is CheckpointFormat.AUTO:
-                logger.info("save_checkpoint: per-rank format (%s)", problem or "another rank cannot write 'dist'")
-                fmt = CheckpointFormat.PER_RANK
-            else:
-                raise ValueError(
-                    f"save_checkpoint(format='dist'): {problem or 'another rank cannot write it (see its error)'}; "
-                    "use format='per-rank' or 'auto'"
-                )
-        with self.core.collectives("save", self.step):
-
-            def write(slot: Path) -> None:
-                if fmt is CheckpointFormat.DIST:
-                    mc.checkpoint_writers_die_with_parent()  # its spawned helper dies with this rank
-                    with self.core.checkpoint_collectives():  # Megatron's collectives: the engine's timeout, released on failure
-                        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(slot))
-                else:
-                    torch.save(self._payload(), slot / f"rank_{self.groups.world_rank}.pt")
-
-            ckpt.save_slots(path, guard=self.core.guard, group=self.groups.world, rank=self.groups.world_rank,
-                            size=self.groups.world_size, step=self.step, format=fmt.value,
-                            meta=self._checkpoint_meta(fmt), write=write)
+        self._checkpointer.save(path, format=format)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit.
-
-        Verified before anything is touched, on every rank: the manifest (format version, the layout)
-        and the sha256 of every file, then whether the checkpoint fits this engine
-        (:func:`~hdp.trainer.checkpoint.check_fit`, from metadata: every key, shape and dtype against
-        what this engine loads, and the model-config digest); any problem on any rank raises
-        :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``, through the step guard) on
-        every rank, naming the first differing tensor and both sides, and the engine stays usable.
-        Then every rank loads; if loading fails on any rank
-        — whatever the exception type, Megatron's ``CheckpointException`` included — every rank puts
-        back the state it had before the call (model, optimizer, step) and raises.  A ``dist``
-        checkpoint also loads on another domain size.
-        """
+        """Load what :meth:`save_checkpoint` wrote (collective); the next step continues bit for bit.  Checked
+        before anything is touched (manifest, hashes, fit from metadata), restored on every rank when loading
+        fails on any (:meth:`hdp.trainer.checkpointer.Checkpointer.load`)."""
         self._usable("load_checkpoint")
-        step = self.step
-
-        def work() -> tuple[None, int, int]:
-            _check_path(path, "load_checkpoint")
-            return None, 0, 0
-
-        self.core.agree_call("load_checkpoint", step, _call("load_checkpoint", step, path=path), work)
-        with self.core.collectives("load", self.step):
-            manifest = ckpt.verify_checkpoint(
-                path, guard=self.core.guard, rank=self.groups.world_rank, size=self.groups.world_size, step=step,
-                expect={}, check=self._check_layout)
-            slot = Path(path) / manifest.slot
-            ckpt.check_fit(path, guard=self.core.guard, step=step, checkpoint=lambda: self._saved_view(manifest, slot),
-                           engine=lambda: self._loaded_view(manifest.format),
-                           gather=manifest.format == CheckpointFormat.DIST.value)
-            before: dict[str, Any] | None = None
-            try:
-                with self.core.guard.phase("load: apply", step):
-                    before = to_host(self._payload())  # the state to restore if any rank fails to load
-                    if manifest.format == CheckpointFormat.DIST.value:
-                        with self.core.checkpoint_collectives():  # Megatron's collectives: released when this rank fails
-                            self._load_dist(slot)
-                    else:
-                        state = torch.load(slot / f"rank_{self.groups.world_rank}.pt", map_location=self.device,
-                                           weights_only=False)
-                        self._apply_payload(state)
-            except BaseException:
-                if before is not None:
-                    with torch.no_grad():
-                        self._apply_payload(to_device(before, self.device))
-                raise
-
-    def _load_dist(self, slot: Path) -> None:
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(slot))
-        self._load_model_state(state["model"])
-        # no_grad: for fp32 models the optimizer's main parameters are views of the model's
-        # leaf parameters, which Megatron's loader copies into in place
-        with torch.no_grad():
-            self.optimizer.load_state_dict(state["optimizer"])
-        restore_adam_steps(self.optimizer, state["optimizer"])
-        self.step = int(state["hdp_step"])
-
-
+        self._checkpointer.load(path)

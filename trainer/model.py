@@ -1,7 +1,7 @@
 """Megatron-core GPT models for hdp: build, wrap in DDP, distributed optimizer, packed forward.
 
 The model is Megatron's ``GPTModel`` (dense, or MoE with the alltoall token dispatcher) from the
-local (non-TE) layer spec, with core attention swapped for :mod:`hdp.trainer.attention_spec`'s
+local (non-TE) layer spec, with core attention swapped for :mod:`hdp.core.attention_spec`'s
 backend, hdp's norm (:class:`HdpNorm`, sequence-parallel aware) and Megatron's RoPE off (hdp
 applies RoPE inside attention, at per-sample positions of the local zigzag tokens).  Megatron is
 initialised with the job's TP × PP (× EP) layout and CP = 1 over the domain
@@ -33,8 +33,8 @@ import torch
 
 from hdp import megatron_compat as mc
 from hdp.rope import RopeScaling
-from hdp.trainer.attention_config import SoftmaxType
-from hdp.trainer.attention_spec import (
+from hdp.core.attention_config import SoftmaxType
+from hdp.core.attention_spec import (
     CoreAttentionBackend,
     HdpPackedSeqParams,
     RopeConfig,

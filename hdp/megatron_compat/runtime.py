@@ -133,7 +133,7 @@ def checkpoint_writers_die_with_parent() -> None:
     rank killed during a save leaves that server behind as an orphan.  This starts the manager
     first, with :func:`hdp.procs.die_with_parent` as its initializer, and hands its queue to
     Megatron (its module-level ``_results_queue``).  The forked write workers are covered by
-    ``hdp.trainer.checkpoint.writers_die_with_parent``.  Idempotent.
+    ``hdp.core.checkpoint.writers_die_with_parent``.  Idempotent.
     """
     import multiprocessing as mp
     import os

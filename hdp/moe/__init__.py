@@ -5,7 +5,7 @@ frees its activations in forward and recomputes them in backward, with the re-di
 hidden behind the fc1 input-gradient GEMM (MindSpeed ``--moe-zero-memory`` behaviour), on every
 expert kind Megatron builds (:class:`ExpertKind`: ``SequentialMLP``, ``GroupedMLP``, ``TEGroupedMLP``)
 with the expert GEMMs as one grouped GEMM (:mod:`hdp.kernels.grouped_gemm`).  Apply it
-with :func:`apply_zero_memory` on a built model or :func:`zero_memory_layer_spec` on a layer spec.
+with :func:`apply_zero_memory` on a built model (the spec is Megatron's own: the layers are swapped in place).
 :mod:`hdp.moe.budget` turns the memory saved into a larger planner token budget.
 
 The levels and the budget model are pure (importable by the planner without torch or Megatron);
@@ -27,7 +27,6 @@ __all__ = [
     "ZeroMemoryTrace",
     "ExpertKind",
     "apply_zero_memory",
-    "zero_memory_layer_spec",
     "DispatchMeta",
     "dispatch_meta",
     "permutation_indices",
@@ -38,7 +37,6 @@ _LAZY = {
     "ZeroMemoryTrace": "hdp.moe.zero_memory",
     "ExpertKind": "hdp.moe.zero_memory",
     "apply_zero_memory": "hdp.moe.zero_memory",
-    "zero_memory_layer_spec": "hdp.moe.zero_memory",
     "DispatchMeta": "hdp.moe.metadata",
     "dispatch_meta": "hdp.moe.metadata",
     "permutation_indices": "hdp.moe.metadata",

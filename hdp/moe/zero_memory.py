@@ -60,7 +60,6 @@ hides behind and waited on after it.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
@@ -80,7 +79,6 @@ __all__ = [
     "ZeroMemoryTrace",
     "ZeroMemoryMoELayer",
     "ExpertKind",
-    "zero_memory_layer_spec",
     "apply_zero_memory",
     "layer_levels",
 ]
@@ -695,20 +693,3 @@ def apply_zero_memory(
     logger.debug("moe zero-memory: %s", [lv.value for lv in levels])
     return out
 
-
-def zero_memory_layer_spec(spec: Any, level: ZeroMemoryLevel | str) -> Any:
-    """A copy of a Megatron transformer-layer spec whose MoE MLP is a :class:`ZeroMemoryMoELayer`.
-
-    ``spec``: a ``ModuleSpec`` of a ``TransformerLayer`` (e.g. ``hdp.trainer.model.layer_spec(cfg)``)
-    whose ``submodules.mlp`` builds a ``MoELayer``.  Every layer built from it gets ``level``; use
-    :func:`apply_zero_memory` for per-layer levels.
-    """
-    level = ZeroMemoryLevel.parse(level)
-    mlp = spec.submodules.mlp
-    module = getattr(mlp, "module", None)
-    if not (isinstance(module, type) and issubclass(module, mc.MoELayer)):
-        raise ValueError(f"zero_memory_layer_spec: the layer spec's mlp builds {module!r}, not a MoELayer")
-    params = dict(getattr(mlp, "params", None) or {})
-    params["zero_memory_level"] = level
-    new_mlp = dataclasses.replace(mlp, module=ZeroMemoryMoELayer, params=params)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=new_mlp))

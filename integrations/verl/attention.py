@@ -1,7 +1,7 @@
 """The attention swap: verl's built Megatron model runs hdp's core attention (CP rings over the domain,
 RoPE at the positions of the unsplit sample), with every attention setting computed or refused.
 
-The settings come from the Megatron ``TransformerConfig`` (:func:`hdp.trainer.attention_config.check_attention_config`:
+The settings come from the Megatron ``TransformerConfig`` (:func:`hdp.core.attention_config.check_attention_config`:
 what mbridge built plus ``override_transformer_config``) and are reconciled with the HF config, the model's
 definition under verl (see :mod:`hdp.integrations.verl.rope` for RoPE):
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hdp.trainer.attention_config import AttentionSettings, SoftmaxType, check_attention_config
+from hdp.core.attention_config import AttentionSettings, SoftmaxType, check_attention_config
 
 __all__ = ["install_hdp_attention", "hf_layer_windows", "attention_settings", "HF_REFUSED"]
 
@@ -122,7 +122,7 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
     """
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.rope import rope_config
-    from hdp.trainer.attention_spec import HdpCoreAttention
+    from hdp.core.attention_spec import HdpCoreAttention
 
     model = compat.unwrap_model(chunk)
     rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement

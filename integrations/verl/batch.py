@@ -16,7 +16,7 @@ from hdp.dispatch import gather_outputs, gather_whole_samples
 from hdp.groups import LayoutGroups
 from hdp.integrations.verl import compat
 from hdp.objects import gather_objects
-from hdp.trainer.step import Pass
+from hdp.core.step import Pass
 
 __all__ = ["sample_lengths", "SampleRows", "SameRows", "reduce_metrics", "verl_outputs"]
 

@@ -5,7 +5,7 @@ Both paths run side by side in one run, alternating step by step, through **the 
 step, calibration, collect) on the same tiny Megatron GPT (:mod:`hdp.trainer.model`, fp32, CPU,
 gloo), the same weights and optimizer and the same verl update batch (the TensorDict verl's
 trainer sends: ``left_right_2_no_padding`` of a padded batch), with verl's real ``ppo_loss``.  They
-differ only in the policy the engine's planner (`hdp.trainer.planning.DomainPlanner`) runs:
+differ only in the policy the engine's planner (`hdp.core.planning.DomainPlanner`) runs:
 
 * **hdp**: the ``hdp`` policy;
 * **baseline**: verl's stock Megatron scheduling as a planner policy (:data:`BASELINE`): ``verl-kk``
@@ -21,7 +21,7 @@ The JSON reports the plans that ran — from each step's own metrics (``hdp/plan
 ``hdp/cp_degree_hist/*``, tokens per rank) — and ``plans_differ``; the result fails (``passed``
 false, the command exits 1) when the two paths ran the same plan, or when their gradients on the
 same batch differ (``grad_match``: after DDP's all-reduce, ``rtol = 1e-4``, ``atol = 1e-6``
-relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (`hdp.trainer.phases`).
+relative to the largest entry).  ``phases``: each path's median ``hdp/time/*`` (`hdp.core.phases`).
 
 ``doors``: the library door (`hdp.trainer.engine.HdpEngine.train_step` with :func:`library_ppo_loss`,
 verl's policy loss written as a library loss) and the verl door (``train_batch`` with verl's
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hdp.trainer.phases import median_phases
+from hdp.core.phases import median_phases
 
 __all__ = [
     "BASELINE",
@@ -341,7 +341,7 @@ def reference_step(data: Any, loss_agg_mode: str) -> tuple[list[torch.Tensor], l
     from verl.workers.utils.losses import ppo_loss
 
     from hdp.integrations.verl.batch import sample_lengths
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp import megatron_compat as mc
     from hdp.trainer.model import build_gpt_model, packed_logits
 

@@ -1,5 +1,5 @@
 """What a verl Megatron checkpoint holds, and what the hdp engine would load from it: the two sides of
-:func:`hdp.trainer.checkpoint.check_fit` for ``HdpMegatronEngine.load_checkpoint``.
+:func:`hdp.core.checkpoint.check_fit` for ``HdpMegatronEngine.load_checkpoint``.
 
 verl 0.9.1's ``MegatronCheckpointManager`` (checkpoint layout v2) writes, under a checkpoint directory:
 
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from hdp.integrations.verl import compat
-from hdp.trainer import checkpoint as ckpt
-from hdp.trainer.optim_state import ensure_optimizer_state
+from hdp.core import checkpoint as ckpt
+from hdp.core.optim_state import ensure_optimizer_state
 
 __all__ = ["HF_MODEL", "DIST_MODEL", "OPTIMIZER", "EXTRA", "CONTENTS", "TRANSFORMER_CONFIG", "LOCAL_OPTIMIZER_FORMATS",
            "saved_view", "loaded_view"]
@@ -98,7 +98,7 @@ def _layout(tp: Any, pp: Any, vpp: Any, ep: Any) -> dict[str, int]:
 def saved_view(engine: Any, path: str | os.PathLike[str]) -> ckpt.StateView:
     """What the verl checkpoint at ``path`` holds, for every part ``engine``'s load reads: safetensors headers,
     Megatron metadata; its role and architecture (``ckpt_contents.json``) and layout (``transformer_config.json``)
-    where saved.  :class:`~hdp.trainer.checkpoint.CheckpointError` names a missing checkpoint or part."""
+    where saved.  :class:`~hdp.core.checkpoint.CheckpointError` names a missing checkpoint or part."""
     manager = _manager(engine)
     root = Path(path)
     if not root.is_dir():

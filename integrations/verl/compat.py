@@ -217,7 +217,7 @@ def own_mini_batch_loop(engine: Any) -> None:
       (:mod:`hdp.integrations.verl.minibatches`: the loop sees a DP size of 1 and would otherwise cut
       contiguous slices of the whole batch), and
     * announce each next mini-batch to ``engine`` before handing out the current one, so hdp plans it on
-      a background thread while the current one trains (`hdp.trainer.plan_ahead`; the iterator holds one
+      a background thread while the current one trains (`hdp.core.plan_ahead`; the iterator holds one
       mini-batch ahead).
 
     Why a patch: verl 0.9.1 forms the mini-batches in the worker from the engine's DP rank and size

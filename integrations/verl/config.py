@@ -39,7 +39,7 @@ from hdp.integrations.verl.checks import (
 )
 from hdp.moe.zero_memory import ZeroMemoryLevel
 from hdp.packing.moved import Moved
-from hdp.trainer import options
+from hdp.core import options
 
 __all__ = [
     "HDP_STRATEGY",
@@ -61,8 +61,8 @@ _KEY = "actor_rollout_ref.actor"
 @dataclass(frozen=True, kw_only=True)
 class HdpOptions(options.HdpOptions):
     """hdp's options for verl (``actor_rollout_ref.actor.hdp.*``): every field is declared, checked and
-    documented once for both doors in `hdp.trainer.options.HdpOptions`; the defaults that differ on
-    verl's door, and why, are `hdp.trainer.options.VERL_DEFAULTS`.  What is verl's: the Hydra target.
+    documented once for both doors in `hdp.core.options.HdpOptions`; the defaults that differ on
+    verl's door, and why, are `hdp.core.options.VERL_DEFAULTS`.  What is verl's: the Hydra target.
     The domain size comes from Megatron; a null token budget defers to verl's per-GPU ones."""
 
     _FIELD_PREFIX: ClassVar[str] = f"{_KEY}.hdp"
@@ -76,11 +76,11 @@ class HdpOptions(options.HdpOptions):
     _target_: str = "hdp.integrations.verl.config.HdpOptions"
     """Hydra instantiation target (verl builds configs with ``hydra.utils.instantiate``)."""
     max_tokens_per_rank: Optional[int] = options.VERL_DEFAULTS["max_tokens_per_rank"]
-    """As `hdp.trainer.options.HdpOptions.max_tokens_per_rank`; verl's default: null (`VERL_DEFAULTS`)."""
+    """As `hdp.core.options.HdpOptions.max_tokens_per_rank`; verl's default: null (`VERL_DEFAULTS`)."""
     calibration_path: Optional[str] = options.VERL_DEFAULTS["calibration_path"]
-    """As `hdp.trainer.options.HdpOptions.calibration_path`; verl's default keeps the records (`VERL_DEFAULTS`)."""
+    """As `hdp.core.options.HdpOptions.calibration_path`; verl's default keeps the records (`VERL_DEFAULTS`)."""
     collective_timeout_s: float = options.VERL_DEFAULTS["collective_timeout_s"]
-    """As `hdp.trainer.options.HdpOptions.collective_timeout_s`; verl's default: 600 s (`VERL_DEFAULTS`)."""
+    """As `hdp.core.options.HdpOptions.collective_timeout_s`; verl's default: 600 s (`VERL_DEFAULTS`)."""
     skip_old_log_prob: bool | str = "auto"
     """The actor's old-log-prob pass on an on-policy step (`hdp.integrations.verl.old_log_prob`): ``auto`` skips
     it exactly when it is redundant (one mini-batch covering the batch, one PPO epoch, nothing reading the old

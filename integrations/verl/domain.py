@@ -15,9 +15,9 @@ import torch.distributed as dist
 from hdp.checksum import collective_device
 from hdp.device import abort_ends_collectives
 from hdp.groups import DomainGroups, LayoutGroups, copy_of_group
-from hdp.trainer.agreement import agree_fields
-from hdp.trainer.planning import RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, launcher_ranks_per_node, launcher_topology
-from hdp.trainer.rounds import RoundCore
+from hdp.core.agreement import agree_fields
+from hdp.core.planning import RANKS_PER_NODE_KEYS, TOPOLOGY_FIX, launcher_ranks_per_node, launcher_topology
+from hdp.core.rounds import RoundCore
 
 __all__ = ["VerlDomain"]
 
@@ -42,7 +42,7 @@ class VerlDomain:
     @classmethod
     def build(cls, dp_group: dist.ProcessGroup, megatron_groups: Any, timeout_s: float) -> "VerlDomain":
         """Collective over the world: hdp's agreement group with its timeout, the launcher's topology variables
-        agreed on it (`hdp.trainer.agreement.agree_fields`: one that differs between ranks is named with each
+        agreed on it (`hdp.core.agreement.agree_fields`: one that differs between ranks is named with each
         rank's value on every rank, one bad on every rank is refused alike), a copy of the domain
         (Megatron's data-parallel group, which verl's model holds; not where an abort suffices) with the CP
         blocks, and this rank's one-rank group (local synchronisation: no O(world) groups).  hdp's rings, CP

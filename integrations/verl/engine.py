@@ -5,7 +5,7 @@ EP layout of verl's own Megatron config (``actor_rollout_ref.actor.megatron.*``)
 building (vanilla mbridge or Megatron-Bridge), optimizer and LR scheduler, checkpointing, HF weight
 export to the rollout, offloading, train/eval contexts.
 
-The step is the library engine's, written once (:mod:`hdp.trainer.step` on the round core and the
+The step is the library engine's, written once (:mod:`hdp.core.step` on the round core and the
 planner): the agreement over the job, every round through Megatron's schedule, one reduce, the
 non-finite rules, the optimizer step or an agreed skip, calibration.  verl's primitives map onto its
 halves: ``forward_backward_batch`` (agree, rounds, reduce), ``optimizer_step`` (the update or the skip,
@@ -20,7 +20,7 @@ What stays here is verl's:
   rank, verl's metrics reduced over the groups, hdp's added;
 * **verl's semantics on a non-finite loss or gradient**: as verl's FSDP engine, the update is skipped on
   every rank and ``grad_norm`` is NaN (``hdp/nonfinite_skipped`` = 1); Megatron's optimizer would apply it.
-  Unlike verl, ``hdp.max_consecutive_skips`` skips in a row raise `hdp.trainer.step.SkippedUpdatesError` on
+  Unlike verl, ``hdp.max_consecutive_skips`` skips in a row raise `hdp.core.step.SkippedUpdatesError` on
   every rank (the job fails instead of exiting 0 without training).
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
@@ -54,12 +54,12 @@ from hdp.integrations.verl.domain import VerlDomain
 from hdp.integrations.verl.memory import verl_memory
 from hdp.device import select_device
 from hdp.packing.model_shape import ModelShape
-from hdp.trainer.checkpoint import check_fit
-from hdp.trainer.memory import MemoryCalibration, static_bytes
-from hdp.trainer.optim_state import optimizers, restore_adam_steps
-from hdp.trainer.planning import DomainPlanner, auto_cost_model
-from hdp.trainer.rounds import RoundCore
-from hdp.trainer.step import Pass, Prepared, Steps
+from hdp.core.checkpoint import check_fit
+from hdp.core.optim_state import restore_adam_steps
+from hdp.core.planning import DomainPlanner
+from hdp.core.rounds import RoundCore
+from hdp.core.stack import StackParts, build_steps
+from hdp.core.step import Pass, Prepared, Steps
 
 __all__ = ["HdpMegatronEngine", "HdpMegatronValueEngine", "npu_engine_class"]
 
@@ -132,33 +132,25 @@ class HdpMegatronEngine(_MegatronLM):
         """The round core and the one planner of this engine (settings resolved once, here)."""
         opts, dom = self.hdp_config.hdp, self.domain
         dev = next(self.module[0].parameters()).device
-        self.core = RoundCore(groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, device=dev,
-                              pad_token_id=self.pad_token_id, cp_algorithm=opts.cp_algorithm,
-                              timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None),
-                              abort_groups=lambda: self.domain.groups_to_abort(), on_broken=self._release,
-                              fused_logprobs=self._fused_logprobs())
+        mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev, vpp=len(self.module))
 
-        def auto() -> Any:
+        def model_shape() -> ModelShape:  # for cost_model=auto only
             hf = getattr(self.model_config, "hf_config", None)
             if shape is None and hf is None:
                 raise ValueError(f"{self.role_key}.hdp.cost_model=auto needs the model's config; pass a preset")
-            dtype = str(getattr(self.engine_config, "dtype", "bfloat16"))
-            return auto_cost_model(shape or ModelShape.from_hf_config(hf, dtype=dtype), dev)
+            return shape or ModelShape.from_hf_config(hf, dtype=str(getattr(self.engine_config, "dtype", "bfloat16")))
 
-        mem, limit = verl_memory(self.model_config, self.engine_config, world=dom.layout.world_size, device=dev, vpp=len(self.module))
-        train, infer = opts.token_budgets(self.engine_config.max_token_len_per_gpu,
-                                          self.engine_config.infer_max_token_len_per_gpu, memory_limit=limit)
-        records = None if getattr(self.engine_config, "forward_only", False) else opts.records_path(self.role)
-        if records is not None:
-            logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", records)
-        self.planner = DomainPlanner(opts.planner_config(dom.size, dom.layout.pp_size, door_budget=train, cost=opts.with_cost(auto),
-                                                         memory_model=mem, memory_limit=limit),
-                                     opts.auto_calibrate, dom.layout, collective_device=self.core.collective_device,
-                                     records_path=records, memory=MemoryCalibration(), infer_budget=infer)
-        self.planner.measure_static(static_bytes(self.module, optimizers(getattr(self, "optimizer", None))))
-        self.steps = Steps(self.core, self.planner, measure_memory=opts.measure_memory, loss_name="verl loss function",
-                           max_consecutive_skips=opts.max_consecutive_skips,
-                           skips_option=f"{self.role_key}.hdp.max_consecutive_skips")
+        forward_only = getattr(self.engine_config, "forward_only", False)
+        self.steps = build_steps(opts, StackParts(
+            groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, optimizer=getattr(self, "optimizer", None),
+            device=dev, shape=model_shape, pad_token_id=self.pad_token_id, memory_model=mem, memory_limit=limit,
+            abort_groups=lambda: self.domain.groups_to_abort(), on_broken=self._release,
+            fused_logprobs=self._fused_logprobs(),
+            door_budgets=(self.engine_config.max_token_len_per_gpu, self.engine_config.infer_max_token_len_per_gpu),
+            records_role=None if forward_only else self.role), loss_name="verl loss function")
+        self.core, self.planner = self.steps.core, self.steps.planner
+        if self.planner.records_path is not None:
+            logger.info("hdp engine: calibration records go to %s (hdp calibrate --records)", self.planner.records_path)
         self.same_rows = SameRows()  # verl's batch-wide settings at the groups' batch sizes, kept across steps
         self.losses_checked: dict[Any, Any] = {}  # loss functions found additive (VerlLoss.check_loss)
 
@@ -258,13 +250,13 @@ class HdpMegatronEngine(_MegatronLM):
                         **kwargs: Any) -> None:
         """verl's Megatron checkpoint load under ``torch.no_grad()`` (fp32 main params are views of leaf
         params that Megatron copies into in place), then Adam's per-parameter ``step`` restored
-        (:func:`hdp.trainer.optim_state.restore_adam_steps`: megatron-core 0.16.1 leaves a placeholder).
+        (:func:`hdp.core.optim_state.restore_adam_steps`: megatron-core 0.16.1 leaves a placeholder).
 
         First, before anything is written, the whole checkpoint is checked against this engine
-        (:func:`hdp.trainer.checkpoint.check_fit` on :mod:`hdp.integrations.verl.checkpoint`'s views: every part verl
+        (:func:`hdp.core.checkpoint.check_fit` on :mod:`hdp.integrations.verl.checkpoint`'s views: every part verl
         will load — keys, shapes, dtypes from metadata and safetensors headers — and the role and architecture
         verl recorded): a checkpoint of another role (an actor's into the critic), model or layout raises
-        :class:`~hdp.trainer.checkpoint.CheckpointError` (a ``ValueError``) on every rank, naming the first
+        :class:`~hdp.core.checkpoint.CheckpointError` (a ``ValueError``) on every rank, naming the first
         differing tensor and both sides; nothing changed and the engine stays usable."""
         self.core.usable("load_checkpoint")
         step = self.step
@@ -296,7 +288,7 @@ class HdpMegatronEngine(_MegatronLM):
         with self.core.collectives("save", self.step), self.core.checkpoint_collectives(), compat.mkdir_locks_removed():
             return super().save_checkpoint(*args, **kwargs)
 
-    # -- steps: verl's primitives on the one step sequence (hdp.trainer.step) --
+    # -- steps: verl's primitives on the one step sequence (hdp.core.step) --
 
     @property
     def step(self) -> int:
@@ -332,7 +324,7 @@ class HdpMegatronEngine(_MegatronLM):
                                         train=not forward_only))
 
     def _pass(self, data: Any, loss_function: Callable | None, what: str, *, train: bool) -> Pass:
-        run = self.steps.backward if train else self.steps.forward
+        run = self.steps.forward_backward_batch if train else self.steps.infer_batch
         return run(what, what, self._prepare(data, loss_function, train))
 
     def train_batch(self, data: Any, loss_function: Callable) -> Any:
@@ -346,14 +338,14 @@ class HdpMegatronEngine(_MegatronLM):
 
     def optimizer_zero_grad(self) -> None:
         """Zero the gradients (the passes since are the next update's)."""
-        self.steps.zero_grad()
+        self.steps.optimizer_zero_grad()
 
     def optimizer_step(self) -> float:
-        """The update of the passes since :meth:`optimizer_zero_grad` (`hdp.trainer.step.Steps.finish`); as
+        """The update of the passes since :meth:`optimizer_zero_grad` (`hdp.core.step.Steps.optimizer_step`); as
         verl's FSDP engine, a loss or gradient that was NaN/inf on any rank skips it on every rank and the
         grad norm is NaN (Megatron's own optimizer would apply it: its NaN check is off outside FSDP); the
-        ``hdp.max_consecutive_skips``-th skip in a row raises `hdp.trainer.step.SkippedUpdatesError` instead."""
-        outcome = self.steps.finish()
+        ``hdp.max_consecutive_skips``-th skip in a row raises `hdp.core.step.SkippedUpdatesError` instead."""
+        outcome = self.steps.optimizer_step()
         if outcome.skipped is not None:
             logger.warning("hdp engine: %s", outcome.skipped)
         return outcome.grad_norm

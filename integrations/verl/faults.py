@@ -13,7 +13,7 @@ and, on rank 1 only, inject:
   skipped on every rank alike, ``grad_norm`` NaN, ``hdp/nonfinite_skipped`` = 1;
 * ``verl-actor-checkpoint-into-critic``, ``verl-critic-checkpoint-into-actor``: a checkpoint of the other role
   loaded through verl's workers (the critic's ``TrainingWorker`` is built beside the actor): refused on every
-  rank before anything is written (``hdp.trainer.checkpoint.check_fit``), naming the first differing tensor
+  rank before anything is written (``hdp.core.checkpoint.check_fit``), naming the first differing tensor
   (``names_tensor``), nothing changed; ``usable_after``: the engine's own checkpoint loads and it trains on;
 * ``verl-consecutive-skips-raise``: verl's loss is NaN on three updates in a row (``hdp.max_consecutive_skips``,
   3): the first two are skipped as above, the third raises ``SkippedUpdatesError`` on every rank, naming the
@@ -33,7 +33,7 @@ and, on rank 1 only, inject:
   PP 1 — would wait ``hdp.collective_timeout_s``: verl's worker holds the model and optimizer that hold
   those groups, so hdp cannot free them.)
 
-Each row is :func:`hdp.trainer.bench.faults._row`'s, with ``state_unchanged`` from a sha256 of every
+Each row is :func:`hdp.trainer.bench.faults.fault_row`'s, with ``state_unchanged`` from a sha256 of every
 parameter and optimizer-state tensor before and after the call.
 """
 
@@ -259,7 +259,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     """Run the verl fault rows (2 ranks); returns ``hdp bench faults`` rows."""
     import tempfile
 
-    from hdp.trainer.bench.faults import _row
+    from hdp.trainer.bench.faults import fault_row
     from hdp.trainer.launch import spawn
 
     work = Path(workdir or tempfile.mkdtemp(prefix="hdp-verl-faults-"))
@@ -272,7 +272,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
                   "verl-skipped-pass-read-by-driver", "verl-own-error-in-round"):
         per = {r: res[r][fault] for r in range(2)}
         if fault == "verl-rollout-correction-keeps-pass":  # nothing raises: the pass kept, the update applied
-            row = _row(fault, 2, {r: {**v, "raised": True, "unchanged": True} for r, v in per.items()}, [], timeout_s)
+            row = fault_row(fault, 2, {r: {**v, "raised": True, "unchanged": True} for r, v in per.items()}, [], timeout_s)
             row["ranks_raised"] = sorted(r for r, v in per.items() if v["raised"])
             row["state_unchanged"] = all(v["unchanged"] for v in per.values())
             row["pass_kept"] = all(v["pass_kept"] for v in per.values())
@@ -281,7 +281,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
                 v["unchanged"] for v in per.values())
             row["ok"] = bool(not row["ranks_raised"] and row["pass_kept"] and row["applied_with_finite_grad_norm"])
         elif fault in ("verl-nan-loss", "verl-nan-gradient"):  # verl semantics: skipped everywhere, nothing raised
-            row = _row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
+            row = fault_row(fault, 2, {r: {**v, "raised": True} for r, v in per.items()}, [], timeout_s)
             grad = [v["grad_norm"] for v in per.values() if v["grad_norm"] is not None]
             row["ranks_raised"] = sorted(r for r, v in per.items() if v["raised"])
             row["skipped_with_nan_grad_norm"] = bool(grad) and all(math.isnan(g) for g in grad)
@@ -290,7 +290,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
             row["ok"] = bool(row["state_unchanged"] and not row["ranks_raised"] and row["skipped_with_nan_grad_norm"]
                              and row["nonfinite_skipped_metric"])
         else:
-            row = _row(fault, 2, per, [], timeout_s)
+            row = fault_row(fault, 2, per, [], timeout_s)
         row["ok"] = bool(row["ok"] and row["seconds_to_exit"] <= 5.0)
         rows.append(row)
     by_name = {row["fault"]: row for row in rows}

@@ -27,7 +27,7 @@ from hdp.integrations.verl import compat, loss_kinds, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
 from hdp.fused_logprobs import LastHidden, token_logprobs_entropy, token_sum_pi_squared
 from hdp.packing import Plan
-from hdp.trainer.rounds import RoundInput, check_round_loss, next_token_targets
+from hdp.core.rounds import RoundInput, check_round_loss, next_token_targets
 
 __all__ = ["VerlLoss", "VerlValueLoss"]
 

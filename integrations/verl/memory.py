@@ -6,7 +6,7 @@ domain is the DP size with CP 1), the recompute mode from ``override_transformer
 (``recompute_granularity``: ``full`` / ``selective``), zero-memory and the CP algorithm from
 ``actor_rollout_ref.actor.hdp.*``, the dtype from the engine's ``dtype``, the log-prob path from
 ``use_fused_kernels`` (hdp's fused path: the logits term is its bytes).  The limit is
-``hdp.max_memory_gb`` (``auto``: the device's memory × `hdp.trainer.memory.DEVICE_MEMORY_FRACTION`,
+``hdp.max_memory_gb`` (``auto``: the device's memory × `hdp.core.memory.DEVICE_MEMORY_FRACTION`,
 none on CPU).
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from hdp.packing.memory import MemoryModel
 from hdp.packing.model_shape import ModelShape
-from hdp.trainer.memory import check_static_fits, engine_memory_model, resolve_memory_limit
+from hdp.core.memory import check_static_fits, engine_memory_model, resolve_memory_limit
 
 __all__ = ["verl_memory", "recompute_mode"]
 

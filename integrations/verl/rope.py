@@ -1,7 +1,7 @@
 """The RoPE hdp's core attention applies, read from the built Megatron model and the HF config.
 
 hdp moves RoPE into its core attention (positions of the unsplit sample, see
-``hdp.trainer.attention_spec``), so it must rotate exactly as the model does.  Under verl the HF
+``hdp.core.attention_spec``), so it must rotate exactly as the model does.  Under verl the HF
 config is the model's definition — the rollout engine reads it, and the weights come from that
 checkpoint — while the Megatron model is mbridge's translation of it, which may lose the frequency
 variant: mbridge's Llama bridge carries only a Llama-3 ``factor`` (as linear
@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from hdp.rope import RopeScaling, RopeType
-from hdp.trainer.attention_spec import RopeConfig
+from hdp.core.attention_spec import RopeConfig
 
 __all__ = ["rope_config", "hf_rope_parameters", "hf_rope_scaling", "megatron_rope_scaling"]
 

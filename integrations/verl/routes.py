@@ -6,7 +6,7 @@ chose, in ``REPLAY_FORWARD`` it routes each row to the given experts (the probab
 live scores there) where a mask allows, and in ``REPLAY_BACKWARD`` a recompute pops the targets in forward
 order.  verl's own engine feeds the routes through its own packing; hdp packs, splits (zigzag CP chunks) and
 orders tokens its own way, so the routes must follow them.  :class:`RouteReplay` does that as the round core's
-`hdp.trainer.rounds.RoundHooks`:
+`hdp.core.rounds.RoundHooks`:
 
 * **replay** (R3: the rollout's routes, in every pass; R2: the routes its old-log-prob pass recorded, in the
   update): before a chunk's forward of a round, each of its routers gets the routes of exactly the rows it will
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hdp.dispatch import gather_outputs, pack
 from hdp.groups import LayoutGroups
 from hdp.packing import Plan
-from hdp.trainer.rounds import RoundInput
+from hdp.core.rounds import RoundInput
 
 __all__ = ["RouteReplay", "replay_mode", "route_replay"]
 

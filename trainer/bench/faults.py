@@ -29,7 +29,7 @@ row raises ``SkippedUpdatesError`` on every rank naming the first skip's cause, 
 nothing applied since the first, ``unchanged_since_first_skip``) — these rows also need ``seconds_to_exit`` <= 5
 and the error named on every rank —, truncated and corrupted checkpoint files in both formats, a
 checkpoint of another model in both formats, and with a forged manifest (the model-config digest rewritten): refused
-by the one fit check before anything is written (``hdp.trainer.checkpoint.check_fit``: the first differing tensor
+by the one fit check before anything is written (``hdp.core.checkpoint.check_fit``: the first differing tensor
 named with both shapes, on every rank within 5 s, nothing applied, the engine trains on); ``other-world`` (2 ranks load the
 4-rank checkpoints); ``sigkill-mid-step``, ``sigstop-mid-step`` (3 ranks); ``sigkill-during-save``
 (3 ranks, both formats, then a fresh job loads the previous checkpoint); ``verl`` (2 ranks of verl's
@@ -196,7 +196,7 @@ def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
 
 def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
     from hdp import megatron_compat as mc
-    from hdp.trainer.checkpoint import read_manifest
+    from hdp.core.checkpoint import read_manifest
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     WORLD = dist.group.WORLD
@@ -679,7 +679,7 @@ def _full_disk(rank: int, world: int, workdir: str, timeout_s: float) -> dict[st
 # ---- the report -------------------------------------------------------------------------------------------
 
 
-def _row(fault: str, world: int, per_rank: dict[int, dict[str, Any]], died: list[int], timeout_s: float,
+def fault_row(fault: str, world: int, per_rank: dict[int, dict[str, Any]], died: list[int], timeout_s: float,
          t_inject: float | None = None) -> dict[str, Any]:
     survivors = [r for r in range(world) if r not in died]
     got = {r: per_rank.get(r) for r in survivors}
@@ -717,7 +717,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         d.mkdir(parents=True, exist_ok=True)
         res = spawn(_in_process, 4, str(d), timeout_s, timeout=limit)
         for fault in res[0]:
-            rows.append(_row(fault, 4, {r: res[r][fault] for r in range(4)}, [], timeout_s))
+            rows.append(fault_row(fault, 4, {r: res[r][fault] for r in range(4)}, [], timeout_s))
             errors = [res[r][fault]["error"] or "" for r in range(4)]
             if fault in _AGREED_AT_ONCE:  # agreed in the call's first collective or the step's reduce: seconds
                 rows[-1]["names"] = all(_AGREED_AT_ONCE[fault] in e for e in errors)
@@ -738,7 +738,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
                                       and rows[-1]["unchanged_since_first_skip"])
         if "other-world" in chosen:
             res2 = spawn(_other_world, 2, str(d), timeout_s, timeout=limit)
-            rows.append(_row("other-world-per-rank", 2, {r: res2[r]["other-world-per-rank"] for r in range(2)}, [], timeout_s))
+            rows.append(fault_row("other-world-per-rank", 2, {r: res2[r]["other-world-per-rank"] for r in range(2)}, [], timeout_s))
             checks["dist-4-to-2-ranks"] = all(res2[r]["dist-4-to-2-ranks"]["equal"] for r in range(2))
     for name, sig in (("sigkill-mid-step", signal.SIGKILL), ("sigstop-mid-step", signal.SIGSTOP)):
         if name not in chosen:
@@ -748,7 +748,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         outcomes = spawn(_mid_step, 3, str(d), timeout_s, int(sig), timeout=limit, collect=True)
         inj = json.loads((d / "injected").read_text())
         per = {o.rank: o.value for o in outcomes if o.ok}
-        rows.append(_row(name, 3, per, [2], timeout_s, t_inject=inj["t"]))
+        rows.append(fault_row(name, 3, per, [2], timeout_s, t_inject=inj["t"]))
         # the survivors' engines refuse the next call at once (no collective, no hang)
         rows[-1]["next_call_refused"] = all("unusable" in ((per.get(r) or {}).get("next_call") or "") for r in (0, 1))
     if "sigkill-during-save" in chosen:
@@ -763,7 +763,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
             outcomes = spawn(_save_then_die, 3, str(d), timeout_s, fmt, timeout=limit, collect=True)
             inj = json.loads(marker.read_text())
             per = {o.rank: o.value for o in outcomes if o.ok}
-            rows.append(_row(f"sigkill-during-save-{fmt}", 3, per, [1], timeout_s, t_inject=inj["t"]))
+            rows.append(fault_row(f"sigkill-during-save-{fmt}", 3, per, [1], timeout_s, t_inject=inj["t"]))
             deadline = time.time() + 10.0
             alive = list(inj["children"])
             while alive and time.time() < deadline:
@@ -779,7 +779,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
             d = work / f"own-{where}"
             d.mkdir(parents=True, exist_ok=True)
             res = spawn(_own_error, 4, str(d), timeout_s, where, timeout=limit)
-            row = _row(f"own-error-in-round-{where}", 4, dict(enumerate(res)), [], OWN_ERROR_TIMEOUT_S)
+            row = fault_row(f"own-error-in-round-{where}", 4, dict(enumerate(res)), [], OWN_ERROR_TIMEOUT_S)
             row["collective_timeout_s"] = OWN_ERROR_TIMEOUT_S
             row["names_rank_and_error"] = all("world rank 1" in (v["error"] or "") and "injected" in (v["error"] or "")
                                               for v in res)
@@ -794,7 +794,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
             inj = json.loads((d / "injected").read_text())
             per = {o.rank: o.value for o in outcomes if o.ok}
             died = [o.rank for o in outcomes if not o.ok]
-            row = _row(f"sigint-during-dist-{op}", 3, per, died, timeout_s, t_inject=inj["t"])
+            row = fault_row(f"sigint-during-dist-{op}", 3, per, died, timeout_s, t_inject=inj["t"])
             seen = (per.get(1) or {}).get("collective") or {}
             left = seen.get("t_returned", seen.get("t_raised", float("nan")))
             # the signal reached rank 1 inside the C++ collective; its handler ran once the call returned
@@ -814,7 +814,7 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         outcomes = spawn(_stopped_in_validation, 3, str(d), timeout_s, timeout=limit, collect=True)
         inj = json.loads((d / "injected").read_text())
         per = {o.rank: o.value for o in outcomes if o.ok}
-        row = _row("sigstop-during-validation", 3, per, [2], timeout_s, t_inject=inj["t"])
+        row = fault_row("sigstop-during-validation", 3, per, [2], timeout_s, t_inject=inj["t"])
         row["next_call_refused"] = all("unusable" in ((per.get(r) or {}).get("next_call") or "") for r in (0, 1))
         row["names_phase"] = all("phase 'validate'" in ((per.get(r) or {}).get("error") or "") for r in (0, 1))
         row["raises_domain_unreachable"] = all(((per.get(r) or {}).get("error") or "").startswith("DomainUnreachableError:")

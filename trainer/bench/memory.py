@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hdp.trainer.phases import median_phases
+from hdp.core.phases import median_phases
 
 __all__ = ["MemoryCase", "CASES", "bench_memory", "bench_limit", "CALIBRATION_STEPS"]
 

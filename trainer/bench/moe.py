@@ -403,7 +403,7 @@ def _model_times(cfg: MoEBenchConfig, rank: int) -> dict[str, dict[str, dict[str
     from hdp import megatron_compat as mc
     from hdp.megatron_compat.grouped_experts import with_te_grouped_experts
     from hdp.moe import apply_zero_memory
-    from hdp.trainer.attention_spec import packed_seq_params
+    from hdp.core.attention_spec import packed_seq_params
     from hdp.trainer.model import (
         ModelConfig, OptimConfig, build_optimizer, layer_spec, packed_logits, token_logprobs, transformer_config,
         wrap_ddp,

@@ -10,7 +10,7 @@ Two engines start from the same weights and train the same batches, step by step
 which goes first alternates), so slow phases of a shared machine hit both alike:
 
 * **node-aware**: built with the launcher saying two ranks per node (``LOCAL_WORLD_SIZE=2``): its
-  planner knows the nodes (`hdp.trainer.planning.job_node_map`), prices rings across them on the slow
+  planner knows the nodes (`hdp.core.planning.job_node_map`), prices rings across them on the slow
   link and keeps groups inside nodes where that is cheaper;
 * **node-blind**: built without it: the same planner, one node assumed.
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hdp.packing.cost import CostModel
-from hdp.trainer.phases import median_phases
+from hdp.core.phases import median_phases
 
 __all__ = ["TrainBenchSpec", "TRAIN_WORKLOADS", "SMOKE", "bench_train", "compare_with_baseline", "domain_size",
            "train_batch_lengths", "warm_planner"]
@@ -350,7 +350,7 @@ def _summarise(spec: TrainBenchSpec, out: dict[str, Any], records_dir: str) -> d
             "rounds": [m["hdp/rounds"] for m in steps],
             "efficiency_planned": statistics.mean(m["hdp/efficiency_planned"] for m in steps),
             "cp_degree_hist": steps[0]["hdp/cp_degree_hist"],
-            "phases": median_phases(timed),  # the slowest rank's seconds per phase (hdp.trainer.phases)
+            "phases": median_phases(timed),  # the slowest rank's seconds per phase (hdp.core.phases)
         }
     pols = list(hist)
     speedup = {

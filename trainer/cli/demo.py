@@ -57,9 +57,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hdp.packing.cost import PARAMETERS as fields  # every CostModel field, as calibrate's to_dict has them
     cost = CostModel(**{k: cal[k] for k in fields}) if all(k in cal for k in fields) else None
     if cost is None:
+        from hdp.core.stack import resolve_cost
         from hdp.trainer.bench.train import _engine_config
 
-        cost = _engine_config(spec, "hdp", None).planning.cost  # the engines' own auto model
+        config = _engine_config(spec, "hdp", None)
+        cost = resolve_cost(config.planning, config.model.shape, "cpu")  # the engines' own auto model
     gantt = out / "demo_hdp_plan.png"
     plot_gantt(Plan.from_dict(result["plans"]["hdp"]), cost, gantt, title="HDP plan of the demo batch (step 1)",
                flag="--out")

@@ -1,6 +1,6 @@
 """Which of Megatron's ``TransformerConfig`` settings change attention's math, and what hdp does with each.
 
-hdp replaces Megatron's core attention (and its RoPE) by :class:`hdp.trainer.attention_spec.HdpCoreAttention`,
+hdp replaces Megatron's core attention (and its RoPE) by :class:`hdp.core.attention_spec.HdpCoreAttention`,
 so every setting that changes what core attention computes must be either computed by hdp exactly or
 refused at build, naming the field — never silently dropped.  :data:`FIELDS` classifies each such field
 of ``TransformerConfig`` once, and :func:`check_attention_config` applies the table: both doors call

@@ -1,31 +1,31 @@
 """The step both doors run, written once: agree → rounds → reduce → the non-finite rules → the optimizer
 step or an agreed skip → calibration (observe) → metrics, and the release of what a step holds.
 
-:class:`Steps` runs an engine's steps on its round core (:mod:`hdp.trainer.rounds`: the phases, the only
-caller of Megatron's schedules) and its planner (:mod:`hdp.trainer.planning`).  A door supplies only
+:class:`Steps` runs an engine's steps on its round core (:mod:`hdp.core.rounds`: the phases, the only
+caller of Megatron's schedules) and its planner (:mod:`hdp.core.planning`).  A door supplies only
 what is its own, as a ``prepare`` callable that returns a :class:`Prepared`: its validation and planning
 (run inside the call's agreement, so any error on any rank raises on every rank), its loss adapter
-(:class:`~hdp.trainer.rounds.RoundLoss`, which also keeps the door's outputs) and the samples the rounds
+(:class:`~hdp.core.rounds.RoundLoss`, which also keeps the door's outputs) and the samples the rounds
 run.  It reads back a :class:`Pass` and formats its outputs and metrics (`plan_metrics`).
 
 A training step has two halves, because verl calls them separately (``forward_backward_batch`` then
 ``optimizer_step``) and may accumulate several forward-backward passes between two ``optimizer_zero_grad``:
 
-1. :meth:`Steps.backward`: the agreement (the call, validation and planning outcome, plan checksum, batch
+1. :meth:`Steps.forward_backward_batch`: the agreement (the call, validation and planning outcome, plan checksum, batch
    digest), every round with backward (each round's peak memory measured when asked), the step's one
    reduce, the adapter's errors raised on every rank, and the non-finite rules: a NaN/inf loss
-   (:class:`~hdp.trainer.rounds.NonFiniteLossError`) or, with a finite loss, a NaN/inf gradient on any rank
-   (:class:`~hdp.trainer.rounds.NonFiniteGradientError`) — decided alike on every rank from the reduce;
-2. :meth:`Steps.finish`: the update of the passes since :meth:`Steps.zero_grad` — skipped on every rank
+   (:class:`~hdp.core.rounds.NonFiniteLossError`) or, with a finite loss, a NaN/inf gradient on any rank
+   (:class:`~hdp.core.rounds.NonFiniteGradientError`) — decided alike on every rank from the reduce;
+2. :meth:`Steps.optimizer_step`: the update of the passes since :meth:`Steps.optimizer_zero_grad` — skipped on every rank
    when any pass was not finite (gradients zeroed, parameters and optimizer state unchanged), else
    Megatron's optimizer step; then each pass's round times, peak memory and phase times go to the planner
    (one all-gather: calibration records, auto-calibration, ``hdp/time/*``).
 
-:meth:`Steps.train` is both halves after zeroing the gradients; :meth:`Steps.forward` a forward-only pass
+:meth:`Steps.train_batch` is both halves after zeroing the gradients; :meth:`Steps.infer_batch` a forward-only pass
 (agree, rounds without grad, reduce, the adapter's errors).  What each door does with a skipped update is
 its own: the library raises the error (:attr:`Outcome.skipped`), verl reports ``grad_norm`` NaN.  What is
-not: a run of them.  After ``max_consecutive_skips`` updates skipped in a row (`hdp.trainer.options.HdpOptions`)
-:meth:`Steps.finish` raises :class:`SkippedUpdatesError` on every rank — the skip decision is agreed, so the
+not: a run of them.  After ``max_consecutive_skips`` updates skipped in a row (`hdp.core.options.HdpOptions`)
+:meth:`Steps.optimizer_step` raises :class:`SkippedUpdatesError` on every rank — the skip decision is agreed, so the
 count is the same everywhere — naming the count and the first skipped step's cause, with nothing applied.
 
 :meth:`Steps.close` is the one teardown of what the steps hold (the plan-ahead thread, the core's watcher
@@ -42,15 +42,15 @@ import torch
 
 from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
-from hdp.trainer.memory import measured_row, start_measure
-from hdp.trainer.planning import DomainPlanner, plan_id
-from hdp.trainer.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundHooks, RoundLoss, StepState
+from hdp.core.memory import measured_row, start_measure
+from hdp.core.planning import DomainPlanner, plan_id
+from hdp.core.rounds import NonFiniteGradientError, NonFiniteLossError, RoundCore, RoundHooks, RoundLoss, StepState
 
 __all__ = ["Steps", "Prepared", "Pass", "Outcome", "SkippedUpdatesError", "plan_metrics"]
 
 
 class SkippedUpdatesError(RuntimeError):
-    """``limit`` updates in a row were skipped for a non-finite loss or gradient (`Steps.finish`, raised on every
+    """``limit`` updates in a row were skipped for a non-finite loss or gradient (`Steps.optimizer_step`, raised on every
     rank alike, nothing applied): the run no longer trains.  ``first`` is the first skip's error (also the
     ``__cause__``), ``last`` this one's."""
 
@@ -86,7 +86,7 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What :meth:`Steps.finish` did with the passes since the gradients were zeroed, alike on every rank."""
+    """What :meth:`Steps.optimizer_step` did with the passes since the gradients were zeroed, alike on every rank."""
 
     applied: bool
     """The optimizer stepped."""
@@ -115,11 +115,11 @@ class Pass:
     nonfinite: NonFiniteLossError | None = None
     """A training pass whose loss or gradient was not finite on some rank (the update will be skipped)."""
     meter: MemoryMeter | None = None
-    """Measured each round's peak memory (read after the update, `hdp.trainer.memory.measured_row`)."""
+    """Measured each round's peak memory (read after the update, `hdp.core.memory.measured_row`)."""
     static_bytes: int = 0
     """The static bytes the meter's peaks add to."""
     outcome: Outcome | None = None
-    """Set by :meth:`Steps.finish`."""
+    """Set by :meth:`Steps.optimizer_step`."""
 
     @property
     def plan(self) -> Plan:
@@ -180,22 +180,22 @@ class Steps:
 
     # -- the halves of a training step --
 
-    def train(self, what: str, call: str, prepare: Callable[[], Prepared]) -> Pass:
-        """One whole training step: zero the gradients, :meth:`backward`, :meth:`finish`."""
-        self.zero_grad()
-        done = self.backward(what, call, prepare)
-        self.finish()
+    def train_batch(self, what: str, call: str, prepare: Callable[[], Prepared]) -> Pass:
+        """One whole training step: zero the gradients, :meth:`forward_backward_batch`, :meth:`optimizer_step`."""
+        self.optimizer_zero_grad()
+        done = self.forward_backward_batch(what, call, prepare)
+        self.optimizer_step()
         return done
 
-    def zero_grad(self) -> None:
+    def optimizer_zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's grads; forget the passes not yet applied."""
         self.core.skip_update()
         self._pending = []
 
-    def backward(self, what: str, call: str, prepare: Callable[[], Prepared]) -> Pass:
+    def forward_backward_batch(self, what: str, call: str, prepare: Callable[[], Prepared]) -> Pass:
         """Agree, run every round with backward, reduce, raise an adapter's error on every rank, and apply
-        the non-finite rules (:attr:`Pass.nonfinite`); the update waits for :meth:`finish`."""
-        prep = self._agree(what, call, prepare)
+        the non-finite rules (:attr:`Pass.nonfinite`); the update waits for :meth:`optimizer_step`."""
+        prep = self.core.agree(what, self.step + 1, prepare, call=call)
         self.step += 1  # counts the passes that passed validation (non-finite ones included)
         core, step = self.core, self.step
         with core.collectives("rounds", step):
@@ -209,8 +209,8 @@ class Steps:
         self._pending.append(done)
         return done
 
-    def finish(self) -> Outcome:
-        """The update of the passes since :meth:`zero_grad` (none: Megatron's optimizer on the gradients as
+    def optimizer_step(self) -> Outcome:
+        """The update of the passes since :meth:`optimizer_zero_grad` (none: Megatron's optimizer on the gradients as
         they are): skipped on every rank when any was not finite, else the optimizer step; then every
         pass's round times go to the planner.  Sets :attr:`Pass.outcome` on each.  Raises
         :class:`SkippedUpdatesError` on every rank when this skip makes ``max_consecutive_skips`` in a row."""
@@ -246,10 +246,10 @@ class Steps:
             p.outcome = outcome
         return outcome
 
-    def forward(self, what: str, call: str, prepare: Callable[[], Prepared], *, label: str | None = None) -> Pass:
+    def infer_batch(self, what: str, call: str, prepare: Callable[[], Prepared], *, label: str | None = None) -> Pass:
         """A forward-only pass: agree, every round without grad, reduce, an adapter's error raised on every
         rank (``label`` names the adapter; default `loss_name`)."""
-        prep = self._agree(what, call, prepare)
+        prep = self.core.agree(what, self.step + 1, prepare, call=call)
         core, step = self.core, self.step
         with core.collectives("forward", step):
             state = core.run(prep.plan, prep.tokens, prep.adapter, train=False, hooks=prep.hooks)
@@ -258,18 +258,6 @@ class Steps:
         return Pass(prep, False, step, state, red, [])
 
     # -- the pieces --
-
-    def _agree(self, what: str, call: str, prepare: Callable[[], Prepared]) -> Prepared:
-        """``prepare`` inside the call's agreement over the job (`RoundCore.agree`)."""
-        box: list[Prepared] = []
-
-        def work() -> tuple[Plan, int]:
-            prep = prepare()
-            box.append(prep)
-            return prep.plan, prep.digest
-
-        self.core.agree(what, self.step + 1, work, call=call)
-        return box[0]
 
     def _nonfinite(self, plan: Plan, state: StepState, red: torch.Tensor) -> NonFiniteLossError | None:
         """The non-finite rules, alike on every rank: a NaN/inf loss (its samples and their ranks), else a

@@ -30,7 +30,7 @@ from hdp.packing.autocal import AutoCalibrate, auto_calibrate_config
 from hdp.packing.config import GroupShape, PlannerOptions, check_token_budget, parse_enum
 from hdp.packing.cost_file import AUTO, resolve_cost
 from hdp.packing.memory import MemoryModel
-from hdp.trainer.memory import check_max_memory_gb
+from hdp.core.memory import check_max_memory_gb
 
 __all__ = ["HdpOptions", "VERL_DEFAULTS", "MAX_TIMEOUT_S"]
 
@@ -55,14 +55,14 @@ class HdpOptions(PlannerOptions):
     max_memory_gb: float | str | None = "auto"
     """GB per device every round's predicted peak stays within (`hdp.packing.memory`: the job's model on its
     layout, calibrated from measured peaks).  ``"auto"``: the device's memory ×
-    `hdp.trainer.memory.DEVICE_MEMORY_FRACTION` on CUDA/NPU, none on CPU; ``None``: the token budget only."""
+    `hdp.core.memory.DEVICE_MEMORY_FRACTION` on CUDA/NPU, none on CPU; ``None``: the token budget only."""
     measure_memory: bool = True
     """Measure each round's peak memory (allocator peaks on CUDA/NPU; on CPU the bytes autograd saves and
     hdp's CP buffers, `hdp.memory_meter`), record it and calibrate the memory model from it."""
     cost_model: CostModel | str | os.PathLike[str] = AUTO
     """Where the planner's cost model comes from (one meaning in every door and the CLI,
     `hdp.packing.cost_file.resolve_cost`): a `hdp.packing.CostModel`, ``"auto"`` (the engine's own model
-    shape on its device's profile, `hdp.trainer.planning.auto_cost_model`, refined by auto-calibration), a
+    shape on its device's profile, `hdp.core.planning.auto_cost_model`, refined by auto-calibration), a
     preset ``"MODEL@PROFILE"`` or the path of a cost-model file (``hdp calibrate --out``).  A preset or a
     file is read once, at construction: afterwards the field holds the `CostModel`, or ``"auto"`` until the
     engine resolves it."""
@@ -86,8 +86,8 @@ class HdpOptions(PlannerOptions):
     legitimate wait of a step (the longest round plus a checkpoint write), e.g. 600-1800 s; verl's default
     is 600 (`VERL_DEFAULTS`)."""
     max_consecutive_skips: int | None = 3
-    """Updates skipped in a row (a NaN/inf loss or gradient on some rank, `hdp.trainer.step`) after which the
-    step raises `hdp.trainer.step.SkippedUpdatesError` on every rank, naming the count and the first skipped
+    """Updates skipped in a row (a NaN/inf loss or gradient on some rank, `hdp.core.step`) after which the
+    step raises `hdp.core.step.SkippedUpdatesError` on every rank, naming the count and the first skipped
     step's cause, instead of skipping once more: one skip is a bad batch, a run of them a run that no longer
     trains (the verl door would otherwise log ``grad_norm`` NaN and exit 0).  It raises at every skip from
     there on until an update is applied.  ``None``: never (skip for ever)."""
@@ -195,7 +195,7 @@ class HdpOptions(PlannerOptions):
         """The planner's config for a domain of ``num_ranks`` ranks whose model runs in ``pipeline_stages``
         stages (the engine knows both): the training passes' budget (`token_budgets`, ``door_budget`` being
         the door's own), ``cost`` (default: `cost`), the job's memory model and the limit in bytes
-        (`hdp.trainer.memory.resolve_memory_limit`)."""
+        (`hdp.core.memory.resolve_memory_limit`)."""
         budget, _ = self.token_budgets(door_budget, None, memory_limit=memory_limit)
         return PlannerConfig(
             num_ranks=num_ranks, max_tokens_per_rank=budget, cost=cost if cost is not None else self.cost,

@@ -2,7 +2,7 @@
 
 Both doors compare named fields across the job before they build anything that depends on them: the
 library door its whole `hdp.trainer.config.EngineConfig` and the launcher's topology variables
-(`hdp.trainer.planning.launcher_topology`: ``RAY_LOCAL_WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), the verl door
+(`hdp.core.planning.launcher_topology`: ``RAY_LOCAL_WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), the verl door
 the topology variables (its config is verl's).  `agree_fields` takes a ``{field: text}`` map: one
 all-reduce (MAX of the map's digest and of its negation) over the job tells whether every rank holds
 the same; only when they differ does every rank gather every rank's map (a diagnostic

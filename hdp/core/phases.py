@@ -17,7 +17,7 @@ it, the reduce's read-back):
 =============  ==============================================================================
 
 **Slowest rank, no extra synchronisation.**  The phases of a step ride on the all-gather that the
-calibration already does after every training step (`hdp.trainer.planning.DomainPlanner.observe`):
+calibration already does after every training step (`hdp.core.planning.DomainPlanner.observe`):
 each rank adds its row of phase seconds to the round times it sends, and every rank reads the
 maximum over the job.  The phases up to ``optimizer`` are this step's; ``calibrate`` and
 ``collect`` come after that gather, so a step reports the **previous** training step's (NaN on the

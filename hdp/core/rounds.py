@@ -1,7 +1,7 @@
 """The one round core both engines run: the phases of a step — agree → rounds through Megatron's
 schedule → reduce → optimizer step or an agreed skip.  The only place in hdp that calls Megatron's
 forward/backward schedules; the sequence of the phases, with the non-finite rules, calibration and the
-release, is written once in :mod:`hdp.trainer.step`, which both doors call.
+release, is written once in :mod:`hdp.core.step`, which both doors call.
 
 A step's phases are
 
@@ -33,7 +33,7 @@ A step's phases are
    flags) — the step's one host synchronisation;
 4. **optimizer** (:meth:`RoundCore.optimizer_step`) or :meth:`RoundCore.skip_update` (gradients
    zeroed, parameters unchanged) — decided from the reduced flags, alike on every rank
-   (`hdp.trainer.step.Steps.finish`).
+   (`hdp.core.step.Steps.optimizer_step`).
 
 A phase that breaks off inside its collectives marks the core unusable
 (:meth:`RoundCore.collectives`): every later call raises at once, without touching the network.
@@ -51,7 +51,7 @@ import gc
 import logging
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,11 +67,15 @@ from hdp.alarm import Alarm, is_transport_error
 from hdp.guard import DomainStepError, DomainUnreachableError, RankFailedError, StepGuard, describe, is_input_error
 from hdp.memory_meter import MemoryMeter
 from hdp.packing import Plan
-from hdp.trainer.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
-from hdp.trainer.phases import PhaseTimer
+from hdp.core.attention_spec import CPContext, HdpPackedSeqParams, packed_seq_params
+from hdp.core.phases import PhaseTimer
 
 __all__ = ["check_round_loss", "RoundCore", "RoundInput", "RoundLoss", "RoundHooks", "StepState", "NonFiniteLossError",
            "NonFiniteGradientError", "next_token_targets"]
+
+P = TypeVar("P")
+"""What a door's ``prepare`` returns (`hdp.core.step.Prepared`: it has ``plan`` and ``digest``)."""
+R = TypeVar("R")
 
 PEER_REPORT_WAIT_S = 1.0
 """How long a rank whose collective broke waits for a peer's published error before it reports a lost peer.  A
@@ -276,7 +280,7 @@ class RoundCore:
         self.alarm = Alarm.for_job(groups.world, groups.world_rank, abort_groups or (lambda: ()))
         self.alarm.start()
         self.phases = PhaseTimer()
-        """Host seconds per phase of the current step (`hdp.trainer.phases`; read by the calibration gather)."""
+        """Host seconds per phase of the current step (`hdp.core.phases`; read by the calibration gather)."""
         self._p2p = mc.HdpP2PCommunicator(groups.pp, cfg, self.device) if groups.pp_size > 1 else None
         self._chunk_index = {id(m): i for i, m in enumerate(self.chunks)}
         self._holds_loss = any(_post_process(m) for m in self.chunks)
@@ -421,36 +425,44 @@ class RoundCore:
 
     # -- phase 1: agree --
 
-    def agree(self, what: str, step: int, work: Callable[[], tuple[Plan, int]], *, call: str | None = None) -> Plan:
-        """Run ``work`` (the engine's validation and planning: returns the plan and the batch digest)
-        and agree on its outcome, and on the call, over the job; every rank raises alike when any rank
-        failed (see :meth:`agree_call`).  ``call`` describes the call and its arguments (default ``what``)."""
-        plan, _ = self.agree_call(what, step, call if call is not None else what, lambda: (*work(), 0))
-        assert plan is not None
-        return plan
+    def agree(self, what: str, step: int, prepare: Callable[[], P], *, call: str | None = None) -> P:
+        """The first collective of every step: run ``prepare`` (the door's validation and planning; it returns
+        what the rounds run, with its ``plan`` and batch ``digest``) and agree on its outcome, on the call
+        (``call``: its name and arguments, default ``what``), the plan and the data over the job; returns what
+        ``prepare`` returned.  Every rank raises alike when any rank failed (see :meth:`agree_call`)."""
+        prepared, _ = self._agree(what, step, call if call is not None else what,
+                                  lambda: (lambda r: (r, r.plan, r.digest, 0))(prepare()))
+        return prepared
 
-    def agree_call(self, what: str, step: int, call: str,
-                   work: Callable[[], tuple[Plan | None, int, int]]) -> tuple[Plan | None, int]:
-        """The first collective of every engine call: run ``work`` (the call's validation and planning;
-        returns the plan or ``None``, the data digest and a 0/1 vote) and agree over the job, in one
-        fixed-size all-reduce (:func:`hdp.checksum.agree_step`), on the call (``call``: its name and
-        arguments), on failures and on the plan and the data.  A rank that made another call, or the same
-        with other arguments, is named on every rank (:class:`~hdp.checksum.CallMismatchError`, a
-        ``ValueError``; nothing ran).  ``work`` may raise anything, ``BaseException`` included (Ctrl-C): the
-        rank still takes part, every other rank raises naming it, and the rank re-raises its own exception
-        (its original one for an interrupt, or a ``ValueError``/``TypeError`` naming it for bad input).  The
-        job's groups stay in step through all of this (the engine stays usable); only a collective that
-        breaks off here (a peer died or hangs) makes it unusable.  Returns the plan and the largest vote."""
+    def agree_call(self, what: str, step: int, call: str, check: Callable[[], tuple[R, int]]) -> tuple[R, int]:
+        """The agreement of a call without a plan (a checkpoint's save or load): run ``check`` (the call's own
+        validation; returns its result and a 0/1 vote) and agree on failures and on the call.  Returns the
+        result and the largest vote of the job (e.g. whether some rank cannot write a format)."""
+        return self._agree(what, step, call, lambda: (lambda r: (r[0], None, 0, r[1]))(check()))
+
+    def _agree(self, what: str, step: int, call: str,
+               work: Callable[[], tuple[Any, Plan | None, int, int]]) -> tuple[Any, int]:
+        """Run ``work`` (the call's validation and planning; returns its result, the plan or ``None``, the data
+        digest and a 0/1 vote) and agree over the job, in one fixed-size all-reduce
+        (:func:`hdp.checksum.agree_step`), on the call (``call``: its name and arguments), on failures and on
+        the plan and the data.  A rank that made another call, or the same with other arguments, is named on
+        every rank (:class:`~hdp.checksum.CallMismatchError`, a ``ValueError``; nothing ran).  ``work`` may
+        raise anything, ``BaseException`` included (Ctrl-C): the rank still takes part, every other rank raises
+        naming it, and the rank re-raises its own exception (its original one for an interrupt, or a
+        ``ValueError``/``TypeError`` naming it for bad input).  The job's groups stay in step through all of
+        this (the engine stays usable); only a collective that breaks off here (a peer died or hangs) makes it
+        unusable.  Returns ``work``'s result and the largest vote."""
         self.usable(what)
         self.phases.begin()
         error: BaseException | None = None
         plan: Plan | None = None
+        result_of_work: Any = None
         digest = vote = 0
         try:
             with self.phases.phase("plan"):
-                plan, digest, vote = work()
+                result_of_work, plan, digest, vote = work()
         except BaseException as exc:  # every type, interrupts included: one rank's failure must reach every rank
-            error, plan = exc, None
+            error, plan, result_of_work = exc, None, None
         mismatch: ValueError | None = None  # a call, plan or data mismatch: raised alike on every rank
         agreed: DomainStepError | None = None
         with self.collectives("validate", step), self.phases.phase("agree"):  # a peer lost here: DomainUnreachableError
@@ -486,7 +498,7 @@ class RoundCore:
                 raise agreed
             raise RuntimeError(f"{what} (step {step}): world ranks {result.failed} reported a failure the agreement "
                                "did not carry")
-        return plan, result.vote
+        return result_of_work, result.vote
 
     # -- phase 2: the rounds --
 

@@ -27,7 +27,7 @@ Tensor parallelism.  Megatron's QKV projection hands core attention this TP rank
 gathers the sequence before it); hdp's attention runs on those local heads, and a CP ring or
 all-gather connects the domain ranks of the same TP rank and pipeline stage.
 
-Attention variants.  :func:`hdp.trainer.attention_config.check_attention_config` classifies every
+Attention variants.  :func:`hdp.core.attention_config.check_attention_config` classifies every
 attention setting of the ``TransformerConfig`` (computed here, refused at build, or Megatron's own
 outside core attention); :class:`HdpCoreAttention` computes the handled ones exactly under CP: RoPE
 frequency variants (:class:`RopeConfig.scaling`, :mod:`hdp.rope`), a custom ``softmax_scale``,
@@ -53,7 +53,7 @@ from hdp.groups import DomainGroups, RingSpec
 from hdp.kernels import AttentionKernel, KeyWindow, get_kernel, kernel_attention
 from hdp.megatron_compat import AttnMaskType, MegatronModule, PackedSeqParams, TransformerConfig
 from hdp.rope import RopeScaling, apply_rope, rope_cos_sin
-from hdp.trainer.attention_config import AttentionSettings, SoftmaxType, check_attention_config
+from hdp.core.attention_config import AttentionSettings, SoftmaxType, check_attention_config
 
 __all__ = [
     "CoreAttentionBackend",
@@ -264,7 +264,7 @@ class HdpCoreAttention(MegatronModule):
     The trailing ``packed_seq_params.pad_tokens`` padding tokens get zeros; a group rank whose
     layout holds no token still runs the group's communication with 0 local tokens.
 
-    The attention settings come from ``config`` (:func:`~hdp.trainer.attention_config.check_attention_config`,
+    The attention settings come from ``config`` (:func:`~hdp.core.attention_config.check_attention_config`,
     which refuses what hdp does not compute) unless ``settings`` is given (the verl door reconciles
     them with the HF config first); ``softmax_scale`` (Megatron passes ``config.softmax_scale``)
     overrides theirs.  This layer's sliding window and RoPE follow its ``layer_number``.
@@ -347,7 +347,7 @@ class HdpCoreAttention(MegatronModule):
         if not isinstance(packed_seq_params, HdpPackedSeqParams) or packed_seq_params.qkv_format != "thd":
             raise ValueError(
                 "packed_seq_params: hdp core attention needs an HdpPackedSeqParams with qkv_format='thd' "
-                "(build it with hdp.trainer.attention_spec.packed_seq_params)"
+                "(build it with hdp.core.attention_spec.packed_seq_params)"
             )
         psp = packed_seq_params
         pad = psp.pad_tokens

@@ -16,14 +16,14 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
     every rank of every domain, stage and TP rank plans with bit-identical parameters;
   - returns the metrics ``hdp/predicted_over_measured``, ``hdp/idle_fraction_measured``,
     ``hdp/cost_model_version``, ``hdp/cost_fit_r2``;
-  - carries each rank's seconds per phase of the step (`hdp.trainer.phases`) in the same gather and
+  - carries each rank's seconds per phase of the step (`hdp.core.phases`) in the same gather and
     returns the slowest rank's as ``hdp/time/<phase>`` (no collective of their own).
 
 The topology (`job_node_map`): a job launched over several nodes -- ``RAY_LOCAL_WORLD_SIZE`` ranks per node
 (verl's Ray workers: its ``trainer.n_gpus_per_node``), or ``LOCAL_WORLD_SIZE`` (torchrun) -- plans
 with the node of every domain rank (`hdp.packing.PlannerConfig.node_of`), derived from Megatron's rank
 order and that count.  Both engines agree on those variables over the job before they read them
-(`launcher_topology` through `hdp.trainer.agreement.agree_fields`): a value that differs between ranks is
+(`launcher_topology` through `hdp.core.agreement.agree_fields`): a value that differs between ranks is
 named with each rank's value, one bad on every rank is refused alike (`launcher_ranks_per_node`).
 
 Default cost model (``cost_model="auto"`` in both engines): the engine's own model shape
@@ -61,9 +61,9 @@ from hdp.packing.model_shape import ModelShape
 from hdp.packing.memory import GB
 from hdp.packing.profiles import cost_model as preset_cost
 from hdp.packing.topology import Nodes, domain_node_map
-from hdp.trainer.memory import COEF_NAMES, MemoryCalibration
-from hdp.trainer.phases import PHASES, PhaseTimer
-from hdp.trainer.plan_ahead import PlanAhead, Taken
+from hdp.core.memory import COEF_NAMES, MemoryCalibration
+from hdp.core.phases import PHASES, PhaseTimer
+from hdp.core.plan_ahead import PlanAhead, Taken
 
 __all__ = ["DomainPlanner", "auto_cost_model", "plan_id", "job_node_map", "launcher_ranks_per_node", "launcher_topology",
            "MEGATRON_ORDER", "RANKS_PER_NODE_KEYS", "MAX_RANKS_PER_NODE", "TOPOLOGY_FIX"]
@@ -122,7 +122,7 @@ def launcher_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def launcher_topology(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The launcher's topology inputs as every rank of a job must share them (`hdp.trainer.agreement.agree_fields`):
+    """The launcher's topology inputs as every rank of a job must share them (`hdp.core.agreement.agree_fields`):
     each variable of `RANKS_PER_NODE_KEYS` with its text (``repr``), ``unset``, or -- after the one in effect --
     ``not read (KEY is set)`` (verl's worker writes ``LOCAL_WORLD_SIZE=1`` under Ray, which the planner never reads
     and which may then differ)."""
@@ -202,7 +202,7 @@ class DomainPlanner:
         """Plans announced mini-batches on a background thread, one ahead."""
         self._memory_vec: np.ndarray | None = None
         self.memory = memory if config.memory_model is not None else None
-        """Memory records, tightening and refits (`hdp.trainer.memory`), when the config has a memory model."""
+        """Memory records, tightening and refits (`hdp.core.memory`), when the config has a memory model."""
 
     @property
     def cost(self) -> CostModel:
@@ -222,7 +222,7 @@ class DomainPlanner:
 
     def announce(self, batches: Sequence[Sequence[int]], *, extend: bool = False) -> None:
         """The lengths of the next training mini-batches: planned one ahead on a background thread
-        (`hdp.trainer.plan_ahead.PlanAhead`); ``extend``: after those announced before."""
+        (`hdp.core.plan_ahead.PlanAhead`); ``extend``: after those announced before."""
         (self.ahead.extend if extend else self.ahead.announce)(batches, lambda i: self.planner_config())
 
     def take(self, lengths: Sequence[int], *, infer: bool = False) -> Taken:
@@ -236,9 +236,9 @@ class DomainPlanner:
 
     def measure_static(self, local_bytes: float) -> None:
         """Set the memory model's static bytes to the most any rank of the job holds (one all-reduce over
-        the job; the engines call it once built, with `hdp.trainer.memory.static_bytes`).  Later steps
+        the job; the engines call it once built, with `hdp.core.memory.static_bytes`).  Later steps
         re-measure them and replace the figure only when it grows by more than `STATIC_SLACK`, so plans
-        made ahead stay valid (`hdp.trainer.plan_ahead`)."""
+        made ahead stay valid (`hdp.core.plan_ahead`)."""
         mm = self.config.memory_model
         if mm is None:
             return

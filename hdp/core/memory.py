@@ -11,7 +11,7 @@ metrics and self-calibration built on them.
   began as its static part; on CPU the meter's count (bytes autograd saved for backward + hdp's CP
   buffers) on top of the static bytes counted by :func:`static_bytes` (parameters, gradient buffers,
   optimizer state and master copies: every distinct storage the engine holds).
-* **Calibrated** (:class:`MemoryCalibration`, driven by `hdp.trainer.planning.DomainPlanner`): every
+* **Calibrated** (:class:`MemoryCalibration`, driven by `hdp.core.planning.DomainPlanner`): every
   training step's per-round peaks travel with the round times in the planner's one all-gather; world
   rank 0 writes ``"kind": "memory"`` records (`hdp.packing.memory.fit_memory`'s schema) next to the
   timing records, and
@@ -48,7 +48,7 @@ from hdp.packing.memory import (
     window_tokens,
 )
 from hdp.packing.model_shape import ModelShape
-from hdp.trainer.optim_state import optimizers
+from hdp.core.optim_state import optimizers
 
 __all__ = ["DEVICE_MEMORY_FRACTION", "AUTO", "engine_memory_model", "resolve_memory_limit", "check_max_memory_gb",
            "static_bytes", "MemoryCalibration", "COEF_NAMES", "check_static_fits",
