@@ -10,7 +10,8 @@ Where the verl door's default differs, `VERL_DEFAULTS` holds it and says why; th
 defaults from there (a test ties verl's shipped YAML, ``conf/actor/hdp_actor.yaml``, to that class).
 
 Each setting is resolved once, when the engine is built: the cost model (a preset or a file is read here,
-at construction; ``auto`` by the engine, which knows the model and the device), the token budgets
+at construction; ``auto`` by the step stack's builder, `hdp.core.stack.build_steps`, for both doors: it knows the model
+and the device), the token budgets
 (`token_budgets`: hdp's budget, else the door's own, else the one the memory model derives from the limit)
 and the calibration records' path (`records_path`).
 """
@@ -160,7 +161,8 @@ class HdpOptions(PlannerOptions):
 
     @property
     def cost(self) -> CostModel:
-        """The cost model; ``auto`` is resolved by the engine (`with_cost`), which knows the model and device."""
+        """The cost model; ``auto`` is resolved by the step stack (`hdp.core.stack.resolve_cost`), which knows the model
+        and the device."""
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"{self._field('cost_model')}='auto' is resolved by the engine (it needs the model and "
                              "the device); pass a CostModel, a preset 'MODEL@PROFILE' or a cost-model file here")
