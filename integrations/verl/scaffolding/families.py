@@ -3,7 +3,9 @@ through both doors (the tests and ``hdp bench models`` share this).
 
 A family (:data:`CASES`) is a tiny HF checkpoint (:func:`hdp.integrations.verl.scaffolding.tiny.family_config`)
 plus what it exercises: a RoPE frequency variant (``llama3``, ``yarn``), a sliding window (every layer, or a
-per-layer pattern), softmax sinks (``off-by-one``, or learned as gpt-oss's), a custom ``softmax_scale``.  The
+per-layer pattern), softmax sinks (``off-by-one``, or learned as gpt-oss's), a custom ``softmax_scale``,
+DeepSeek-V3's multi-latent attention and MoE (both doors with the case's expert parallelism and MoE zero-memory
+level, :attr:`Case.ep` / :attr:`Case.zero_memory`).  The
 reference is the HF model in one process, each sample whole; where HF's model class has no such setting
 (sinks on Mistral, a custom scale on Qwen3), the reference gets it through HF's own extension points:
 gpt-oss's ``eager_attention_forward`` registered as an attention implementation (it reads ``module.sinks``),
