@@ -90,9 +90,9 @@ def test_local_kernel_window_sink_and_value_dim_match_naive(window, sink_kind):
         torch.testing.assert_close(sink.grad, ref_sink.grad, atol=TOL64, rtol=0)
 
 
-def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those_calls():
+def test_kernels_without_windows_run_the_reference_for_those_calls():
     """An adapter that declares no window (flash-attn, torch-flash, NPU) is called for plain calls only; a
-    windowed call, or one with Dv != D, runs the reference kernel."""
+    windowed call runs the reference kernel."""
     from hdp.kernels import AttentionKernel, KernelName
 
     calls = []
@@ -108,10 +108,42 @@ def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those
     kern.forward(q, k, v, cu, cu, True, 0.5)
     assert calls == ["fwd"]
     out, _ = kern.forward(q, k, v, cu, cu, True, 0.5, window=KeyWindow(2, pos, pos))
-    _, _, v6, _ = _qkv(10, 1, dv=DV)
-    kern.forward(q, k, v6, cu, cu, True, 0.5)
-    assert calls == ["fwd"]  # neither went to the adapter
+    assert calls == ["fwd"]  # it did not go to the adapter
     torch.testing.assert_close(out, naive(q, k, v, [10], 0.5, window=2), atol=TOL64, rtol=0)
+
+
+@pytest.mark.parametrize("dv", [DV, 11])
+def test_kernels_of_one_head_dim_get_the_narrower_side_zero_padded(dv):
+    """Dv != D (MLA) on an adapter that needs one head dim (flash-attn 2, torch-flash, NPU): it is called with V
+    (Dv < D) or Q and K (Dv > D) zero-padded to max(D, Dv), and forward and backward equal the naive attention."""
+    from hdp.kernels import AttentionKernel, KernelName
+
+    widths = []
+
+    def fwd(q, k, v, *a):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1]  # what the adapter's kernel requires
+        widths.append(v.shape[-1])
+        return reference.attn_fwd(q, k, v, *a)
+
+    def bwd(dout, q, k, v, out, *a):
+        assert dout.shape[-1] == q.shape[-1] == v.shape[-1] == out.shape[-1]
+        widths.append(v.shape[-1])
+        return reference.attn_bwd(dout, q, k, v, out, *a)
+
+    kern = AttentionKernel(KernelName.FLASH_ATTN, fwd, bwd)
+    lengths = [9, 4]
+    q, k, v, dout = _qkv(sum(lengths), 3, dv=dv)
+    cu = torch.tensor([0, 9, 13], dtype=torch.int32)
+    out, lse = kern.forward(q, k, v, cu, cu, True, 0.4)
+    grads = kern.backward(dout, q, k, v, out, lse, cu, cu, True, 0.4)
+    assert widths == [max(D, dv)] * 2 and out.shape == (13, HQ, dv)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive(*leaves, lengths, 0.4)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, atol=TOL64, rtol=0)
+    for got, leaf in zip(grads, leaves):
+        assert got.shape == leaf.shape
+        torch.testing.assert_close(got, leaf.grad, atol=TOL64, rtol=0)
 
 
 @pytest.mark.parametrize("window", [0, 2, 9])
