@@ -16,6 +16,8 @@ Convention (Megatron / Llama "rotate half", non-interleaved):
     rot(x) = x[..., s:s+Dr] * a·cos(emb) + rotate_half(x[..., s:s+Dr]) * a·sin(emb),
     rotate_half(x) = cat(-x[..., Dr/2:], x[..., :Dr/2]);  the other dims pass through (partial
     rotary; ``s`` = 0, or the start of a decoupled RoPE part such as MLA's); ``a`` the attention factor.
+    Interleaved pairs (DeepSeek-V3's ``rope_interleave``, Megatron's MLA): the rotated part is first
+    de-interleaved, x[..., s:s+Dr] -> cat(x[..., s:s+Dr:2], x[..., s+1:s+Dr:2]), then rotated as above.
 inv_freq is evaluated in float64 and rounded; angles and cos/sin are computed in float64 for
 float64 inputs and in float32 otherwise (as Megatron and ``transformers`` do), then cast to the
 input dtype.
@@ -270,9 +272,16 @@ def rope_cos_sin(
     return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start: int = 0) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start: int = 0,
+               interleaved: bool = False) -> torch.Tensor:
     """Rotate dims ``start .. start+Dr`` of ``x`` [T, H, D] with ``cos``/``sin`` [T, 1, Dr]; the rest passes
-    through (``start`` > 0: a decoupled RoPE part at the end of the head, as MLA's)."""
+    through (``start`` > 0: a decoupled RoPE part at the end of the head, as MLA's).
+
+    ``interleaved``: the rotated pairs are adjacent dims (2i, 2i+1) instead of (i, i + Dr/2); the part is
+    de-interleaved first (evens, then odds) and rotated by halves, so it comes out in that de-interleaved
+    order — ``transformers``' ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 ``rope_interleave``) and
+    Megatron's MLA RoPE, exactly.  q and k are permuted alike, so every logit q·k is the interleaved
+    rotation's."""
     if x.dim() != 3:
         raise ValueError(f"x.shape={tuple(x.shape)}: expected THD [T, H, D]")
     rd = cos.shape[-1]
@@ -285,6 +294,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start: 
         raise ValueError(f"start={start!r}: must be an integer >= 0")
     _check_rotary_dim(rd, x.shape[-1] - start)
     head, xr, tail = x[..., :start], x[..., start : start + rd], x[..., start + rd :]  # [T, H, *]
+    if interleaved:
+        xr = torch.cat([xr[..., 0::2], xr[..., 1::2]], dim=-1)  # [T, H, Dr]: pairs (2i, 2i+1) -> (i, i+Dr/2)
     x1, x2 = xr[..., : rd // 2], xr[..., rd // 2 :]  # [T, H, Dr/2] each
     rotated = torch.cat([-x2, x1], dim=-1)  # [T, H, Dr]
     out = xr * cos.to(x.dtype) + rotated * sin.to(x.dtype)  # [T, H, Dr]

@@ -90,9 +90,9 @@ def test_local_kernel_window_sink_and_value_dim_match_naive(window, sink_kind):
         torch.testing.assert_close(sink.grad, ref_sink.grad, atol=TOL64, rtol=0)
 
 
-def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those_calls():
+def test_kernels_without_windows_run_the_reference_for_those_calls():
     """An adapter that declares no window (flash-attn, torch-flash, NPU) is called for plain calls only; a
-    windowed call, or one with Dv != D, runs the reference kernel."""
+    windowed call runs the reference kernel."""
     from hdp.kernels import AttentionKernel, KernelName
 
     calls = []
@@ -108,10 +108,42 @@ def test_kernels_without_windows_or_other_value_dims_run_the_reference_for_those
     kern.forward(q, k, v, cu, cu, True, 0.5)
     assert calls == ["fwd"]
     out, _ = kern.forward(q, k, v, cu, cu, True, 0.5, window=KeyWindow(2, pos, pos))
-    _, _, v6, _ = _qkv(10, 1, dv=DV)
-    kern.forward(q, k, v6, cu, cu, True, 0.5)
-    assert calls == ["fwd"]  # neither went to the adapter
+    assert calls == ["fwd"]  # it did not go to the adapter
     torch.testing.assert_close(out, naive(q, k, v, [10], 0.5, window=2), atol=TOL64, rtol=0)
+
+
+@pytest.mark.parametrize("dv", [DV, 11])
+def test_kernels_of_one_head_dim_get_the_narrower_side_zero_padded(dv):
+    """Dv != D (MLA) on an adapter that needs one head dim (flash-attn 2, torch-flash, NPU): it is called with V
+    (Dv < D) or Q and K (Dv > D) zero-padded to max(D, Dv), and forward and backward equal the naive attention."""
+    from hdp.kernels import AttentionKernel, KernelName
+
+    widths = []
+
+    def fwd(q, k, v, *a):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1]  # what the adapter's kernel requires
+        widths.append(v.shape[-1])
+        return reference.attn_fwd(q, k, v, *a)
+
+    def bwd(dout, q, k, v, out, *a):
+        assert dout.shape[-1] == q.shape[-1] == v.shape[-1] == out.shape[-1]
+        widths.append(v.shape[-1])
+        return reference.attn_bwd(dout, q, k, v, out, *a)
+
+    kern = AttentionKernel(KernelName.FLASH_ATTN, fwd, bwd)
+    lengths = [9, 4]
+    q, k, v, dout = _qkv(sum(lengths), 3, dv=dv)
+    cu = torch.tensor([0, 9, 13], dtype=torch.int32)
+    out, lse = kern.forward(q, k, v, cu, cu, True, 0.4)
+    grads = kern.backward(dout, q, k, v, out, lse, cu, cu, True, 0.4)
+    assert widths == [max(D, dv)] * 2 and out.shape == (13, HQ, dv)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive(*leaves, lengths, 0.4)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, atol=TOL64, rtol=0)
+    for got, leaf in zip(grads, leaves):
+        assert got.shape == leaf.shape
+        torch.testing.assert_close(got, leaf.grad, atol=TOL64, rtol=0)
 
 
 @pytest.mark.parametrize("window", [0, 2, 9])
@@ -223,8 +255,11 @@ def test_every_attention_field_of_the_installed_megatron_is_classified():
     from hdp.megatron_compat import TransformerConfig
     from hdp.core.attention_config import FIELDS, unclassified_fields
 
-    missing = unclassified_fields(TransformerConfig)
+    from hdp.megatron_compat import MLATransformerConfig
+
+    missing = unclassified_fields(TransformerConfig) + unclassified_fields(MLATransformerConfig)
     assert not missing, f"TransformerConfig fields hdp does not classify (add them to attention_config.FIELDS): {missing}"
+    assert {"q_lora_rank", "kv_lora_rank", "beta_fast", "beta_slow"} <= set(FIELDS)  # MLA fields the pattern finds
     names = {f.name for f in dataclasses.fields(TransformerConfig)}
     assert {"window_size", "softmax_type", "softmax_scale", "multi_latent_attention"} <= set(FIELDS) & names
 
@@ -244,7 +279,7 @@ def _tf(**kw):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("rotary_interleaved", True), ("multi_latent_attention", True), ("qk_clip", True),
+    ("rotary_interleaved", True), ("cache_mla_latents", True), ("qk_clip", True),
     ("log_max_attention_logit", True), ("attention_dropout", 0.1), ("experimental_attention_variant", "gated_delta_net"),
 ])
 def test_refused_fields_raise_naming_the_field(field, value):
@@ -253,6 +288,26 @@ def test_refused_fields_raise_naming_the_field(field, value):
     cfg = _tf()
     object.__setattr__(cfg, field, value)  # past TransformerConfig's own post-init checks
     with pytest.raises(ValueError, match=rf"TransformerConfig\.{field}="):
+        check_attention_config(cfg)
+
+
+def test_mla_fields_give_the_decoupled_rope_part():
+    """An MLATransformerConfig: the RoPE part after qk_head_dim, its frequencies from the MLA fields (Megatron's
+    YaRN attention factor), pairs interleaved; per-layer no-RoPE is refused with MLA."""
+    from hdp.megatron_compat import MLATransformerConfig
+    from hdp.core.attention_config import check_attention_config
+    from hdp.core.mla import mla_rope_config
+
+    cfg = MLATransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
+                               qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5, rope_type="yarn",
+                               rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=0.0)
+    s = check_attention_config(cfg)
+    assert (s.rope_start, s.rope_dim, s.is_mla) == (6, 4, True)
+    rope = mla_rope_config(cfg)
+    assert rope.interleaved and rope.scaling.factor == 40.0
+    assert rope.scaling.attention_scale == pytest.approx(0.1 * math.log(40.0) + 1.0)  # mscale(f, 1) / mscale(f, 0)
+    object.__setattr__(cfg, "no_rope_freq", 2)
+    with pytest.raises(ValueError, match="no_rope_freq=2 with multi_latent_attention"):
         check_attention_config(cfg)
 
 
@@ -326,3 +381,119 @@ def _model_variant(rank, world, name):
 @pytest.mark.parametrize("name", list(MODEL_VARIANTS))
 def test_model_variants_match_megatrons_local_attention(name):
     run_distributed(_model_variant, 2, name, timeout=240)
+
+
+# ---- multi-latent attention: hdp's MLA GPT (CP group of 2) against Megatron's own MLA (its RoPE) -------------
+
+MLA_VARIANTS = {
+    "rope": dict(),
+    "yarn-mscale": dict(rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=0.7,
+                                          mscale_all_dim=0.9)),
+    "no-q-lora": dict(q_lora_rank=None),
+}
+
+
+class _NaiveMLACoreAttention(torch.nn.Module):
+    """Causal attention of one unpacked sample [S, B, H, D] (Megatron's local DotProductAttention does not take
+    MLA's k_channels / v_channels): the reference core attention under Megatron's own MLA and its RoPE."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        s = query.shape[0]
+        sc = torch.einsum("sbhd,tbhd->bhst", query, key) * self.scale  # [B, H, S, S]
+        sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
+        out = torch.einsum("bhst,tbhd->sbhd", sc.softmax(-1), value)  # [S, B, H, Dv]
+        return out.reshape(s, query.shape[1], -1)
+
+
+def _mla_model(rank, world, name):
+    from hdp import megatron_compat as mc
+    from hdp.rope import RopeScaling
+    from hdp.core.attention_spec import CPContext, packed_seq_params
+    from hdp.core.mla import HdpMLASelfAttention
+    from hdp.trainer.model import MLAConfig, ModelConfig, build_gpt_model, packed_logits
+
+    rt = mc.initialize_megatron(device="cpu", seed=1234)
+    kw = dict(MLA_VARIANTS[name])
+    rs = kw.pop("rope_scaling", None)
+    mla = MLAConfig(q_lora_rank=kw.pop("q_lora_rank", 16), kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4,
+                    v_head_dim=5)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, qk_layernorm=True, mla=mla,
+                      rope_scaling=RopeScaling(**rs) if rs else None, rotary_base=500.0, **kw)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, "cpu", groups=rt.groups)
+    assert all(isinstance(layer.self_attention, HdpMLASelfAttention) for layer in model.decoder.layers)
+    spec = mc.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True)
+    attn = spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=_NaiveMLACoreAttention))
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+    stock = mc.GPTModel(config=model.config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=64,
+                        position_embedding_type="none")  # Megatron's MLA applies its own RoPE
+    missing, unexpected = stock.load_state_dict(model.state_dict(), strict=False)
+    assert not [k for k in missing if "_extra_state" not in k] and not unexpected, (missing, unexpected)
+    lengths = (29, 6)  # one CP group of 2 ranks: 29 tokens cut into zigzag chunks of 7-8
+    gen = torch.Generator().manual_seed(5)
+    samples = [torch.randint(0, 64, (n,), generator=gen) for n in lengths]
+    weights = [torch.randn(n, 64, generator=gen) for n in lengths]
+    groups = DomainGroups.build(dist.group.WORLD)
+    ctx = CPContext(group_lengths=lengths, k_group=2, ring=groups.ring(0, 2), groups=groups)
+    lay = ctx.layout()
+    pick = lambda xs: torch.cat([torch.cat([x[fs:fe], x[bs:be]])  # noqa: E731
+                                 for x, (fs, fe), (bs, be) in zip(xs, lay.front, lay.back)])
+    ref = [stock(input_ids=s[None], position_ids=torch.arange(len(s))[None], attention_mask=None)[0]
+           for s in samples]  # [L, V] each: Megatron's MLA with its own RoPE, each sample whole
+    sum((r * w).sum() for r, w in zip(ref, weights)).backward()
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    for algo in (CPAlgorithm.RING, CPAlgorithm.ALLGATHER):
+        model.zero_grad()
+        ctx = dataclasses.replace(ctx, algo=algo)
+        logits = packed_logits(model, pick(samples), packed_seq_params(lengths, torch.device("cpu"), cp=ctx))
+        (logits * pick(weights)).sum().backward()
+        what = f"{name} {algo.value}"
+        torch.testing.assert_close(logits, pick(ref), atol=1e-5, rtol=0, msg=lambda m: f"{what} logits: {m}")
+        for n, p in model.named_parameters():  # each rank's loss covers its own tokens: the group's sum is the grad
+            g = p.grad.clone()
+            dist.all_reduce(g, group=dist.group.WORLD)
+            torch.testing.assert_close(g, stock_grads[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{what} {n}: {m}")
+    rt.close()
+
+
+@pytest.mark.parametrize("name", list(MLA_VARIANTS))
+def test_mla_matches_megatrons_own_mla(name):
+    """Megatron's MLA (q/kv latents, decoupled RoPE at interleaved pairs, YaRN with mscale and MLA's softmax scale,
+    Dv != D) through hdp's core attention on a CP group of 2 (ring and all-gather), against Megatron's own MLA with
+    its own RoPE, each sample whole: logits 1e-5, gradients 1e-4 (float32)."""
+    run_distributed(_mla_model, 2, name, timeout=240)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(mla=dict(qk_pos_emb_head_dim=5)), r"MLAConfig.qk_pos_emb_head_dim=5: must be even"),
+    (dict(mla=dict(kv_lora_rank=0)), r"MLAConfig.kv_lora_rank=0"),
+    (dict(mla=dict(), num_query_groups=2), r"ModelConfig.num_query_groups=2 with mla"),
+    (dict(mla=dict(), rope_scaling=dict(type="llama3", factor=8.0, original_max_position_embeddings=8)),
+     r"rope_scaling type 'llama3' with mla"),
+    (dict(mla=dict(), rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                        attention_factor=1.2)), r"attention_factor=1.2 with mla"),
+    (dict(moe_router_score_function="sigmoid"), r"moe_router_score_function='sigmoid': needs a MoE model"),
+    (dict(num_moe_experts=8, moe_router_topk=4, moe_router_num_groups=3, moe_router_group_topk=1),
+     r"moe_router_num_groups=3, moe_router_group_topk=1: need groups dividing"),
+    (dict(num_moe_experts=8, moe_router_num_groups=4), r"moe_router_group_topk=None: set both"),
+    (dict(num_moe_experts=8, moe_router_enable_expert_bias=True), r"expert bias needs moe_router_score_function"),
+    (dict(num_moe_experts=8, moe_layer_freq=(0, 1, 1)), r"moe_layer_freq=\(0, 1, 1\): give one 0"),
+])
+def test_model_config_mla_and_router_fields_are_validated(kw, match):
+    from hdp.rope import RopeScaling
+    from hdp.trainer.model import MLAConfig, ModelConfig
+
+    kw = dict(kw)
+    with pytest.raises(ValueError, match=match):
+        if "mla" in kw:
+            kw["mla"] = MLAConfig(**{"qk_head_dim": 6, "qk_pos_emb_head_dim": 4, "v_head_dim": 5, **kw["mla"]})
+        if "rope_scaling" in kw:
+            kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+        ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **kw)

@@ -1,7 +1,10 @@
 """Every model family hdp computes exactly, against HF ``transformers``' own model on the same weights, through both
 doors: ``HdpEngine.build`` (the library) and verl's ``ActorRolloutRefWorker`` (mbridge-built, for the families
 mbridge knows).  Llama 3.1 (``rope_type: llama3``), Qwen3 with YaRN, Qwen2 with a per-layer sliding window, Mistral
-with a sliding window, gpt-oss-style learned sinks, off-by-one sinks, a custom ``softmax_scale``.
+with a sliding window, gpt-oss-style learned sinks, off-by-one sinks, a custom ``softmax_scale``, DeepSeek-V3
+(multi-latent attention: q/k heads of 8 + a decoupled interleaved YaRN RoPE part of 4, value heads of 6; DeepSeek's
+MoE: sigmoid router with expert bias, group-limited top-k, shared experts, a dense first layer) under EP 2 and
+hdp's MoE zero-memory level1.
 
 Each run plans a sample longer than the token budget onto a CP group of 2 (the windows cross its chunk
 boundaries).  What is compared and the tolerances: :mod:`hdp.integrations.verl.scaffolding.families`
@@ -19,8 +22,8 @@ from dist_helper import run_distributed  # noqa: E402
 pytestmark = [pytest.mark.dist]
 
 LIBRARY = ["llama3.1", "qwen3-yarn", "qwen2-window", "mistral-window", "mistral-sinks", "qwen3-off-by-one",
-           "qwen3-scale"]
-VERL = ["llama3.1", "qwen3-yarn", "qwen2-window", "qwen3-off-by-one", "qwen3-scale"]
+           "qwen3-scale", "deepseek-v3"]
+VERL = ["llama3.1", "qwen3-yarn", "qwen2-window", "qwen3-off-by-one", "qwen3-scale", "deepseek-v3"]
 
 
 def _library(rank: int, world: int, name: str, root: str) -> dict:

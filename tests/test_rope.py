@@ -141,3 +141,34 @@ def test_decoupled_rope_part_rotates_the_tail():
     out = apply_rope(x, cos, sin, start=8)
     assert torch.equal(out[..., :8], x[..., :8])
     torch.testing.assert_close(out[..., 8:], apply_rope(x[..., 8:].contiguous(), cos, sin), atol=0, rtol=0)
+
+
+def test_interleaved_rope_is_transformers_and_megatrons_mla_rope():
+    """``interleaved``: transformers' ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 ``rope_interleave``) and
+    Megatron's MLA RoPE (``_apply_rotary_pos_emb_bshd`` with ``multi_latent_attention``), bit for bit in float64,
+    on a decoupled tail; without it the result differs."""
+    pytest.importorskip("transformers")
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    t, h, nope, dr = 7, 3, 6, 8
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(t, h, nope + dr, generator=gen, dtype=torch.float64)
+    k = torch.randn(t, 1, nope + dr, generator=gen, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 2, 9, 4, 0, 30])
+    cos, sin = rope_cos_sin(pos, dr, base=777.0, dtype=torch.float64)  # [T, 1, Dr]
+    got_q = apply_rope(q, cos, sin, start=nope, interleaved=True)
+    got_k = apply_rope(k, cos, sin, start=nope, interleaved=True)
+    assert torch.equal(got_q[..., :nope], q[..., :nope])
+    # transformers: [B, H, S, Dr] with cos/sin [B, S, Dr]
+    hq, hk = apply_rotary_pos_emb_interleave(q[..., nope:].transpose(0, 1)[None], k[..., nope:].transpose(0, 1)[None],
+                                             cos[:, 0][None], sin[:, 0][None])
+    torch.testing.assert_close(got_q[..., nope:], hq[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(got_k[..., nope:], hk[0].transpose(0, 1), atol=0, rtol=0)
+
+    half = torch.atan2(sin[..., : dr // 2], cos[..., : dr // 2])  # the angles back, [T, 1, Dr/2]
+    freqs = torch.cat([half, half], dim=-1)[:, None]  # [T, 1, 1, Dr] (Megatron's sbhd freqs)
+    mega = _apply_rotary_pos_emb_bshd(q[:, None, :, nope:], freqs, multi_latent_attention=True)[:, 0]
+    torch.testing.assert_close(got_q[..., nope:], mega, atol=1e-12, rtol=0)
+    plain = apply_rope(q, cos, sin, start=nope)
+    assert (plain - got_q).abs().max() > 1e-3

@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Literal, Sequence
 import torch
 
 from hdp import megatron_compat as mc
-from hdp.rope import RopeScaling
+from hdp.rope import RopeScaling, RopeType
 from hdp.core.attention_config import SoftmaxType
 from hdp.core.attention_spec import (
     CoreAttentionBackend,
@@ -45,6 +45,7 @@ from hdp.packing.moved import Moved, MovedFields
 from hdp.trainer.parallel import ParallelConfig
 
 __all__ = [
+    "MLAConfig",
     "ModelConfig",
     "OptimConfig",
     "HdpNorm",
@@ -62,6 +63,48 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2 / V3, Kimi-K2): the fields of Megatron's ``MLATransformerConfig``
+    (HF ``DeepseekV3Config`` names in brackets).  Its RoPE is the model's (``ModelConfig.rotary_base`` and
+    ``rope_scaling``: plain or ``yarn``) applied to the decoupled part of each head; see :mod:`hdp.core.mla`."""
+
+    q_lora_rank: int | None = None
+    """Rank of the query down-projection (``q_lora_rank``); ``None``: one query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the key/value down-projection (``kv_lora_rank``)."""
+    qk_head_dim: int = 128
+    """Un-rotated part of each query/key head (``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: int = 64
+    """Decoupled RoPE part of each query/key head, one key part shared by the heads (``qk_rope_head_dim``)."""
+    v_head_dim: int = 128
+    """Value head dim (``v_head_dim``)."""
+    rope_interleaved: bool = True
+    """The RoPE part rotates adjacent pairs (``rope_interleave``; Megatron's MLA always does); ``False`` rotates
+    halves (computed by hdp; Megatron's own MLA cannot)."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"MLAConfig.{name}={getattr(self, name)!r}: pass a positive integer")
+        if self.q_lora_rank is not None and not _positive_int(self.q_lora_rank):
+            raise ValueError(f"MLAConfig.q_lora_rank={self.q_lora_rank!r}: pass a positive integer or None")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: must be even (pairs of "
+                             "dims rotate together)")
+        if not isinstance(self.rope_interleaved, bool):
+            raise ValueError(f"MLAConfig.rope_interleaved={self.rope_interleaved!r}: pass True or False")
+
+    @property
+    def qk_dim(self) -> int:
+        """Query/key head dim: ``qk_head_dim + qk_pos_emb_head_dim``."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +157,10 @@ class ModelConfig(MovedFields):
     """Softmax sinks: ``off-by-one`` (+1 in every denominator) or ``learnable`` (one logit per head, gpt-oss)."""
     softmax_scale: float | None = None
     """Attention logit scale; ``None``: 1 / sqrt(head dim)."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention (:class:`MLAConfig`); ``None``: multi-head / grouped-query attention.  With it,
+    ``qk_layernorm`` puts RMS norms on the query and key/value latents (DeepSeek's ``q_a_layernorm`` /
+    ``kv_a_layernorm``), and ``num_query_groups`` / ``kv_channels`` / ``add_qkv_bias`` do not apply."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
     """Norm layer type."""
     num_moe_experts: int | None = None
@@ -122,6 +169,27 @@ class ModelConfig(MovedFields):
     """Experts each token is routed to."""
     moe_ffn_hidden_size: int | None = None
     """Expert MLP width; ``None``: ffn_hidden_size."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE (Megatron's): an int n makes every n-th layer (0, n, 2n, ...) MoE, a tuple has one
+    entry per layer (1: MoE, 0: dense MLP of ``ffn_hidden_size``; DeepSeek's ``first_k_dense_replace`` = k
+    leading zeros)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared experts every token also runs (DeepSeek: ``moe_intermediate_size · n_shared_experts``);
+    ``None``: none."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: ``softmax`` over the top-k logits (Qwen-MoE, Mixtral) or ``sigmoid`` of each logit,
+    normalised over the top k (DeepSeek-V3)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for the choice only (DeepSeek-V3's ``e_score_correction_bias``),
+    updated after every step by Megatron from the tokens each expert got (``moe_router_bias_update_rate``)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of that update."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: experts in this many equal groups (DeepSeek-V3's ``n_group``); ``None``: off."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may use (``topk_group``), ranked by the sum of their top ``topk / group_topk`` scores."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the routing weights (DeepSeek's ``routed_scaling_factor``); ``None``: 1."""
     moe_grouped_gemm: bool = False
     """Experts as Megatron's ``GroupedMLP`` (all local experts in one grouped GEMM per projection;
     weights ``experts.weight1`` [H, L·F1] and ``experts.weight2`` [L·F, H]) instead of per-expert MLPs
@@ -173,6 +241,88 @@ class ModelConfig(MovedFields):
                 f"ModelConfig.moe_router_topk={self.moe_router_topk}: must be in [1, {self.num_moe_experts}]"
             )
         self._check_attention()
+        self._check_mla()
+        self._check_moe()
+
+    def _check_mla(self) -> None:
+        """MLA's fields against the rest (Megatron's MLA takes the RoPE variants ``rope`` and ``yarn`` only)."""
+        if self.mla is None:
+            return
+        if not isinstance(self.mla, MLAConfig):
+            raise ValueError(f"ModelConfig.mla={self.mla!r}: pass a hdp.trainer.model.MLAConfig or None")
+        rs = self.rope_scaling
+        if rs is not None and rs.type is not RopeType.YARN:
+            raise ValueError(f"ModelConfig.rope_scaling type {rs.type.value!r} with mla: Megatron's MLA computes plain "
+                             "RoPE or yarn only; pass rope_scaling=None or a yarn RopeScaling")
+        if rs is not None and rs.attention_factor is not None:
+            raise ValueError(f"ModelConfig.rope_scaling.attention_factor={rs.attention_factor} with mla: Megatron's MLA "
+                             "derives it from mscale / mscale_all_dim; pass those instead")
+        if rs is not None and not rs.truncate:
+            raise ValueError("ModelConfig.rope_scaling.truncate=False with mla: Megatron's MLA rounds YaRN's correction "
+                             "range to whole dims; pass truncate=True")
+        if rs is not None and self.rotary_percent != 1.0:
+            raise ValueError(f"ModelConfig.rotary_percent={self.rotary_percent} with mla and yarn: Megatron's MLA rotates "
+                             "the whole RoPE part under yarn; pass rotary_percent=1.0")
+        for name in ("num_query_groups", "kv_channels"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} with mla: MLA's heads are set by "
+                                 "MLAConfig (every head has its own key and value); pass None")
+        if self.add_qkv_bias:
+            raise ValueError("ModelConfig.add_qkv_bias=True with mla: MLA's projections have no bias")
+
+    def _check_moe(self) -> None:
+        """The MoE router and layer-pattern fields."""
+        moe_only = {"moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size is not None,
+                    "moe_router_score_function": self.moe_router_score_function != "softmax",
+                    "moe_router_enable_expert_bias": self.moe_router_enable_expert_bias,
+                    "moe_router_num_groups": self.moe_router_num_groups is not None,
+                    "moe_router_topk_scaling_factor": self.moe_router_topk_scaling_factor is not None,
+                    "moe_layer_freq": self.moe_layer_freq != 1}
+        if self.num_moe_experts is None:
+            for name, set_ in moe_only.items():
+                if set_:
+                    raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: needs a MoE model; set "
+                                     "num_moe_experts")
+            return
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"ModelConfig.moe_router_score_function={self.moe_router_score_function!r}: choose "
+                             "'softmax' or 'sigmoid'")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("ModelConfig.moe_router_enable_expert_bias=True: Megatron's expert bias needs "
+                             "moe_router_score_function='sigmoid'")
+        if self.moe_shared_expert_intermediate_size is not None and not _positive_int(
+                self.moe_shared_expert_intermediate_size):
+            raise ValueError(f"ModelConfig.moe_shared_expert_intermediate_size="
+                             f"{self.moe_shared_expert_intermediate_size!r}: pass a positive integer or None")
+        groups, gtop = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (gtop is None):
+            raise ValueError(f"ModelConfig.moe_router_num_groups={groups!r}, moe_router_group_topk={gtop!r}: set both "
+                             "(group-limited routing) or neither")
+        if groups is not None:
+            if not (_positive_int(groups) and _positive_int(gtop) and self.num_moe_experts % groups == 0
+                    and gtop <= groups and self.moe_router_topk % gtop == 0):
+                raise ValueError(
+                    f"ModelConfig.moe_router_num_groups={groups}, moe_router_group_topk={gtop}: need groups dividing "
+                    f"num_moe_experts={self.num_moe_experts}, group_topk <= groups and dividing "
+                    f"moe_router_topk={self.moe_router_topk}")
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"ModelConfig.moe_router_topk_scaling_factor={factor!r}: pass a finite number > 0 or None")
+        freq = self.moe_layer_freq
+        if isinstance(freq, bool) or not isinstance(freq, (int, tuple)):
+            raise ValueError(f"ModelConfig.moe_layer_freq={freq!r}: pass an int or a tuple of 0/1 per layer")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"ModelConfig.moe_layer_freq={freq}: must be >= 1")
+        if isinstance(freq, tuple) and (len(freq) != self.num_layers or any(x not in (0, 1) for x in freq)):
+            raise ValueError(f"ModelConfig.moe_layer_freq={freq!r}: give one 0 (dense) or 1 (MoE) per layer "
+                             f"(num_layers={self.num_layers})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based layer ``layer`` has a MoE MLP (Megatron's ``moe_layer_freq``)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, tuple) else layer % freq == 0
 
     def _check_attention(self) -> None:
         """The attention fields (typed and validated here; the Megatron side by ``check_attention_config``)."""
@@ -220,7 +370,9 @@ class ModelConfig(MovedFields):
 
     @property
     def head_dim(self) -> int:
-        """Query/key/value head dim."""
+        """Query/key head dim (MLA: ``qk_head_dim + qk_pos_emb_head_dim``)."""
+        if self.mla is not None:
+            return self.mla.qk_dim
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
@@ -234,7 +386,9 @@ class ModelConfig(MovedFields):
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
         return ModelShape(
             name="hdp-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=heads,
-            num_kv_heads=self.num_query_groups or heads, head_dim=self.head_dim, ffn_hidden_size=ffn,
+            num_kv_heads=(self.num_query_groups if self.mla is None else None) or heads, head_dim=self.head_dim,
+            ffn_hidden_size=ffn, v_head_dim=self.mla.v_head_dim if self.mla is not None else None,
+            shared_ffn_hidden_size=self.moe_shared_expert_intermediate_size or 0,
             vocab_size=self.vocab_size, num_experts=self.num_moe_experts or 0,
             topk=self.moe_router_topk if self.num_moe_experts else 0,
             moe_ffn_hidden_size=(self.moe_ffn_hidden_size or ffn) if self.num_moe_experts else 0,
@@ -357,25 +511,79 @@ def transformer_config(
             moe_grouped_gemm=cfg.moe_grouped_gemm,
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
+            moe_layer_freq=list(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, tuple) else cfg.moe_layer_freq,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            moe_shared_expert_overlap=False,
+            moe_router_score_function=cfg.moe_router_score_function,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+            moe_router_num_groups=cfg.moe_router_num_groups,
+            moe_router_group_topk=cfg.moe_router_group_topk,
+            moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
+    if cfg.mla is not None:
+        kwargs.update(_mla_fields(cfg))
+        return mc.MLATransformerConfig(**kwargs)
     return mc.TransformerConfig(**kwargs)
 
 
-def layer_spec(cfg: ModelConfig) -> mc.ModuleSpec:
+def _mla_fields(cfg: ModelConfig) -> dict[str, object]:
+    """``MLATransformerConfig``'s MLA and RoPE fields for ``cfg`` (HF's YaRN mapped to Megatron's: the attention
+    factor ``mscale(f)`` when HF has no ``mscale`` pair is Megatron's with ``mscale=1, mscale_all_dim=0``)."""
+    mla, rs = cfg.mla, cfg.rope_scaling
+    assert mla is not None
+    out: dict[str, object] = dict(
+        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim, qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim, v_head_dim=mla.v_head_dim,
+        rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent, kv_channels=None, num_query_groups=None,
+    )
+    if rs is None:  # plain RoPE; a factor of 1 keeps MLA's softmax_scale at 1/sqrt(head dim)
+        out.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        return out
+    pair = bool(rs.mscale and rs.mscale_all_dim)
+    out.update(rope_type="yarn", rotary_scaling_factor=rs.factor,
+               original_max_position_embeddings=rs.original_max_position_embeddings, beta_fast=rs.beta_fast,
+               beta_slow=rs.beta_slow, mscale=float(rs.mscale) if pair else 1.0,
+               mscale_all_dim=float(rs.mscale_all_dim or 0.0))
+    return out
+
+
+def _rope(cfg: ModelConfig) -> RopeConfig:
+    """The RoPE hdp's core attention applies for ``cfg`` (MLA: the RoPE its ``MLATransformerConfig`` fields
+    give, :func:`hdp.core.mla.mla_rope_config`, with ``MLAConfig.rope_interleaved``)."""
+    if cfg.mla is None:
+        return RopeConfig(base=cfg.rotary_base, percent=cfg.rotary_percent, scaling=cfg.rope_scaling)
+    from types import SimpleNamespace
+
+    from hdp.core.mla import mla_rope_config
+
+    rope = mla_rope_config(SimpleNamespace(**_mla_fields(cfg)))
+    return dataclasses.replace(rope, interleaved=cfg.mla.rope_interleaved)
+
+
+def layer_spec(cfg: ModelConfig, *, moe: bool | None = None) -> mc.ModuleSpec:
     """Megatron's local GPT layer spec with the core attention of ``cfg.attention_backend`` and
-    :class:`HdpNorm` for the layer norms."""
+    :class:`HdpNorm` for the layer norms; with ``cfg.mla``, Megatron's MLA layer with
+    :class:`hdp.core.mla.HdpMLASelfAttention` (its RoPE in hdp's core attention).  ``moe``: a MoE MLP or a
+    dense one (``None``: MoE whenever ``cfg`` has experts; see :meth:`ModelConfig.is_moe_layer`)."""
+    moe = cfg.is_moe if moe is None else moe
     base = mc.get_gpt_layer_local_spec(
-        num_experts=cfg.num_moe_experts,
-        moe_grouped_gemm=cfg.moe_grouped_gemm,
+        num_experts=cfg.num_moe_experts if moe else None,
+        moe_grouped_gemm=cfg.moe_grouped_gemm and moe,
         normalization=cfg.normalization,
         qk_layernorm=cfg.qk_layernorm,
+        multi_latent_attention=cfg.mla is not None,
     )
-    rope = RopeConfig(base=cfg.rotary_base, percent=cfg.rotary_percent, scaling=cfg.rope_scaling)
-    core = core_attention_module(cfg.attention_backend, rope)
+    core = core_attention_module(cfg.attention_backend, _rope(cfg))
     attn = base.submodules.self_attention
-    norms = {n: HdpNorm for n in ("q_layernorm", "k_layernorm") if cfg.qk_layernorm}  # runs under SP too
+    norm_names = ("q_layernorm", "kv_layernorm") if cfg.mla is not None else ("q_layernorm", "k_layernorm")
+    norms = {n: HdpNorm for n in norm_names if cfg.qk_layernorm}  # runs under SP too
     attn_sub = dataclasses.replace(attn.submodules, core_attention=core, **norms)
     new_attn = dataclasses.replace(attn, submodules=attn_sub)
+    if cfg.mla is not None:
+        from hdp.core.mla import HdpMLASelfAttention
+
+        new_attn = dataclasses.replace(new_attn, module=HdpMLASelfAttention)
     sub = dataclasses.replace(
         base.submodules, self_attention=new_attn, input_layernorm=HdpNorm, pre_mlp_layernorm=HdpNorm
     )
@@ -430,9 +638,12 @@ def build_gpt_model(
         raise ValueError(f"vp_stage={vp_stage}: must be in [0, {vpp}) (virtual_pp={parallel.virtual_pp})")
     first = pp_rank == 0 and stage == 0
     last = pp_rank == pp_size - 1 and stage == vpp - 1
-    spec = layer_spec(cfg)
-    num = mc.get_num_layers_to_build(config, vp_stage=vp_stage if vpp > 1 else None, pp_rank=pp_rank)
-    block = mc.TransformerBlockSubmodules(layer_specs=[spec] * num, layer_norm=HdpNorm)
+    vp = vp_stage if vpp > 1 else None
+    num = mc.get_num_layers_to_build(config, vp_stage=vp, pp_rank=pp_rank)
+    offset = mc.get_transformer_layer_offset(config, vp_stage=vp, pp_rank=pp_rank)
+    specs = {moe: layer_spec(cfg, moe=moe) for moe in {cfg.is_moe_layer(i) for i in range(offset, offset + num)}}
+    block = mc.TransformerBlockSubmodules(
+        layer_specs=[specs[cfg.is_moe_layer(i)] for i in range(offset, offset + num)], layer_norm=HdpNorm)
     model = mc.GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -590,7 +801,8 @@ def init_parameters(
     """Fill every parameter of ``model`` (one chunk) from ``init_fn(global_name, full_tensor)``.
 
     ``init_fn`` sees the parameter as a one-process model has it: its global name
-    (:func:`global_param_names`) and its full, unsharded shape; this rank keeps its TP shard.  So
+    (:func:`global_param_names`) and its full, unsharded shape; this rank keeps its TP shard.  The routers'
+    ``expert_bias`` buffers (DeepSeek-V3) are filled the same way.  So
     a rank-independent ``init_fn`` gives the same model for every TP / PP / EP layout.  Expert
     parameters (expert-TP 1) are never TP-sharded.  ``GroupedMLP``'s ``experts.weight1`` /
     ``weight2`` hold all local experts: ``init_fn`` sees the one-process weight (every expert) and this
@@ -612,3 +824,10 @@ def init_parameters(
         full = torch.empty(_full_shape(p, size), dtype=p.dtype, device=p.device)
         init_fn(names[name], full)
         p.copy_(_tp_shard(full, p, tp_rank, size))
+    decoder = getattr(model, "decoder", None)
+    layers = [int(layer.layer_number) for layer in decoder.layers] if decoder is not None else None
+    for name, buf in model.named_buffers():  # the router's expert bias (DeepSeek-V3): state, not a parameter
+        if name.endswith(".router.expert_bias"):
+            full = torch.empty_like(buf)
+            init_fn(global_param_name(name, ep_rank, experts_per_rank, layers), full)
+            buf.copy_(full)

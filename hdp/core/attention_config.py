@@ -20,8 +20,12 @@ The classes (:class:`Handling`):
 * ``no-math``: kernel choices, fusions, precision of the softmax (hdp's kernels accumulate in
   float32 or float64), Megatron's own CP (hdp runs CP itself) — nothing attention computes changes.
 
-Fields of ``MLATransformerConfig`` (multi-latent attention) are not classified: ``multi_latent_attention``
-is refused (see docs/design.md, "Model matrix", for what MLA needs).
+Multi-latent attention (``MLATransformerConfig``: DeepSeek-V2 / V3, Kimi-K2) is handled: its fields are in the
+table too (a test enumerates ``MLATransformerConfig`` as well).  Megatron's ``MLASelfAttention`` computes the
+low-rank projections and hands core attention q/k heads of ``qk_head_dim + qk_pos_emb_head_dim`` and value heads
+of ``v_head_dim``; hdp rotates the decoupled tail (:attr:`AttentionSettings.rope_start` / ``rope_dim``) at the
+sample positions with the RoPE of the MLA fields (:func:`hdp.core.mla.mla_rope_config`), and takes MLA's
+``softmax_scale`` (YaRN's mscale² included) from its constructor argument.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ __all__ = [
 
 ATTENTION_NAME = re.compile(
     r"attn|attention|softmax|window|rope|rotary|qk|kv|head|query|latent|sink|yarn|mscale|position|"
-    r"context_parallel|cp_comm|dsa|mrope|flash|linear_|heterogen|hybrid"
+    r"context_parallel|cp_comm|dsa|mrope|flash|linear_|heterogen|hybrid|lora|beta_fast|beta_slow"
 )
 """Field names of ``TransformerConfig`` that look attention-related: each must be in :data:`FIELDS`."""
 
@@ -115,12 +119,26 @@ FIELDS: dict[str, Rule] = {
     "kv_channels": _handled("head dim"),
     "apply_query_key_layer_scaling": _handled(
         "divides the logits by the layer number and the softmax multiplies them back: the same probabilities"),
+    "multi_latent_attention": _handled(
+        "multi-latent attention (DeepSeek-V2 / V3, Kimi-K2): Megatron's MLASelfAttention projects, hdp's core "
+        "attention rotates the decoupled RoPE part at sample positions and attends with Dv != D"),
+    "qk_head_dim": _handled("MLA: the un-rotated part of each query/key head"),
+    "qk_pos_emb_head_dim": _handled("MLA: the decoupled RoPE part after it (hdp rotates it, interleaved pairs)"),
+    "v_head_dim": _handled("MLA: value head dim (Dv != D in the kernels and both CP algorithms)"),
+    "rope_type": _handled("MLA: 'rope' or 'yarn' frequencies of the decoupled part (hdp.core.mla.mla_rope_config)"),
+    "rotary_base": _handled("MLA: RoPE base of the decoupled part"),
+    "rotary_percent": _handled("MLA: fraction of the decoupled part that is rotated"),
+    "rotary_scaling_factor": _handled("MLA yarn: factor f (and, with mscale_all_dim, MLA's softmax_scale)"),
+    "original_max_position_embeddings": _handled("MLA yarn: pretraining length L0"),
+    "beta_fast": _handled("MLA yarn: ramp bound"),
+    "beta_slow": _handled("MLA yarn: ramp bound"),
+    "mscale": _handled("MLA yarn: numerator of the attention factor on cos/sin"),
+    "mscale_all_dim": _handled("MLA yarn: denominator of the attention factor; MLA's softmax_scale takes its square"),
     # -- refused unless off
     "attention_dropout": _refused("attention dropout: hdp's kernels have none; set it to 0.0"),
     "rotary_interleaved": _refused("interleaved RoPE: hdp rotates halves (Llama / Qwen layout); set it to False"),
-    "multi_latent_attention": _refused(
-        "multi-latent attention (DeepSeek-V3, Kimi-K2): MLA's own self-attention and decoupled RoPE are not "
-        "wired into hdp yet"),
+    "cache_mla_latents": _refused("MLA latent caching is for Megatron's dynamic inference; hdp trains: set it to "
+                                  "False"),
     "experimental_attention_variant": _refused(
         "experimental attention variants (gated delta net, DSA): not computed by hdp's core attention"),
     "linear_attention_freq": _refused("hybrid linear-attention layers (Qwen3-Next): not computed by hdp"),
@@ -146,6 +164,8 @@ FIELDS: dict[str, Rule] = {
     "heterogeneous_block_specs": _refused("per-layer block configs: hdp classifies one TransformerConfig"),
     # -- Megatron computes these outside core attention, in the same order as with its own
     "add_qkv_bias": _outside("bias of the QKV projection"),
+    "q_lora_rank": _outside("MLA: rank of the query down-projection (None: one projection), Megatron's"),
+    "kv_lora_rank": _outside("MLA: rank of the key/value down-projection, Megatron's"),
     "qk_layernorm": _outside("q/k norms, applied by Megatron's self-attention before RoPE"),
     "qk_l2_norm": _outside("q/k L2 norms (Llama 4), in the q/k norm slot before RoPE"),
     "attention_output_gate": _outside("gate on the attention output, applied by Megatron's self-attention"),
@@ -192,6 +212,11 @@ class AttentionSettings:
     """Per layer (1-based layer l at index l-1): whether it uses :attr:`window`; ``None``: every layer."""
     no_rope_layers: tuple[bool, ...] | None = None
     """Per layer: whether it skips RoPE; ``None``: no layer does."""
+    rope_start: int = 0
+    """First rotated dim of each query/key head: 0, or MLA's ``qk_head_dim`` (its decoupled RoPE part follows)."""
+    rope_dim: int | None = None
+    """Dims of the RoPE part from :attr:`rope_start` (MLA's ``qk_pos_emb_head_dim``); ``None``: the rest of the
+    head.  ``RopeConfig.percent`` of it is rotated."""
 
     def __post_init__(self) -> None:
         if self.softmax_scale is not None and not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
@@ -199,6 +224,16 @@ class AttentionSettings:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window < 0):
             raise ValueError(f"window={self.window!r}: must be an integer >= 0, or None")
+        if isinstance(self.rope_start, bool) or not isinstance(self.rope_start, int) or self.rope_start < 0:
+            raise ValueError(f"rope_start={self.rope_start!r}: must be an integer >= 0")
+        if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
+                                          or self.rope_dim < 2 or self.rope_dim % 2):
+            raise ValueError(f"rope_dim={self.rope_dim!r}: must be an even integer >= 2, or None")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the heads carry a decoupled RoPE part (multi-latent attention)."""
+        return self.rope_dim is not None
 
     def window_for(self, layer_number: int) -> int | None:
         """The window of 1-based layer ``layer_number`` (``None``: full causal attention)."""
@@ -259,6 +294,22 @@ def _layer_pattern(value: Any, num_layers: int, name: str, every: Callable[[int,
     return out
 
 
+def _mla_head(config: Any) -> tuple[int, int]:
+    """(rope_start, rope_dim) of an ``MLATransformerConfig``: its ``qk_head_dim`` and ``qk_pos_emb_head_dim``."""
+    for name in ("qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"TransformerConfig.{name}={value!r}: multi_latent_attention=True needs a positive "
+                             "integer (build an MLATransformerConfig)")
+    if config.qk_pos_emb_head_dim % 2:
+        raise ValueError(f"TransformerConfig.qk_pos_emb_head_dim={config.qk_pos_emb_head_dim}: the RoPE part must be "
+                         "even (pairs of dims rotate together)")
+    rope_type = getattr(config, "rope_type", "yarn")
+    if rope_type not in ("rope", "yarn"):
+        raise ValueError(f"TransformerConfig.rope_type={rope_type!r}: MLA's RoPE is 'rope' or 'yarn'")
+    return int(config.qk_head_dim), int(config.qk_pos_emb_head_dim)
+
+
 def check_attention_config(config: Any) -> AttentionSettings:
     """Apply :data:`FIELDS` to a Megatron ``TransformerConfig``: raise on a refused setting, return the settings
     hdp computes.
@@ -288,8 +339,15 @@ def check_attention_config(config: Any) -> AttentionSettings:
     no_rope = _layer_pattern(getattr(config, "no_rope_freq", None), num_layers, "no_rope_freq",
                              lambda layer, n: layer % n == 0)
     scale = getattr(config, "softmax_scale", None)
+    rope_start, rope_dim = 0, None
+    if getattr(config, "multi_latent_attention", False):
+        rope_start, rope_dim = _mla_head(config)
+        if no_rope is not None:
+            raise ValueError(f"TransformerConfig.no_rope_freq={config.no_rope_freq!r} with multi_latent_attention: "
+                             "Megatron's MLA rotates on every layer; set no_rope_freq=None")
     try:
         return AttentionSettings(softmax_scale=None if scale is None else float(scale), softmax_type=kind,
-                                 window=window, window_layers=window_layers, no_rope_layers=no_rope)
+                                 window=window, window_layers=window_layers, no_rope_layers=no_rope,
+                                 rope_start=rope_start, rope_dim=rope_dim)
     except ValueError as exc:
         raise ValueError(f"TransformerConfig.{exc}") from None

@@ -81,7 +81,7 @@ class CoreAttentionBackend(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """Rotary position embedding applied by :class:`HdpCoreAttention` (Megatron's non-interleaved form)."""
+    """Rotary position embedding applied by :class:`HdpCoreAttention`."""
 
     base: float = 10000.0
     """Rotary base theta."""
@@ -91,6 +91,9 @@ class RopeConfig:
     """Whether to apply RoPE at all."""
     scaling: RopeScaling | None = None
     """Frequency variant (llama3, yarn, linear, dynamic; :class:`hdp.rope.RopeScaling`); ``None``: plain RoPE."""
+    interleaved: bool = False
+    """Rotate adjacent pairs (2i, 2i+1) (DeepSeek-V3's ``rope_interleave``, Megatron's MLA) instead of halves
+    (Llama / Qwen); see :func:`hdp.rope.apply_rope`."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.percent <= 1.0:
@@ -238,10 +241,11 @@ def packed_seq_params(
 
 
 def _rope_cos_sin(
-    psp: "HdpPackedSeqParams", positions: torch.Tensor, head_dim: int, rope: RopeConfig, dtype: torch.dtype
+    psp: "HdpPackedSeqParams", positions: torch.Tensor, span: int, rope: RopeConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, 1, Dr] for this micro-batch, built once and reused by every layer (cached on ``psp``)."""
-    rotary_dim = int(head_dim * rope.percent)
+    """cos/sin [T, 1, Dr] for this micro-batch (``span``: the dims of the RoPE part, ``rope.percent`` of them
+    rotated), built once and reused by every layer (cached on ``psp``)."""
+    rotary_dim = int(span * rope.percent)
     rotary_dim -= rotary_dim % 2
     key = (rotary_dim, float(rope.base), rope.scaling, dtype, positions.device)
     hit = psp.rope_cache.get(key)
@@ -259,7 +263,8 @@ class HdpCoreAttention(MegatronModule):
 
     ``forward(query [T,Hq,D], key [T,Hkv,D], value [T,Hkv,Dv], attention_mask, attn_mask_type=,
     attention_bias=, packed_seq_params=) -> [T, Hq·Dv]``.  Applies RoPE at the positions carried by
-    ``packed_seq_params`` (see :class:`HdpPackedSeqParams`), then causal attention per sample:
+    ``packed_seq_params`` (see :class:`HdpPackedSeqParams`) — to the whole head, or to MLA's decoupled
+    part after ``qk_head_dim`` (:attr:`AttentionSettings.rope_start`) — then causal attention per sample:
     :func:`hdp.cp.cp_attention` when a :class:`CPContext` is set, else the local kernel (k = 1).
     The trailing ``packed_seq_params.pad_tokens`` padding tokens get zeros; a group rank whose
     layout holds no token still runs the group's communication with 0 local tokens.
@@ -282,9 +287,12 @@ class HdpCoreAttention(MegatronModule):
         pg_collection: Any = None,
         rope: RopeConfig | None = None,
         settings: AttentionSettings | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         del cp_comm_type  # Megatron's CP is off (size 1); hdp supplies CP itself
+        del k_channels, v_channels  # MLA's query/key and value head dims: read from the tensors
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type}: hdp core attention is causal only")
         if attention_type != "self":
@@ -378,10 +386,17 @@ class HdpCoreAttention(MegatronModule):
                 f"packed_seq_params.positions has {positions.shape[0]} tokens, q has {q.shape[0]} real tokens "
                 f"(+{psp.pad_tokens} padding)"
             )
+        start = self.settings.rope_start
+        if self.settings.is_mla and q.shape[-1] != start + self.settings.rope_dim:
+            raise ValueError(
+                f"query heads of dim {q.shape[-1]}: MLA's are qk_head_dim {start} + qk_pos_emb_head_dim "
+                f"{self.settings.rope_dim}"
+            )
         if q.shape[0] and self.rope_enabled:
-            cos, sin = _rope_cos_sin(psp, positions.to(q.device), q.shape[-1], self.rope, q.dtype)  # [Tr, 1, Dr]
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            span = self.settings.rope_dim if self.settings.rope_dim is not None else q.shape[-1] - start
+            cos, sin = _rope_cos_sin(psp, positions.to(q.device), span, self.rope, q.dtype)  # [Tr, 1, Dr]
+            q = apply_rope(q, cos, sin, start=start, interleaved=self.rope.interleaved)
+            k = apply_rope(k, cos, sin, start=start, interleaved=self.rope.interleaved)
         scale = self._scale(q)
         sink = self._sink(q)
         if cp is None:

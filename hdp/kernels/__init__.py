@@ -13,9 +13,18 @@ Variants (:mod:`.variants`): a sliding window by sample position (:class:`KeyWin
 heads wider or narrower than query/key heads (Dv != D, as MLA) are computed by the reference kernel;
 an adapter declares what it computes itself (:attr:`AttentionKernel.native_window`,
 :attr:`AttentionKernel.distinct_value_dim`), and :meth:`AttentionKernel.forward` /
-:meth:`AttentionKernel.backward` run the reference kernel for a call that needs more (logged once per
-kernel and reason).  Softmax sinks need nothing from a kernel: they are merged after the kernels'
-log-sum-exp (:func:`merge_sink`), in :func:`kernel_attention` and in every CP algorithm.
+:meth:`AttentionKernel.backward` take the rest:
+
+* a window the adapter does not take: the reference kernel runs that call (logged once per kernel);
+* Dv != D on an adapter of one head dim (flash-attn 2, torch-flash, NPU): the narrower side is zero-padded to
+  ``max(D, Dv)`` (exact: zero key dims add nothing to a logit — the scale is passed, not derived from the
+  width — and zero value dims give zero output columns, dropped; in the backward the padded ``dout`` / ``out``
+  columns are zero, so ``dq``/``dk``/``dv`` of the real dims are unchanged).  The adapter's own limits then
+  apply to the padded width (torch-flash: at most 256, else its reference fallback).  MLA's DeepSeek-V3 heads
+  (D = 192, Dv = 128) run the fused kernel with V padded to 192.
+
+Softmax sinks need nothing from a kernel: they are merged after the kernels' log-sum-exp
+(:func:`merge_sink`), in :func:`kernel_attention` and in every CP algorithm.
 """
 
 from __future__ import annotations
@@ -97,43 +106,62 @@ class AttentionKernel:
     native_window: bool = False
     """``fwd``/``bwd`` take ``window=`` (a :class:`KeyWindow`) themselves."""
     distinct_value_dim: bool = False
-    """``fwd``/``bwd`` take value heads of another width than query/key heads (Dv != D)."""
+    """``fwd``/``bwd`` take value heads of another width than query/key heads (Dv != D); else :meth:`forward` /
+    :meth:`backward` zero-pad the narrower side to one width."""
 
-    def _needs_reference(self, q: torch.Tensor, v: torch.Tensor, window: KeyWindow | None) -> bool:
-        why = None
-        if window is not None and not self.native_window:
-            why = "a sliding window by sample position"
-        elif v.shape[-1] != q.shape[-1] and not self.distinct_value_dim:
-            why = f"value heads of dim {v.shape[-1]} != query/key dim {q.shape[-1]}"
-        if why is None:
+    def _needs_reference(self, window: KeyWindow | None) -> bool:
+        if window is None or self.native_window:
             return False
+        why = "a sliding window by sample position"
         if (self.name.value, why) not in _FALLBACK_LOGGED:
             _FALLBACK_LOGGED.add((self.name.value, why))
             logger.warning("attention kernel %s does not compute %s: those calls run the reference kernel",
                            self.name.value, why)
         return True
 
+    def _padded_width(self, q: torch.Tensor, v: torch.Tensor) -> int | None:
+        """``max(D, Dv)`` when this kernel needs the head dims equal and they are not (module docstring)."""
+        if v.shape[-1] == q.shape[-1] or self.distinct_value_dim:
+            return None
+        return max(q.shape[-1], v.shape[-1])
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, causal: bool, scale: float, *,
                 window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``fwd`` with the variants: ``(out [Tq, Hq, Dv], lse [Hq, Tq])``."""
-        if self._needs_reference(q, v, window):
+        if self._needs_reference(window):
             return reference.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)
         if window is not None:
             return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window=window)  # type: ignore[call-arg]
-        return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        width = self._padded_width(q, v)
+        if width is None:
+            return self.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        out, lse = self.fwd(_pad(q, width), _pad(k, width), _pad(v, width), cu_seqlens_q, cu_seqlens_k, causal,
+                            scale)  # [Tq, Hq, W]: columns past Dv are zero
+        return out[..., : v.shape[-1]].contiguous(), lse  # [Tq, Hq, Dv]
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                  scale: float, *, window: KeyWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``bwd`` with the variants: ``(dq, dk, dv)``."""
-        if self._needs_reference(q, v, window):
+        if self._needs_reference(window):
             return reference.attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                       window=window)
         if window is not None:
             return self.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,  # type: ignore[call-arg]
                             window=window)
-        return self.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        width = self._padded_width(q, v)
+        if width is None:
+            return self.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        dq, dk, dv = self.bwd(_pad(dout, width), _pad(q, width), _pad(k, width), _pad(v, width), _pad(out, width),
+                              lse, cu_seqlens_q, cu_seqlens_k, causal, scale)  # [T, H, W] each
+        d, d_v = q.shape[-1], v.shape[-1]
+        return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv[..., :d_v].contiguous()
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [..., d] with zero columns up to [..., width] (itself when d == width)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
 def _load(name: KernelName) -> AttentionKernel:

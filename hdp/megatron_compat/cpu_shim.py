@@ -33,6 +33,9 @@ _PROXIED_MODULES: dict[str, str] = {
     # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() on the first forward
     # (hit with position_embedding_type="rope"; hdp's own model uses "none").
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "RoPE inv_freq device",
+    # YarnRotaryEmbedding.__init__ builds its inv_freq on torch.cuda.current_device() (hit by every MLA layer
+    # with rope_type="yarn"; hdp replaces the module after building, see hdp.core.mla).
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "MLA YaRN inv_freq device",
     # _ParamAndGradBuffer: param/grad buffers allocated on torch.cuda.current_device() (hit by DDP).
     "megatron.core.distributed.param_and_grad_buffer": "DDP buffers and streams",
     # MixedPrecisionOptimizer.__init__: found_inf / _dummy_overflow_buf / _scale_one created with
@@ -498,6 +501,17 @@ def _install() -> None:
     # rounds bfloat16 differently from eager.  In the experts module only, jit_fuser is the identity:
     # eager runs the same math.  Can go when Megatron lets the caller switch the fuser off per device.
     st.set(experts, "jit_fuser", _no_fuser)
+
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    # megatron-core 0.16.1: multi_latent_attention sets HAVE_TE from an import of
+    # megatron.core.extensions.transformer_engine, which succeeds without TransformerEngine (it builds its classes
+    # on a MagicMock then), so MultiLatentAttention.__init__ calls isinstance(self.linear_proj, TELinear) with a
+    # mock and raises TypeError.  Without TransformerEngine HAVE_TE is False there too (the fp8 branch it guards
+    # needs TransformerEngine).  Can go when multi_latent_attention reads the extension's own HAVE_TE.
+    if multi_latent_attention.HAVE_TE and not te_extension.HAVE_TE:
+        st.set(multi_latent_attention, "HAVE_TE", False)
     logger.debug("megatron-core %s CPU shim applied (%d patches)", MEGATRON_CORE_VERSION, len(st.patches))
 
 

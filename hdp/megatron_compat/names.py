@@ -20,10 +20,14 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
@@ -51,7 +55,8 @@ __all__ = [
     "ModuleSpec", "TransformerBlockSubmodules", "get_num_layers_to_build", "MoELayer", "build_module",
     "nested_values", "ShardedObject", "ShardedTensor", "apply_factories", "load_sharded_metadata",
     "GroupedMLP", "SequentialMLP", "TEGroupedMLP", "MLPSubmodules",
-    "make_sharded_tensors_for_checkpoint",
+    "make_sharded_tensors_for_checkpoint", "MLATransformerConfig", "MLASelfAttention", "get_gpt_decoder_block_spec",
+    "get_transformer_layer_offset",
 ]
 
 try:

@@ -12,11 +12,16 @@ definition under verl (see :mod:`hdp.integrations.verl.rope` for RoPE):
   same window, or ``ValueError`` names both;
 * ``softmax_type`` and ``softmax_scale`` are Megatron's (set them with ``override_transformer_config``); an HF
   model with sinks (``gpt_oss``) needs ``softmax_type='learnable'``;
-* HF attention settings hdp does not compute are refused, naming the field (:data:`HF_REFUSED`).
+* HF attention settings hdp does not compute are refused, naming the field (:data:`HF_REFUSED`);
+* multi-latent attention (DeepSeek-V3, ``multi_latent_attention=True``): each layer's ``MLASelfAttention`` becomes
+  :class:`hdp.core.mla.HdpMLASelfAttention` (same parameters; its RoPE moves into hdp's core attention), the
+  decoupled part rotated as the HF config says (:func:`hdp.integrations.verl.rope.mla_rope_config`), with the
+  HF model's softmax scale (:func:`mla_softmax_scale`; logged where Megatron's MLA would have differed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -25,7 +30,7 @@ import torch
 
 from hdp.core.attention_config import AttentionSettings, SoftmaxType, check_attention_config
 
-__all__ = ["install_hdp_attention", "hf_layer_windows", "attention_settings", "HF_REFUSED"]
+__all__ = ["install_hdp_attention", "hf_layer_windows", "attention_settings", "mla_softmax_scale", "HF_REFUSED"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +94,10 @@ def attention_settings(tf_config: Any, hf_config: Any | None) -> AttentionSettin
     if hf_config is None:
         return settings
     layers = int(tf_config.num_layers)
-    head_dim = int(tf_config.kv_channels or tf_config.hidden_size // tf_config.num_attention_heads)
+    if settings.is_mla:
+        head_dim = settings.rope_start + int(settings.rope_dim or 0)
+    else:
+        head_dim = int(tf_config.kv_channels or tf_config.hidden_size // tf_config.num_attention_heads)
     _check_hf_fields(hf_config, settings, head_dim)
     hf = hf_layer_windows(hf_config, layers)
     mega = [settings.window_for(layer) for layer in range(1, layers + 1)]
@@ -108,8 +116,30 @@ def attention_settings(tf_config: Any, hf_config: Any | None) -> AttentionSettin
     (left,) = windows  # one sliding_window value per HF config
     logger.info("attention: the HF config's sliding window (%d keys) on layers %s; the Megatron config had none",
                 left + 1, [i + 1 for i, w in enumerate(hf) if w is not None])
-    return AttentionSettings(softmax_scale=settings.softmax_scale, softmax_type=settings.softmax_type, window=left,
-                             window_layers=tuple(w is not None for w in hf), no_rope_layers=settings.no_rope_layers)
+    return dataclasses.replace(settings, window=left, window_layers=tuple(w is not None for w in hf))
+
+
+def mla_softmax_scale(tf_config: Any, hf_config: Any | None, megatron_scale: float) -> float:
+    """The logit scale of an MLA layer: HF DeepSeek-V3's (``(qk_nope_head_dim + qk_rope_head_dim)^-1/2``, times
+    ``mscale(factor, mscale_all_dim)²`` under a RoPE variant with ``mscale_all_dim``) when the HF config is given,
+    else Megatron's (``megatron_scale``, ``MLASelfAttention.softmax_scale``: the same formula on its own
+    ``rotary_scaling_factor`` / ``mscale_all_dim``)."""
+    if hf_config is None:
+        return float(megatron_scale)
+    from hdp.integrations.verl.rope import hf_rope_parameters
+
+    scale = float(tf_config.qk_head_dim + tf_config.qk_pos_emb_head_dim) ** -0.5
+    hf = hf_rope_parameters(hf_config)
+    if hf.get("rope_type") not in (None, "default"):
+        m_all, factor = hf.get("mscale_all_dim") or 0.0, hf.get("factor")
+        if m_all and factor is not None and float(factor) > 1:
+            scale *= (0.1 * float(m_all) * math.log(float(factor)) + 1.0) ** 2
+    if not math.isclose(scale, float(megatron_scale), rel_tol=1e-9):
+        logger.warning("MLA softmax scale: the HF config gives %.6g, Megatron's MLASelfAttention %.6g "
+                       "(rotary_scaling_factor=%s, mscale_all_dim=%s); hdp computes the HF config's", scale,
+                       megatron_scale, getattr(tf_config, "rotary_scaling_factor", None),
+                       getattr(tf_config, "mscale_all_dim", None))
+    return scale
 
 
 def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
@@ -119,22 +149,31 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
     sample positions; hdp's core attention applies RoPE at ``HdpPackedSeqParams.positions``.  Every
     attention setting is reconciled first (:func:`attention_settings`; the RoPE of
     :func:`hdp.integrations.verl.rope.rope_config`): a refused one raises before any layer changes.
+    An MLA layer's self-attention becomes :class:`hdp.core.mla.HdpMLASelfAttention` (module docstring).
     """
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.rope import rope_config
     from hdp.core.attention_spec import HdpCoreAttention
+    from hdp.core.mla import adopt_mla
 
     model = compat.unwrap_model(chunk)
     rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement
     settings = attention_settings(model.config, hf_config)  # raises on any attention setting hdp does not compute
+    scale = None
     for layer in model.decoder.layers:
         attn = layer.self_attention
+        if settings.is_mla:  # the same parameters; Megatron's MLA RoPE off (hdp's core attention rotates)
+            attn = adopt_mla(attn)
+            layer.self_attention = attn
+            if scale is None:
+                scale = mla_softmax_scale(model.config, hf_config, attn.softmax_scale)
         old = attn.core_attention
         new = HdpCoreAttention(
             config=old.config,
             layer_number=old.layer_number,
             attn_mask_type=compat.causal_mask_type(),
             attention_type="self",
+            softmax_scale=scale,
             pg_collection=getattr(attn, "pg_collection", None),
             rope=rope,
             settings=settings,
@@ -144,6 +183,6 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
             if isinstance(old_offset, torch.nn.Parameter) and old_offset.shape == new.softmax_offset.shape:
                 with torch.no_grad():
                     new.softmax_offset.copy_(old_offset)
-            new.to(attn.linear_qkv.weight.device)
+            new.to(attn.linear_proj.weight.device)
         attn.core_attention = new
     model.position_embedding_type = "none"  # RoPE now happens inside hdp's core attention

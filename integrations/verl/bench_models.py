@@ -2,7 +2,8 @@
 through both doors (CPU, 2 gloo ranks, about 10 s per family and door).
 
 Each family (:data:`hdp.integrations.verl.scaffolding.families.CASES`: Llama 3.1's ``llama3`` RoPE, Qwen3 with
-YaRN, Qwen2 / Mistral sliding windows, gpt-oss-style and off-by-one sinks, a custom ``softmax_scale``) is a tiny
+YaRN, Qwen2 / Mistral sliding windows, gpt-oss-style and off-by-one sinks, a custom ``softmax_scale``, DeepSeek-V3's
+multi-latent attention and MoE under EP 2 and zero-memory) is a tiny
 random checkpoint; the library door runs ``HdpEngine.build`` + ``forward`` + ``train_step``, the verl door verl's
 ``ActorRolloutRefWorker`` (mbridge-built, for the families mbridge knows) ``compute_log_prob`` + ``update_actor``;
 both with a sample longer than the token budget on a CP group of 2.  A family is exact when every door it runs
@@ -67,6 +68,6 @@ def add_arguments(parser: Any) -> None:
     """The flags of ``hdp bench models`` (the CLI adds ``--json``)."""
     parser.add_argument("--families", default=None, metavar="A,B",
                         help="families to run (default all: llama3.1, qwen3-yarn, qwen2-window, mistral-window, "
-                             "mistral-sinks, qwen3-off-by-one, qwen3-scale)")
+                             "mistral-sinks, qwen3-off-by-one, qwen3-scale, deepseek-v3)")
     parser.add_argument("--doors", default="library,verl", metavar="A,B",
                         help="library (HdpEngine.build), verl (the worker, mbridge-built), or both (default)")

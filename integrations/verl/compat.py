@@ -23,6 +23,15 @@ here, and why:
   ``_load_content_metadata`` and ``_build_model_sharded_state_dict``, read only: what verl's own load composes
   its sharded state dicts with, so that hdp checks a checkpoint against exactly what verl would load
   (:mod:`hdp.integrations.verl.checkpoint`).  Can go when verl checks a checkpoint before loading it.
+* :func:`expose_rope_theta` — ``hf_config.rope_theta`` set from transformers 5's ``rope_parameters`` (verl's
+  ``get_hf_rope_theta``) before mbridge's bridge is built, as verl's ``make_megatron_module`` sets it a step later:
+  mbridge 0.15's DeepSeek-V3 bridge reads it already in ``_build_config`` (verl's ``_build_tf_config``).  Can go
+  when mbridge reads ``rope_parameters``, or verl sets the attribute before building the bridge.
+* :class:`MLAConfigNames` / :func:`mbridge_deepseek_v3` — mbridge 0.15's DeepSeek-V3 bridge passes MLA's YaRN
+  pretraining length as ``max_position_embeddings``, which megatron-core 0.16's ``MLATransformerConfig`` calls
+  ``original_max_position_embeddings`` (``TypeError`` when the bridge builds its config).  The mixin renames the
+  keyword; :func:`mbridge_deepseek_v3` registers mbridge's bridge with it under "deepseek_v3" (mbridge's public
+  ``register_model``) when mbridge's own class is the one registered.  Can go when mbridge passes the new name.
 * :func:`hf_weights` — mbridge's ``_weight_name_mapping_mcore_local_to_global`` and ``_weight_to_hf_format``
   (name and shape mapping, on meta tensors): the Hugging Face names, shapes and dtypes mbridge writes and reads
   for this rank's weights.  Can go with the same verl change, or when mbridge exposes its mapping.
@@ -75,6 +84,9 @@ __all__ = [
     "checkpoint_content_metadata",
     "model_sharded_state_dict",
     "hf_weights",
+    "expose_rope_theta",
+    "MLAConfigNames",
+    "mbridge_deepseek_v3",
     "mpu",
     "unwrap_model",
     "causal_mask_type",
@@ -611,6 +623,42 @@ def model_sharded_state_dict(manager: Any, metadata: dict[str, Any]) -> dict[str
     """verl's sharded state dict of the model, every virtual stage keyed as verl saves it
     (``_build_model_sharded_state_dict``; a new dict each call)."""
     return manager._build_model_sharded_state_dict(metadata)
+
+
+def expose_rope_theta(hf_config: Any) -> None:
+    """``hf_config.rope_theta`` from its ``rope_parameters`` (verl's ``get_hf_rope_theta``; module docstring); a
+    config with no RoPE base is left as it is (verl's own rule)."""
+    from verl.utils.megatron_utils import get_hf_rope_theta
+
+    if hf_config is None or getattr(hf_config, "rope_theta", None) is not None:
+        return
+    try:
+        hf_config.rope_theta = get_hf_rope_theta(hf_config)
+    except AttributeError:  # NoPE / hybrid-SSM configs carry no RoPE: verl skips them too
+        pass
+
+
+class MLAConfigNames:
+    """Mixin for an mbridge bridge: ``max_position_embeddings`` passed to a config class without that field
+    (megatron-core 0.16's ``MLATransformerConfig``) goes under its new name (module docstring)."""
+
+    def _build_base_config(self, text_config_key: Any = None, **kwargs: Any) -> Any:
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(self.TransformerConfigClass)}  # type: ignore[attr-defined]
+        if "max_position_embeddings" in kwargs and "max_position_embeddings" not in names:
+            kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+        return super()._build_base_config(text_config_key, **kwargs)  # type: ignore[misc]
+
+
+def mbridge_deepseek_v3() -> None:
+    """Register mbridge's DeepSeek-V3 bridge with :class:`MLAConfigNames` when mbridge's own class is registered
+    (not a subclass someone registered, such as the CPU scaffolding's); idempotent."""
+    from mbridge.core.bridge import _MODEL_REGISTRY, register_model
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    if _MODEL_REGISTRY.get("deepseek_v3") is DeepseekV3Bridge:
+        register_model("deepseek_v3")(type("DeepseekV3Bridge", (MLAConfigNames, DeepseekV3Bridge), {}))
 
 
 def hf_weights(bridge: Any, chunks: Any, tp_size: int, etp_size: int) -> dict[str, tuple[tuple[int, ...], Any]] | None:

@@ -49,6 +49,7 @@ from hdp.integrations.verl.checks import (check_engine_settings, check_model_fea
                                           check_shared_layout, role_key, uses_fused_logprobs)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
+from hdp.integrations.verl.moe_router import reconcile_router
 from hdp.integrations.verl.routes import route_replay
 from hdp.integrations.verl.domain import VerlDomain
 from hdp.integrations.verl.memory import verl_memory
@@ -229,10 +230,15 @@ class HdpMegatronEngine(_MegatronLM):
         return layout.is_last_stage and layout.tp_rank == 0 and self.domain.rank == 0
 
     def _build_tf_config(self) -> None:
+        hf_config = getattr(self.model_config, "hf_config", None)
+        compat.expose_rope_theta(hf_config)  # mbridge's DeepSeek-V3 bridge reads it while verl builds the config
+        if self.engine_config.vanilla_mbridge:
+            compat.mbridge_deepseek_v3()  # its MLA config keyword under megatron-core 0.16's name
         super()._build_tf_config()
         cfg, key = self.tf_config, f"{self.role_key}.megatron.override_transformer_config"
         if cfg is not None:  # what the built config says (a model's own defaults included)
             check_per_token_loss(getattr(cfg, "calculate_per_token_loss", False), f"{key}.calculate_per_token_loss")
+            reconcile_router(cfg, hf_config, self.role_key)  # HF's group-limited routing (DeepSeek-V3)
 
     def _build_megatron_module(self) -> Any:
         module = super()._build_megatron_module()

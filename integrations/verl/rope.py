@@ -19,6 +19,13 @@ variant: mbridge's Llama bridge carries only a Llama-3 ``factor`` (as linear
 * refused, naming the field: HF rope types hdp does not compute (``longrope``, ``proportional``,
   ``mrope`` / ``mrope_section``, ...), per-attention-type RoPE that differs between types, Megatron's
   ``rotary_interleaved`` and position embeddings other than RoPE / YaRN.
+
+Multi-latent attention (:func:`mla_rope_config`, DeepSeek-V3): the RoPE of the decoupled part.  The same rules
+with HF's pairing (``rope_interleave``, DeepSeek-V3's default ``True``) on top; Megatron's own (without an HF
+config) is :func:`hdp.core.mla.mla_rope_config` of the MLA fields (``rope_type``, ``rotary_scaling_factor``,
+``mscale`` / ``mscale_all_dim``, interleaved pairs).  mbridge 0.15's DeepSeek-V3 bridge looks YaRN up in a
+``rope_scaling`` the transformers 5 config does not expose by that test (``"rope_scaling" in hf_config``), so its
+Megatron config says plain RoPE: hdp computes the HF config's YaRN and logs the difference.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 from hdp.rope import RopeScaling, RopeType
 from hdp.core.attention_spec import RopeConfig
 
-__all__ = ["rope_config", "hf_rope_parameters", "hf_rope_scaling", "megatron_rope_scaling"]
+__all__ = ["rope_config", "mla_rope_config", "hf_rope_parameters", "hf_rope_scaling", "megatron_rope_scaling"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +174,7 @@ def rope_config(model: Any, hf_config: Any | None) -> RopeConfig:
     if getattr(tf, "rotary_interleaved", False):
         raise ValueError("Megatron rotary_interleaved=True: hdp's RoPE is the non-interleaved (rotate-half) form")
     if getattr(tf, "multi_latent_attention", False):
-        raise ValueError("Megatron multi_latent_attention=True: MLA's decoupled RoPE is not supported by hdp")
+        return mla_rope_config(tf, hf_config)
     base = float(getattr(model, "rotary_base", 10000.0))
     percent = float(getattr(model, "rotary_percent", 1.0))
     mega, mega_what = megatron_rope_scaling(model)
@@ -183,6 +190,22 @@ def rope_config(model: Any, hf_config: Any | None) -> RopeConfig:
                 "whole head dim and transformers over the rotated part; pass the HF config to pick one"
             )
         return RopeConfig(base=base, percent=percent, scaling=mega)
+    hf = _check_base(hf_config, base, percent)
+    scaling = hf_rope_scaling(hf_config)
+    if scaling is None and mega is not None:
+        raise ValueError(
+            f"{mega_what} but hf_config.rope_parameters.rope_type={hf.get('rope_type', 'default')!r}: the checkpoint "
+            "declares plain RoPE; build the model from the HF config (or declare the scaling in its rope_parameters)"
+        )
+    if scaling is not None and mega != scaling:
+        logger.warning("RoPE: the HF config declares %s (factor %s) and the Megatron model was built with %s; hdp "
+                       "computes the HF config's exactly", scaling.type.value, scaling.factor, mega_what)
+    return RopeConfig(base=base, percent=percent, scaling=scaling)
+
+
+def _check_base(hf_config: Any, base: float, percent: float) -> dict[str, Any]:
+    """HF's ``rope_theta`` / ``partial_rotary_factor`` against Megatron's ``rotary_base`` / ``rotary_percent``;
+    returns :func:`hf_rope_parameters`."""
     hf = hf_rope_parameters(hf_config)
     theta = hf.get("rope_theta")
     if theta is not None and not math.isclose(float(theta), base, rel_tol=1e-9):
@@ -195,13 +218,32 @@ def rope_config(model: Any, hf_config: Any | None) -> RopeConfig:
         raise ValueError(
             f"hf_config partial_rotary_factor={factor!r} but Megatron rotary_percent={percent!r}: they must agree"
         )
+    return hf
+
+
+def mla_rope_config(tf_config: Any, hf_config: Any | None) -> RopeConfig:
+    """hdp's :class:`RopeConfig` of MLA's decoupled RoPE part for an ``MLATransformerConfig`` and its HF config
+    (module docstring): HF's frequencies and pairing when given, else Megatron's."""
+    from hdp.core.mla import mla_rope_config as megatron_mla_rope
+
+    mega = megatron_mla_rope(tf_config)  # raises on a rope_type MLA does not have
+    if hf_config is None:
+        return mega
+    base, percent = float(tf_config.rotary_base), float(getattr(tf_config, "rotary_percent", 1.0))
+    _check_base(hf_config, base, percent)
     scaling = hf_rope_scaling(hf_config)
-    if scaling is None and mega is not None:
-        raise ValueError(
-            f"{mega_what} but hf_config.rope_parameters.rope_type={hf.get('rope_type', 'default')!r}: the checkpoint "
-            "declares plain RoPE; build the model from the HF config (or declare the scaling in its rope_parameters)"
-        )
-    if scaling is not None and mega != scaling:
-        logger.warning("RoPE: the HF config declares %s (factor %s) and the Megatron model was built with %s; hdp "
-                       "computes the HF config's exactly", scaling.type.value, scaling.factor, mega_what)
-    return RopeConfig(base=base, percent=percent, scaling=scaling)
+    if scaling is not None and scaling.type is not RopeType.YARN:
+        raise ValueError(f"hf_config.rope_parameters.rope_type={scaling.type.value!r} with multi-latent attention: "
+                         "hdp computes MLA's decoupled RoPE plain or yarn (as Megatron's MLA)")
+    interleaved = bool(getattr(hf_config, "rope_interleave", True))
+    rope = RopeConfig(base=base, percent=percent, scaling=scaling, interleaved=interleaved)
+    mine = (None if mega.scaling is None else (mega.scaling.type, mega.scaling.factor), mega.interleaved)
+    theirs = (None if scaling is None else (scaling.type, scaling.factor), interleaved)
+    if mine != theirs:
+        logger.warning("MLA RoPE: the HF config declares %s (factor %s, %s pairs) and the Megatron config "
+                       "rope_type=%r (rotary_scaling_factor %s, interleaved pairs); hdp computes the HF config's "
+                       "exactly",
+                       "yarn" if scaling else "plain RoPE", scaling.factor if scaling else 1.0,
+                       "interleaved" if interleaved else "half-split", getattr(tf_config, "rope_type", None),
+                       getattr(tf_config, "rotary_scaling_factor", None))
+    return rope

@@ -328,6 +328,7 @@ MODEL_FAMILIES: tuple[tuple[str, str], ...] = (
     ("mistral-sinks", "gpt-oss-style learned sinks + window (library door only)"),
     ("qwen3-off-by-one", "Qwen3 with off-by-one sinks"),
     ("qwen3-scale", "Qwen3 with a custom softmax_scale"),
+    ("deepseek-v3", "DeepSeek-V3: multi-latent attention, DeepSeek MoE under EP 2 and zero-memory level1"),
 )
 """`hdp bench models`' families (the verl plugin's scaffolding `families.CASES`) with a row each."""
 

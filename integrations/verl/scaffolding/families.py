@@ -3,7 +3,9 @@ through both doors (the tests and ``hdp bench models`` share this).
 
 A family (:data:`CASES`) is a tiny HF checkpoint (:func:`hdp.integrations.verl.scaffolding.tiny.family_config`)
 plus what it exercises: a RoPE frequency variant (``llama3``, ``yarn``), a sliding window (every layer, or a
-per-layer pattern), softmax sinks (``off-by-one``, or learned as gpt-oss's), a custom ``softmax_scale``.  The
+per-layer pattern), softmax sinks (``off-by-one``, or learned as gpt-oss's), a custom ``softmax_scale``,
+DeepSeek-V3's multi-latent attention and MoE (both doors with the case's expert parallelism and MoE zero-memory
+level, :attr:`Case.ep` / :attr:`Case.zero_memory`).  The
 reference is the HF model in one process, each sample whole; where HF's model class has no such setting
 (sinks on Mistral, a custom scale on Qwen3), the reference gets it through HF's own extension points:
 gpt-oss's ``eager_attention_forward`` registered as an attention implementation (it reads ``module.sinks``),
@@ -66,10 +68,14 @@ class Case:
     """A custom logit scale (the reference sets it on every attention module)."""
     model_kw: dict[str, Any] = field(default_factory=dict)
     """Extra :class:`~hdp.trainer.model.ModelConfig` fields of the library door."""
+    ep: int = 1
+    """Expert parallelism of both doors (MoE families)."""
+    zero_memory: str = "none"
+    """hdp's MoE zero-memory level of both doors (``none``, ``level0``, ``level1``)."""
 
     @property
     def overrides(self) -> list[str]:
-        """verl's ``override_transformer_config`` entries for the actor and the reference."""
+        """verl's ``override_transformer_config`` entries (and EP, zero-memory) for the actor and the reference."""
         out = []
         for role in ("actor", "ref"):
             key = f"actor_rollout_ref.{role}.megatron.override_transformer_config"
@@ -77,6 +83,10 @@ class Case:
                 out.append(f"++{key}.softmax_type={self.sinks}")
             if self.softmax_scale is not None:
                 out.append(f"++{key}.softmax_scale={self.softmax_scale}")
+            if self.ep > 1:
+                out.append(f"actor_rollout_ref.{role}.megatron.expert_model_parallel_size={self.ep}")
+        if self.zero_memory != "none":
+            out.append(f"actor_rollout_ref.actor.hdp.zero_memory={self.zero_memory}")
         return out
 
 
@@ -90,6 +100,10 @@ CASES: dict[str, Case] = {
                           mbridge=False, sinks="learnable"),
     "qwen3-off-by-one": Case("qwen3", "softmax_type off-by-one", mbridge=True, sinks="off-by-one"),
     "qwen3-scale": Case("qwen3", "custom softmax_scale", mbridge=True, softmax_scale=0.2),
+    "deepseek-v3": Case("deepseek-v3", "multi-latent attention (decoupled interleaved RoPE, YaRN with mscale, Dv != D) "
+                        "and DeepSeek MoE (sigmoid router with expert bias, group-limited top-k, shared experts, "
+                        "dense first layer) under EP 2 and zero-memory level1", mbridge=True, ep=2,
+                        zero_memory="level1"),
 }
 """The families, by row name."""
 
@@ -143,12 +157,40 @@ def hf_logprobs(model: torch.nn.Module, samples: Sequence[Sequence[int]]) -> lis
 # ---- the library door ---------------------------------------------------------------------------------------
 
 
+def _deepseek_v3_config(hf_config: Any, max_sequence_length: int) -> Any:
+    """The :class:`~hdp.trainer.model.ModelConfig` of a DeepSeek-V3 HF config (MLA, MoE with shared experts)."""
+    from hdp.integrations.verl.rope import hf_rope_parameters, hf_rope_scaling
+    from hdp.trainer.model import MLAConfig, ModelConfig
+
+    c = hf_config
+    layers = c.num_hidden_layers
+    dense = min(int(c.first_k_dense_replace or 0), layers)
+    return ModelConfig(
+        num_layers=layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size, max_sequence_length=max_sequence_length,
+        rotary_base=float(hf_rope_parameters(c)["rope_theta"]), rope_scaling=hf_rope_scaling(c),
+        normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, activation="swiglu", qk_layernorm=True,
+        mla=MLAConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_nope_head_dim,
+                      qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                      rope_interleaved=bool(c.rope_interleave)),
+        num_moe_experts=c.n_routed_experts, moe_router_topk=c.num_experts_per_tok,
+        moe_ffn_hidden_size=c.moe_intermediate_size, moe_layer_freq=(0,) * dense + (1,) * (layers - dense),
+        moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group,
+        moe_router_topk_scaling_factor=c.routed_scaling_factor,
+    )
+
+
 def model_config(hf_config: Any, case: Case, *, max_sequence_length: int = 1024) -> Any:
-    """The :class:`~hdp.trainer.model.ModelConfig` of a tiny HF config (Llama / Qwen2 / Qwen3 / Mistral)."""
+    """The :class:`~hdp.trainer.model.ModelConfig` of a tiny HF config (Llama / Qwen2 / Qwen3 / Mistral /
+    DeepSeek-V3)."""
     from hdp.integrations.verl.attention import hf_layer_windows
     from hdp.integrations.verl.rope import hf_rope_parameters, hf_rope_scaling
     from hdp.trainer.model import ModelConfig
 
+    if hf_config.model_type == "deepseek_v3":
+        return _deepseek_v3_config(hf_config, max_sequence_length)
     layers = hf_config.num_hidden_layers
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     windows = hf_layer_windows(hf_config, layers)
@@ -182,9 +224,26 @@ def _qkv(state: dict[str, torch.Tensor], prefix: str, heads: int, groups: int, s
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)  # [G·(Hq/G+2)·D, ...]
 
 
+_MLA_NAMES = {"self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+              "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+              "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+              "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+              "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+              "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+              "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+              "mlp.router.weight": "mlp.gate.weight",
+              "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+              "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
+"""Megatron's MLA / DeepSeek-MoE names -> HF DeepSeek-V3's, per layer (same layouts: per head [nope, rope] rows
+of q_b_proj, [nope, v] rows of kv_b_proj, [kv_lora, rope] rows of kv_a_proj_with_mqa)."""
+
+
 def hf_init_fn(state: dict[str, torch.Tensor], hf_config: Any, sinks: Sequence[float] = SINKS) -> Any:
-    """``init_fn(name, full)`` for ``HdpEngine.build``: each parameter of hdp's Megatron GPT from the HF weights."""
-    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    """``init_fn(name, full)`` for ``HdpEngine.build``: each parameter of hdp's Megatron GPT from the HF weights
+    (DeepSeek-V3: MLA's projections, the router and its expert bias, routed experts from HF's fused 3-D
+    ``gate_up_proj`` / ``down_proj``, shared experts)."""
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
     direct = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight",
               "decoder.final_layernorm.weight": "model.norm.weight"}
     per_layer = {"input_layernorm.weight": "input_layernorm.weight",
@@ -193,6 +252,8 @@ def hf_init_fn(state: dict[str, torch.Tensor], hf_config: Any, sinks: Sequence[f
                  "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
                  "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
                  "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+    if hf_config.model_type == "deepseek_v3":
+        per_layer.update(_MLA_NAMES)
 
     def init(name: str, full: torch.Tensor) -> None:
         if name in direct:
@@ -200,8 +261,16 @@ def hf_init_fn(state: dict[str, torch.Tensor], hf_config: Any, sinks: Sequence[f
             return
         _, _, index, rest = name.split(".", 3)  # decoder.layers.{i}.{rest}
         hf = f"model.layers.{index}"
-        if rest in per_layer:
+        expert = rest.startswith("mlp.experts.local_experts.")
+        if expert:  # mlp.experts.local_experts.{j}.linear_fc{1,2}.weight (global expert j)
+            j, proj = rest.split(".")[3], rest.split(".")[4]
+            fused = state[f"{hf}.mlp.experts.{'gate_up_proj' if proj == 'linear_fc1' else 'down_proj'}"]
+            full.copy_(fused[int(j)])  # [2F, H] (gate rows, then up) / [H, F]
+        elif rest in per_layer:
             full.copy_(state[f"{hf}.{per_layer[rest]}"])
+        elif rest == "mlp.shared_experts.linear_fc1.weight":
+            full.copy_(torch.cat([state[f"{hf}.mlp.shared_experts.gate_proj.weight"],
+                                  state[f"{hf}.mlp.shared_experts.up_proj.weight"]]))
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             full.copy_(_qkv(state, f"{hf}.self_attn", heads, groups, rest.rsplit(".", 1)[1]))
         elif rest == "mlp.linear_fc1.weight":
@@ -220,9 +289,9 @@ def _random_tokens(lengths: Sequence[int], vocab: int, seed: int) -> list[torch.
 
 
 def library_door(rank: int, world: int, name: str, root: str, tp: int = 1) -> dict[str, Any]:
-    """One family through ``HdpEngine.build`` on ``world`` gloo ranks (TP ``tp`` × a domain of the rest): log-probs,
-    loss and grad norm against HF.  Returns ``{"logp_err", "loss_rel", "norm_rel", "cp_groups", "ok"}`` (the same on
-    every rank)."""
+    """One family through ``HdpEngine.build`` on ``world`` gloo ranks (TP ``tp`` × a domain of the rest; the case's
+    EP and MoE zero-memory level): log-probs, loss and grad norm against HF.  Returns ``{"logp_err", "loss_rel",
+    "norm_rel", "cp_groups", "ok"}`` (the same on every rank)."""
     import torch.distributed as dist
 
     from hdp.integrations.verl.scaffolding.tiny import build_tiny
@@ -240,9 +309,10 @@ def library_door(rank: int, world: int, name: str, root: str, tp: int = 1) -> di
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     cfg = EngineConfig(
         model=model_config(ref.config, case),
-        parallel=ParallelConfig(tp=tp),
+        parallel=ParallelConfig(tp=tp, ep=case.ep),
         optim=OptimConfig(lr=1e-3),
-        planning=PlanningConfig(max_tokens_per_rank=LIBRARY_BUDGET, cost_model=cost_model("cpu-tiny", "cpu-gloo")),
+        planning=PlanningConfig(max_tokens_per_rank=LIBRARY_BUDGET, cost_model=cost_model("cpu-tiny", "cpu-gloo"),
+                                zero_memory=case.zero_memory),
         device="cpu",
     )
     engine = HdpEngine.build(cfg, dist.group.WORLD, init_fn=hf_init_fn(state, ref.config))

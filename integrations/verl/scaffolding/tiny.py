@@ -51,7 +51,7 @@ def build_tokenizer(path: str | Path) -> None:
     fast.save_pretrained(str(path))
 
 
-FAMILIES = ("qwen3", "llama3.1", "qwen3-yarn", "qwen2-window", "mistral-window")
+FAMILIES = ("qwen3", "llama3.1", "qwen3-yarn", "qwen2-window", "mistral-window", "deepseek-v3")
 """The tiny families :func:`family_config` builds (besides the Qwen3-MoE of :func:`build_tiny`)."""
 
 WINDOW = 6
@@ -69,9 +69,14 @@ def family_config(family: str, *, layers: int = 2, vocab: int = VOCAB) -> object
     * ``qwen3-yarn``: ``rope_type: yarn`` (factor 4 over a pretraining length of 32: attention factor 1.139);
     * ``qwen2-window``: Qwen2 (QKV bias) with ``use_sliding_window``: window :data:`WINDOW` on layers from
       ``max_window_layers`` = 1 on (layer 1 full, the others sliding);
-    * ``mistral-window``: ``sliding_window`` :data:`WINDOW` on every layer (no mbridge bridge).
+    * ``mistral-window``: ``sliding_window`` :data:`WINDOW` on every layer (no mbridge bridge);
+    * ``deepseek-v3``: multi-latent attention (q / kv latents of rank 16 / 12, query/key heads of 8 + a decoupled
+      RoPE part of 4 with interleaved pairs, value heads of 6), YaRN (factor 4 over 32 positions, ``mscale`` 0.9 /
+      ``mscale_all_dim`` 1: attention factor 0.986, softmax scale × 1.293), 3 layers of which the first is dense
+      (``first_k_dense_replace`` 1), then MoE: 8 routed experts of width 16 in 4 groups, top-4 from the best 2
+      groups (sigmoid scores plus the expert bias for the choice, normalised, × 2.5) and 2 shared experts.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import DeepseekV3Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
@@ -91,6 +96,19 @@ def family_config(family: str, *, layers: int = 2, vocab: int = VOCAB) -> object
     if family == "mistral-window":
         return MistralConfig(**common, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                              sliding_window=WINDOW)
+    if family == "deepseek-v3":
+        ds = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "num_key_value_heads",
+                                                           "max_position_embeddings")}
+        return DeepseekV3Config(
+            **ds, num_hidden_layers=max(layers, 3), num_key_value_heads=4, max_position_embeddings=128,
+            q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.9, "mscale_all_dim": 1.0},
+            first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=2,
+            num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+            rms_norm_eps=1e-6)  # HF's latent norms (q_a / kv_a_layernorm) have eps 1e-6 whatever rms_norm_eps is
     raise ValueError(f"family={family!r}: choose one of {list(FAMILIES)}")
 
 
@@ -147,4 +165,9 @@ def _save_random(cfg: object, path: Path, seed: int) -> None:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                p.normal_(0.0, 0.02)  # HF's fused expert weights (left uninitialised by from_config)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: it changes the choice
+                b.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
