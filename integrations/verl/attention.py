@@ -17,6 +17,7 @@ definition under verl (see :mod:`hdp.integrations.verl.rope` for RoPE):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -112,13 +113,14 @@ def attention_settings(tf_config: Any, hf_config: Any | None) -> AttentionSettin
                              window_layers=tuple(w is not None for w in hf), no_rope_layers=settings.no_rope_layers)
 
 
-def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
+def install_hdp_attention(chunk: Any, hf_config: Any, *, fused_rope: bool = False) -> None:
     """Swap every layer's core attention for hdp's and move RoPE into it (positions of the unsplit sample).
 
     Megatron's own RoPE takes positions from ``cu_seqlens``, which for zigzag chunks are not the
     sample positions; hdp's core attention applies RoPE at ``HdpPackedSeqParams.positions``.  Every
     attention setting is reconciled first (:func:`attention_settings`; the RoPE of
     :func:`hdp.integrations.verl.rope.rope_config`): a refused one raises before any layer changes.
+    ``fused_rope``: the rotation takes the device's fused kernel (:mod:`hdp.integrations.verl.fusions`).
     """
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.rope import rope_config
@@ -126,6 +128,8 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
 
     model = compat.unwrap_model(chunk)
     rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement
+    if fused_rope:
+        rope = dataclasses.replace(rope, fused=True)
     settings = attention_settings(model.config, hf_config)  # raises on any attention setting hdp does not compute
     for layer in model.decoder.layers:
         attn = layer.self_attention
