@@ -30,8 +30,13 @@ the domain size, recompute mode, MoE zero-memory level, CP algorithm) and a few 
   ring — two K/V receive buffers ``2 · T · 2K · b``, the fp32 output and LSE accumulators
   ``T · (Q + heads) · 4``, and in backward the travelling fp32 dK/dV ``T · 2K · 4``; all-gather — the
   group's gathered K/V ``k · T · 2K · b`` and their fp32 gradients;
-* **logits** (last stage): the logits ``T · V/TP · b`` and their gradient, plus one fp32 vocabulary
-  chunk ``T · min(4096, V/TP) · 4`` (`hdp.logprobs`);
+* **logits** (last stage), by the log-prob path (`MemoryLayout.fused_logprobs`): from logits
+  (`hdp.logprobs`), the logits ``T · V/TP · b`` and their gradient, plus one fp32 vocabulary chunk
+  ``T · min(4096, V/TP) · 4``; fused (`hdp.fused_logprobs`: from the hidden states and the output weight,
+  no [T, V/TP]), the hidden states it keeps and their fp32 gradient accumulator ``T · h · (b + 4)``, five
+  fp32 per-token statistics ``T · 20``, and one chunk's working set, ``16 · min(T, 4096) · min(4096, V/TP)``
+  (four fp32 [tokens × columns] arrays) plus the fp32 weight-gradient chunk ``min(4096, V/TP) · h · 4``
+  (`logits_bytes`);
 * **headroom** — a fitted constant: allocator fragmentation, workspaces, communication buffers.
 
 The analytic terms are multiplied by fitted coefficients (``activation``, ``expert``, ``cp``,
@@ -55,7 +60,7 @@ from hdp.packing.cost import min_group_size
 from hdp.packing.model_shape import ModelShape, get_shape
 from hdp.packing.moe_memory import ActivationMemoryModel, MoEShape, ZeroMemoryLevel
 
-__all__ = ["MemoryLayout", "MemoryCoefficients", "MemoryModel", "MemoryBudget", "fit_memory", "RECOMPUTE",
+__all__ = ["MemoryLayout", "MemoryCoefficients", "MemoryModel", "MemoryBudget", "fit_memory", "RECOMPUTE", "logits_bytes",
            "GB", "memory_features", "window_tokens", "rerun_tokens", "plan_memory", "memory_stats", "rank_group_sizes", "model_for"]
 
 GB = 1 << 30
@@ -66,7 +71,23 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.3g} GB"
 RECOMPUTE = ("none", "selective", "full")
 _LOGIT_CHUNK = 4096
+"""Vocabulary columns per chunk of both log-prob paths (`hdp.logprobs.DEFAULT_CHUNK`)."""
+_TOKEN_CHUNK = 4096
+"""Tokens per chunk of the fused path (`hdp.fused_logprobs.DEFAULT_TOKEN_CHUNK`)."""
 _FEATURES = ("activation", "expert", "cp", "logits")
+
+
+def logits_bytes(tokens: float, hidden: int, vocab_rows: float, activation_bytes: int, *, fused: bool) -> float:
+    """The logits term of a round of ``tokens`` tokens (a number or an array) on the last stage (the module
+    docstring's formulas): from the logits (linear in T), or on the fused path (``fused``: linear plus the
+    bounded chunk working set); ``vocab_rows`` = V / TP."""
+    cols = min(_LOGIT_CHUNK, vocab_rows)
+    if not fused:
+        return tokens * (2 * vocab_rows * activation_bytes + cols * 4)
+    rows = np.minimum(_TOKEN_CHUNK, tokens)  # scalars or arrays of tokens (`plan_memory`)
+    bounded = 16 * rows * cols + np.where(np.asarray(tokens) > 0, cols * hidden * 4, 0)  # no round: no chunk
+    out = tokens * (hidden * (activation_bytes + 4) + 5 * 4) + bounded
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,12 +126,18 @@ class MemoryLayout:
     """Bytes per parameter (bf16: 2, fp32: 4)."""
     activation_bytes: int = 2
     """Bytes per activation element."""
+    fused_logprobs: bool = False
+    """The last stage computes log-probs on the fused path (`hdp.fused_logprobs`: from the hidden states and
+    the output layer's weight, never holding the logits); False: from the logits (`hdp.logprobs`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "etp", "domain", "param_bytes", "activation_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MemoryLayout.{name}={v!r}: pass an integer >= 1")
+        if not isinstance(self.fused_logprobs, bool):
+            raise ValueError(f"MemoryLayout.fused_logprobs={self.fused_logprobs!r}: pass True (the fused log-prob "
+                             "path) or False (log-probs from the logits)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"MemoryLayout.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         ZeroMemoryLevel.parse(self.zero_memory)
@@ -351,8 +378,8 @@ class MemoryModel:
                 cp = group_size * tokens * kv * (b + 4)
         logits = 0.0
         if stage == lay.pp - 1:
-            vl = s.vocab_size / lay.tp
-            logits = tokens * (2 * vl * lay.activation_bytes + min(_LOGIT_CHUNK, vl) * 4)
+            logits = logits_bytes(tokens, s.hidden_size, s.vocab_size / lay.tp, lay.activation_bytes,
+                                  fused=lay.fused_logprobs)
         return {"activation": a, "expert": e, "cp": cp, "logits": logits}
 
     def dynamic_bytes(self, tokens: float, group_size: int, **kwargs: Any) -> float:
@@ -381,8 +408,26 @@ class MemoryModel:
                 return 0
             per = self.dynamic_bytes(1.0, group_size, stage=st) - self.coef.headroom_bytes  # linear in T
             t = int(room // per) if per > 0 else 1 << 40
+            if self.layout.fused_logprobs and st == self.layout.pp - 1 and 0 < t < 1 << 40:
+                t = self._largest_fitting(t, room, group_size, st)
             best = t if best is None else min(best, t)
         return max(0, int(best or 0))
+
+    def _largest_fitting(self, t: int, room: float, group_size: int, stage: int) -> int:
+        """The largest T whose dynamic bytes on ``stage`` fit ``room``, from ``t`` that fits: the fused path's
+        chunk working set is bounded (not ∝ T), so the bytes per token at T = 1 over-count it and the linear
+        answer ``t`` is a lower bound; doubling, then bisection (the bytes grow with T)."""
+        def fits(n: int) -> bool:
+            return self.dynamic_bytes(float(n), group_size, stage=stage) - self.coef.headroom_bytes <= room
+
+        lo = t
+        hi = 2 * lo
+        while hi < 1 << 40 and fits(hi):
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def describe_static(self, stage: int = 0) -> str:
         """``"P GB parameters + G GB gradients + O GB optimizer"`` of ``stage``."""
@@ -595,6 +640,10 @@ def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np
             if tokens.size else tokens
         wmax = np.stack([rerun_tokens(tokens[:, j], model, st) for j in range(tokens.shape[1])], axis=1) \
             if tokens.size else tokens
+        # on the fused log-prob path the logits term is not linear in the tokens (its chunk working set is
+        # bounded): it is priced per round below, the other terms through their per-token rates
+        exact = model.layout.fused_logprobs and st == model.layout.pp - 1
+        linear = [n for n in _FEATURES if not (exact and n == "logits")]
         for k in np.unique(sizes):
             sel = sizes == k
             # the features are linear in the round's tokens, the window's sum and the window's largest round
@@ -602,8 +651,12 @@ def plan_memory(tokens: np.ndarray, sizes: np.ndarray, model: MemoryModel) -> np
             fw = model.features(0.0, int(k), stage=st, window_tokens=1.0, window_max=0.0)
             fm = model.features(0.0, int(k), stage=st, window_tokens=0.0, window_max=1.0)
             c = model.coef
-            per_t, per_w, per_m = (sum(getattr(c, n) * f[n] for n in _FEATURES) for f in (f1, fw, fm))
+            per_t, per_w, per_m = (sum(getattr(c, n) * f[n] for n in linear) for f in (f1, fw, fm))
             peak = static + c.headroom_bytes + per_t * tokens[sel] + per_w * win[sel] + per_m * wmax[sel]
+            if exact:
+                s, lay = model.shape, model.layout
+                peak = peak + c.logits * logits_bytes(tokens[sel], s.hidden_size, s.vocab_size / lay.tp,
+                                                      lay.activation_bytes, fused=True)
             out[sel] = np.maximum(out[sel], peak)
     return out
 
@@ -622,7 +675,8 @@ def memory_stats(plan: Any, tokens: np.ndarray, model: MemoryModel, limit: float
         "model": model.shape.name,
         "layout": {"tp": model.layout.tp, "pp": model.layout.pp, "vpp": model.layout.vpp, "ep": model.layout.ep,
                    "domain": model.layout.domain, "recompute": model.layout.recompute,
-                   "zero_memory": model.layout.zero_memory, "cp_algorithm": model.layout.cp_algorithm},
+                   "zero_memory": model.layout.zero_memory, "cp_algorithm": model.layout.cp_algorithm,
+                   "fused_logprobs": model.layout.fused_logprobs},
     }
     if limit is not None:
         out["within_limit"] = bool(out["peak_bytes"] <= limit * (1 + 1e-9))

@@ -362,3 +362,34 @@ def test_bad_memory_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     line = _error_line(capsys)
     for n in (needle,) if isinstance(needle, str) else needle:
         assert n in line, n
+
+
+def test_logprobs_fused_prices_the_fused_path_and_raises_the_budget_where_the_last_stage_binds(capsys):
+    """``--logprobs fused`` (the library engine's default, verl's use_fused_kernels=True) prices the last stage's
+    logits term as the fused log-prob path's bytes; the default stays the logits path (the most memory).  On the
+    recipe layout stage 0's eight rounds in flight bind the budget, so it is the same; on one stage the budget
+    rises."""
+    level1 = ISSUE + ["--zero-memory", "level1"]
+    got = {}
+    for path in (None, "logits", "fused"):
+        assert main(level1 + ([] if path is None else ["--logprobs", path])) == 0
+        d = _json_out(capsys)
+        _check_plan_within_limit(d, 64)
+        got[path] = d
+    assert got[None]["stats"]["memory"]["layout"]["fused_logprobs"] is False
+    assert got["fused"]["stats"]["memory"]["layout"]["fused_logprobs"] is True
+    assert "log-probs fused" in got["fused"]["whatif"]["layout"]
+    assert got[None]["stats"]["token_budget"] == got["logits"]["stats"]["token_budget"] \
+        == got["fused"]["stats"]["token_budget"]
+    one_stage = ["plan", "--workload", "rl", "--samples", "64", "-N", "8", "--memory-gb", "80", "--shape",
+                 "qwen3-30b-a3b", "--layout", "tp1,pp1,ep8", "--zero-memory", "level1", "--recompute", "full", "--json"]
+    budgets = {}
+    for path in ("logits", "fused"):
+        assert main(one_stage + ["--logprobs", path]) == 0
+        d = _json_out(capsys)
+        _check_plan_within_limit(d, 80, pp=1)
+        budgets[path] = d["stats"]["token_budget"]
+        lay = MemoryLayout.parse("tp1,pp1,ep8", domain=8, zero_memory="level1", recompute="full",
+                                 fused_logprobs=path == "fused")
+        assert budgets[path] == model_for("qwen3-30b-a3b", lay).token_budget(80 * GB)
+    assert budgets["fused"] > 2 * budgets["logits"], budgets

@@ -221,3 +221,55 @@ def test_bad_limits_name_the_setting_the_figure_and_the_fix():
 def test_shape_from_hf_config_missing_field_names_it():
     with pytest.raises(ValueError, match="hidden_size"):
         ModelShape.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10})
+
+
+# ---- the fused log-prob path's logits term (MemoryLayout.fused_logprobs) ----
+
+def test_fused_logprobs_term_is_the_hidden_states_not_the_logits():
+    """On the last stage the fused path holds the hidden states and an fp32 gradient accumulator per token
+    (h · (b + 4) + 20 bytes) plus one bounded chunk working set, instead of 2 · V/TP · b + 4 · 4096 per token;
+    the other stages and terms are unchanged."""
+    from hdp.packing.memory import logits_bytes
+
+    logits, fused = _model(zero_memory="level1"), _model(zero_memory="level1", fused_logprobs=True)
+    t = 3000.0
+    h, v = 4096, 151936
+    assert logits.features(t, 2, stage=7)["logits"] == pytest.approx(t * (2 * v * 2 + 4096 * 4))
+    want = t * (h * 6 + 20) + 16 * 3000 * 4096 + 4096 * h * 4
+    assert fused.features(t, 2, stage=7)["logits"] == pytest.approx(want)
+    assert fused.features(t, 2, stage=7)["logits"] < logits.features(t, 2, stage=7)["logits"] / 5
+    for st in range(7):
+        assert fused.features(t, 2, stage=st) == logits.features(t, 2, stage=st)
+    # the bounded part stops growing past one token chunk; no round, no bytes
+    assert logits_bytes(8192.0, h, v, 2, fused=True) - logits_bytes(4096.0, h, v, 2, fused=True) == \
+        pytest.approx(4096 * (h * 6 + 20))
+    assert logits_bytes(0.0, h, v, 2, fused=True) == 0.0
+    with pytest.raises(ValueError, match="MemoryLayout.fused_logprobs='yes'"):
+        MemoryLayout(fused_logprobs="yes")
+
+
+@pytest.mark.parametrize(("shape", "spec", "kw"), [
+    ("qwen3-30b-a3b", "tp1,pp1,ep8", {"zero_memory": "level1", "recompute": "full"}),  # the last stage binds
+    ("dense-8b", "tp1,pp1", {"recompute": "full"}),
+    (QWEN, "tp1,pp8,ep16", {"zero_memory": "level1"}),  # stage 0's in-flight rounds bind: B is the same
+])
+def test_fused_budget_is_the_largest_that_fits_and_never_smaller(shape, spec, kw):
+    """The fused term is not linear in T (its chunk working set is bounded): the derived budget is still the
+    largest T that fits on every stage, plans priced with it stay within the limit, and it is never below the
+    logits path's."""
+    n = 16 if shape == QWEN else 8
+    limit = 64 * GB if shape == QWEN else 80 * GB
+    logits = model_for(shape, MemoryLayout.parse(spec, domain=n, **kw))
+    fused = model_for(shape, MemoryLayout.parse(spec, domain=n, fused_logprobs=True, **kw))
+    b0, b = logits.token_budget(limit), fused.token_budget(limit)
+    assert b >= b0 > 0
+    if shape != QWEN:
+        assert b > 1.1 * b0, (b0, b)
+    assert fused.peak_bytes(b, 2) <= limit < fused.peak_bytes(b + 1, 2)
+    tokens = np.full((12, n), float(b))
+    assert plan_memory(tokens, np.full(tokens.shape, 2), fused).max() <= limit
+    if fused.layout.pp == 1:  # no window of in-flight rounds: each round's price is the model's own
+        tokens = np.array([[float(b)] * n, [1.0] * n, [b / 3] * n])
+        got = plan_memory(tokens, np.full(tokens.shape, 2), fused)
+        for r in range(tokens.shape[0]):
+            assert got[r, 0] == pytest.approx(fused.peak_bytes(tokens[r, 0], 2))

@@ -272,13 +272,15 @@ def test_reduce_metrics_matches_verls_dp_aggregation():
     [
         ({"mtp": {"enable": True}}, {}, r"mtp\.enable=True"),
         ({"vision": True}, {}, r"multimodal"),
-        ({}, {"use_fused_kernels": True}, r"use_fused_kernels=True"),
+        ({"fused_kernel_options": {"impl_backend": "triton"}}, {"use_fused_kernels": True},
+         r"fused_kernel_options\.impl_backend='triton'"),
         ({}, {"override_transformer_config": {"calculate_per_token_loss": True}}, r"calculate_per_token_loss=True"),
     ],
 )
 def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model_kw, engine_kw, match):
-    """MTP, multimodal, fused kernels and the per-token-loss regime fail naming the setting (router replay runs:
-    tests/test_verl_router_replay.py)."""
+    """MTP, multimodal, verl's triton / liger fused kernels and the per-token-loss regime fail naming the setting
+    (router replay runs: tests/test_verl_router_replay.py; ``use_fused_kernels=True`` runs hdp's fused log-prob
+    path: tests/test_verl_fused_logprobs.py)."""
     from types import SimpleNamespace
 
     from hdp.integrations.verl import engine as E
@@ -287,6 +289,7 @@ def test_dropped_parent_features_are_rejected_at_construction(monkeypatch, model
     model = SimpleNamespace(
         mtp=SimpleNamespace(**model_kw.get("mtp", {"enable": False})),
         hf_config=SimpleNamespace(vision_config={} if model_kw.get("vision") else None),
+        fused_kernel_options=model_kw.get("fused_kernel_options", {"impl_backend": "torch"}),
     )
     eng_cfg = HdpEngineConfig()
     for k, v in engine_kw.items():

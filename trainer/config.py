@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from hdp.device import DEVICE_KINDS
+from hdp.fused_logprobs import FusedLogprobs
 from hdp.loss import LossAggregation
 from hdp.moe.levels import ZeroMemoryLevel
 from hdp.packing.config import parse_enum
@@ -90,6 +91,12 @@ class EngineConfig(MovedFields):
     """``cpu``, ``cuda[:i]`` or ``npu[:i]``; the CPU shim for Megatron is applied only for ``cpu``."""
     pad_token_id: int = 0
     """Token an idle rank runs in a round (one token, loss weight 0)."""
+    fused_logprobs: FusedLogprobs = FusedLogprobs.AUTO
+    """Log-probs and entropies from the last hidden states and the output layer's weight, never holding the
+    logits [T, V/TP] (`hdp.fused_logprobs`): ``auto`` / ``on`` (True) use it — exact, and the engine's
+    Megatron GPT always allows it —, ``off`` (False) computes them from Megatron's logits (`hdp.logprobs`).
+    The memory model prices the path in use.  On the fused path ``LocalTensors.logits`` builds the logits
+    when a loss function reads them (memory the memory model does not count)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -111,6 +118,7 @@ class EngineConfig(MovedFields):
                 f"EngineConfig.planning.zero_memory={self.planning.zero_memory.value!r} needs a MoE model; "
                 "set model.num_moe_experts or planning.zero_memory='none'"
             )
+        object.__setattr__(self, "fused_logprobs", FusedLogprobs.parse(self.fused_logprobs, "EngineConfig.fused_logprobs"))
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
             raise ValueError(f"EngineConfig.loss_scale_factor={self.loss_scale_factor}: must be > 0 or None")
         kind = str(self.device).split(":", 1)[0]

@@ -68,7 +68,7 @@ from hdp.checksum import CallMismatchError
 from hdp.digest import batch_digest
 from hdp.dispatch import gather_outputs, pack
 from hdp.groups import DomainGroups, GroupLedger, LayoutGroups, copy_of_group
-from hdp.logprobs import logprobs_entropy
+from hdp.fused_logprobs import FusedLogprobs, LastHidden, token_logprobs_entropy
 from hdp.loss import sample_token_weights
 from hdp.megatron_compat import dist_checkpointing
 from hdp.moe.levels import ZeroMemoryLevel
@@ -159,20 +159,32 @@ class LocalTensors:
     """[T] caller index of each local token's sample."""
     target_position: torch.Tensor
     """[T] position of each target token inside its sample (1 .. L_i; L_i marks the padded last slot)."""
-    logits: torch.Tensor
-    """[T, V] logits (with grad).  Under tensor parallelism this is the TP rank's vocabulary shard
-    [T, V/TP]: ``log_softmax(logits)`` is then only the shard's distribution.  For full-vocabulary
-    quantities use :meth:`entropy` or :func:`hdp.logprobs.logprobs_entropy` with ``tp_group``."""
+    output: torch.Tensor | LastHidden
+    """The round's last-stage output (with grad): the logits [T, V/TP] (``EngineConfig.fused_logprobs=off``),
+    or the final hidden states and the output layer's weight shard (`hdp.fused_logprobs.LastHidden`)."""
     tp_group: dist.ProcessGroup
     """The tensor-parallel group the logits are sharded over (a size-1 group without TP)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def logits(self) -> torch.Tensor:
+        """[T, V] logits (with grad).  Under tensor parallelism this is the TP rank's vocabulary shard
+        [T, V/TP]: ``log_softmax(logits)`` is then only the shard's distribution.  For full-vocabulary
+        quantities use :meth:`entropy` or :func:`hdp.fused_logprobs.token_logprobs_entropy` of ``output``
+        with ``tp_group``.  On the fused path they are built here, once per round, when first read: [T, V/TP]
+        and, in backward, their gradient — the memory that path saves otherwise."""
+        if isinstance(self.output, torch.Tensor):
+            return self.output
+        if "logits" not in self._cache:
+            self._cache["logits"] = self.output.logits()
+        return self._cache["logits"]
+
     def entropy(self) -> torch.Tensor:
         """[T] entropy of the full-vocabulary next-token distribution at each local position,
         differentiable (an entropy bonus gets its gradient) and TP-aware (collective over ``tp_group``:
-        call it on every TP rank alike).  Computed once per round (vocabulary-chunked, no [T, V] copy)."""
+        call it on every TP rank alike).  Computed once per round (chunked, no [T, V] copy)."""
         if "entropy" not in self._cache:
-            _, ent = logprobs_entropy(self.logits, self.targets, self.tp_group, entropy=True)
+            _, ent = token_logprobs_entropy(self.output, self.targets, self.tp_group, entropy=True)
             self._cache["entropy"] = ent
         return self._cache["entropy"]
 
@@ -232,21 +244,26 @@ class _LossAdapter:
         self.prep, self.loss_fn, self.tp, self.device = prep, loss_fn, tp_group, device
         self.outputs: dict[int, torch.Tensor] = {}  # forward: round -> [Tr, 2] (log-prob, entropy)
 
-    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, rnd: RoundInput, out: torch.Tensor | LastHidden) -> torch.Tensor | None:
         meta, prep, dev = rnd.meta, self.prep, self.device
         assert meta is not None
         targets = pack(meta, prep.targets).to(dev)  # [Tr]
         if self.loss_fn is None:  # forward
-            lp, ent = logprobs_entropy(logits, targets, self.tp, entropy=True)  # [Tr], [Tr]
+            lp, ent = token_logprobs_entropy(out, targets, self.tp, entropy=True)  # [Tr], [Tr]
             self.outputs[rnd.index] = torch.stack([lp.float(), ent.float()], dim=-1).detach()  # [Tr, 2]
             return None
         local = LocalTensors(
             round_index=meta.round_index, samples=meta.samples, targets=targets, mask=pack(meta, prep.mask).to(dev),
             extras={name: pack(meta, xs).to(dev) for name, xs in prep.extras.items()},
             sample_index=meta.sample_index.to(dev), target_position=(meta.position_ids + 1).to(dev),
-            logits=logits, tp_group=self.tp,
+            output=out, tp_group=self.tp,
         )
-        logprobs, _ = logprobs_entropy(logits, targets, self.tp)  # [Tr]
+        # on the fused path the entropy comes with the log-probs (one pass over the products; its backward runs
+        # only if the loss reads local.entropy()); on the logits path it is computed when asked for
+        fused = isinstance(out, LastHidden)
+        logprobs, ent = token_logprobs_entropy(out, targets, self.tp, entropy=fused)  # [Tr], [Tr] or None
+        if ent is not None:
+            local._cache["entropy"] = ent
         loss = self.loss_fn(local, logprobs, pack(meta, prep.weights).to(dev))
         if loss is None:  # would train on a zero loss (Adam's momentum still moves the parameters)
             raise TypeError(
@@ -259,6 +276,12 @@ class _LossAdapter:
 # ---- the engine ------------------------------------------------------------------------------------
 
 
+def _fused(config: EngineConfig) -> bool:
+    """Whether the engine runs the fused log-prob path: ``auto`` and ``on`` (its Megatron GPT's output layer
+    always allows it exactly: `hdp.megatron_compat.fused_head_problem`)."""
+    return config.fused_logprobs is not FusedLogprobs.OFF
+
+
 def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tuple[Any, float | None]:
     """The job's memory model (`hdp.trainer.memory.engine_memory_model`) and the resolved limit in bytes;
     ValueError naming ``PlanningConfig.max_memory_gb`` when the limit is below the layout's static memory
@@ -268,7 +291,7 @@ def _memory_setup(config: EngineConfig, device: torch.device, domain: int) -> tu
         config.model.shape(), tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.expert_tp, domain=domain,
         recompute=config.model.recompute, zero_memory=config.planning.zero_memory.value,
         cp_algorithm=config.planning.cp_algorithm.value, param_bytes=4 if config.model.params_dtype == "float32" else 2,
-        coef=config.planning.memory_coefficients)
+        coef=config.planning.memory_coefficients, fused_logprobs=_fused(config))
     limit = resolve_memory_limit(config.planning.max_memory_gb, device)
     if limit is not None:
         check_static_fits(model, limit, "PlanningConfig.max_memory_gb")
@@ -431,7 +454,8 @@ class HdpEngine:
         self._core = RoundCore(groups=groups, megatron_groups=runtime.groups, chunks=self._chunks, device=device,
                                pad_token_id=config.pad_token_id, cp_algorithm=config.planning.cp_algorithm,
                                timeout_s=config.planning.collective_timeout_s, optimizer=optimizer,
-                               abort_groups=self._groups_to_abort, on_broken=self.close)
+                               abort_groups=self._groups_to_abort, on_broken=self.close,
+                               fused_logprobs=_fused(config))
         par = config.parallel
         self.memory_model, self.memory_limit = _memory_setup(config, device, self.num_ranks)
         """The job's per-rank memory model and the bytes per device the plans stay within (``None``: the

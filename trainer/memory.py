@@ -93,11 +93,12 @@ def check_static_fits(model: MemoryModel, limit: float, field_name: str) -> None
 
 def engine_memory_model(shape: ModelShape, *, tp: int, pp: int, vpp: int, ep: int, etp: int, domain: int,
                         recompute: str, zero_memory: str, cp_algorithm: str, param_bytes: int,
-                        coef: MemoryCoefficients | None = None) -> MemoryModel:
-    """The memory model of an engine's layout (activations in the parameters' dtype)."""
+                        coef: MemoryCoefficients | None = None, fused_logprobs: bool = False) -> MemoryModel:
+    """The memory model of an engine's layout (activations in the parameters' dtype; ``fused_logprobs``: the
+    last stage's logits term is the fused log-prob path's bytes)."""
     layout = MemoryLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, domain=domain, recompute=recompute,
                           zero_memory=zero_memory, cp_algorithm=cp_algorithm, param_bytes=param_bytes,
-                          activation_bytes=param_bytes)
+                          activation_bytes=param_bytes, fused_logprobs=bool(fused_logprobs))
     return MemoryModel(shape=shape, layout=layout, coef=coef or MemoryCoefficients())
 
 

@@ -18,11 +18,15 @@ A step's phases are
    rule: under the interleaved schedule the rounds are padded with idle micro-batches to a multiple
    of Megatron's ``microbatch_group_size_per_vp_stage`` (PP by default); a rank without tokens runs
    padding tokens (Megatron cannot run 0 tokens), inside its group's CP communication when it has a
-   group.  On the last stage the round's logits go to the engine's **loss adapter**
+   group.  On the last stage the round's output goes to the engine's **loss adapter**
    (:class:`RoundLoss`): hdp's per-token weights for the library, verl's loss function on whole
-   samples for verl.  The adapter returns the round's share of the step loss (the sum over the
-   domain of the shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches``
-   and DDP's ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
+   samples for verl.  That output is the logits [T, Vl] (the logits path), or on the fused log-prob
+   path (``fused_logprobs``: the output layer returns its TP-gathered input,
+   `hdp.megatron_compat.head`) a `hdp.fused_logprobs.LastHidden` — the final hidden states [T, H] and
+   the output layer's weight shard [Vl, H] — from which the adapter computes log-probs without
+   [T, Vl].  The adapter returns the round's share of the step loss (the sum over the domain of the
+   shares is the exact loss); the core undoes Megatron's scaling (``÷ micro-batches`` and DDP's
+   ``÷ N`` when ``calculate_per_token_loss`` is off).  A failing adapter is recorded and
    the rounds go on with a zero loss, so every collective lines up;
 3. **reduce** (:meth:`RoundCore.reduce`): one all-reduce over the job of (loss, adapter failed, ranks
    whose gradient buffers hold a NaN/inf — each rank's own device-side check —, per-sample non-finite
@@ -57,6 +61,7 @@ from hdp import megatron_compat as mc
 from hdp.checksum import agree_step
 from hdp.cp import CPAlgorithm
 from hdp.dispatch import LocalMeta, local_meta, pack
+from hdp.fused_logprobs import LastHidden
 from hdp.groups import LayoutGroups
 from hdp.alarm import Alarm, is_transport_error
 from hdp.guard import DomainStepError, DomainUnreachableError, RankFailedError, StepGuard, describe, is_input_error
@@ -143,14 +148,17 @@ class RoundInput:
 class RoundLoss(Protocol):
     """An engine's loss adapter: called on the last stage for every round where this rank holds tokens.
 
-    ``adapter(rnd, logits [Tr, Vl]) -> scalar or None``: in a training step, the round's share of the
-    step loss (its gradient summed over the domain is the exact gradient), or ``None`` when this rank
-    adds nothing; in a forward-only pass the return value is ignored (the adapter keeps its outputs).
+    ``adapter(rnd, out) -> scalar or None``, ``out`` the round's output on this rank's Tr real tokens:
+    logits [Tr, Vl], or on the fused path a `hdp.fused_logprobs.LastHidden` (hidden states [Tr, H] and
+    the output layer's weight shard; `hdp.fused_logprobs.token_logprobs_entropy` takes either).  In a
+    training step, the round's share of the step loss (its gradient summed over the domain is the exact
+    gradient), or ``None`` when this rank adds nothing; in a forward-only pass the return value is ignored
+    (the adapter keeps its outputs).
     May raise: the core records the first error, runs the remaining rounds with a zero loss (still
     calling the adapter, whose collectives must line up) and reports it in :meth:`RoundCore.reduce`.
     """
 
-    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None: ...
+    def __call__(self, rnd: RoundInput, out: torch.Tensor | LastHidden) -> torch.Tensor | None: ...
 
 
 class RoundHooks(Protocol):
@@ -228,17 +236,28 @@ class RoundCore:
     optimizer over ``chunks`` (``None`` for a forward-only engine); ``abort_groups``: every process group
     the engine communicates on (aborted when a rank fails inside a phase, :mod:`hdp.alarm`);
     ``on_broken``: called when a phase breaks off inside its collectives, to free every group the engine
-    holds (see :meth:`collectives`).
+    holds (see :meth:`collectives`); ``fused_logprobs``: the fused log-prob path — during :meth:`run` the
+    output layer of the chunk holding it returns its input (`hdp.megatron_compat.head`) and the adapter
+    receives a `hdp.fused_logprobs.LastHidden` (ValueError naming the reason when the model's output layer
+    cannot be replaced exactly: `hdp.megatron_compat.fused_head_problem`).
     """
 
     def __init__(self, *, groups: LayoutGroups, megatron_groups: Any, chunks: Sequence[Any], device: torch.device,
                  pad_token_id: int, cp_algorithm: CPAlgorithm, timeout_s: float, optimizer: Any = None,
                  abort_groups: Callable[[], Iterable[dist.ProcessGroup]] | None = None,
-                 on_broken: Callable[[], None] | None = None) -> None:
+                 on_broken: Callable[[], None] | None = None, fused_logprobs: bool = False) -> None:
         self.groups = groups
         self.optimizer = optimizer
         self.megatron_groups = megatron_groups
         self.chunks = list(chunks)
+        if fused_logprobs:  # first: a model it cannot replace raises before the core starts anything
+            for m in self.chunks:
+                problem = mc.fused_head_problem(m)
+                if problem is not None:
+                    raise ValueError(f"the fused log-prob path cannot replace this model's output layer: {problem}")
+        self.fused_logprobs = bool(fused_logprobs)
+        """Whether the last stage hands the adapter a `hdp.fused_logprobs.LastHidden` (else logits)."""
+        self._heads: dict[int, mc.HiddenHead] = {}  # id(chunk) -> its hidden-state output layer, during `run`
         self.device = torch.device(device)
         self.pad_token_id = int(pad_token_id)
         self.cp_algorithm = CPAlgorithm(cp_algorithm)
@@ -542,19 +561,24 @@ class RoundCore:
         if state.hooks is not None:
             state.hooks.before_forward(inp, chunk, model)
         out = model(input_ids=inp.tokens[None, :], position_ids=None, attention_mask=None,
-                    packed_seq_params=inp.psp)  # [1, T, Vl] (last stage) or [T/TP?, 1, H]
+                    packed_seq_params=inp.psp)  # [1, T, Vl] (last stage; fused path: [1, T, H]) or [T/TP?, 1, H]
+        head = self._heads.get(id(model))
+        weight = head.weight if head is not None else None  # [Vl, H] the weight this forward's output layer got
         if state.hooks is not None:
             state.hooks.after_forward(inp, chunk, model)
         if state.train:
             out = _SpanMark.apply(out, state.timer, ("b", r, chunk), "start")
         if not _post_process(model):
             state.timer.stop(key)
-        return out, functools.partial(self._round_loss, state, key, inp)
+        return out, functools.partial(self._round_loss, state, key, inp, weight)
 
-    def _round_loss(self, state: StepState, key: Any, inp: RoundInput, output: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Megatron's loss function on the last stage: the adapter's round loss, Megatron's scaling undone."""
-        logits = output[0]  # [T, Vl]
+    def _round_loss(self, state: StepState, key: Any, inp: RoundInput, weight: torch.Tensor | None,
+                    output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Megatron's loss function on the last stage: the adapter's round loss, Megatron's scaling undone.
+        ``weight``: the output layer's weight on the fused path (``output`` holds hidden states), else None."""
+        logits: torch.Tensor | LastHidden = output[0]  # [T, Vl] logits, or on the fused path:
+        if weight is not None:
+            logits = LastHidden(output[0], weight)  # hidden states [T, H] and the weight shard [Vl, H]
         loss = None
         # the adapter runs in every round even after it failed once: it may hold collectives among the
         # group's ranks (verl's whole-sample exchange), which must line up; only the first error is kept
@@ -567,7 +591,7 @@ class RoundCore:
             except Exception as exc:  # a caller bug on one rank must not hang the others
                 state.error, loss = state.error or exc, None
         if not state.train or loss is None:
-            loss = logits.sum() * 0.0  # backward still runs (EP all-to-alls, CP rings line up)
+            loss = _zero_loss(logits, state.train)  # backward still runs (EP all-to-alls, CP rings line up)
         loss = loss.reshape(())
         value = loss.detach().to(torch.float64)
         state.loss_sum += value
@@ -581,7 +605,7 @@ class RoundCore:
         # (loss, tokens, reduced): per-token mode adds no count (the engine finalises with num_tokens=None);
         # otherwise a count of 1 makes Megatron's ÷ count a no-op
         count = torch.zeros if self.per_token_loss else torch.ones
-        return loss, count((), dtype=torch.int, device=logits.device), {}
+        return loss, count((), dtype=torch.int, device=loss.device), {}
 
     def run(self, plan: Plan, tokens: Sequence[torch.Tensor], adapter: RoundLoss | None, *, train: bool,
             meter: MemoryMeter | None = None, hooks: RoundHooks | None = None) -> StepState:
@@ -626,6 +650,8 @@ class RoundCore:
                     scope.enter_context(meter.activate())
                 if dev.type == "cpu":  # Megatron's recompute (ModelConfig.recompute) saves a CUDA RNG state
                     scope.enter_context(mc.cpu_checkpoint_rng())
+                if self.fused_logprobs:
+                    scope.enter_context(self._hidden_heads())
                 self._schedule(chunks, m, p2p, kwargs)
         except BaseException:
             # the failed call's frames keep these (closures of module hooks hold the forward's kwargs)
@@ -641,6 +667,22 @@ class RoundCore:
         if left:
             raise RuntimeError(f"pipeline schedule of {m} micro-batches ended with {left} expected messages not received")
         return state
+
+    @contextlib.contextmanager
+    def _hidden_heads(self) -> Iterator[None]:
+        """The fused path's output layers (`hdp.megatron_compat.install_hidden_head`) for this run's rounds
+        only: another engine on the same model (verl's engine around the library's chunks, a reference
+        forward) meets Megatron's own."""
+        try:
+            for m in self.chunks:
+                head = mc.install_hidden_head(m)
+                if head is not None:
+                    self._heads[id(m)] = head
+            yield
+        finally:
+            for head in reversed(list(self._heads.values())):
+                head.remove()
+            self._heads = {}
 
     def _schedule(self, chunks: Sequence[Any], m: int, p2p: Any, kwargs: dict[str, Any]) -> None:
         """Megatron's schedule for this layout: no pipelining, 1F1B, or interleaved."""
@@ -756,6 +798,15 @@ class RoundCore:
                 mc.finalize_model_grads(self.chunks, num_tokens=None, pg_collection=self.megatron_groups)
             ok, grad_norm, _ = self.optimizer.step()
         return bool(ok), grad_norm
+
+
+def _zero_loss(out: torch.Tensor | LastHidden, train: bool) -> torch.Tensor:
+    """A zero loss through the round's output: its backward runs the model's (the logits path's reaches the
+    output layer's weight; on the fused path the weight is added, in training, so its gradient is a zero too)."""
+    if isinstance(out, LastHidden):
+        zero = out.hidden.sum() * 0.0
+        return zero + out.weight.sum() * 0.0 if train else zero
+    return out.sum() * 0.0
 
 
 def _unwrap(model: Any) -> Any:

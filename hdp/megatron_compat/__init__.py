@@ -6,10 +6,12 @@
 * :mod:`~hdp.megatron_compat.runtime` — Megatron's parallel state: initialise, release;
 * :mod:`~hdp.megatron_compat.grouped_experts` — ``TEGroupedMLP`` without TransformerEngine: a stand-in
   of TE's grouped linear (same ``weight{i}`` parameters, hdp's grouped GEMM), and the spec swap.
+* :mod:`~hdp.megatron_compat.head` — one model's output layer returning its input (the fused log-prob path).
 
 Every private (or version-sensitive) Megatron-core name that hdp uses is imported in
 :mod:`~hdp.megatron_compat.names` and nowhere else, and :func:`apply_cpu_shim` holds every patch hdp
-applies to Megatron-core.  The shim is the
+applies to Megatron-core's modules, classes and functions (the one other change, :func:`install_hidden_head`,
+replaces the forward of one output-layer *instance* during one engine's rounds).  The shim is the
 minimum that lets megatron-core run a GPT model with tensor, pipeline and expert parallelism, DDP
 and the distributed optimizer on CPU with gloo.
 
@@ -51,6 +53,7 @@ How the patches work
 """
 
 from hdp.megatron_compat.cpu_shim import _PROXIED_MODULES, CpuShim, apply_cpu_shim, cpu_checkpoint_rng, cpu_shim_applied
+from hdp.megatron_compat.head import HiddenHead, fused_head_problem, install_hidden_head
 from hdp.megatron_compat.names import *  # noqa: F401,F403
 from hdp.megatron_compat.names import __all__ as _names
 from hdp.megatron_compat.p2p import HdpP2PCommunicator, interleaved_schedule
@@ -69,4 +72,4 @@ from hdp.megatron_compat.runtime import (
 __all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "HdpP2PCommunicator",
            "interleaved_schedule", "MegatronRuntime", "checkpoint_writers_die_with_parent", "destroy_megatron",
            "initialize_megatron", "manual_seed", "default_group", "megatron_groups", "release_ddp", "stop_checkpoint_writer",
-           "_PROXIED_MODULES"]
+           "_PROXIED_MODULES", "HiddenHead", "fused_head_problem", "install_hidden_head"]

@@ -21,6 +21,8 @@ __all__ = [
     "check_remove_padding",
     "check_ulysses",
     "check_fused_kernels",
+    "FUSED_IMPL_BACKENDS",
+    "uses_fused_logprobs",
     "check_actor_config",
     "check_per_token_loss",
     "check_model_features",
@@ -79,13 +81,41 @@ def check_remove_padding(value: Any, key: str = "actor_rollout_ref.model.use_rem
         )
 
 
-def check_fused_kernels(value: Any, key: str = "actor_rollout_ref.model.use_fused_kernels") -> None:
-    """verl's fused Megatron forward bypasses hdp's chunked log-probs and CP packing."""
-    if value is not None and bool(value):
-        raise ValueError(
-            f"{key}={value!r}: verl's fused Megatron forward bypasses hdp's chunked log-probs and CP packing; "
-            "set it to False (hdp computes log-probs in vocabulary chunks itself)"
-        )
+FUSED_IMPL_BACKENDS = ("torch",)
+"""``fused_kernel_options.impl_backend`` values hdp honours: its fused log-prob path is torch (chunked matrix
+products over tokens × vocabulary, `hdp.fused_logprobs`)."""
+
+
+def check_fused_kernels(value: Any, options: Any = None, key: str = "actor_rollout_ref.model") -> None:
+    """verl's ``<key>.use_fused_kernels=True`` means hdp's fused log-prob path (`hdp.fused_logprobs`: log-probs
+    and entropies from the last hidden states and the output weight, never the [T, V/TP] logits), per-sample
+    temperatures and ``calculate_sum_pi_squared`` included.  Each of verl's ``<key>.fused_kernel_options`` is
+    honoured or refused by name: ``impl_backend`` ``torch`` (verl's default) is what hdp runs; ``triton`` and
+    ``liger`` (verl's kernels) are refused, as is any key verl does not define.  Options are read only when
+    fused kernels are on (verl ignores them otherwise)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{key}.use_fused_kernels={value!r}: pass True (hdp's fused log-prob path) or False")
+    if not value or options is None:
+        return
+    if not hasattr(options, "items"):
+        raise ValueError(f"{key}.fused_kernel_options={options!r}: pass a mapping (e.g. {{impl_backend: torch}})")
+    for name, opt in options.items():
+        if name == "impl_backend":
+            if opt is not None and opt not in FUSED_IMPL_BACKENDS:
+                raise ValueError(
+                    f"{key}.fused_kernel_options.impl_backend={opt!r} with {key}.use_fused_kernels=True: the hdp engine "
+                    "runs its own fused log-prob path, in torch (chunked matrix products over tokens x vocabulary, "
+                    "exact, vocabulary-parallel under TP), not verl's triton / liger kernels; set impl_backend=torch")
+        else:
+            raise ValueError(f"{key}.fused_kernel_options.{name}={opt!r}: not an option of verl's fused kernels hdp "
+                             "knows (verl defines impl_backend); remove it")
+
+
+def uses_fused_logprobs(engine_config: Any) -> bool:
+    """Whether an engine runs hdp's fused log-prob path: its ``use_fused_kernels`` (which verl's worker copies
+    from ``<role>.model.use_fused_kernels``), except the critic's — a value head has no log-probs (verl's
+    Megatron engine turns fused kernels off for value models too)."""
+    return bool(getattr(engine_config, "use_fused_kernels", False)) and role_key(engine_config) != CRITIC_KEY
 
 
 def check_per_token_loss(value: Any, key: str) -> None:
@@ -123,11 +153,15 @@ def check_actor_config(actor: Any) -> None:
 
 
 def check_model_features(model_config: Any, engine_config: Any) -> None:
-    """verl features the hdp engine's round loop does not carry, each refused naming its key: fused
-    kernels, the per-token-loss regime, multi-token prediction, multimodal models.  Checked when the
-    engine is constructed (the worker has filled in ``use_fused_kernels`` by then)."""
+    """verl features the hdp engine's round loop does not carry, each refused naming its key: fused-kernel
+    options other than hdp's (`check_fused_kernels`), the per-token-loss regime, multi-token prediction,
+    multimodal models.  Checked when the engine is constructed (the worker has filled in
+    ``use_fused_kernels`` by then)."""
     key = role_key(engine_config)
-    check_fused_kernels(getattr(engine_config, "use_fused_kernels", False))
+    critic = key == CRITIC_KEY  # a value head: fused kernels do not apply (`uses_fused_logprobs`), nor their options
+    check_fused_kernels(getattr(engine_config, "use_fused_kernels", False),
+                        None if critic else getattr(model_config, "fused_kernel_options", None),
+                        "critic.model" if critic else "actor_rollout_ref.model")
     overrides = getattr(engine_config, "override_transformer_config", None) or {}
     check_per_token_loss(overrides.get("calculate_per_token_loss", False),
                          f"{key}.megatron.override_transformer_config.calculate_per_token_loss")

@@ -139,7 +139,8 @@ class HdpEngineConfig(compat.McoreEngineConfig):
                 f"recomputes whole experts and needs expert TP 1; set {key}.expert_tensor_parallel_size=1 "
                 "(experts then spread over EP instead) or hdp.zero_memory=none"
             )
-        check_fused_kernels(getattr(self, "use_fused_kernels", False))
+        check_fused_kernels(getattr(self, "use_fused_kernels", False),
+                            key="critic.model" if self.role == "critic" else "actor_rollout_ref.model")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             check_parallel_size(vpp, f"{key}.virtual_pipeline_model_parallel_size")
@@ -178,7 +179,7 @@ class HdpActorConfig(compat.McoreActorConfig):
         super().validate(n_gpus, train_batch_size, model_config)
         if model_config is not None:
             check_remove_padding(model_config.get("use_remove_padding", True))
-            check_fused_kernels(model_config.get("use_fused_kernels", False))
+            check_fused_kernels(model_config.get("use_fused_kernels", False), model_config.get("fused_kernel_options", None))
 
 
 @dataclass

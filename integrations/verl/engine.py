@@ -46,7 +46,7 @@ from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
 from hdp.integrations.verl.checkpoint import loaded_view, saved_view
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
-                                          check_shared_layout, role_key)
+                                          check_shared_layout, role_key, uses_fused_logprobs)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
 from hdp.integrations.verl.routes import route_replay
@@ -140,7 +140,8 @@ class HdpMegatronEngine(_MegatronLM):
         self.core = RoundCore(groups=dom.layout, megatron_groups=dom.megatron, chunks=self.module, device=dev,
                               pad_token_id=self.pad_token_id, cp_algorithm=opts.cp_algorithm,
                               timeout_s=opts.collective_timeout_s, optimizer=getattr(self, "optimizer", None),
-                              abort_groups=lambda: self.domain.groups_to_abort(), on_broken=self._release)
+                              abort_groups=lambda: self.domain.groups_to_abort(), on_broken=self._release,
+                              fused_logprobs=self._fused_logprobs())
 
         def auto() -> Any:
             hf = getattr(self.model_config, "hf_config", None)
@@ -165,6 +166,27 @@ class HdpMegatronEngine(_MegatronLM):
                            skips_option=f"{self.role_key}.hdp.max_consecutive_skips")
         self.same_rows = SameRows()  # verl's batch-wide settings at the groups' batch sizes, kept across steps
         self.losses_checked: dict[Any, Any] = {}  # loss functions found additive (VerlLoss.check_loss)
+
+    def _fused_logprobs(self) -> bool:
+        """``use_fused_kernels=True`` (not the critic's): hdp's fused log-prob path
+        (`hdp.integrations.verl.checks.uses_fused_logprobs`); ValueError naming the key when the model's output
+        layer cannot be replaced exactly (`hdp.megatron_compat.fused_head_problem`), alike on every rank."""
+        if not uses_fused_logprobs(self.hdp_config):
+            if bool(getattr(self.hdp_config, "use_fused_kernels", False)):
+                logger.info("hdp engine: %s has a value head: use_fused_kernels does not apply (log-probs only)",
+                            self.role_key)
+            return False
+        for chunk in self.module:
+            problem = mc.fused_head_problem(chunk)
+            if problem is not None:
+                raise ValueError(f"actor_rollout_ref.model.use_fused_kernels=True: hdp's fused log-prob path cannot "
+                                 f"replace this model's output layer exactly ({problem}); set it to False")
+        return True
+
+    def _maybe_enable_fused_kernels(self) -> None:
+        """Not verl's fused forward (its GPTModel forward computing log-probs inside the model, outside hdp's
+        rounds): with ``use_fused_kernels=True`` the round core runs hdp's fused log-prob path instead
+        (:meth:`_fused_logprobs`)."""
 
     def _release(self) -> None:
         """After a phase broke off inside its collectives (the engine then refuses every call): the step's

@@ -25,7 +25,7 @@ import torch
 from hdp.dispatch import group_to_leader, leader_to_group, pack
 from hdp.integrations.verl import compat, loss_kinds, old_log_prob
 from hdp.integrations.verl.batch import SampleRows
-from hdp.logprobs import logprobs_entropy, sum_pi_squared
+from hdp.fused_logprobs import LastHidden, token_logprobs_entropy, token_sum_pi_squared
 from hdp.packing import Plan
 from hdp.trainer.rounds import RoundInput, check_round_loss, next_token_targets
 
@@ -109,23 +109,24 @@ class VerlLoss:
             parts.insert(0, f"{key}.policy_loss.loss_mode={policy.get('loss_mode', 'vanilla')}")
         return ", ".join(parts)
 
-    def local(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor:
-        """[Tr, C] per-token outputs of this rank's chunks (log-prob, entropy) from the round's logits [Tr, Vl]."""
+    def local(self, rnd: RoundInput, out: torch.Tensor | LastHidden) -> torch.Tensor:
+        """[Tr, C] per-token outputs of this rank's chunks (log-prob, entropy) from the round's output: logits
+        [Tr, Vl], or on the fused path (``use_fused_kernels``) the hidden states and output weight."""
         meta, eng = rnd.meta, self.engine
         assert meta is not None
-        dev = logits.device
+        dev = out.device
         temp = self.temperature if self.temperature.dim() == 0 else self.temperature[meta.sample_index]
         chunk = int(eng.engine_config.entropy_from_logits_chunk_size)
-        logp, ent = logprobs_entropy(logits, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
-                                     temperature=temp.to(dev), entropy=self.entropy, chunk=chunk)  # [Tr]
+        logp, ent = token_logprobs_entropy(out, pack(meta, self.targets).to(dev), eng.domain.layout.tp,
+                                           temperature=temp.to(dev), entropy=self.entropy, chunk=chunk)  # [Tr]
         cols = [logp] + ([ent] if ent is not None else [])
         if self.sum_pi_squared:
-            cols.append(sum_pi_squared(logits, eng.domain.layout.tp, temperature=temp.to(dev), chunk=chunk).to(logp.dtype))
+            cols.append(token_sum_pi_squared(out, eng.domain.layout.tp, temperature=temp.to(dev), chunk=chunk).to(logp.dtype))
         return torch.stack(cols, dim=-1)  # [Tr, C]
 
-    def __call__(self, rnd: RoundInput, logits: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, rnd: RoundInput, out: torch.Tensor | LastHidden) -> torch.Tensor | None:
         assert rnd.meta is not None
-        local = self.local(rnd, logits)  # [Tr, C]
+        local = self.local(rnd, out)  # [Tr, C]
         self.outputs[rnd.index] = local.detach()
         if not self.train or self.loss_function is None:
             return None

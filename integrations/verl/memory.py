@@ -4,7 +4,8 @@ layout, the same `hdp.packing.memory.MemoryModel` the library engine plans with.
 The layout comes from ``actor_rollout_ref.actor.megatron.*`` (TP, PP, virtual PP, EP, expert TP; the
 domain is the DP size with CP 1), the recompute mode from ``override_transformer_config``
 (``recompute_granularity``: ``full`` / ``selective``), zero-memory and the CP algorithm from
-``actor_rollout_ref.actor.hdp.*``, the dtype from the engine's ``dtype``.  The limit is
+``actor_rollout_ref.actor.hdp.*``, the dtype from the engine's ``dtype``, the log-prob path from
+``use_fused_kernels`` (hdp's fused path: the logits term is its bytes).  The limit is
 ``hdp.max_memory_gb`` (``auto``: the device's memory × `hdp.trainer.memory.DEVICE_MEMORY_FRACTION`,
 none on CPU).
 """
@@ -41,7 +42,7 @@ def verl_memory(model_config: Any, engine_config: Any, *, world: int, device: to
     limit = resolve_memory_limit(opts.max_memory_gb, device)
     if hf is None or (check_only and limit is None):
         return None, limit
-    from hdp.integrations.verl.checks import role_key
+    from hdp.integrations.verl.checks import role_key, uses_fused_logprobs
 
     shape = ModelShape.from_hf_config(hf, dtype=str(getattr(engine_config, "dtype", "bfloat16")))
     tp = int(engine_config.tensor_model_parallel_size)
@@ -53,7 +54,8 @@ def verl_memory(model_config: Any, engine_config: Any, *, world: int, device: to
         etp=int(getattr(engine_config, "expert_tensor_parallel_size", None) or tp) if shape.is_moe else 1,
         domain=max(1, world // (tp * pp)),
         recompute=recompute_mode(engine_config), zero_memory=opts.zero_memory.value,
-        cp_algorithm=opts.cp_algorithm.value, param_bytes=shape.dtype_bytes)
+        cp_algorithm=opts.cp_algorithm.value, param_bytes=shape.dtype_bytes,
+        fused_logprobs=uses_fused_logprobs(engine_config))
     if limit is not None:
         check_static_fits(model, limit, f"{role_key(engine_config)}.hdp.max_memory_gb")
     return model, limit

@@ -218,7 +218,8 @@ def guard_hdp_strategy_actor(actor_module: ModuleType) -> bool:
     def validate(self: Any, n_gpus: int, train_batch_size: int, model_config: Any = None) -> Any:
         if self.strategy == BACKEND and model_config is not None:
             checks.check_remove_padding(model_config.get("use_remove_padding", True))
-            checks.check_fused_kernels(model_config.get("use_fused_kernels", False))
+            checks.check_fused_kernels(model_config.get("use_fused_kernels", False),
+                                       model_config.get("fused_kernel_options", None))
         return orig_validate(self, n_gpus, train_batch_size, model_config)
 
     for new, orig in ((__post_init__, orig_post), (validate, orig_validate)):

@@ -105,9 +105,17 @@ def add_faults(sub: Any) -> argparse.ArgumentParser:
 
 
 def add_memory(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "memory", "memory model: predicted vs measured peaks, and a run to a memory limit",
-                      _bench_memory)
-    p.add_argument("--only", default=None, metavar="A,B", help="cases to run (their names, or 'limit'; default all)")
+    p = _bench_parser(sub, "memory", "memory model: predicted vs measured peaks, a run to a memory limit, and the "
+                                     "log-prob paths' bytes and time (--only logprobs)", _bench_memory)
+    p.add_argument("--only", default=None, metavar="A,B",
+                   help="cases to run (their names, 'limit', or 'logprobs': the logits vs the fused log-prob path, a "
+                        "log-prob pass and a training round at --tokens x --vocab, not in the default set: it needs "
+                        "~6 GB and minutes at the defaults; default every case and 'limit')")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="logprobs: tokens T of the round (default 8192)")
+    p.add_argument("--vocab", type=positive_int, default=151936, help="logprobs: vocabulary V (default 151936)")
+    p.add_argument("--hidden", type=positive_int, default=256,
+                   help="logprobs: hidden size H (default 256: the logits path's bytes do not depend on it)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="logprobs: timed pairs per kind (default 3)")
     return p
 
 
@@ -321,7 +329,7 @@ def _bench_memory(args: argparse.Namespace) -> int:
     from hdp.trainer.bench.memory import CASES, bench_limit, bench_memory, summary
 
     only = tuple(s.strip() for s in (args.only or "").split(",") if s.strip())
-    names = {c.name for c in CASES} | {"limit"}
+    names = {c.name for c in CASES} | {"limit", "logprobs"}
     for name in only:
         if name not in names:
             raise CliError(f"--only={name!r}: memory cases are {', '.join(sorted(names))}")
@@ -330,19 +338,43 @@ def _bench_memory(args: argparse.Namespace) -> int:
     if not only or "limit" in only:
         result["limit"] = bench_limit()
         result["passed"] = result["passed"] and result["limit"]["passed"]
+    if "logprobs" in only:
+        from hdp.trainer.bench.logprobs import bench_logprobs
+
+        result["logprobs"] = bench_logprobs(args.tokens, args.vocab, args.hidden, repeats=args.repeats)
+        result["passed"] = result["passed"] and result["logprobs"]["passed"]
     if args.json:
         _emit_json(result)
         return 0
     from rich.table import Table
 
-    table = Table(title="memory model: each round's predicted vs measured peak after calibration (held-out rounds)")
-    for col in ("case", "group sizes", "predicted MB", "measured MB", "max rel err", "max err beyond static", "ok"):
-        table.add_column(col)
-    for c in result["cases"]:
-        table.add_row(c["name"], ",".join(map(str, c["group_sizes"])), f"{c['predicted_bytes'] / 1e6:.3f}",
-                      f"{c['measured_bytes'] / 1e6:.3f}", f"{c['max_rel_err']:.1%}", f"{c['max_dynamic_rel_err']:.1%}",
-                      "yes" if c["passed"] else "NO")
-    _console().print(table)
+    if result["cases"]:
+        table = Table(title="memory model: each round's predicted vs measured peak after calibration (held-out rounds)")
+        for col in ("case", "group sizes", "predicted MB", "measured MB", "max rel err", "max err beyond static", "ok"):
+            table.add_column(col)
+        for c in result["cases"]:
+            table.add_row(c["name"], ",".join(map(str, c["group_sizes"])), f"{c['predicted_bytes'] / 1e6:.3f}",
+                          f"{c['measured_bytes'] / 1e6:.3f}", f"{c['max_rel_err']:.1%}", f"{c['max_dynamic_rel_err']:.1%}",
+                          "yes" if c["passed"] else "NO")
+        _console().print(table)
+    lp = result.get("logprobs")
+    if lp:
+        sh = lp["shape"]
+        t = Table(title=f"log-prob paths: T={sh['tokens']}, V={sh['vocab']}, H={sh['hidden']}, {sh['dtype']}, "
+                        f"{lp['threads']} threads, {lp['repeats']} timed pairs (median, min-max)")
+        for col in ("kind", "path", "peak MB", "peak MB beyond dW", "fused / logits", "seconds", "time fused / logits"):
+            t.add_column(col)
+        for kind in ("logprob_pass", "training_round"):
+            row = lp[kind]
+            for path in ("logits", "fused"):
+                r = row[path]
+                sec = (f"{r['seconds_median']:.2f} ({r['seconds_spread'][0]:.2f}-{r['seconds_spread'][1]:.2f})"
+                       if r["seconds_median"] is not None else "-")
+                ratio = path == "fused"
+                t.add_row(kind, path, f"{r['peak_bytes'] / 1e6:.0f}", f"{r['peak_bytes_beyond_weight_grad'] / 1e6:.0f}",
+                          f"{row['memory_ratio']:.3f}" if ratio else "",
+                          sec, f"{row['time_ratio_median']:.2f}" if ratio and row["time_ratio_median"] else "")
+        _console().print(t)
     lim = result.get("limit")
     if lim:
         _console().print(

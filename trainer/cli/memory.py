@@ -26,7 +26,8 @@ __all__ = ["add_memory_args", "memory_requested", "MemorySetup", "memory_setup",
 MAX_MEMORY_GB = 1 << 20
 """Largest --memory-gb accepted (a device of a PiB is a typo)."""
 _FLAGS = {"memory_gb": "--memory-gb", "shape": "--shape", "layout": "--layout", "zero_memory": "--zero-memory",
-          "recompute": "--recompute", "cp_algorithm": "--cp-algorithm", "memory_coefficients": "--memory-coefficients"}
+          "recompute": "--recompute", "cp_algorithm": "--cp-algorithm", "memory_coefficients": "--memory-coefficients",
+          "logprobs": "--logprobs"}
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="activation recompute of the job (default none: the most memory)")
     g.add_argument("--cp-algorithm", default=None, choices=("ring", "allgather"), dest="cp_algorithm",
                    help="CP attention of the job (default ring)")
+    g.add_argument("--logprobs", default=None, choices=("logits", "fused"),
+                   help="the job's log-prob path (default logits: the most memory): logits — from Megatron's logits "
+                        "and their gradient, [T, V/TP] each; fused — from the hidden states and the output weight "
+                        "(hdp.fused_logprobs: the library engine's default, verl's use_fused_kernels=True)")
     g.add_argument("--memory-coefficients", default=None, metavar="FILE", dest="memory_coefficients",
                    help="a cost-model file whose memory section (hdp calibrate) holds the fitted coefficients; "
                         "default: the --cost-model file's memory section when it has one, else the formulas as written")
@@ -108,6 +113,8 @@ def memory_setup(args: argparse.Namespace) -> MemorySetup | None:
         raise CliError("--memory-gb/--layout need --ranks/-N, the domain the layout's data-parallel size is")
     spec = args.layout or "tp1,pp1"
     extra = {n: getattr(args, n) for n in ("recompute", "zero_memory", "cp_algorithm") if getattr(args, n) is not None}
+    if args.logprobs is not None:
+        extra["fused_logprobs"] = args.logprobs == "fused"
     try:
         layout = MemoryLayout.parse(spec, domain=args.ranks, **extra)
     except ValueError as exc:
@@ -173,11 +180,11 @@ def round_peaks(plan: Any, model: Any) -> np.ndarray:
 
 
 def layout_text(layout: Any) -> str:
-    """``"tp1,pp8,ep16 (domain 16; recompute none, zero-memory none, CP ring)"``."""
+    """``"tp1,pp8,ep16 (domain 16; recompute none, zero-memory none, CP ring, log-probs from logits)"``."""
     parts = [f"tp{layout.tp}", f"pp{layout.pp}"] + ([f"vpp{layout.vpp}"] if layout.vpp > 1 else []) + [f"ep{layout.ep}"]
     parts += [f"etp{layout.etp}"] if layout.etp > 1 else []
     return ",".join(parts) + f" (domain {layout.domain}; recompute {layout.recompute}, zero-memory {layout.zero_memory}, " \
-                             f"CP {layout.cp_algorithm})"
+                             f"CP {layout.cp_algorithm}, log-probs {'fused' if layout.fused_logprobs else 'from logits'})"
 
 
 def whatif(lengths: np.ndarray, plan: Any, config: Any, setup: MemorySetup, static_cp: int | None) -> dict[str, Any]:
