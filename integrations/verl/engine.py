@@ -245,8 +245,9 @@ class HdpMegatronEngine(_MegatronLM):
         key = f"{self.role_key}.megatron.override_transformer_config"
         # the fusion flags of hdp's own RoPE / SwiGLU and MindSpeed's keys without MindSpeed leave Megatron's config
         self.fusions = resolve_fusions(self.engine_config.override_transformer_config, mindspeed=self.mindspeed, key=key)
+        first = not dist.is_initialized() or dist.get_rank() == 0  # the same flags on every rank: said once
         for line in describe_fusions(self.fusions, select_device(None), key):
-            logger.warning("hdp engine: %s", line)
+            logger.log(logging.WARNING if first else logging.DEBUG, "hdp engine: %s", line)
         with compat.megatron_sees_overrides(self.engine_config, self.fusions.megatron_overrides):
             super()._build_tf_config()
         cfg = self.tf_config
