@@ -1,8 +1,8 @@
 """Fused elementwise kernels of hdp's own math: RoPE's rotation and the MoE experts' SwiGLU (one seam, every device).
 
 hdp computes two things that Megatron (and MindSpeed's patches of Megatron) would otherwise fuse: RoPE, inside
-hdp's core attention (``trainer/attention_spec.py``: Megatron's RoPE cannot express hdp's CP layout, so it never
-runs under hdp), and the experts' SwiGLU under MoE zero-memory (:mod:`hdp.moe.zero_memory`: one autograd node from
+hdp's core attention (``HdpCoreAttention``: Megatron's RoPE cannot express hdp's CP layout, so it never runs
+under hdp), and the experts' SwiGLU under MoE zero-memory (:mod:`hdp.moe.zero_memory`: one autograd node from
 dispatch to combine, so Megatron's activation never runs there either).  When a model asks for the fused kernels
 (Megatron's ``apply_rope_fusion`` / ``bias_activation_fusion``, MindSpeed's ``use_fused_rotary_pos_emb`` /
 ``use_fused_swiglu``), these two call sites take the device's kernel where one exists:

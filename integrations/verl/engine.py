@@ -263,7 +263,8 @@ class HdpMegatronEngine(_MegatronLM):
 
             for chunk in module:
                 apply_zero_memory(compat.unwrap_model(chunk), self.hdp_config.hdp.zero_memory,
-                                  self.hdp_config.hdp.zero_memory_num_layers, fused_swiglu=self.fusions.swiglu)
+                                  self.hdp_config.hdp.zero_memory_num_layers,
+                                  fused_swiglu=True if self.fusions.swiglu else None)  # None: the built config's own
         return module
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
