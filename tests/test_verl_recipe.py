@@ -93,14 +93,18 @@ def test_every_recipe_and_example_override_is_a_megatron_field_or_a_classified_f
         for k in keys:
             if k in FLAGS:
                 assert FLAGS[k].mindspeed == (k not in fields), k  # MindSpeed's keys are exactly the non-fields
+    # the NPU example's MindSpeed-only keys are among the flags the worker test builds verl's worker with
+    npu = _override_keys(sources["qwen3_moe_grpo_npu.sh"])
+    mindspeed_keys = {k for k in npu if k not in fields}
+    assert mindspeed_keys and mindspeed_keys <= set(FUSION_FLAGS), mindspeed_keys
     keys = {k: v == "True" for k, v in _override_keys(recipe_overrides()).items()}
     assert set(FUSION_FLAGS) <= set(keys) and all(keys[f] for f in FUSION_FLAGS)
     here = resolve(keys, mindspeed=False, key="k")
     assert here.rope and here.swiglu and here.flags == FUSION_FLAGS
     assert set(here.megatron_overrides) == {"moe_grouped_gemm", "bias_activation_fusion"}
     assert here.dropped == ("use_fused_rmsnorm",)
-    npu = resolve(keys, mindspeed=True, key="k")
-    assert set(npu.megatron_overrides) == set(keys) - {"apply_rope_fusion"} and npu.dropped == ()
+    on_npu = resolve(keys, mindspeed=True, key="k")
+    assert set(on_npu.megatron_overrides) == set(keys) - {"apply_rope_fusion"} and on_npu.dropped == ()
     assert {k for k, f in FLAGS.items() if f.handling is Handling.MEGATRON} == {"use_fused_rmsnorm"}
     # each flag names the kernel a device runs for it
     assert all("npu" in f.device_path for f in FLAGS.values())
