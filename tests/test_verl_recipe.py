@@ -347,7 +347,8 @@ def test_main_ppo_two_steps_with_the_recipe_flags_equal_stock_megatron(tmp_path)
     rollout).  Tolerance: 1e-4 relative plus 1e-6 absolute (fp32; the engines sum in different orders: packed CP
     chunks, DP 2 micro-batches, grouped GEMMs inside or outside zero-memory)."""
     pytest.importorskip("hdp.integrations.verl.scaffolding.stock_megatron",
-                        reason="verl's stock Megatron engine on CPU (integrations/verl/scaffolding/stock_megatron.py)")
+                        reason="needs verl's stock Megatron engine on CPU: hdp.integrations.verl.scaffolding.stock_megatron, "
+                               "the conformance suite's scaffolding, is not in this tree")
     stock = _steps(tmp_path / "stock", "megatron")
     hdp = _steps(tmp_path / "hdp", "hdp")
     worst: dict[str, float] = {}
