@@ -13,14 +13,14 @@ schedule (1F1B, or interleaved with virtual stages), under TP each domain rank's
 split over its TP group by Megatron (sequence parallel), and hdp's CP rings / all-gathers connect
 the domain ranks of the same TP rank and stage.
 
-A step is the one step sequence both doors run (:mod:`hdp.trainer.step` on the round core,
-:mod:`hdp.trainer.rounds`): agree on the call, validation, plan checksum and batch digest; every round
+A step is the one step sequence both doors run (:mod:`hdp.core.step` on the round core,
+:mod:`hdp.core.rounds`): agree on the call, validation, plan checksum and batch digest; every round
 through Megatron's schedule; one all-reduce of the loss and its non-finite flags; the optimizer step or
-an agreed skip; calibration records and auto-calibration (:mod:`hdp.trainer.planning`).  What is this
+an agreed skip; calibration records and auto-calibration (:mod:`hdp.core.planning`).  What is this
 engine's own: the :class:`Batch` it takes, its validation, the per-token loss weights of the
 configured aggregation (:mod:`hdp.loss`: Σ over the domain of Σ_t w_t ℓ_t is the exact
 single-process loss), its loss adapter (``loss_fn`` on each round's local tokens), the outputs of
-:meth:`HdpEngine.forward` and checkpoints (:mod:`hdp.trainer.checkpoint`).
+:meth:`HdpEngine.forward` and checkpoints (:mod:`hdp.core.checkpoint`).
 
 Errors (docs/design.md, "Failure contract").  Whatever fails on one rank fails on every rank of the job,
 before the next collective and with nothing applied: every public call that communicates starts with
@@ -422,7 +422,7 @@ class HdpEngine:
         ``loss_fn`` (raising, returning ``None``, a non-scalar or a tensor without grad) on any rank, and
         :class:`NonFiniteLossError` when a loss is NaN/inf or — :class:`NonFiniteGradientError`, a
         subclass — when the loss is finite but a gradient is NaN/inf on any rank (detected in the step's one
-        reduce, before the update); :class:`~hdp.trainer.step.SkippedUpdatesError` instead when that skip is
+        reduce, before the update); :class:`~hdp.core.step.SkippedUpdatesError` instead when that skip is
         the ``PlanningConfig.max_consecutive_skips``-th in a row (it names the first one's cause).  Ctrl-C during validation: every other rank raises naming this one,
         this one raises its ``KeyboardInterrupt``, and the engine stays usable on every rank (a trainer may
         then save a checkpoint on every rank).  A rank that dies or hangs mid-step makes
@@ -454,7 +454,7 @@ class HdpEngine:
 
     def plan_ahead(self, batches: Sequence[Batch]) -> None:
         """Announce the next mini-batches (in the order ``train_step`` will get them): each one's plan is
-        made on a background thread while the one before it trains (`hdp.trainer.plan_ahead`; the
+        made on a background thread while the one before it trains (`hdp.core.plan_ahead`; the
         same plans as in line).  ``hdp/planner_ms_exposed`` then reports what a step still waited.  Local
         (no collective): the plans are agreed by the steps that use them."""
         self._usable("plan_ahead")

@@ -9,7 +9,10 @@
 # 11 on the first and the last, 12 on each of the 6 in between.  MoE zero-memory level1 frees the
 # expert path's activations (so a 32K response fits a smaller CP group), with grouped-GEMM experts
 # (moe_grouped_gemm=True: mbridge builds TransformerEngine's TEGroupedMLP; zero-memory runs their GEMMs as
-# torch's grouped_mm, bf16 on compute capability >= 8.0).
+# torch's grouped_mm, bf16 on compute capability >= 8.0).  The fusion flags (docs/verl.md, "The recipe's flags"):
+# apply_rope_fusion makes hdp's own RoPE take flash-attn's rotary kernel where flash-attn is installed (not run on
+# hardware), bias_activation_fusion fuses Megatron's MLP activations (the zero-memory experts' SwiGLU has no CUDA
+# kernel in hdp: the plain form); use_fused_kernels=True runs hdp's fused log-probs (no [T, V] logits).
 #
 # Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run (there with a CPU
 # stand-in of TE's grouped linear, same weight names); verl 0.9.1's default, Megatron-Bridge
@@ -45,6 +48,7 @@ python3 -m verl.trainer.main_ppo \
     data.truncation=error \
     actor_rollout_ref.model.path="$MODEL_PATH" \
     actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.model.use_fused_kernels=True \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.ppo_mini_batch_size=32 \
     actor_rollout_ref.actor.use_dynamic_bsz=True \
@@ -59,6 +63,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.use_distributed_optimizer=True \
     actor_rollout_ref.actor.megatron.param_offload=True \
     actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
@@ -67,6 +72,8 @@ python3 -m verl.trainer.main_ppo \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=True \
     actor_rollout_ref.actor.hdp.policy=hdp \
     actor_rollout_ref.actor.hdp.group_shape=any \
     actor_rollout_ref.actor.hdp.cp_algorithm=ring \
@@ -77,6 +84,8 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.hdp.collective_timeout_s=1800 \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
+    actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1 \
+    actor_rollout_ref.ref.megatron.use_distributed_optimizer=True \
     actor_rollout_ref.ref.megatron.param_offload=True \
     actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \

@@ -14,6 +14,10 @@
 # zero-memory level0 with grouped-GEMM experts (moe_grouped_gemm=True; zero-memory runs their GEMMs through
 # torch_npu's npu_grouped_matmul, an adapter not run on hardware; whichever of Megatron's expert modules
 # MindSpeed builds must be SequentialMLP, GroupedMLP or TEGroupedMLP, or hdp refuses naming the class).
+# The recipe's fused kernels (docs/verl.md, "The recipe's flags"): use_fused_rotary_pos_emb makes hdp's own RoPE
+# take torch_npu.npu_rotary_mul, use_fused_swiglu with bias_activation_fusion the zero-memory experts' SwiGLU
+# torch_npu.npu_swiglu (both adapters not run on hardware), use_fused_rmsnorm goes to MindSpeed (its patch of
+# Megatron's RMSNorm); use_fused_kernels=True runs hdp's fused log-probs (no [T, V] logits).
 #
 # Model building: vanilla_mbridge=True (PyPI mbridge), the path hdp's CPU tests run; verl 0.9.1's default,
 # Megatron-Bridge (vanilla_mbridge=False), has never run with hdp (verl warns that mbridge is deprecated).
@@ -56,6 +60,7 @@ python3 -m verl.trainer.main_ppo \
     data.truncation=error \
     actor_rollout_ref.model.path="$MODEL_PATH" \
     actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.model.use_fused_kernels=True \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.ppo_mini_batch_size=32 \
     actor_rollout_ref.actor.use_dynamic_bsz=True \
@@ -70,6 +75,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
     actor_rollout_ref.actor.megatron.expert_model_parallel_size=$EP \
     actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.use_distributed_optimizer=True \
     actor_rollout_ref.actor.megatron.param_offload=True \
     actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
     actor_rollout_ref.actor.megatron.optimizer_offload=True \
@@ -77,8 +83,10 @@ python3 -m verl.trainer.main_ppo \
     +actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=23 \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32 \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.bias_activation_fusion=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rmsnorm=True \
     +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_swiglu=True \
+    +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rotary_pos_emb=True \
     actor_rollout_ref.actor.hdp.policy=hdp \
     actor_rollout_ref.actor.hdp.group_shape=pow2 \
     actor_rollout_ref.actor.hdp.cp_algorithm=allgather \
@@ -87,6 +95,8 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.hdp.collective_timeout_s=1800 \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$PP \
     actor_rollout_ref.ref.megatron.expert_model_parallel_size=$EP \
+    actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1 \
+    actor_rollout_ref.ref.megatron.use_distributed_optimizer=True \
     actor_rollout_ref.ref.megatron.param_offload=True \
     actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \

@@ -188,7 +188,8 @@ FIELDS: dict[str, Rule] = {
     "attention_softmax_in_fp32": _no_math("softmax precision: hdp's kernels accumulate in float32 (float64 inputs: "
                                           "float64)"),
     "masked_softmax_fusion": _no_math("a fused kernel of Megatron's softmax"),
-    "apply_rope_fusion": _no_math("a fused kernel of Megatron's RoPE; hdp applies RoPE itself"),
+    "apply_rope_fusion": _no_math("a fused RoPE kernel: hdp applies RoPE itself and then takes the device's fused "
+                                  "kernel (hdp.kernels.fusions.rotate); same math"),
     "fused_single_qkv_rope": _no_math("a fused QKV + RoPE kernel; Megatron's RoPE is off under hdp"),
     "kitchen_attention_backend": _no_math("Kitchen's backend (Kitchen attention itself is refused)"),
     "tp_comm_overlap_disable_qkv": _no_math("TP communication overlap"),

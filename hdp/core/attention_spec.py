@@ -50,7 +50,7 @@ import torch
 from hdp.cp import CPAlgorithm, cp_attention
 from hdp.cp import metadata as cp_metadata
 from hdp.groups import DomainGroups, RingSpec
-from hdp.kernels import AttentionKernel, KeyWindow, get_kernel, kernel_attention
+from hdp.kernels import AttentionKernel, KeyWindow, fusions, get_kernel, kernel_attention
 from hdp.megatron_compat import AttnMaskType, MegatronModule, PackedSeqParams, TransformerConfig
 from hdp.rope import RopeScaling, apply_rope, rope_cos_sin
 from hdp.core.attention_config import AttentionSettings, SoftmaxType, check_attention_config
@@ -89,6 +89,9 @@ class RopeConfig:
     """Fraction of the head dim that is rotated (Megatron's ``rotary_percent``)."""
     enabled: bool = True
     """Whether to apply RoPE at all."""
+    fused: bool = False
+    """Rotate with the device's fused kernel where one exists (:func:`hdp.kernels.fusions.rotate`; Megatron's
+    ``apply_rope_fusion``, MindSpeed's ``use_fused_rotary_pos_emb``); the plain form elsewhere."""
     scaling: RopeScaling | None = None
     """Frequency variant (llama3, yarn, linear, dynamic; :class:`hdp.rope.RopeScaling`); ``None``: plain RoPE."""
     interleaved: bool = False
@@ -307,6 +310,7 @@ class HdpCoreAttention(MegatronModule):
         self.layer_number = layer_number
         self.rope = rope if rope is not None else RopeConfig()
         self.rope_enabled = self.rope.enabled and self.settings.rope_for(layer_number)
+        self.rope_fused = self.rope.fused or bool(getattr(config, "apply_rope_fusion", False))
         self.window = self.settings.window_for(layer_number)
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.settings.softmax_scale
         self.softmax_type = self.settings.softmax_type
@@ -395,8 +399,12 @@ class HdpCoreAttention(MegatronModule):
         if q.shape[0] and self.rope_enabled:
             span = self.settings.rope_dim if self.settings.rope_dim is not None else q.shape[-1] - start
             cos, sin = _rope_cos_sin(psp, positions.to(q.device), span, self.rope, q.dtype)  # [Tr, 1, Dr]
-            q = apply_rope(q, cos, sin, start=start, interleaved=self.rope.interleaved)
-            k = apply_rope(k, cos, sin, start=start, interleaved=self.rope.interleaved)
+            if self.rope.interleaved:  # MLA's interleaved pairs: the plain form (no fused kernel takes them)
+                q = apply_rope(q, cos, sin, start=start, interleaved=True)
+                k = apply_rope(k, cos, sin, start=start, interleaved=True)
+            else:
+                q = fusions.rotate(q, cos, sin, fused=self.rope_fused, start=start)
+                k = fusions.rotate(k, cos, sin, fused=self.rope_fused, start=start)
         scale = self._scale(q)
         sink = self._sink(q)
         if cp is None:

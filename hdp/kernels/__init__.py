@@ -7,7 +7,9 @@ flash-attn package), :mod:`.torch_flash` (torch's own fused varlen flash attenti
 (``torch_npu``).
 
 Beside them, :mod:`hdp.kernels.grouped_gemm` is the one seam of MoE grouped GEMMs (torch's
-``grouped_mm`` on CPU and CUDA, torch_npu's grouped matmul on NPU, a loop of matmuls elsewhere).
+``grouped_mm`` on CPU and CUDA, torch_npu's grouped matmul on NPU, a loop of matmuls elsewhere), and
+:mod:`hdp.kernels.fusions` the seam of the fused elementwise kernels of hdp's own RoPE and the experts'
+SwiGLU (torch_npu's ``npu_rotary_mul`` / ``npu_swiglu``, flash-attn's rotary; the plain form elsewhere).
 
 Variants (:mod:`.variants`): a sliding window by sample position (:class:`KeyWindow`) and value
 heads wider or narrower than query/key heads (Dv != D, as MLA) are computed by the reference kernel;

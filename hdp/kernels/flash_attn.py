@@ -14,6 +14,9 @@ Differences bridged here:
     sizes split, fewer return values); the installed version picks the keyword arguments, the
     return arity picks the outputs.  Needs flash-attn >= 2.4 (varlen lse laid out as [Hq, Tq]).
 
+Beside attention, :func:`rotary` adapts flash-attn's RoPE kernel (``flash_attn.layers.rotary.apply_rotary_emb``,
+triton) to :mod:`hdp.kernels.fusions`' rotary contract.  Also NOT RUN ON HARDWARE.
+
 Layout legend: T tokens (packed THD), Hq/Hkv query/kv heads, D head dim.  lse is [Hq, Tq].
 """
 
@@ -27,7 +30,7 @@ import torch
 
 from hdp.kernels import reference
 
-__all__ = ["available", "attn_fwd", "attn_bwd"]
+__all__ = ["available", "attn_fwd", "attn_bwd", "rotary_available", "rotary"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +177,35 @@ def attn_bwd(
         **_window_kwargs(),
     )
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=1)
+def _rotary_module() -> Any | None:
+    try:
+        from flash_attn.layers import rotary as fa_rotary
+    except Exception as exc:  # ImportError, or triton missing / broken
+        logger.debug("flash_attn rotary not usable: %s", exc)
+        return None
+    return fa_rotary
+
+
+def rotary_available() -> bool:
+    """Whether flash-attn's rotary kernel (``flash_attn.layers.rotary.apply_rotary_emb``) imports."""
+    return _rotary_module() is not None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` [T, H, Dr] with per-token ``cos``/``sin`` [T, 1, Dr] (``cat(angle, angle)`` halves, as
+    :func:`hdp.rope.rope_cos_sin` builds them) through flash-attn's ``apply_rotary_emb``: differentiable.
+
+    flash-attn indexes its cos/sin tables [S, Dr/2] by the token's row in a [B, S, H, Dr] batch; hdp's tokens sit
+    at arbitrary sample positions (zigzag CP chunks), so ``x`` goes in as one batch row of T tokens and the tables
+    are this micro-batch's own per-token rows (row t holds token t's angle): the same x·cos + rotate_half(x)·sin."""
+    mod = _rotary_module()
+    if mod is None:
+        raise ValueError("fused rotary: flash_attn.layers.rotary is not importable; use the plain form")
+    half = cos.shape[-1] // 2
+    c = cos[:, 0, :half].contiguous()  # [T, Dr/2]: the first half (the second repeats it)
+    s = sin[:, 0, :half].contiguous()  # [T, Dr/2]
+    out = mod.apply_rotary_emb(x.unsqueeze(0), c, s, interleaved=False)  # [1, T, H, Dr]
+    return out.squeeze(0)  # [T, H, Dr]

@@ -14,6 +14,10 @@ Mapping:
     trick MindSpeed's ring attention uses).
   * GQA: the operator accepts Hkv dividing Hq with ``head_num = Hq``.
 
+Beside attention, the two elementwise kernels of :mod:`hdp.kernels.fusions` (also NOT RUN ON HARDWARE):
+:func:`rotary_mul` (``torch_npu.npu_rotary_mul``, MindSpeed's fused RoPE) and :func:`swiglu`
+(``torch_npu.npu_swiglu``, MindSpeed's fused SwiGLU); both differentiable through torch_npu's own backward.
+
 Layout legend: T tokens (packed THD = TND), Hq/Hkv query/kv heads (N), D head dim.  lse is [Hq, Tq].
 """
 
@@ -27,7 +31,7 @@ import torch
 
 from hdp.kernels import reference
 
-__all__ = ["available", "attn_fwd", "attn_bwd"]
+__all__ = ["available", "attn_fwd", "attn_bwd", "rotary_mul", "swiglu"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +135,23 @@ def attn_bwd(
         sparse_mode=3 if causal else 0,
     )
     return res[0], res[1], res[2]
+
+
+def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` [T, H, Dr] with ``cos``/``sin`` [T, 1, Dr] through ``torch_npu.npu_rotary_mul``
+    (x·r1 + rotate_half(x)·r2, "half" mode), as MindSpeed calls it on [S, B, N, D] with tables [S, 1, 1, D]:
+    here S = T tokens, B = 1."""
+    tnpu = _torch_npu()
+    if tnpu is None:
+        raise ValueError("fused rotary: torch_npu is not importable; use the plain form")
+    out = tnpu.npu_rotary_mul(x.unsqueeze(1), cos.unsqueeze(1), sin.unsqueeze(1))  # [T, 1, H, Dr]
+    return out.squeeze(1)  # [T, H, Dr]
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[:, :F]) · h[:, F:] of ``h`` [n, 2F] through ``torch_npu.npu_swiglu(h, dim=-1)`` (the gate half first,
+    Megatron's layout, as MindSpeed's fused SwiGLU)."""
+    tnpu = _torch_npu()
+    if tnpu is None:
+        raise ValueError("fused swiglu: torch_npu is not importable; use the plain form")
+    return tnpu.npu_swiglu(h, dim=-1)  # [n, F]

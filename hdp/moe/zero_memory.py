@@ -53,6 +53,13 @@ weight gradient runs.  For SwiGLU experts (``activation_func=silu``, no clamp) t
 probs backward is written out (the same elementwise ops autograd runs, writing the two halves of
 dh in place instead of building a graph and concatenating); other activations go through autograd.
 
+Fused SwiGLU.  Megatron's activation never runs on this path, so Megatron's ``bias_activation_fusion`` and
+MindSpeed's ``use_fused_swiglu`` (which patches Megatron's) would not reach it: a layer asked to fuse
+(:attr:`ZeroMemoryMoELayer.fused_swiglu`; by default the config's ``bias_activation_fusion``) computes silu(a)·b
+with the device's fused kernel (:mod:`hdp.kernels.fusions`: ``torch_npu.npu_swiglu`` on NPU, not run on
+hardware) in forward and in the backward's recompute, and the activation's backward through that kernel's own;
+where there is none (CPU, CUDA) or the activation is not plain SwiGLU (an offset, a clamp) the plain form runs.
+
 The order of events of a backward can be recorded through a :class:`ZeroMemoryTrace` set on the
 layer (``layer.trace``); tests use it to check that the re-dispatch is issued before the GEMM it
 hides behind and waited on after it.
@@ -70,6 +77,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hdp import megatron_compat as mc
+from hdp.kernels import fusions
 from hdp.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from hdp.moe.levels import ZeroMemoryLevel, layer_levels
 from hdp.moe.metadata import DispatchMeta, dispatch_meta, permutation_indices
@@ -251,6 +259,9 @@ class _ExpertSpec:
     """Set (Megatron's ``glu_linear_offset``; 0 for ``GroupedMLP``) when the activation is plain
     SwiGLU (silu, no clamp): the activation backward then runs the explicit formulas of
     :func:`_swiglu_grads`."""
+    swiglu_kernel: fusions.FusedKernel | None = None
+    """The device's fused SwiGLU kernel, when the layer fuses and the activation is SwiGLU without offset or
+    clamp: it computes the activation in forward and (through its own backward) in :func:`_experts_backward`."""
 
     def record(self, name: str) -> None:
         """Record event ``name`` on the trace, if one is attached."""
@@ -275,7 +286,7 @@ def _ungroup(t: torch.Tensor, group_index: torch.Tensor | None) -> torch.Tensor:
 
 def _act_times_probs(spec: _ExpertSpec, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """z = act(h) · p, cast back to h's dtype (Megatron MLP's per_token_scale path)."""
-    a = spec.activation(h)  # [n, F]
+    a = spec.activation(h) if spec.swiglu_kernel is None else fusions.swiglu(h, spec.swiglu_kernel)  # [n, F]
     return (a * p.unsqueeze(-1)).to(a.dtype)
 
 
@@ -330,6 +341,8 @@ def _experts_backward(
     received probs p_g [R], fc2's output gradient dy_g [R, H] and fc2's input-gradient operand w2b
     [L, H, F]; ``(dh [R, F1], dp [R], fc2 grads)``."""
     sizes = spec.sizes
+    if spec.swiglu_kernel is not None:
+        return _fused_swiglu_backward(spec, h_g, p_g, dy_g, w2b)
     if spec.swiglu_offset is not None:
         dh_g = torch.empty_like(h_g)  # [R, F1]
         z, parts = _swiglu_z(h_g, p_g, spec.swiglu_offset)  # [R, F]
@@ -345,6 +358,30 @@ def _experts_backward(
     dw2 = spec.weights.fc2_grads(z.detach(), dy_g, sizes)
     dz = grouped_mm(dy_g, w2b, sizes)  # [R, F]
     dh_g, dp_g = torch.autograd.grad(z, (h_l, p_l), dz)  # activation and probs backward
+    return dh_g, dp_g, dw2
+
+
+def _fused_swiglu_backward(
+    spec: _ExpertSpec, h_g: torch.Tensor, p_g: torch.Tensor, dy_g: torch.Tensor, w2b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`_experts_backward` with the fused SwiGLU kernel: the activation recomputed by the kernel and its
+    backward through the kernel's own (autograd); the probs backward and fc2 as in :func:`_swiglu_grads`::
+
+        act = swiglu(h);  z = (act·p).to(dt);  dp = Σ_f dz·act;  dact = dz·p;  dh = swiglu'(h)ᵀ dact
+    """
+    assert spec.swiglu_kernel is not None
+    with torch.enable_grad():
+        h_l = h_g.detach().requires_grad_(True)
+        act = fusions.swiglu(h_l, spec.swiglu_kernel)  # [R, F] recomputed by the kernel
+    a = act.detach()
+    z = (a * p_g.unsqueeze(-1)).to(a.dtype)  # [R, F]
+    dw2 = spec.weights.fc2_grads(z, dy_g, spec.sizes)  # fc2 weight grads
+    del z
+    dz = grouped_mm(dy_g, w2b, spec.sizes)  # [R, F] fc2 input grad
+    dzc = dz.to(torch.promote_types(a.dtype, p_g.dtype))
+    dp_g = (dzc * a).sum(-1).to(p_g.dtype)  # [R] probs grad
+    dact = dzc.mul_(p_g.unsqueeze(-1)).to(h_g.dtype)  # [R, F]
+    (dh_g,) = torch.autograd.grad(act, h_l, dact)  # [R, F1] through the kernel's backward
     return dh_g, dp_g, dw2
 
 
@@ -530,6 +567,8 @@ class ZeroMemoryMoELayer(mc.MoELayer):
     ``moe`` recompute.
 
     ``trace``: optional :class:`ZeroMemoryTrace` receiving the backward's event order.
+    ``fused_swiglu``: compute the experts' SwiGLU with the device's fused kernel (module docstring, "Fused
+    SwiGLU"); ``None``: as the config's ``bias_activation_fusion`` says.
     """
 
     def __init__(
@@ -543,6 +582,7 @@ class ZeroMemoryMoELayer(mc.MoELayer):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.zero_memory_level = ZeroMemoryLevel.NONE
         self.trace: ZeroMemoryTrace | None = None
+        self.fused_swiglu: bool | None = None
         self.set_zero_memory_level(zero_memory_level)
 
     @classmethod
@@ -561,6 +601,7 @@ class ZeroMemoryMoELayer(mc.MoELayer):
         new.__dict__.update(layer.__dict__)  # shares _modules/_parameters/_buffers dicts
         new.zero_memory_level = ZeroMemoryLevel.NONE
         new.trace = None
+        new.fused_swiglu = None
         new.set_zero_memory_level(level)
         return new
 
@@ -641,12 +682,26 @@ class ZeroMemoryMoELayer(mc.MoELayer):
             trace=self.trace,
             weights=weights,
             swiglu_offset=_swiglu_offset(self.experts.config, kind),
+            swiglu_kernel=self._swiglu_kernel(kind, x.device),
         )
         out = _ZeroMemoryExperts.apply(spec, x, probs_perm, sorted_indices, group_index, *weights.params)  # [T, H]
         out = out.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_out is not None:
             out = out + shared_out
         return out, None
+
+    def _swiglu_kernel(self, kind: ExpertKind, device: torch.device) -> fusions.FusedKernel | None:
+        """The fused SwiGLU kernel this layer's experts run, if it fuses (:attr:`fused_swiglu`, else the config's
+        ``bias_activation_fusion``), the activation is SwiGLU without offset or clamp and the device has one."""
+        cfg = self.experts.config
+        fuse = self.fused_swiglu if self.fused_swiglu is not None else bool(getattr(cfg, "bias_activation_fusion", False))
+        if not fuse:
+            return None
+        unfit = None
+        if _swiglu_offset(cfg, kind) != 0.0:
+            unfit = ("the experts' activation is not SwiGLU without an offset or clamp (activation_func, "
+                     "glu_linear_offset, activation_func_clamp_value)")
+        return fusions.resolve(fusions.Fusion.SWIGLU, device, unfit=unfit)
 
     def _dispatch_meta(self, routing_map: torch.Tensor) -> DispatchMeta:
         """Gather every EP rank's tokens-per-expert over the (explicit) EP group; build the metadata."""
@@ -674,19 +729,23 @@ def apply_zero_memory(
     model: torch.nn.Module,
     level: ZeroMemoryLevel | str,
     first_n_layers: int | None = None,
+    *,
+    fused_swiglu: bool | None = None,
 ) -> list[ZeroMemoryMoELayer]:
     """Set the zero-memory level of every MoE layer of a built model (one pipeline stage).
 
     Each Megatron ``MoELayer`` is replaced in its parent by a :class:`ZeroMemoryMoELayer` that shares
     its parameters and submodules (same names, same tensors: call this before or after building DDP
     and the optimizer).  Layers are ordered by ``layer_number``; see :func:`layer_levels` for
-    ``first_n_layers``.  Returns the zero-memory layers in that order.
+    ``first_n_layers``.  ``fused_swiglu``: :attr:`ZeroMemoryMoELayer.fused_swiglu` of every layer (``None``: the
+    config's ``bias_activation_fusion``).  Returns the zero-memory layers in that order.
     """
     found = sorted(_moe_parents(model), key=lambda t: (t[2].layer_number or 0))
     levels = layer_levels(level, len(found), first_n_layers)
     out = []
     for (parent, name, layer), lv in zip(found, levels):
         zm = ZeroMemoryMoELayer.from_moe_layer(layer, lv)
+        zm.fused_swiglu = fused_swiglu
         if zm is not layer:
             setattr(parent, name, zm)
         out.append(zm)

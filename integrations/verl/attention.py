@@ -142,7 +142,7 @@ def mla_softmax_scale(tf_config: Any, hf_config: Any | None, megatron_scale: flo
     return scale
 
 
-def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
+def install_hdp_attention(chunk: Any, hf_config: Any, *, fused_rope: bool = False) -> None:
     """Swap every layer's core attention for hdp's and move RoPE into it (positions of the unsplit sample).
 
     Megatron's own RoPE takes positions from ``cu_seqlens``, which for zigzag chunks are not the
@@ -150,6 +150,7 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
     attention setting is reconciled first (:func:`attention_settings`; the RoPE of
     :func:`hdp.integrations.verl.rope.rope_config`): a refused one raises before any layer changes.
     An MLA layer's self-attention becomes :class:`hdp.core.mla.HdpMLASelfAttention` (module docstring).
+    ``fused_rope``: the rotation takes the device's fused kernel (:mod:`hdp.integrations.verl.fusions`).
     """
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.rope import rope_config
@@ -158,6 +159,8 @@ def install_hdp_attention(chunk: Any, hf_config: Any) -> None:
 
     model = compat.unwrap_model(chunk)
     rope = rope_config(model, hf_config)  # raises on any RoPE variant hdp does not implement
+    if fused_rope:
+        rope = dataclasses.replace(rope, fused=True)
     settings = attention_settings(model.config, hf_config)  # raises on any attention setting hdp does not compute
     scale = None
     for layer in model.decoder.layers:

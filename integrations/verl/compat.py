@@ -32,6 +32,9 @@ here, and why:
   ``original_max_position_embeddings`` (``TypeError`` when the bridge builds its config).  The mixin renames the
   keyword; :func:`mbridge_deepseek_v3` registers mbridge's bridge with it under "deepseek_v3" (mbridge's public
   ``register_model``) when mbridge's own class is the one registered.  Can go when mbridge passes the new name.
+* :func:`megatron_sees_overrides` — ``McoreEngineConfig.override_transformer_config`` replaced for the duration
+  of verl's ``_build_tf_config`` (verl's ``BaseConfig`` freezes set fields): the overrides hdp's fusion flags leave
+  for Megatron (:mod:`hdp.integrations.verl.fusions`).  Can go when verl lets an engine filter them.
 * :func:`hf_weights` — mbridge's ``_weight_name_mapping_mcore_local_to_global`` and ``_weight_to_hf_format``
   (name and shape mapping, on meta tensors): the Hugging Face names, shapes and dtypes mbridge writes and reads
   for this rank's weights.  Can go with the same verl change, or when mbridge exposes its mapping.
@@ -73,6 +76,7 @@ __all__ = [
     "check_version",
     "registered_keys",
     "without_megatron_strategy_assert",
+    "megatron_sees_overrides",
     "FP32_NAMES",
     "megatron_lm_engine",
     "mindspeed_lm_engine",
@@ -138,6 +142,18 @@ def without_megatron_strategy_assert(config: McoreEngineConfig) -> Iterator[None
     finally:
         object.__setattr__(config, "strategy", strategy)
         object.__setattr__(config, "dtype", dtype)
+
+
+@contextlib.contextmanager
+def megatron_sees_overrides(config: McoreEngineConfig, overrides: dict[str, Any]) -> Iterator[None]:
+    """``config.override_transformer_config`` reads ``overrides`` for the duration (``object.__setattr__``: verl's
+    ``BaseConfig`` freezes set fields); the user's dict comes back after."""
+    orig = config.override_transformer_config
+    object.__setattr__(config, "override_transformer_config", overrides)
+    try:
+        yield
+    finally:
+        object.__setattr__(config, "override_transformer_config", orig)
 
 
 FP32_NAMES = ("float32", "fp32")

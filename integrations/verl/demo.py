@@ -32,14 +32,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def prepare(root: str | Path, *, n_prompts: int = 8) -> dict[str, str]:
-    """Write model, data and reward under ``root``; returns their paths."""
+def prepare(root: str | Path, *, n_prompts: int = 8, moe: bool = False) -> dict[str, str]:
+    """Write model (``moe``: the tiny Qwen3-MoE), data and reward under ``root``; returns their paths."""
     import pandas as pd
 
     from hdp.integrations.verl.scaffolding.tiny import build_tiny
 
     root = Path(root)
-    model = build_tiny(root / "model")
+    model = build_tiny(root / "model", moe=moe)
     rows = []
     for i in range(n_prompts):
         a, b = i + 1, 2 * i + 3
@@ -58,9 +58,13 @@ def prepare(root: str | Path, *, n_prompts: int = 8) -> dict[str, str]:
 
 
 def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bool = False,
-            overrides: Sequence[str] = ()) -> list[str]:
+            overrides: Sequence[str] = (), engine: str = "hdp") -> list[str]:
     """``python -m verl.trainer.main_ppo`` with the overrides of the tiny CPU GRPO run (``critic``: PPO with
-    GAE, the value model on hdp too), then ``overrides`` (verl's ``KEY=VALUE``)."""
+    GAE, the value model on hdp too), then ``overrides`` (verl's ``KEY=VALUE``).  ``engine="megatron"``: verl's
+    stock Megatron engine instead (``model_engine=megatron``, no ``hdp.*`` key; the tests' differential runs, with
+    :func:`environment` ``(stock=True)``)."""
+    if engine not in ("hdp", "megatron"):
+        raise ValueError(f"engine={engine!r}: choose 'hdp' or 'megatron'")
     budget = 256
     records = Path(paths["out"]).parent / "hdp_calibration" / "{role}.jsonl"  # actor.jsonl, critic.jsonl
     value = [
@@ -74,7 +78,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bo
     return [
         sys.executable, "-m", "verl.trainer.main_ppo",
         *value,
-        "model_engine=hdp",
+        f"model_engine={engine}",
         f"data.train_files={paths['data']}",
         f"data.val_files={paths['data']}",
         "data.train_batch_size=4",
@@ -94,7 +98,7 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bo
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
-        f"actor_rollout_ref.actor.hdp.calibration_path='{records}'",
+        *([f"actor_rollout_ref.actor.hdp.calibration_path='{records}'"] if engine == "hdp" else []),
         "actor_rollout_ref.actor.megatron.dtype=float32",
         "actor_rollout_ref.ref.megatron.dtype=float32",
         "actor_rollout_ref.rollout.name=hf_cpu",
@@ -125,10 +129,12 @@ def command(paths: dict[str, str], *, steps: int = 2, ranks: int = 2, critic: bo
     ]
 
 
-def environment() -> dict[str, str]:
-    """The driver's environment: Ray workers started from it inherit these (CPU platform, autoload)."""
+def environment(*, stock: bool = False) -> dict[str, str]:
+    """The driver's environment: Ray workers started from it inherit these (CPU platform, autoload; ``stock``: verl's
+    stock Megatron engine registered for the CPU platform too, `hdp.integrations.verl.scaffolding.autoload`)."""
     return {
         **os.environ,
+        **({"HDP_VERL_STOCK_MEGATRON": "1"} if stock else {}),
         "VERL_PLATFORM": "cpu",
         "VERL_USE_EXTERNAL_MODULES": "hdp.integrations.verl.scaffolding.autoload",
         "RAY_DEDUP_LOGS": "0",
@@ -139,15 +145,17 @@ def environment() -> dict[str, str]:
 
 def run(root: str | Path, *, steps: int = 3, ranks: int = 2, critic: bool = False, overrides: Sequence[str] = (),
         timeout: float = 1800.0, echo: Callable[[str], None] | None = None,
-        tail: list[str] | None = None) -> tuple[int, list[str]]:
+        tail: list[str] | None = None, moe: bool = False, engine: str = "hdp") -> tuple[int, list[str]]:
     """Run the demo under ``root``; returns (exit code, verl's step lines), each also passed to ``echo``;
-    ``tail`` (a list) receives the last 200 lines of main_ppo's output (to show when it fails)."""
+    ``tail`` (a list) receives the last 200 lines of main_ppo's output (to show when it fails).  ``moe``: the tiny
+    Qwen3-MoE; ``engine``: as :func:`command`."""
     import collections
     import re
     import subprocess
 
-    paths = prepare(root)
-    proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks, critic=critic, overrides=overrides), env=environment(), cwd=str(root),
+    paths = prepare(root, moe=moe)
+    proc = subprocess.Popen(command(paths, steps=steps, ranks=ranks, critic=critic, overrides=overrides, engine=engine),
+                            env=environment(stock=engine == "megatron"), cwd=str(root),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     steps_seen: list[str] = []
     last: collections.deque[str] = collections.deque(maxlen=200)

@@ -52,6 +52,7 @@ from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
 from hdp.integrations.verl.moe_router import reconcile_router
 from hdp.integrations.verl.routes import route_replay
 from hdp.integrations.verl.domain import VerlDomain
+from hdp.integrations.verl.fusions import Fusions, describe as describe_fusions, resolve as resolve_fusions
 from hdp.integrations.verl.memory import verl_memory
 from hdp.device import select_device
 from hdp.packing.model_shape import ModelShape
@@ -74,6 +75,10 @@ class HdpMegatronEngine(_MegatronLM):
 
     loss_class: type[VerlLoss] = VerlLoss
     """The round loss adapter: log-probs and entropies (the value engine's: values)."""
+    mindspeed: bool = False
+    """MindSpeed runs in this process (the NPU variant, `npu_engine_class`): it takes its own override keys."""
+    fusions: Fusions = Fusions()
+    """This role's fusion flags (:mod:`hdp.integrations.verl.fusions`), resolved when Megatron's config is built."""
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
@@ -230,12 +235,19 @@ class HdpMegatronEngine(_MegatronLM):
         return layout.is_last_stage and layout.tp_rank == 0 and self.domain.rank == 0
 
     def _build_tf_config(self) -> None:
+        key = f"{self.role_key}.megatron.override_transformer_config"
+        # the fusion flags of hdp's own RoPE / SwiGLU and MindSpeed's keys without MindSpeed leave Megatron's config
+        self.fusions = resolve_fusions(self.engine_config.override_transformer_config, mindspeed=self.mindspeed, key=key)
+        first = not dist.is_initialized() or dist.get_rank() == 0  # the same flags on every rank: said once
+        for line in describe_fusions(self.fusions, select_device(None), key):
+            logger.log(logging.WARNING if first else logging.DEBUG, "hdp engine: %s", line)
         hf_config = getattr(self.model_config, "hf_config", None)
         compat.expose_rope_theta(hf_config)  # mbridge's DeepSeek-V3 bridge reads it while verl builds the config
         if self.engine_config.vanilla_mbridge:
             compat.mbridge_deepseek_v3()  # its MLA config keyword under megatron-core 0.16's name
-        super()._build_tf_config()
-        cfg, key = self.tf_config, f"{self.role_key}.megatron.override_transformer_config"
+        with compat.megatron_sees_overrides(self.engine_config, self.fusions.megatron_overrides):
+            super()._build_tf_config()
+        cfg = self.tf_config
         if cfg is not None:  # what the built config says (a model's own defaults included)
             check_per_token_loss(getattr(cfg, "calculate_per_token_loss", False), f"{key}.calculate_per_token_loss")
             reconcile_router(cfg, hf_config, self.role_key)  # HF's group-limited routing (DeepSeek-V3)
@@ -243,13 +255,14 @@ class HdpMegatronEngine(_MegatronLM):
     def _build_megatron_module(self) -> Any:
         module = super()._build_megatron_module()
         for chunk in module:
-            install_hdp_attention(chunk, self.model_config.hf_config)
+            install_hdp_attention(chunk, self.model_config.hf_config, fused_rope=self.fusions.rope)
         if self.hdp_config.hdp.zero_memory.value != "none":
             from hdp.moe import apply_zero_memory
 
             for chunk in module:
                 apply_zero_memory(compat.unwrap_model(chunk), self.hdp_config.hdp.zero_memory,
-                                  self.hdp_config.hdp.zero_memory_num_layers)
+                                  self.hdp_config.hdp.zero_memory_num_layers,
+                                  fused_swiglu=True if self.fusions.swiglu else None)  # None: the built config's own
         return module
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
@@ -389,4 +402,4 @@ def npu_engine_class(value: bool = False) -> type | None:
         return None
     ours = HdpMegatronValueEngine if value else HdpMegatronEngine
     return type(f"{ours.__name__.replace('Megatron', 'Mindspeed')}", (ours, base),
-                {"__doc__": f"{ours.__name__} on verl's MindSpeed engine (NPU)."})
+                {"__doc__": f"{ours.__name__} on verl's MindSpeed engine (NPU).", "mindspeed": True})

@@ -18,6 +18,7 @@ replica).  Never on the engine's runtime path.
 from __future__ import annotations
 
 import logging
+import re
 import zlib
 from typing import Any, Generator
 
@@ -39,6 +40,29 @@ def _server_name(replica_rank: int) -> str:
     return f"hdp_hf_server_{replica_rank}"
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fold_experts(named: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named`` with the per-expert MoE weights of HF's checkpoint layout (what the trainer exports:
+    ``experts.{e}.gate_proj.weight`` [F, H], ``up_proj`` [F, H], ``down_proj`` [H, F]) folded into the fused expert
+    parameters of a model that holds them (transformers 5's Qwen3-MoE: ``experts.gate_up_proj`` [E, 2F, H], each
+    expert's gate rows then its up rows, and ``experts.down_proj`` [E, H, F]), as transformers folds them at load."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in named.items():
+        m = _EXPERT.match(name)
+        if m is not None and f"{m.group(1)}.gate_up_proj" in state:
+            parts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[name] = t
+    for prefix, p in parts.items():
+        n = state[f"{prefix}.gate_up_proj"].shape[0]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p[(e, "gate_proj")], p[(e, "up_proj")]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([p[(e, "down_proj")] for e in range(n)])  # [E, H, F]
+    return out
+
+
 class HFServer:
     """One rollout server: an HF causal LM on CPU answering verl's ``generate`` requests."""
 
@@ -56,6 +80,7 @@ class HFServer:
     def load_weights(self, named: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
         """Load HF-named weights (the trainer's export); returns how many tensors were set."""
         state = self.model.state_dict()
+        named = _fold_experts(named, state)
         missing = set(state) - set(named)
         if missing:
             raise ValueError(f"weight update misses {sorted(missing)[:5]}")
