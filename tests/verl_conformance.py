@@ -1,0 +1,755 @@
+"""The differential conformance harness: the same verl job through verl's worker path on hdp and on verl's
+stock Megatron engine (CPU, 2 gloo ranks), compared.
+
+One spawn of 2 ranks builds each role's two workers once — verl's ``ActorRolloutRefWorker`` (actor, ref) and
+the critic's ``TrainingWorker``, on hdp (``model_engine=hdp``) and on stock (``model_engine=megatron``, its engine
+on CPU through :mod:`hdp.integrations.verl.scaffolding.stock_megatron`) — from one tiny Qwen3 checkpoint, then
+runs every `Case` on both: the weights and Adam's state are reset to the built ones before each case, the loss
+config is the case's (verl reads it per call: ``partial(ppo_loss, config=...)``), and the batch is built as
+verl's trainer builds it from the case's config (`trainer_meta`: mini-batch size, epochs, seed, shuffle,
+temperature, entropy; rollout correction on the driver).
+
+Layouts: stock at DP 2, CP 1 (each rank its contiguous half of the batch, as verl's dispatch hands it, micro-
+batches by its own budget); hdp over a domain of 2 (every rank the whole batch) with a token budget below the
+longest sample, so its plan puts that sample on a CP group of 2.
+
+What is compared (rank 0, after gathering stock's halves), each with its tolerance (float32, 2 layers):
+
+* the update: every mini-batch's ``loss``, ``grad_norm``, ``lr``, and each parameter's change over the whole
+  update (relative to the largest change: Adam moves every parameter by about ``lr``);
+* log-prob passes: log-probs and entropies of every response token (``LOGP_TOL`` absolute), values for the
+  critic (``VALUE_TOL``);
+* every metric both report under verl's name (`compare_metrics`): ``SUM`` metrics (a share of the mini-batch's
+  loss) equal; ``MEAN`` metrics and plain numbers against the mini-batch's own value — verl's loss function on
+  the whole mini-batch in one call (``dp_size`` 1), from stock's own per-call outputs — which is hdp's
+  documented definition (docs/verl.md "Metrics"), while stock's value is asserted to be the unweighted mean of
+  its calls (micro-batches, then DP ranks) that verl's ``Metric.aggregate_dp`` computes.  Metrics that are not
+  about the update (timing, memory, mfu, hdp's own ``hdp/*``) are listed in `NOT_COMPARED`.
+
+Used by tests/test_verl_conformance.py; the option table is tests/verl_options.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+SAMPLES = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30), (5, 15), (3, 8)]
+"""(prompt, response) lengths of the batch: 8 samples, sample 1 (93 tokens) longer than hdp's budget."""
+HDP_BUDGET = 64
+"""hdp's tokens per rank and round: the 93-token sample runs on a CP group of 2."""
+STOCK_BUDGET = 128
+"""Stock's ``ppo_max_token_len_per_gpu`` (CP 1: every sample must fit one rank); 2 micro-batches per rank."""
+
+LOGP_TOL = 2e-5
+"""Log-probs / entropies, absolute (float32; packed zigzag chunks and ring attention against SDPA per sequence)."""
+VALUE_TOL = 2e-5
+"""Critic values, absolute."""
+LOSS_RTOL = 2e-5
+"""Losses and loss-share metrics, relative to max(1, |value|)."""
+NORM_RTOL = 1e-4
+"""Grad norms, relative."""
+METRIC_RTOL = 2e-5
+"""Mean metrics against the mini-batch's own value, relative to max(1e-3, |value|)."""
+DELTA_RTOL = 1e-3
+"""The parameters' change over the update, relative (L2 over all parameters; Adam moves each by about ``lr``)."""
+
+NOT_COMPARED = ("perf/", "mfu", "hdp/")
+"""Metric name prefixes not compared: time, memory and model-FLOPs figures, and hdp's own metrics."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One differential case: verl config overrides applied to both jobs, and what to run."""
+
+    id: str
+    """Name (the option table refers to cases by it)."""
+    overrides: tuple[str, ...] = ()
+    """verl keys (Hydra dotted ``key=value``) for both engines' jobs."""
+    stock: tuple[str, ...] = ()
+    """verl keys for the stock job only (micro-batching hdp refuses: it packs by tokens)."""
+    kind: str = "update"
+    """``update`` (the actor's update), ``logprob`` (the actor's log-prob pass), ``ref`` (the reference's), ``critic``
+    (the critic's values and update)."""
+    bypass: bool = False
+    """The trainer's bypass mode: ``old_log_probs`` are the rollout's (verl's v1 trainer)."""
+    dist_tier: bool = False
+    """In the default ``dist`` tier (a representative slice); else ``slow``."""
+
+
+def o(*pairs: str) -> tuple[str, ...]:
+    """``actor_rollout_ref.actor.`` + each pair (the actor's keys, shortened in the case table)."""
+    return tuple(f"actor_rollout_ref.actor.{p}" for p in pairs)
+
+
+def _c(*pairs: str) -> tuple[str, ...]:
+    return tuple(f"critic.{p}" for p in pairs)
+
+
+_IS = "algorithm.rollout_correction."
+_PL = "actor_rollout_ref.actor.policy_loss."
+
+
+def _cases() -> list[Case]:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    cases = [
+        Case("logprob", kind="logprob", dist_tier=True),
+        Case("logprob-temperature", ("actor_rollout_ref.rollout.temperature=0.7",), kind="logprob"),
+        Case("ref", kind="ref", dist_tier=True),
+        Case("base", o("entropy_coeff=0.01", "use_kl_loss=true", "kl_loss_coef=0.1"), dist_tier=True),
+        Case("no-entropy", o("entropy_coeff=0.0", "calculate_entropy=false")),
+        Case("calculate-entropy", o("entropy_coeff=0.0", "calculate_entropy=true")),
+        Case("temperature", ("actor_rollout_ref.rollout.temperature=0.7", *o("entropy_coeff=0.01"))),
+        Case("clip-ratio", o("clip_ratio=0.1")),
+        Case("clip-low-high", o("clip_ratio_low=0.1", "clip_ratio_high=0.3"), dist_tier=True),
+        Case("dual-clip", o("clip_ratio_c=1.5")),
+        Case("epochs-minibatches", o("ppo_epochs=2", "ppo_mini_batch_size=4"), dist_tier=True),
+        Case("shuffle", o("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true", "data_loader_seed=7")),
+        Case("fixed-micro-batches", o("ppo_mini_batch_size=4"),
+             stock=o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=1",
+                     "ppo_max_token_len_per_gpu=null") + ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                                                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")),
+        Case("dynamic-budget", o("ppo_mini_batch_size=4"), stock=o("ppo_max_token_len_per_gpu=96")),
+        Case("loss-scale-factor", o("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64")),
+        Case("optim", o("optim.lr=3e-6", "optim.weight_decay=0.0", "optim.clip_grad=0.5", "optim.betas=[0.8,0.95]")),
+        Case("bypass-v1", o("entropy_coeff=0.01"), bypass=True),
+        Case("critic", kind="critic", dist_tier=True),
+        Case("critic-value-clip", _c("cliprange_value=0.2"), kind="critic"),
+        Case("critic-epochs-shuffle", _c("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true"), kind="critic"),
+        Case("critic-loss-scale-factor", _c("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64"),
+             kind="critic"),
+    ]
+    for agg in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
+        cases.append(Case(f"agg-{agg}", o(f"loss_agg_mode={agg}", "entropy_coeff=0.01", "use_kl_loss=true"),
+                          dist_tier=agg == "seq-mean-token-mean"))
+        cases.append(Case(f"critic-agg-{agg}", _c(f"loss_agg_mode={agg}"), kind="critic"))
+    for kl in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"):
+        cases.append(Case(f"kl-{kl}", o("use_kl_loss=true", "kl_loss_coef=0.5", f"kl_loss_type={kl}")))
+    refused = {"kl_cov", "clip_cov"}  # tests/verl_options.py: refused at config time
+    for mode in sorted(POLICY_LOSS_REGISTRY):
+        if mode in refused or mode == "bypass_mode":
+            continue
+        extra = ("policy_loss.dro_beta=0.1",) if mode == "dro" else ()
+        cases.append(Case(f"loss-{mode}", o(f"policy_loss.loss_mode={mode}", *extra, "entropy_coeff=0.01"),
+                          dist_tier=mode in ("geo_mean", "gspo")))
+    for is_level in ("token", "sequence"):
+        cases.append(Case(f"rollout-is-{is_level}", (f"{_IS}rollout_is={is_level}", f"{_IS}rollout_is_threshold=1.5"),
+                          dist_tier=is_level == "sequence"))
+    for rs, thr in (("token_k1", "0.6_1.6"), ("seq_mean_k1", "0.8_1.25"), ("seq_max_k2", "0.5")):
+        cases.append(Case(f"rollout-rs-{rs}", (f"{_IS}rollout_is=token", f"{_IS}rollout_rs={rs}",
+                                               f"{_IS}rollout_rs_threshold={thr}")))
+    cases.append(Case("rollout-is-batch-normalize", (f"{_IS}rollout_is=sequence", f"{_IS}rollout_is_batch_normalize=true")))
+    for loss_type in ("ppo_clip", "reinforce"):
+        for is_level, rs in (("token", None), ("sequence", "seq_mean_k1")):
+            keys = [f"policy_loss.loss_mode=bypass_mode", f"policy_loss.rollout_correction.rollout_is={is_level}",
+                    f"policy_loss.rollout_correction.loss_type={loss_type}", "policy_loss.rollout_correction.bypass_mode=true"]
+            if rs is not None:
+                keys += [f"policy_loss.rollout_correction.rollout_rs={rs}",
+                         "policy_loss.rollout_correction.rollout_rs_threshold=0.8_1.25"]
+            cases.append(Case(f"bypass-{loss_type}-{is_level}", o(*keys), bypass=True,
+                              dist_tier=(loss_type, is_level) == ("reinforce", "sequence")))
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), ids
+    return cases
+
+
+CASES: dict[str, Case] = {}
+"""Every case by id (filled on first use: the policy losses come from verl's registry)."""
+
+
+def cases() -> dict[str, Case]:
+    if not CASES:
+        CASES.update({c.id: c for c in _cases()})
+    return CASES
+
+
+# ---- checks -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison: what, both values, the bound, whether it holds."""
+
+    what: str
+    hdp: float
+    stock: float
+    bound: float
+    ok: bool
+
+    def __str__(self) -> str:
+        return f"{'ok ' if self.ok else 'BAD'} {self.what}: hdp {self.hdp:.9g} stock {self.stock:.9g} (bound {self.bound:.3g})"
+
+
+def _close(what: str, a: float, b: float, rtol: float, floor: float = 1.0) -> Check:
+    bound = rtol * max(floor, abs(b))
+    ok = abs(a - b) <= bound or (a != a and b != b)
+    return Check(what, float(a), float(b), bound, ok)
+
+
+def _tensors_close(what: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], atol: float) -> Check:
+    if len(a) != len(b):
+        return Check(f"{what} (count {len(a)} vs {len(b)})", float(len(a)), float(len(b)), 0.0, False)
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x.shape != y.shape:
+            return Check(f"{what} (shapes {tuple(x.shape)} vs {tuple(y.shape)})", 0.0, 0.0, 0.0, False)
+        if x.numel():
+            worst = max(worst, float((x.double() - y.double()).abs().max()))
+    return Check(f"{what}: max |diff|", worst, 0.0, atol, worst <= atol)
+
+
+# ---- the batch, as verl's trainer builds it ----------------------------------------------------------------
+
+
+def trainer_meta(cfg: Any) -> dict[str, Any]:
+    """The update's batch settings verl's v1 trainer reads from the job config (``_update_actor``,
+    verl/trainer/ppo/v1/trainer_base.py): mini-batch size (× rollout.n), epochs, seed, shuffle, temperature,
+    and whether the entropy is computed."""
+    a = cfg.actor_rollout_ref.actor
+    mini = int(a.ppo_mini_batch_size) * int(cfg.actor_rollout_ref.rollout.n)
+    return dict(mini=mini, epochs=int(a.ppo_epochs), seed=int(a.data_loader_seed), shuffle=bool(a.shuffle),
+                temperature=float(cfg.actor_rollout_ref.rollout.temperature),
+                calculate_entropy=bool(a.calculate_entropy) or float(a.entropy_coeff) != 0.0)
+
+
+def critic_meta(cfg: Any) -> dict[str, Any]:
+    """``_update_critic``'s settings (the same file)."""
+    c = cfg.critic
+    return dict(mini=int(c.ppo_mini_batch_size) * int(cfg.actor_rollout_ref.rollout.n), epochs=int(c.ppo_epochs),
+                seed=int(c.data_loader_seed), shuffle=bool(c.shuffle))
+
+
+def _td(padded: dict[str, torch.Tensor], rows: Any, **meta: Any) -> Any:
+    """verl's no-padding TensorDict of ``rows`` of the padded batch (``left_right_2_no_padding``), ``meta`` as
+    non-tensor data (``temperature`` as the trainer passes it)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    tensors = {k: v[rows] for k, v in padded.items()}
+    td = tu.get_tensordict(tensor_dict=tensors, non_tensor_dict={"temperature": meta.pop("temperature", 1.0)})
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, **meta)
+    return td
+
+
+def update_td(padded: dict[str, torch.Tensor], rows: Any, meta: dict[str, Any]) -> Any:
+    """``_update_actor``'s TensorDict of ``rows`` (``meta``: `trainer_meta`)."""
+    return _td(padded, rows, temperature=meta["temperature"], calculate_entropy=meta["calculate_entropy"],
+               distillation_use_topk=False, distillation_only=False, global_batch_size=meta["mini"],
+               mini_batch_size=meta["mini"], epochs=meta["epochs"], seed=meta["seed"],
+               dataloader_kwargs={"shuffle": meta["shuffle"]}, compute_loss=True)
+
+
+def critic_td(padded: dict[str, torch.Tensor], rows: Any, meta: dict[str, Any]) -> Any:
+    return _td(padded, rows, global_batch_size=meta["mini"], mini_batch_size=meta["mini"], epochs=meta["epochs"],
+               seed=meta["seed"], dataloader_kwargs={"shuffle": meta["shuffle"]})
+
+
+def base_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """The padded rollout batch (verl's layout) with ``sid`` (sample ids, for the stock recorder)."""
+    from hdp.integrations.verl.scaffolding import batches as B
+
+    padded = B.padded_batch(B.random_samples(SAMPLES, vocab, seed=1), pad_id=0)
+    padded["sid"] = torch.arange(len(SAMPLES))
+    return padded
+
+
+def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any, bypass: bool) -> tuple[dict, dict]:
+    """What verl's driver adds before the update (the same for both engines): ``old_log_probs`` (the actor's
+    log-probs ``logp`` [S, R] perturbed, so PPO's ratio clips), ``rollout_log_probs``, ``ref_log_prob``,
+    per-sample ``advantages``, and rollout correction as the v1 trainer applies it: decoupled mode (weights and
+    rejection from ``compute_rollout_correction_and_add_to_batch``) or bypass (``old_log_probs`` := rollout's).
+    Returns (the padded batch with them, the driver's ``rollout_corr/*`` metrics)."""
+    from omegaconf import OmegaConf
+
+    from verl import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    g = torch.Generator().manual_seed(3)
+    mask = padded["response_mask"].float()
+    shape = mask.shape
+    noise = torch.randn(shape, generator=g) * 0.6
+    old = (logp + noise) * mask
+    rollout = (logp + torch.randn(shape, generator=g) * 0.3) * mask
+    adv = (torch.randn(shape[0], 1, generator=g) * mask).expand(shape) * mask
+    out = dict(padded)
+    out.update(old_log_probs=old, rollout_log_probs=rollout, advantages=adv.contiguous(),
+               ref_log_prob=(logp - 0.2 * torch.rand(shape, generator=g)) * mask)
+    metrics: dict[str, Any] = {}
+    corr = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
+    if bypass:
+        out["old_log_probs"] = out["rollout_log_probs"]
+    elif corr is not None and (corr.get("rollout_is") or corr.get("rollout_rs")):
+        proto = DataProto.from_dict({k: v for k, v in out.items() if v.dim() == 2 and k in (
+            "old_log_probs", "rollout_log_probs", "response_mask")})
+        proto, metrics = compute_rollout_correction_and_add_to_batch(proto, corr)
+        out["response_mask"] = proto.batch["response_mask"].to(padded["response_mask"].dtype)
+        if "rollout_is_weights" in proto.batch.keys():
+            out["rollout_is_weights"] = proto.batch["rollout_is_weights"]
+    return out, metrics
+
+
+# ---- the stock recorder --------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """verl's loss function as stock's engine calls it (once per micro-batch), each call's per-sample outputs,
+    sample ids, micro-batch count and metrics kept (the reference of `compare_metrics`)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.calls = fn, []
+        self.keywords = getattr(fn, "keywords", {})  # as a partial's (hdp and verl read .keywords["config"])
+        self.func = getattr(fn, "func", fn)
+
+    def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        loss, metrics = self.fn(model_output=model_output, data=data, dp_group=dp_group)
+        self.calls.append({
+            "sid": [int(x) for x in data["sid"].tolist()],
+            "n_micro": int(data["num_micro_batch"]),
+            "outputs": {k: [t.detach().clone() for t in v.unbind()] for k, v in model_output.items()
+                        if k in ("log_probs", "entropy", "values")},
+            "metrics": {k: _plain(v) for k, v in metrics.items()},
+        })
+        return loss, metrics
+
+
+def _mini_batches(calls: list[dict]) -> list[list[dict]]:
+    """A rank's recorded calls grouped by mini-batch (each mini-batch's calls carry its micro-batch count)."""
+    out, i = [], 0
+    while i < len(calls):
+        n = calls[i]["n_micro"]
+        out.append(calls[i:i + n])
+        i += n
+    return out
+
+
+def _metric_values(metrics: dict[str, Any], counts: Sequence[int]) -> dict[str, list[float]]:
+    """A worker's update metrics as one float per mini-batch (``len(counts)`` of them).  verl's shapes: one
+    value per name and mini-batch, except plain numbers (``kl_coef``, ``critic/vf_clipfrac``), which come once per
+    loss call — every call of every mini-batch in one flat list, which verl's trainer averages; ``counts[k]``:
+    the calls of mini-batch k (stock's, from its recorder), each run averaged here."""
+    out = {}
+    n = len(counts)
+    for k, v in metrics.items():
+        vals = [float(x) for x in (v if isinstance(v, list) else [v])]
+        if len(vals) != n and len(vals) == sum(counts):
+            edges = [sum(counts[:i]) for i in range(n + 1)]
+            vals = [sum(vals[a:b]) / (b - a) for a, b in zip(edges, edges[1:])]
+        out[k] = vals
+    return out
+
+
+def compare_metrics(hdp: dict[str, Any], stock: dict[str, Any], calls: list[list[dict]], reference: list[dict],
+                    prefix: str = "") -> list[Check]:
+    """Every metric both report (see the module docstring); ``calls[r]``: stock rank r's recorded calls,
+    ``reference[k]``: the metrics of verl's loss on mini-batch k whole (name -> (kind, aggregation, value))."""
+    checks: list[Check] = []
+    per_rank = [_mini_batches(c) for c in calls]
+    n_mb = len(per_rank[0])
+    h = _metric_values(hdp, [1] * n_mb)
+    s = _metric_values(stock, [sum(len(r[mb]) for r in per_rank) for mb in range(n_mb)])
+    ours = {k for k in h if not k.startswith(NOT_COMPARED)}
+    theirs = {k for k in s if not k.startswith(NOT_COMPARED)}
+    if ours != theirs:
+        checks.append(Check(f"{prefix}metric names differ: hdp only {sorted(ours - theirs)}, stock only "
+                            f"{sorted(theirs - ours)}", 0.0, 0.0, 0.0, False))
+    for k in sorted(ours & theirs):
+        if len(h[k]) != len(s[k]):
+            checks.append(Check(f"{prefix}{k}: {len(h[k])} values vs {len(s[k])}", 0, 0, 0, False))
+            continue
+        for mb in range(len(s[k])):
+            what = f"{prefix}{k}[mini-batch {mb}]"
+            ref = reference[mb].get(k) if mb < len(reference) else None
+            if k in ("loss", "grad_norm", "lr") or ref is None:
+                rtol = NORM_RTOL if k == "grad_norm" else LOSS_RTOL
+                checks.append(_close(what, h[k][mb], s[k][mb], rtol))
+                continue
+            kind, agg, want = ref
+            if kind == "metric" and agg == "sum":
+                checks.append(_close(what, h[k][mb], s[k][mb], LOSS_RTOL))
+                checks.append(_close(f"{what} = the mini-batch's loss share", h[k][mb], want, LOSS_RTOL))
+                continue
+            # a mean or a plain number: hdp reports the mini-batch's own value; stock the unweighted mean of its calls
+            checks.append(_close(f"{what} = the mini-batch's own value", h[k][mb], want, METRIC_RTOL, floor=1e-3))
+            ranks = [sum(c["metrics"][k][2] for c in r[mb]) / len(r[mb]) for r in per_rank if k in r[mb][0]["metrics"]]
+            stock_def = sum(ranks) / len(ranks)
+            checks.append(_close(f"{what}: stock = the unweighted mean of its micro-batches and DP ranks", s[k][mb],
+                                 stock_def, METRIC_RTOL, floor=1e-3))
+    return checks
+
+
+# ---- the rank ------------------------------------------------------------------------------------------------
+
+
+COMMON = (
+    "actor_rollout_ref.actor.entropy_coeff=0.0",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "algorithm.adv_estimator=grpo",
+)
+"""Both jobs' defaults beyond the scaffolding's (every case overrides from here)."""
+
+
+def _critic_keys(model_path: str, budget: int, stock: bool) -> list[str]:
+    # verl's megatron_critic.yaml lacks ppo_infer_max_token_len_per_gpu, which its critic worker's budgets read
+    # (hdp's critic config sets it from forward_max_token_len_per_gpu)
+    infer = "+critic.ppo_infer_max_token_len_per_gpu" if stock else "critic.ppo_infer_max_token_len_per_gpu"
+    return [f"critic.model.path={model_path}", "critic.model.use_remove_padding=True", "critic.megatron.dtype=float32",
+            f"critic.ppo_max_token_len_per_gpu={budget}", f"{infer}={budget}",
+            "critic.ppo_mini_batch_size=8", "critic.optim.lr=1e-6", "critic.optim.total_training_steps=100",
+            "critic.cliprange_value=0.5",
+            "critic.megatron.vanilla_mbridge=true"]
+
+
+def compose_jobs(model_path: str) -> tuple[Any, Any]:
+    """(hdp's job config, stock's): verl's ``ppo_trainer`` with ``model_engine=hdp`` / ``megatron``."""
+    from hdp.integrations.verl.scaffolding.stock_megatron import compose_stock
+    from hdp.integrations.verl.scaffolding.worker import compose
+
+    hdp = compose(model_path, budget=HDP_BUDGET, records=None, overrides=[
+        *COMMON, *_critic_keys(model_path, HDP_BUDGET, False), "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",
+        "actor_rollout_ref.actor.hdp.auto_calibrate=false", "actor_rollout_ref.actor.hdp.measure_memory=false"])
+    stock = compose_stock(model_path, budget=STOCK_BUDGET, overrides=[*COMMON, *_critic_keys(model_path, STOCK_BUDGET, True)])
+    return hdp, stock
+
+
+def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
+    """``cfg`` with Hydra-style ``key=value`` overrides merged (existing keys)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    OmegaConf.resolve(out)
+    return out
+
+
+@dataclass
+class Side:
+    """One engine's workers in this rank, built lazily, and their built state (for the reset)."""
+
+    name: str
+    cfg: Any
+    actor: Any = None
+    ref: Any = None
+    critic: Any = None
+    critic_cfg: Any = None
+    saved: dict[str, Any] = field(default_factory=dict)
+
+    def training(self, role: str) -> Any:
+        """The role's TrainingWorker (``actor`` / ``critic``)."""
+        return self.actor.actor if role == "actor" else self.critic
+
+
+def _snapshot(worker: Any) -> dict[str, Any]:
+    from hdp.trainer.optim_state import optimizers
+
+    eng = worker.engine
+    params = [p.detach().clone() for chunk in eng.module for p in chunk.parameters()]
+    states = []
+    for opt in optimizers(eng.optimizer):
+        inner = opt.optimizer
+        states.append({id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[p].items()}
+                       for g in inner.param_groups for p in g["params"] if p in inner.state})
+    sched = getattr(eng, "lr_scheduler", None)
+    return {"params": params, "opt": states, "sched": getattr(sched, "num_steps", None)}
+
+
+def _restore(worker: Any, saved: dict[str, Any]) -> None:
+    """The weights, Adam's state and the LR schedule's step as built (every case starts from them)."""
+    from hdp.trainer.optim_state import optimizers
+
+    eng = worker.engine
+    with torch.no_grad():
+        for p, s in zip([p for chunk in eng.module for p in chunk.parameters()], saved["params"]):
+            p.copy_(s)
+    for opt, state in zip(optimizers(eng.optimizer), saved["opt"]):
+        inner = opt.optimizer
+        for g in inner.param_groups:
+            for p in g["params"]:
+                inner.state.pop(p, None)
+                if id(p) in state:
+                    inner.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state[id(p)].items()}
+    sched = getattr(eng, "lr_scheduler", None)
+    if sched is not None and saved["sched"] is not None:
+        sched.num_steps = saved["sched"]
+        sched.step(0)
+
+
+def _params(worker: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in worker.engine.module for p in chunk.parameters()]
+
+
+def _named(worker: Any) -> list[str]:
+    return [n for chunk in worker.engine.module for n, _ in chunk.named_parameters()]
+
+
+def _build(side: Side, role: str) -> None:
+    from hdp.integrations.verl.scaffolding.worker import actor_worker, critic_worker
+
+    if role == "actor" and side.actor is None:
+        side.actor = actor_worker(side.cfg, role="actor")
+        side.saved["actor"] = _snapshot(side.actor.actor)
+    elif role == "ref" and side.ref is None:
+        side.ref = actor_worker(side.cfg, role="ref")
+    elif role == "critic" and side.critic is None:
+        side.critic, side.critic_cfg = critic_worker(side.cfg)
+        side.saved["critic"] = _snapshot(side.critic)
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=dist.group.WORLD)
+    return out
+
+
+def _per_sample(out: Any, key: str, td: Any) -> list[torch.Tensor]:
+    """A log-prob pass's ``key`` as per-sample response tensors (verl's ``no_padding_2_padding`` then each
+    sample's response tokens)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    padded = no_padding_2_padding(tu.get(out, key), td).float()  # [S, R]
+    mask = td["response_mask"]
+    lens = mask.offsets().diff().tolist() if mask.is_nested else [mask.shape[1]] * mask.shape[0]
+    return [padded[i, :n] for i, n in enumerate(lens)]
+
+
+class Rank:
+    """This rank's two sides and the case runner."""
+
+    def __init__(self, rank: int, world: int, root: str) -> None:
+        from hdp.integrations.verl.scaffolding import stock_megatron
+        from hdp.integrations.verl.scaffolding.tiny import VOCAB
+        from hdp.integrations.verl.scaffolding.worker import prepare_rank
+
+        self.rank, self.world = rank, world
+        self.model_path = prepare_rank(rank, world, root)
+        stock_megatron.install()
+        hdp_cfg, stock_cfg = compose_jobs(self.model_path)
+        self.hdp, self.stock = Side("hdp", hdp_cfg), Side("stock", stock_cfg)
+        self.padded = base_batch(VOCAB)
+        self.half = slice(rank * len(SAMPLES) // world, (rank + 1) * len(SAMPLES) // world)
+        self._logp: torch.Tensor | None = None
+
+    def ensure(self, role: str) -> None:
+        for side in (self.stock, self.hdp):  # stock first: it builds Megatron's parallel state for both
+            _build(side, "actor" if role in ("update", "logprob") else role)
+        if role == "critic" and "critic_synced" not in self.hdp.saved:
+            # the value head is initialised at random when each engine is built: both start from stock's
+            self._sync(self.stock.critic, self.hdp.critic)
+            self.hdp.saved["critic"] = _snapshot(self.hdp.critic)
+            self.hdp.saved["critic_synced"] = True
+
+    def _sync(self, src: Any, dst: Any) -> None:
+        names_src, names_dst = _named(src), _named(dst)
+        assert names_src == names_dst, (names_src, names_dst)
+        with torch.no_grad():
+            for p, s in zip([p for c in dst.engine.module for p in c.parameters()], _params(src)):
+                p.copy_(s)
+
+    def base_logp(self) -> torch.Tensor:
+        """Stock's log-probs of the batch at the built weights [S, R] (the driver's old log-probs are made from them)."""
+        if self._logp is None:
+            self.ensure("logprob")
+            _restore(self.stock.actor.actor, self.stock.saved["actor"])
+            td = _td(self.padded, self.half, temperature=1.0, calculate_entropy=False, compute_loss=False)
+            out = self.stock.actor.compute_log_prob(td)
+            mine = _per_sample(out, "log_probs", td)
+            every = [x for part in _gather(mine) for x in part]
+            r = self.padded["responses"].shape[1]
+            self._logp = torch.stack([torch.nn.functional.pad(x, (0, r - len(x))) for x in every])
+        return self._logp
+
+    # -- cases --
+
+    def run(self, case: Case) -> list[Check]:
+        if case.kind in ("logprob", "ref"):
+            return self._logprob(case)
+        if case.kind == "critic":
+            return self._critic(case)
+        return self._update(case)
+
+    def _logprob(self, case: Case) -> list[Check]:
+        role = "actor" if case.kind == "logprob" else "ref"
+        self.ensure("logprob" if role == "actor" else "ref")
+        temp = float(with_overrides(self.hdp.cfg, case.overrides).actor_rollout_ref.rollout.temperature)
+        checks = []
+        outs = {}
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            td = _td(self.padded, rows, temperature=temp, calculate_entropy=role == "actor", compute_loss=False)
+            if role == "actor":
+                _restore(side.actor.actor, side.saved["actor"])
+                out = side.actor.compute_log_prob(td)
+            else:
+                out = side.ref.compute_ref_log_prob(td)
+            keys = ("log_probs", "entropy") if role == "actor" else ("log_probs",)
+            outs[side.name] = {k: (_per_sample(out, k, td) if out is not None else None) for k in keys}
+        stock_parts = _gather(outs["stock"])
+        if self.rank != 0:
+            return []
+        for k in outs["hdp"]:
+            stock_all = [x for part in stock_parts for x in part[k]]
+            checks.append(_tensors_close(f"{role} {k}", outs["hdp"][k], stock_all, LOGP_TOL))
+        return checks
+
+    def _update(self, case: Case) -> list[Check]:
+        from functools import partial
+
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import ppo_loss
+
+        from hdp.integrations.verl.scaffolding import batches as B
+
+        logp = self.base_logp()
+        cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
+                "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
+        padded, _ = driver_fields(self.padded, logp, cfgs["hdp"], case.bypass)
+        meta = trainer_meta(cfgs["hdp"])
+        results, deltas, recorders, loss_cfgs = {}, {}, {}, {}
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            cfg = cfgs[side.name]
+            actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+            loss_cfgs[side.name] = actor_cfg
+            fn = partial(ppo_loss, config=actor_cfg)
+            if side is self.stock:
+                fn = recorders["stock"] = Recorder(fn)
+            worker = side.actor
+            worker.loss_fn = fn
+            worker.actor.set_loss_fn(fn)
+            _restore(worker.actor, side.saved["actor"])
+            before = _params(worker.actor)
+            td = update_td(padded, rows, meta)
+            if side is self.stock:  # stock's micro-batching from its own job config (the worker's defaults otherwise)
+                a = cfg.actor_rollout_ref.actor
+                tu.assign_non_tensor(td, use_dynamic_bsz=bool(a.use_dynamic_bsz),
+                                     micro_batch_size_per_gpu=a.ppo_micro_batch_size_per_gpu,
+                                     max_token_len_per_gpu=a.ppo_max_token_len_per_gpu)
+            out = worker.update_actor(td)
+            results[side.name] = tu.get(out, "metrics") if out is not None else None
+            deltas[side.name] = [a - b for a, b in zip(_params(worker.actor), before)]
+        calls = _gather(recorders["stock"].calls)
+        if self.rank != 0:
+            return []
+        checks = [_deltas(deltas["hdp"], deltas["stock"], _named(self.stock.actor.actor))]
+        # the reference: verl's loss on each stock mini-batch whole, from stock's own per-call outputs
+        reference = []
+        for mb in range(len(_mini_batches(calls[0]))):
+            parts = [c for r in calls for c in _mini_batches(r)[mb]]
+            sids = [s for c in parts for s in c["sid"]]
+            outs = {k: [t for c in parts for t in c["outputs"].get(k, [])] for k in ("log_probs", "entropy")}
+            order = sorted(range(len(sids)), key=lambda i: sids[i])
+            data = update_td(padded, [sids[i] for i in order], dict(meta, mini=len(sids)))
+            per = {k: [v[i] for i in order] for k, v in outs.items() if v}
+            cfg = omega_conf_to_dataclass(cfgs["stock"].actor_rollout_ref.actor)
+            _, m = B.whole_batch_loss(partial(ppo_loss, config=cfg), data, **per)
+            reference.append({k: _plain(v) for k, v in m.items()})
+        checks += compare_metrics(results["hdp"], results["stock"], calls, reference)
+        return checks
+
+    def _critic(self, case: Case) -> list[Check]:
+        from functools import partial
+
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import value_loss
+
+        from hdp.integrations.verl.scaffolding import batches as B
+
+        self.ensure("critic")
+        cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
+                "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
+        meta = critic_meta(cfgs["hdp"])
+        # values at the built weights (both sides), then the update on returns drawn around stock's
+        values = {}
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            _restore(side.critic, side.saved["critic"])
+            td = _td(self.padded, rows, compute_loss=False)
+            out = side.critic.infer_batch(td)
+            values[side.name] = _per_sample(out, "values", td) if out is not None else None
+        stock_parts = _gather(values["stock"])
+        stock_values = [x for part in stock_parts for x in part]
+        r = self.padded["responses"].shape[1]
+        old = torch.stack([torch.nn.functional.pad(x, (0, r - len(x))) for x in stock_values])
+        g = torch.Generator().manual_seed(5)
+        mask = self.padded["response_mask"]
+        padded = dict(self.padded)
+        padded["values"] = (old + 0.8 * (2 * torch.rand(old.shape, generator=g) - 1)) * mask
+        padded["returns"] = (old + 0.3 * torch.randn(old.shape, generator=g)) * mask
+        results, deltas, recorders = {}, {}, {}
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            cfg = omega_conf_to_dataclass(cfgs[side.name].critic)
+            fn = partial(value_loss, config=cfg)
+            if side is self.stock:
+                fn = recorders["stock"] = Recorder(fn)
+            side.critic.set_loss_fn(fn)
+            _restore(side.critic, side.saved["critic"])
+            before = _params(side.critic)
+            td = critic_td(padded, rows, meta)
+            out = side.critic.train_mini_batch(td)
+            results[side.name] = tu.get(out, "metrics") if out is not None else None
+            deltas[side.name] = [a - b for a, b in zip(_params(side.critic), before)]
+        calls = _gather(recorders["stock"].calls)
+        if self.rank != 0:
+            return []
+        checks = [_tensors_close("critic values", values["hdp"], stock_values, VALUE_TOL), _deltas(deltas["hdp"], deltas["stock"], _named(self.stock.critic))]
+        reference = []
+        for mb in range(len(_mini_batches(calls[0]))):
+            parts = [c for rk in calls for c in _mini_batches(rk)[mb]]
+            sids = [s for c in parts for s in c["sid"]]
+            vals = [t for c in parts for t in c["outputs"]["values"]]
+            order = sorted(range(len(sids)), key=lambda i: sids[i])
+            data = critic_td(padded, [sids[i] for i in order], dict(meta, mini=len(sids)))
+            cfg = omega_conf_to_dataclass(cfgs["stock"].critic)
+            _, m = B.whole_batch_loss(partial(value_loss, config=cfg), data, values=[vals[i] for i in order])
+            reference.append({k: _plain(v) for k, v in m.items()})
+        checks += compare_metrics(results["hdp"], results["stock"], calls, reference, prefix="critic ")
+        return checks
+
+
+def _plain(v: Any) -> tuple[str, Any, float]:
+    from verl.utils.metric.utils import Metric
+
+    if isinstance(v, Metric):
+        return ("metric", v.aggregation.value, float(Metric._aggregate(v.values, v.aggregation)))
+    return ("plain", None, float(v))
+
+
+def _deltas(hdp: list[torch.Tensor], stock: list[torch.Tensor], names: Sequence[str] = ()) -> Check:
+    """The change of every parameter over the update, hdp against stock: ||Δ_hdp − Δ_stock|| / ||Δ_stock|| over
+    all parameters (Adam's step amplifies the round-off of gradients near its ``eps`` in single entries; the
+    worst entry is named in the message)."""
+    if len(hdp) != len(stock):
+        return Check("parameter count", len(hdp), len(stock), 0, False)
+    num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(hdp, stock)) ** 0.5
+    den = sum(float(b.double().pow(2).sum()) for b in stock) ** 0.5 or 1.0
+    diffs = [float((a - b).abs().max()) for a, b in zip(hdp, stock)]
+    i = max(range(len(diffs)), key=diffs.__getitem__)
+    where = names[i] if i < len(names) else str(i)
+    a, b = hdp[i].flatten(), stock[i].flatten()
+    j = int((a - b).abs().argmax())
+    return Check(f"parameter changes over the update: ||hdp - stock|| / ||stock|| (worst entry {where}[{j}]: "
+                 f"{float(a[j]):.4g} vs {float(b[j]):.4g})", num / den, 0.0, DELTA_RTOL, num / den <= DELTA_RTOL)
+
+
+def suite_worker(rank: int, world: int, root: str, ids: Sequence[str]) -> dict[str, Any] | None:
+    """Every case of ``ids`` on this rank; rank 0 returns {case id: [Check] or the error's traceback}."""
+    import logging
+
+    logging.getLogger("verl").setLevel(logging.ERROR)
+    here = Rank(rank, world, root)
+    out: dict[str, Any] = {}
+    table = cases()
+    for cid in ids:
+        try:
+            out[cid] = here.run(table[cid])
+        except Exception:  # noqa: BLE001 - a case's error is its result (the others still run)
+            out[cid] = traceback.format_exc()
+    return out if rank == 0 else None
