@@ -2,8 +2,9 @@
 
 In: a mini-batch's sample lengths (`sample_lengths`, from verl's nested ``input_ids``) and a group's rows
 of it (`SampleRows`, for verl's loss function on the group's samples).  Out: verl's output dict of one
-pass (`verl_outputs`: log-probs / entropies in verl's sample order on verl's collect rank, verl's loss and
-metrics reduced over the groups, hdp's metrics added) and verl's metrics of the groups (`reduce_metrics`).
+pass (`verl_outputs`: log-probs / entropies in verl's sample order on verl's collect rank, verl's loss (the
+groups' shares added) and metrics (verl's loss on the whole mini-batch), hdp's metrics added) and verl's metric
+shapes (`reduce_metrics`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def reduce_metrics(per_rank: Sequence[Sequence[tuple[dict[str, Any], float]]]) -
     by their response tokens, so a metric that is a mean over tokens (``actor/ppo_kl``, ``actor/pg_clipfrac``,
     ``critic/vf_clipfrac``, ``critic/vpred_mean``) is the mini-batch's own, whatever the plan (stock verl
     averages its micro-batches' values unweighted: docs/verl.md, "Metrics"); MIN/MAX reduce.  Plain numbers
-    (constants such as ``kl_coef``) are averaged alike.  The shapes are those of verl's own engines
+    (constants such as ``kl_coef``) are averaged alike.  `verl_outputs` passes it one entry, the metrics of verl's
+    loss on the whole mini-batch (`hdp.integrations.verl.loss.VerlLoss.whole_metrics`), for verl's shapes.  The shapes are those of verl's own engines
     (``postprocess_batch_func`` through ``append_to_dict``): one ``Metric`` per name for Metric-valued
     metrics, a list of floats for plain ones — the worker all-gathers them over its (one-rank) DP group and
     the trainer reduces.
@@ -182,14 +184,14 @@ def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> 
         none = torch.zeros((0, width))
         local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, C]
         full = gather_outputs(plan, rank, local, group, dst=0)  # S x [L_i, C] on rank 0
-    mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
-    gathered = gather_objects(mine, group, dst=0)  # every rank's (metrics, losses) on rank 0
+    gathered = gather_objects([float(x) for x in adapter.leader_losses], group, dst=0)  # every rank's losses on rank 0
     if rank != 0:
         return {}
     assert full is not None and gathered is not None
     if adapter.loss_function is not None:
-        metrics = reduce_metrics([m for m, _ in gathered])
-        loss = [sum(sum(ls) for _, ls in gathered)]  # the groups' shares of the mini-batch loss
+        # verl's metrics: its loss function on the mini-batch whole (the mini-batch's own values), verl's shapes
+        metrics = reduce_metrics([[(adapter.whole_metrics(full), 1.0)]])
+        loss = [sum(sum(ls) for ls in gathered)]  # the groups' shares of the mini-batch loss
     else:
         metrics, loss = {}, [1.0] * plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss
     for name, value in done.metrics().items():  # verl's metrics are lists; the histogram one per degree
