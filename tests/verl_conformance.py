@@ -76,8 +76,10 @@ class Case:
     kind: str = "update"
     """``update`` (the actor's update), ``logprob`` (the actor's log-prob pass), ``ref`` (the reference's), ``critic``
     (the critic's values and update)."""
-    bypass: bool = False
-    """The trainer's bypass mode: ``old_log_probs`` are the rollout's (verl's v1 trainer)."""
+    bypass: str | None = None
+    """The driver's bypass mode: ``v1`` (verl's v1 trainer: ``old_log_probs`` are the rollout's, the policy loss as
+    configured) or ``legacy`` (verl's ``RayPPOTrainer``: ``apply_bypass_mode``, whose ``bypass_mode`` policy loss
+    reads ``algorithm.rollout_correction``)."""
     dist_tier: bool = False
     """In the default ``dist`` tier (a representative slice); else ``slow``."""
 
@@ -118,7 +120,7 @@ def _cases() -> list[Case]:
         Case("dynamic-budget", o("ppo_mini_batch_size=4"), stock=o("ppo_max_token_len_per_gpu=96")),
         Case("loss-scale-factor", o("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64")),
         Case("optim", o("optim.lr=3e-6", "optim.weight_decay=0.0", "optim.clip_grad=0.5", "optim.betas=[0.8,0.95]")),
-        Case("bypass-v1", o("entropy_coeff=0.01"), bypass=True),
+        Case("bypass-v1", o("entropy_coeff=0.01"), bypass="v1"),
         Case("critic", kind="critic", dist_tier=True),
         Case("critic-value-clip", _c("cliprange_value=0.2"), kind="critic"),
         Case("critic-epochs-shuffle", _c("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true"), kind="critic"),
@@ -136,7 +138,11 @@ def _cases() -> list[Case]:
         if mode in refused or mode == "bypass_mode":
             continue
         extra = ("policy_loss.dro_beta=0.1",) if mode == "dro" else ()
-        cases.append(Case(f"loss-{mode}", o(f"policy_loss.loss_mode={mode}", *extra, "entropy_coeff=0.01"),
+        # geo_mean is a mean over each call's rows: stock's loss is then its micro-batches' means added, and
+        # equals hdp's (the mean over the mini-batch) when each DP rank trains one micro-batch of an equal share
+        # (docs/verl.md "Loss kinds"); with more micro-batches stock's objective grows with their count
+        stock = o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=4") if mode == "geo_mean" else ()
+        cases.append(Case(f"loss-{mode}", o(f"policy_loss.loss_mode={mode}", *extra, "entropy_coeff=0.01"), stock=stock,
                           dist_tier=mode in ("geo_mean", "gspo")))
     for is_level in ("token", "sequence"):
         cases.append(Case(f"rollout-is-{is_level}", (f"{_IS}rollout_is={is_level}", f"{_IS}rollout_is_threshold=1.5"),
@@ -147,12 +153,10 @@ def _cases() -> list[Case]:
     cases.append(Case("rollout-is-batch-normalize", (f"{_IS}rollout_is=sequence", f"{_IS}rollout_is_batch_normalize=true")))
     for loss_type in ("ppo_clip", "reinforce"):
         for is_level, rs in (("token", None), ("sequence", "seq_mean_k1")):
-            keys = [f"policy_loss.loss_mode=bypass_mode", f"policy_loss.rollout_correction.rollout_is={is_level}",
-                    f"policy_loss.rollout_correction.loss_type={loss_type}", "policy_loss.rollout_correction.bypass_mode=true"]
+            keys = ["bypass_mode=true", f"rollout_is={is_level}", f"loss_type={loss_type}", "rollout_is_threshold=1.5"]
             if rs is not None:
-                keys += [f"policy_loss.rollout_correction.rollout_rs={rs}",
-                         "policy_loss.rollout_correction.rollout_rs_threshold=0.8_1.25"]
-            cases.append(Case(f"bypass-{loss_type}-{is_level}", o(*keys), bypass=True,
+                keys += [f"rollout_rs={rs}", "rollout_rs_threshold=0.8_1.25"]
+            cases.append(Case(f"bypass-{loss_type}-{is_level}", tuple(_IS + k for k in keys), bypass="legacy",
                               dist_tier=(loss_type, is_level) == ("reinforce", "sequence")))
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), ids
@@ -260,12 +264,14 @@ def base_batch(vocab: int) -> dict[str, torch.Tensor]:
     return padded
 
 
-def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any, bypass: bool) -> tuple[dict, dict]:
+def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any, bypass: str | None) -> tuple[dict, dict]:
     """What verl's driver adds before the update (the same for both engines): ``old_log_probs`` (the actor's
     log-probs ``logp`` [S, R] perturbed, so PPO's ratio clips), ``rollout_log_probs``, ``ref_log_prob``,
     per-sample ``advantages``, and rollout correction as the v1 trainer applies it: decoupled mode (weights and
-    rejection from ``compute_rollout_correction_and_add_to_batch``) or bypass (``old_log_probs`` := rollout's).
-    Returns (the padded batch with them, the driver's ``rollout_corr/*`` metrics)."""
+    rejection from ``compute_rollout_correction_and_add_to_batch``) or bypass (`Case.bypass`: ``old_log_probs`` :=
+    rollout's; ``legacy``: verl's ``apply_bypass_mode``, which also points ``cfg``'s actor policy loss at
+    ``bypass_mode`` with the correction config — ``cfg`` is changed in place).  Returns (the padded batch with
+    them, the driver's ``rollout_corr/*`` metrics)."""
     from omegaconf import OmegaConf
 
     from verl import DataProto
@@ -283,7 +289,13 @@ def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any,
                ref_log_prob=(logp - 0.2 * torch.rand(shape, generator=g)) * mask)
     metrics: dict[str, Any] = {}
     corr = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
-    if bypass:
+    if bypass == "legacy":
+        from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+        proto = DataProto.from_dict({"old_log_probs": out["old_log_probs"], "rollout_log_probs": out["rollout_log_probs"]})
+        apply_bypass_mode(proto, corr, cfg.actor_rollout_ref.actor.policy_loss)
+        out["old_log_probs"] = proto.batch["old_log_probs"]
+    elif bypass == "v1":
         out["old_log_probs"] = out["rollout_log_probs"]
     elif corr is not None and (corr.get("rollout_is") or corr.get("rollout_rs")):
         proto = DataProto.from_dict({k: v for k, v in out.items() if v.dim() == 2 and k in (
@@ -612,6 +624,7 @@ class Rank:
         cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
                 "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
         padded, _ = driver_fields(self.padded, logp, cfgs["hdp"], case.bypass)
+        driver_fields(self.padded, logp, cfgs["stock"], case.bypass)  # the same driver for the stock job's config
         meta = trainer_meta(cfgs["hdp"])
         results, deltas, recorders, loss_cfgs = {}, {}, {}, {}
         for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
