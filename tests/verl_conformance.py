@@ -46,6 +46,8 @@ HDP_BUDGET = 64
 STOCK_BUDGET = 128
 """Stock's ``ppo_max_token_len_per_gpu`` (CP 1: every sample must fit one rank); 2 micro-batches per rank."""
 
+MOE_LAYERS = 2
+"""Layers of the tiny Qwen3-MoE (4 experts, top-2) of the router-replay cases."""
 LOGP_TOL = 2e-5
 """Log-probs / entropies, absolute (float32; packed zigzag chunks and ring attention against SDPA per sequence)."""
 VALUE_TOL = 2e-5
@@ -158,6 +160,9 @@ def _cases() -> list[Case]:
                 keys += [f"rollout_rs={rs}", "rollout_rs_threshold=0.8_1.25"]
             cases.append(Case(f"bypass-{loss_type}-{is_level}", tuple(_IS + k for k in keys), bypass="legacy",
                               dist_tier=(loss_type, is_level) == ("reinforce", "sequence")))
+    cases += [Case("router-replay-r3", kind="r3", dist_tier=True), Case("router-replay-r2", kind="r2"),
+              Case("checkpoint", o("entropy_coeff=0.01", "use_kl_loss=true", "checkpoint.save_contents=[model,optimizer,extra]"),
+                   kind="checkpoint")]
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), ids
     return cases
@@ -419,15 +424,19 @@ def _critic_keys(model_path: str, budget: int, stock: bool) -> list[str]:
             "critic.megatron.vanilla_mbridge=true"]
 
 
-def compose_jobs(model_path: str) -> tuple[Any, Any]:
-    """(hdp's job config, stock's): verl's ``ppo_trainer`` with ``model_engine=hdp`` / ``megatron``."""
+def compose_jobs(model_path: str, moe: bool = False) -> tuple[Any, Any]:
+    """(hdp's job config, stock's): verl's ``ppo_trainer`` with ``model_engine=hdp`` / ``megatron``; ``moe``: the
+    MoE model's jobs, with verl's router replay on (R3; `Rank._replay` switches to R2)."""
     from hdp.integrations.verl.scaffolding.stock_megatron import compose_stock
     from hdp.integrations.verl.scaffolding.worker import compose
 
+    replay = ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"] if moe else []
     hdp = compose(model_path, budget=HDP_BUDGET, records=None, overrides=[
-        *COMMON, *_critic_keys(model_path, HDP_BUDGET, False), "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo",
-        "actor_rollout_ref.actor.hdp.auto_calibrate=false", "actor_rollout_ref.actor.hdp.measure_memory=false"])
-    stock = compose_stock(model_path, budget=STOCK_BUDGET, overrides=[*COMMON, *_critic_keys(model_path, STOCK_BUDGET, True)])
+        *COMMON, *replay, *_critic_keys(model_path, HDP_BUDGET, False),
+        "actor_rollout_ref.actor.hdp.cost_model=cpu-tiny@cpu-gloo", "actor_rollout_ref.actor.hdp.auto_calibrate=false",
+        "actor_rollout_ref.actor.hdp.measure_memory=false"])
+    stock = compose_stock(model_path, budget=STOCK_BUDGET, overrides=[*COMMON, *replay,
+                                                                       *_critic_keys(model_path, STOCK_BUDGET, True)])
     return hdp, stock
 
 
@@ -536,23 +545,27 @@ def _per_sample(out: Any, key: str, td: Any) -> list[torch.Tensor]:
 class Rank:
     """This rank's two sides and the case runner."""
 
-    def __init__(self, rank: int, world: int, root: str) -> None:
+    def __init__(self, rank: int, world: int, root: str, moe: bool = False) -> None:
         from hdp.integrations.verl.scaffolding import stock_megatron
         from hdp.integrations.verl.scaffolding.tiny import VOCAB
         from hdp.integrations.verl.scaffolding.worker import prepare_rank
 
-        self.rank, self.world = rank, world
-        self.model_path = prepare_rank(rank, world, root)
+        self.rank, self.world, self.moe, self.root = rank, world, moe, root
+        self.model_path = prepare_rank(rank, world, root, moe=moe, layers=MOE_LAYERS if moe else 2)
         stock_megatron.install()
-        hdp_cfg, stock_cfg = compose_jobs(self.model_path)
+        hdp_cfg, stock_cfg = compose_jobs(self.model_path, moe=moe)
         self.hdp, self.stock = Side("hdp", hdp_cfg), Side("stock", stock_cfg)
         self.padded = base_batch(VOCAB)
         self.half = slice(rank * len(SAMPLES) // world, (rank + 1) * len(SAMPLES) // world)
         self._logp: torch.Tensor | None = None
 
     def ensure(self, role: str) -> None:
-        for side in (self.stock, self.hdp):  # stock first: it builds Megatron's parallel state for both
-            _build(side, "actor" if role in ("update", "logprob") else role)
+        # either builds Megatron's parallel state for both; with router replay stock last: each engine's
+        # construction empties verl's process-global router registry (apply_router_replay_patch), whose routers
+        # stock's engine sets its replay actions on (hdp's set their own, per model)
+        order = (self.hdp, self.stock) if self.moe else (self.stock, self.hdp)
+        for side in order:
+            _build(side, "actor" if role in ("update", "logprob", "r2", "r3") else role)
         if role == "critic" and "critic_synced" not in self.hdp.saved:
             # the value head is initialised at random when each engine is built: both start from stock's
             self._sync(self.stock.critic, self.hdp.critic)
@@ -582,6 +595,10 @@ class Rank:
     # -- cases --
 
     def run(self, case: Case) -> list[Check]:
+        if case.kind == "checkpoint":
+            return self._checkpoint(case)
+        if case.kind in ("r2", "r3"):
+            return self._replay(case)
         if case.kind in ("logprob", "ref"):
             return self._logprob(case)
         if case.kind == "critic":
@@ -604,6 +621,8 @@ class Rank:
             keys = ("log_probs", "entropy") if role == "actor" else ("log_probs",)
             outs[side.name] = {k: (_per_sample(out, k, td) if out is not None else None) for k in keys}
         stock_parts = _gather(outs["stock"])
+        if role == "actor":
+            checks.append(self._cp_group())
         if self.rank != 0:
             return []
         for k in outs["hdp"]:
@@ -611,7 +630,10 @@ class Rank:
             checks.append(_tensors_close(f"{role} {k}", outs["hdp"][k], stock_all, LOGP_TOL))
         return checks
 
-    def _update(self, case: Case) -> list[Check]:
+    def _update(self, case: Case, extra: dict[str, torch.Tensor] | None = None,
+                logp: torch.Tensor | None = None) -> list[Check]:
+        """The actor's update on both (``extra``: padded fields the batch carries besides, e.g. ``routed_experts``;
+        ``logp``: the log-probs the driver's fields are made from, stock's at the built weights by default)."""
         from functools import partial
 
         from verl.utils import tensordict_utils as tu
@@ -620,10 +642,11 @@ class Rank:
 
         from hdp.integrations.verl.scaffolding import batches as B
 
-        logp = self.base_logp()
+        logp = self.base_logp() if logp is None else logp
         cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
                 "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
         padded, _ = driver_fields(self.padded, logp, cfgs["hdp"], case.bypass)
+        padded.update(extra or {})
         driver_fields(self.padded, logp, cfgs["stock"], case.bypass)  # the same driver for the stock job's config
         meta = trainer_meta(cfgs["hdp"])
         results, deltas, recorders, loss_cfgs = {}, {}, {}, {}
@@ -665,6 +688,147 @@ class Rank:
             _, m = B.whole_batch_loss(partial(ppo_loss, config=cfg), data, **per)
             reference.append({k: _plain(v) for k, v in m.items()})
         checks += compare_metrics(results["hdp"], results["stock"], calls, reference)
+        return checks
+
+    def _routes(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Random routes (top-2 of a random permutation per token and layer, unlike the native ones): S x [L_i,
+        layers, K] int16, and verl's padded ``routed_experts`` [S, P + R, layers, K]."""
+        from hdp.integrations.verl.scaffolding import batches as B
+        from hdp.integrations.verl.scaffolding.tiny import VOCAB
+
+        samples = B.random_samples(SAMPLES, VOCAB, seed=1)
+        g = torch.Generator().manual_seed(7)
+        experts, topk = 4, 2
+        routes = [torch.stack([torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(MOE_LAYERS)])
+                               for _ in range(p + r)]).to(torch.int16) for p, r in SAMPLES]
+        return routes, self._padded_routes(samples, routes)
+
+    def _padded_routes(self, samples: Any, routes: Sequence[torch.Tensor]) -> torch.Tensor:
+        pmax = self.padded["prompts"].shape[1]
+        out = torch.zeros((len(routes), self.padded["input_ids"].shape[1], *routes[0].shape[1:]), dtype=torch.int16)
+        for i, ((p, r), x) in enumerate(zip(SAMPLES, routes)):
+            out[i, pmax - p: pmax + r] = x
+        return out
+
+    def _cp_group(self) -> Check:
+        """hdp's plan of the batch puts a sample on a CP group (the case runs hdp's CP path)."""
+        from hdp.integrations.verl.batch import sample_lengths
+
+        td = _td(self.padded, slice(None), temperature=1.0, compute_loss=False)
+        widest = max(self.hdp.actor.actor.engine.planner.plan(sample_lengths(td)).group_size)
+        return Check("hdp's plan of the batch has a CP group (largest group size)", float(widest), 2.0, 0.0, widest > 1)
+
+    def _set_mode(self, mode: str) -> None:
+        """verl's router replay mode on both actors' engines (verl's engines and hdp's read it per pass)."""
+        for side in (self.hdp, self.stock):
+            object.__setattr__(side.actor.actor.engine.engine_config.router_replay, "mode", mode)
+
+    def _replay(self, case: Case) -> list[Check]:
+        """MoE router replay: R3 (the rollout's routes with the batch, replayed in every pass) or R2 (routes
+        recorded by the log-prob pass, replayed in the update), the log-prob pass and the update on both."""
+        from verl.utils import tensordict_utils as tu
+
+        self.ensure("r3")
+        mode = case.kind.upper()
+        self._set_mode(mode)
+        checks = []
+        outs = {}
+        routes = padded_routes = None
+        if mode == "R3":
+            routes, padded_routes = self._routes()
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            _restore(side.actor.actor, side.saved["actor"])
+            padded = dict(self.padded)
+            if padded_routes is not None:
+                padded["routed_experts"] = padded_routes
+            td = _td(padded, rows, temperature=1.0, calculate_entropy=True, compute_loss=False)
+            out = side.actor.compute_log_prob(td)
+            got = {}
+            if out is not None:
+                got = {k: _per_sample(out, k, td) for k in ("log_probs", "entropy")}
+                if mode == "R2":
+                    got["routed_experts"] = [x.to(torch.int64).sort(dim=-1).values for x in tu.get(out, "routed_experts").unbind()]
+            outs[side.name] = got
+        stock_parts = _gather(outs["stock"])
+        stock_all = {k: [x for part in stock_parts for x in part[k]] for k in outs["hdp"]} if self.rank == 0 else None
+        if mode == "R2":  # every rank replays the routes stock recorded
+            recorded = _gather(stock_all["routed_experts"] if self.rank == 0 else None)[0]
+            padded_routes = self._padded_routes(None, [x.to(torch.int16) for x in recorded])
+            if self.rank == 0:
+                same = all(torch.equal(a, b) for a, b in zip(outs["hdp"]["routed_experts"], stock_all["routed_experts"]))
+                checks.append(Check("R2: the routes the log-prob pass recorded (top-2 sets per token and layer) equal",
+                                    float(same), 1.0, 0.0, same and len(outs["hdp"]["routed_experts"]) == len(SAMPLES)))
+        logp_parts = _gather(outs["stock"]["log_probs"])
+        r = self.padded["responses"].shape[1]
+        logp = torch.stack([torch.nn.functional.pad(x, (0, r - len(x))) for part in logp_parts for x in part])
+        if self.rank == 0:
+            for k in ("log_probs", "entropy"):
+                checks.append(_tensors_close(f"{mode} actor {k}", outs["hdp"][k], stock_all[k], LOGP_TOL))
+        if mode == "R3":  # the routes were followed: native routing gives other log-probs
+            self._set_mode("disabled")
+            td = _td(self.padded, slice(None), temperature=1.0, calculate_entropy=False, compute_loss=False)
+            native = self.hdp.actor.compute_log_prob(td)
+            self._set_mode(mode)
+            if self.rank == 0:
+                moved = max(float((a - b).abs().max()) for a, b in zip(_per_sample(native, "log_probs", td),
+                                                                       outs["hdp"]["log_probs"]))
+                checks.append(Check("R3: replayed routes move the log-probs off native routing's by more than 1e-3",
+                                    moved, 0.0, 1e-3, moved > 1e-3))
+        checks.append(self._cp_group())
+        checks += self._update(case, extra={"routed_experts": padded_routes}, logp=logp)
+        return checks if self.rank == 0 else []
+
+    def _checkpoint(self, case: Case) -> list[Check]:
+        """verl's checkpoint on both: an update, ``save_checkpoint``, a second update, ``load_checkpoint``, the
+        second update again.  Each engine's continuation is its uninterrupted update bit for bit (metrics and
+        weights), and hdp's second update is stock's (parameter changes, loss, grad norm)."""
+        from functools import partial
+
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.utils.losses import ppo_loss
+
+        self.ensure("update")
+        cfg = with_overrides(self.hdp.cfg, case.overrides)
+        padded, _ = driver_fields(self.padded, self.base_logp(), cfg, None)
+        meta = trainer_meta(cfg)
+        got: dict[str, Any] = {}
+        for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
+            worker = side.actor
+            fn = partial(ppo_loss, config=omega_conf_to_dataclass(with_overrides(side.cfg, case.overrides).actor_rollout_ref.actor))
+            worker.loss_fn = fn
+            worker.actor.set_loss_fn(fn)
+            _restore(worker.actor, side.saved["actor"])
+
+            def step() -> tuple[Any, list[torch.Tensor]]:
+                out = worker.update_actor(update_td(padded, rows, meta))
+                m = tu.get(out, "metrics") if out is not None else None
+                return (None if m is None else (m["loss"], m["grad_norm"])), _params(worker.actor)
+
+            step()
+            path = os.path.join(self.root, f"ckpt-{side.name}")
+            worker.save_checkpoint(path, global_step=1)
+            at_save = _params(worker.actor)
+            m2, w2 = step()
+            worker.load_checkpoint(path, del_local_after_load=False)
+            loaded = _params(worker.actor)
+            m2b, w2b = step()
+            got[side.name] = dict(m2=m2, m2b=m2b, exact_load=all(torch.equal(a, b) for a, b in zip(at_save, loaded)),
+                                  exact=all(torch.equal(a, b) for a, b in zip(w2, w2b)),
+                                  delta=[a - b for a, b in zip(w2b, loaded)])
+        if self.rank != 0:
+            return []
+        checks = []
+        for name, g in got.items():
+            checks.append(Check(f"{name}: load_checkpoint restores the saved weights bit for bit", float(g["exact_load"]),
+                                1.0, 0.0, g["exact_load"]))
+            checks.append(Check(f"{name}: the update after the load equals the uninterrupted one bit for bit (weights "
+                                f"and loss, grad norm {g['m2']} / {g['m2b']})", float(g["exact"]), 1.0, 0.0,
+                                g["exact"] and g["m2"] == g["m2b"]))
+        checks.append(_deltas(got["hdp"]["delta"], got["stock"]["delta"], _named(self.stock.actor.actor)))
+        (hl, hg), (sl, sg) = got["hdp"]["m2b"], got["stock"]["m2b"]
+        checks.append(_close("loss of the update after the load", float(hl[0]), float(sl[0]), LOSS_RTOL))
+        checks.append(_close("grad_norm of the update after the load", float(hg[0]), float(sg[0]), NORM_RTOL))
         return checks
 
     def _critic(self, case: Case) -> list[Check]:
@@ -752,12 +916,13 @@ def _deltas(hdp: list[torch.Tensor], stock: list[torch.Tensor], names: Sequence[
                  f"{float(a[j]):.4g} vs {float(b[j]):.4g})", num / den, 0.0, DELTA_RTOL, num / den <= DELTA_RTOL)
 
 
-def suite_worker(rank: int, world: int, root: str, ids: Sequence[str]) -> dict[str, Any] | None:
-    """Every case of ``ids`` on this rank; rank 0 returns {case id: [Check] or the error's traceback}."""
+def suite_worker(rank: int, world: int, root: str, ids: Sequence[str], moe: bool = False) -> dict[str, Any] | None:
+    """Every case of ``ids`` on this rank (``moe``: the router-replay cases, on the MoE model); rank 0 returns
+    {case id: [Check] or the error's traceback}."""
     import logging
 
     logging.getLogger("verl").setLevel(logging.ERROR)
-    here = Rank(rank, world, root)
+    here = Rank(rank, world, root, moe=moe)
     out: dict[str, Any] = {}
     table = cases()
     for cid in ids:

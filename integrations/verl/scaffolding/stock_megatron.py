@@ -11,10 +11,12 @@ things keep them off a machine without TransformerEngine:
 
 :func:`install` (after :func:`hdp.integrations.verl.scaffolding.install`) registers, under verl's own
 ``EngineRegistry`` key for the scaffolding's CPU platform (device "cpu", backend "megatron"), two subclasses
-of the stock engines whose only change is the core attention of the model they build: `VarlenCoreAttention`,
+of the stock engines whose changes are the core attention of the model they build — `VarlenCoreAttention`,
 causal attention over each packed sequence with torch's ``scaled_dot_product_attention`` (CP 1, the stock
-engine's layout here; its own code and kernel, not hdp's, so the comparison is between two implementations).
-It also lets ``McoreEngineConfig`` take ``dtype=float32`` (the check is kept for every other value).
+engine's layout here; its own code and kernel, not hdp's, so the comparison is between two implementations) —
+and a checkpoint load that behaves as on GPUs (`_load_as_on_gpus`: no autograd on the in-place load of fp32
+main parameters, Adam's step restored as FusedAdam keeps it).  It also lets ``McoreEngineConfig`` take
+``dtype=float32`` (the check is kept for every other value).
 Everything else — micro-batching, Megatron's schedule, the loss, the optimizer, checkpoints, weight export —
 is verl's stock code.  Test-only: GPU runs never import it.  Idempotent.
 """
@@ -95,6 +97,36 @@ def _swap_attention(module: list[Any]) -> None:
             attn.core_attention = VarlenCoreAttention(old.config, old.layer_number, getattr(old, "softmax_scale", None))
 
 
+def _load_as_on_gpus(engine: Any, base: type, *args: Any, **kwargs: Any) -> Any:
+    """verl's ``load_checkpoint`` as it behaves on GPUs, where two things differ from this CPU, fp32 setting:
+    in bf16 the optimizer's fp32 main parameters are copies (here, in fp32, they are views of the model's leaf
+    parameters, which Megatron's load writes in place: run under ``torch.no_grad()``), and TE / Apex FusedAdam
+    keeps Adam's step in its parameter groups (torch's Adam keeps it per parameter, which megatron-core 0.16.1's
+    ``dp_reshardable`` load leaves at a placeholder: restored from the loaded state, as hdp's engine does,
+    `hdp.trainer.optim_state.restore_adam_steps`)."""
+    from hdp.trainer.optim_state import restore_adam_steps
+
+    opt = getattr(engine, "optimizer", None)
+    loaded: list[Any] = []
+    if opt is not None:
+        orig = opt.load_state_dict
+
+        def capture(state_dict: Any, *a: Any, **k: Any) -> Any:
+            loaded.append(state_dict)
+            return orig(state_dict, *a, **k)
+
+        opt.load_state_dict = capture  # this instance, for this call only
+    try:
+        with torch.no_grad():
+            out = base.load_checkpoint(engine, *args, **kwargs)
+    finally:
+        if opt is not None:
+            del opt.load_state_dict
+    if opt is not None and loaded:
+        restore_adam_steps(opt, loaded[-1])
+    return out
+
+
 def _allow_fp32_engine_config() -> None:
     """``McoreEngineConfig`` with ``dtype=float32`` accepted (its other checks unchanged)."""
     from verl.workers.config import engine as engine_config
@@ -173,9 +205,12 @@ def install() -> None:
             _swap_attention(module)
             return module
 
+        def load_checkpoint(self: Any, *args: Any, _base: type = base, **kwargs: Any) -> Any:
+            return _load_as_on_gpus(self, _base, *args, **kwargs)
+
         cls = type(f"Cpu{base.__name__}", (base,), {
             "__doc__": f"verl's stock {base.__name__} with `VarlenCoreAttention` (CPU tests).",
-            "_build_megatron_module": build})
+            "_build_megatron_module": build, "load_checkpoint": load_checkpoint})
         EngineRegistry.register(model_type=model_type, backend="megatron", device=PLATFORM)(cls)
         _classes[model_type] = cls
     _installed = True
