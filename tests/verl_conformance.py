@@ -31,11 +31,11 @@ Used by tests/test_verl_conformance.py; the option table is tests/verl_options.p
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -84,6 +84,11 @@ class Case:
     reads ``algorithm.rollout_correction``)."""
     dist_tier: bool = False
     """In the default ``dist`` tier (a representative slice); else ``slow``."""
+    nonfinite: bool = False
+    """The case's loss is not finite on both engines (every token rejected: verl's loss divides 0 by 0 tokens).
+    Documented definitions differ there (docs/verl.md, "Metrics"): hdp skips the update on every rank and reports
+    ``grad_norm`` NaN (``hdp/nonfinite_skipped`` 1, as verl's FSDP engine); stock's Megatron optimizer steps on
+    the zero gradient and reports 0.  Checked: neither changes the weights, and each reports its own definition."""
 
 
 def o(*pairs: str) -> tuple[str, ...]:
@@ -99,45 +104,75 @@ _IS = "algorithm.rollout_correction."
 _PL = "actor_rollout_ref.actor.policy_loss."
 
 
-def _cases() -> list[Case]:
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+_RS_THRESHOLDS = {"token_k1": "0.5_2.0", "token": "0.15", "seq_mean_k1": "0.8_1.25", "seq_mean": "0.3",
+                  "seq_sum_k1": "0.2_5.0", "seq_sum": "4.0", "seq_max_k2": "2.0", "seq_max": "4.0"}
+"""Rejection thresholds per ``rollout_rs`` option (most specific first: the option, then its level) that keep part
+of the suite's batch (checked by each case)."""
 
+
+def _rs_threshold(option: str) -> str:
+    """A rejection threshold for verl's ``rollout_rs`` option (``*_k1``: ratio bounds ``lower_upper``; else an upper
+    bound of the divergence) that rejects some samples or tokens of the suite's batch, not all (an option verl
+    adds gets its level's)."""
+    level = option.rsplit("_", 1)[0]
+    return _RS_THRESHOLDS.get(option, _RS_THRESHOLDS.get(level, "0.5_2.0" if option.endswith("k1") else "1.0"))
+
+
+def _cases() -> list[Case]:
+    """The suite: fixed cases and one per value of verl's registries and choice lists (tests/verl_options.py
+    reads them from verl: a value verl adds gets a case, or a refusal in the table)."""
+    import verl_options as T
+
+    m = "actor_rollout_ref.actor.megatron."
     cases = [
         Case("logprob", kind="logprob", dist_tier=True),
         Case("logprob-temperature", ("actor_rollout_ref.rollout.temperature=0.7",), kind="logprob"),
+        Case("logprob-sum-pi-squared", o("calculate_sum_pi_squared=true"), kind="logprob"),
+        Case("logprob-fixed-micro-batches", kind="logprob",
+             stock=("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")),
         Case("ref", kind="ref", dist_tier=True),
         Case("base", o("entropy_coeff=0.01", "use_kl_loss=true", "kl_loss_coef=0.1"), dist_tier=True),
         Case("no-entropy", o("entropy_coeff=0.0", "calculate_entropy=false")),
         Case("calculate-entropy", o("entropy_coeff=0.0", "calculate_entropy=true")),
         Case("temperature", ("actor_rollout_ref.rollout.temperature=0.7", *o("entropy_coeff=0.01"))),
+        # the log-prob pass only: verl 0.9.1's chunked entropy fails in backward in its own engine (its
+        # _VocabParallelEntropy.backward writes into logits that other chunks' views share)
+        Case("entropy-chunking", o("entropy_from_logits_with_chunking=true", "entropy_from_logits_chunk_size=16"),
+             kind="logprob"),
         Case("clip-ratio", o("clip_ratio=0.1")),
         Case("clip-low-high", o("clip_ratio_low=0.1", "clip_ratio_high=0.3"), dist_tier=True),
         Case("dual-clip", o("clip_ratio_c=1.5")),
         Case("epochs-minibatches", o("ppo_epochs=2", "ppo_mini_batch_size=4"), dist_tier=True),
         Case("shuffle", o("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true", "data_loader_seed=7")),
         Case("fixed-micro-batches", o("ppo_mini_batch_size=4"),
-             stock=o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=1",
-                     "ppo_max_token_len_per_gpu=null") + ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
-                                                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")),
+             stock=o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=1", "ppo_max_token_len_per_gpu=null")),
         Case("dynamic-budget", o("ppo_mini_batch_size=4"), stock=o("ppo_max_token_len_per_gpu=96")),
+        Case("stock-pad-to-length", o("entropy_coeff=0.01"), stock=(f"{m}pad_to_length=true", f"{m}pad_to_length_bucket=16")),
         Case("loss-scale-factor", o("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64")),
         Case("optim", o("optim.lr=3e-6", "optim.weight_decay=0.0", "optim.clip_grad=0.5", "optim.betas=[0.8,0.95]")),
+        Case("sapo-tau", o("policy_loss.loss_mode=sapo", "tau_pos=0.5", "tau_neg=2.0")),
         Case("bypass-v1", o("entropy_coeff=0.01"), bypass="v1"),
         Case("critic", kind="critic", dist_tier=True),
         Case("critic-value-clip", _c("cliprange_value=0.2"), kind="critic"),
-        Case("critic-epochs-shuffle", _c("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true"), kind="critic"),
+        Case("critic-epochs-shuffle", _c("ppo_epochs=2", "ppo_mini_batch_size=4", "shuffle=true", "data_loader_seed=7"),
+             kind="critic"),
+        Case("critic-fixed-micro-batches", _c("ppo_mini_batch_size=4"), kind="critic",
+             stock=_c("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=1")),
         Case("critic-loss-scale-factor", _c("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64"),
              kind="critic"),
     ]
-    for agg in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
+    for agg in T.agg_modes():
+        if agg == "seq-mean-token-sum-norm":  # needs loss_scale_factor: the loss-scale-factor cases
+            continue
         cases.append(Case(f"agg-{agg}", o(f"loss_agg_mode={agg}", "entropy_coeff=0.01", "use_kl_loss=true"),
                           dist_tier=agg == "seq-mean-token-mean"))
         cases.append(Case(f"critic-agg-{agg}", _c(f"loss_agg_mode={agg}"), kind="critic"))
-    for kl in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+"):
-        cases.append(Case(f"kl-{kl}", o("use_kl_loss=true", "kl_loss_coef=0.5", f"kl_loss_type={kl}")))
-    refused = {"kl_cov", "clip_cov"}  # tests/verl_options.py: refused at config time
-    for mode in sorted(POLICY_LOSS_REGISTRY):
-        if mode in refused or mode == "bypass_mode":
+    for kl in T.kl_types():
+        if kl.rstrip("+") not in T.REFUSED_KL:
+            cases.append(Case(f"kl-{kl}", o("use_kl_loss=true", "kl_loss_coef=0.5", f"kl_loss_type={kl}")))
+    for mode in T.policy_loss_modes():
+        if mode in T.REFUSED_LOSSES or mode == "bypass_mode":  # bypass_mode: the bypass-* cases
             continue
         extra = ("policy_loss.dro_beta=0.1",) if mode == "dro" else ()
         # geo_mean is a mean over each call's rows: stock's loss is then its micro-batches' means added, and
@@ -146,20 +181,22 @@ def _cases() -> list[Case]:
         stock = o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=4") if mode == "geo_mean" else ()
         cases.append(Case(f"loss-{mode}", o(f"policy_loss.loss_mode={mode}", *extra, "entropy_coeff=0.01"), stock=stock,
                           dist_tier=mode in ("geo_mean", "gspo")))
-    for is_level in ("token", "sequence"):
-        cases.append(Case(f"rollout-is-{is_level}", (f"{_IS}rollout_is={is_level}", f"{_IS}rollout_is_threshold=1.5"),
-                          dist_tier=is_level == "sequence"))
-    for rs, thr in (("token_k1", "0.6_1.6"), ("seq_mean_k1", "0.8_1.25"), ("seq_max_k2", "0.5")):
+    for level in T.rollout_is_levels():
+        cases.append(Case(f"rollout-is-{level}", (f"{_IS}rollout_is={level}", f"{_IS}rollout_is_threshold=1.5"),
+                          dist_tier=level == "sequence"))
+    for rs in T.rollout_rs_options():
         cases.append(Case(f"rollout-rs-{rs}", (f"{_IS}rollout_is=token", f"{_IS}rollout_rs={rs}",
-                                               f"{_IS}rollout_rs_threshold={thr}")))
+                                               f"{_IS}rollout_rs_threshold={_rs_threshold(rs)}")))
+    cases.append(Case("rollout-rs-reject-all", (f"{_IS}rollout_is=token", f"{_IS}rollout_rs=seq_sum_k2",
+                                                f"{_IS}rollout_rs_threshold=0.01"), nonfinite=True))
     cases.append(Case("rollout-is-batch-normalize", (f"{_IS}rollout_is=sequence", f"{_IS}rollout_is_batch_normalize=true")))
-    for loss_type in ("ppo_clip", "reinforce"):
-        for is_level, rs in (("token", None), ("sequence", "seq_mean_k1")):
-            keys = ["bypass_mode=true", f"rollout_is={is_level}", f"loss_type={loss_type}", "rollout_is_threshold=1.5"]
-            if rs is not None:
-                keys += [f"rollout_rs={rs}", "rollout_rs_threshold=0.8_1.25"]
-            cases.append(Case(f"bypass-{loss_type}-{is_level}", tuple(_IS + k for k in keys), bypass="legacy",
-                              dist_tier=(loss_type, is_level) == ("reinforce", "sequence")))
+    for loss_type in T.bypass_loss_types():
+        for level in T.rollout_is_levels():
+            keys = ["bypass_mode=true", f"rollout_is={level}", f"loss_type={loss_type}", "rollout_is_threshold=1.5"]
+            if level == "sequence":  # with rejection sampling too
+                keys += ["rollout_rs=seq_mean_k1", "rollout_rs_threshold=0.8_1.25"]
+            cases.append(Case(f"bypass-{loss_type}-{level}", tuple(_IS + k for k in keys), bypass="legacy",
+                              dist_tier=(loss_type, level) == ("reinforce", "sequence")))
     cases += [Case("router-replay-r3", kind="r3", dist_tier=True), Case("router-replay-r2", kind="r2"),
               Case("checkpoint", o("entropy_coeff=0.01", "use_kl_loss=true", "checkpoint.save_contents=[model,optimizer,extra]"),
                    kind="checkpoint")]
@@ -307,6 +344,7 @@ def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any,
             "old_log_probs", "rollout_log_probs", "response_mask")})
         proto, metrics = compute_rollout_correction_and_add_to_batch(proto, corr)
         out["response_mask"] = proto.batch["response_mask"].to(padded["response_mask"].dtype)
+        metrics["suite/kept_tokens"] = float(out["response_mask"].sum()) / float(padded["response_mask"].sum())
         if "rollout_is_weights" in proto.batch.keys():
             out["rollout_is_weights"] = proto.batch["rollout_is_weights"]
     return out, metrics
@@ -447,6 +485,36 @@ def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     out = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
     OmegaConf.resolve(out)
     return out
+
+
+def _engine_settings(base: Any, cfg: Any, section: str) -> dict[str, Any]:
+    """The engine settings (``section``: ``actor_rollout_ref.actor.megatron`` / ``critic.megatron``) in which the
+    case's job ``cfg`` differs from the built one ``base``: settings verl's engines read on every pass
+    (``pad_to_length``, ``entropy_from_logits_*``), applied to the built engine for the case (`_applied`)."""
+    from omegaconf import OmegaConf
+
+    a, b = OmegaConf.select(base, section), OmegaConf.select(cfg, section)
+    return {k: b[k] for k in b if k in a and not OmegaConf.is_config(b[k]) and a[k] != b[k]}
+
+
+@contextlib.contextmanager
+def _applied(engine: Any, settings: dict[str, Any]) -> Iterator[None]:
+    """``settings`` on ``engine.engine_config`` for the duration of a case."""
+    saved = {k: getattr(engine.engine_config, k) for k in settings}
+    for k, v in settings.items():
+        object.__setattr__(engine.engine_config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            object.__setattr__(engine.engine_config, k, v)
+
+
+def _stock_batching(td: Any, switch: Any, micro: Any, budget: Any) -> None:
+    """Stock's micro-batching keys on a batch (verl's worker fills them from its engine config only when absent)."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(td, use_dynamic_bsz=bool(switch), micro_batch_size_per_gpu=micro, max_token_len_per_gpu=budget)
 
 
 @dataclass
@@ -608,17 +676,27 @@ class Rank:
     def _logprob(self, case: Case) -> list[Check]:
         role = "actor" if case.kind == "logprob" else "ref"
         self.ensure("logprob" if role == "actor" else "ref")
-        temp = float(with_overrides(self.hdp.cfg, case.overrides).actor_rollout_ref.rollout.temperature)
+        cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
+                "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
+        temp = float(cfgs["hdp"].actor_rollout_ref.rollout.temperature)
+        spi = role == "actor" and bool(cfgs["hdp"].actor_rollout_ref.actor.calculate_sum_pi_squared)
+        keys = ("log_probs",) + (("entropy",) if role == "actor" else ()) + (("sum_pi_squared",) if spi else ())
         checks = []
         outs = {}
         for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
-            td = _td(self.padded, rows, temperature=temp, calculate_entropy=role == "actor", compute_loss=False)
+            td = _td(self.padded, rows, temperature=temp, calculate_entropy=role == "actor", compute_loss=False,
+                     calculate_sum_pi_squared=spi)
+            if side is self.stock:
+                r = cfgs["stock"].actor_rollout_ref.rollout if role == "actor" else cfgs["stock"].actor_rollout_ref.ref
+                _stock_batching(td, r.log_prob_use_dynamic_bsz, r.log_prob_micro_batch_size_per_gpu,
+                                r.log_prob_max_token_len_per_gpu)
             if role == "actor":
                 _restore(side.actor.actor, side.saved["actor"])
-                out = side.actor.compute_log_prob(td)
+                with _applied(side.actor.actor.engine, _engine_settings(side.cfg, cfgs[side.name],
+                                                                        "actor_rollout_ref.actor.megatron")):
+                    out = side.actor.compute_log_prob(td)
             else:
                 out = side.ref.compute_ref_log_prob(td)
-            keys = ("log_probs", "entropy") if role == "actor" else ("log_probs",)
             outs[side.name] = {k: (_per_sample(out, k, td) if out is not None else None) for k in keys}
         stock_parts = _gather(outs["stock"])
         if role == "actor":
@@ -645,7 +723,7 @@ class Rank:
         logp = self.base_logp() if logp is None else logp
         cfgs = {"hdp": with_overrides(self.hdp.cfg, case.overrides),
                 "stock": with_overrides(self.stock.cfg, (*case.overrides, *case.stock))}
-        padded, _ = driver_fields(self.padded, logp, cfgs["hdp"], case.bypass)
+        padded, driver = driver_fields(self.padded, logp, cfgs["hdp"], case.bypass)
         padded.update(extra or {})
         driver_fields(self.padded, logp, cfgs["stock"], case.bypass)  # the same driver for the stock job's config
         meta = trainer_meta(cfgs["hdp"])
@@ -665,16 +743,34 @@ class Rank:
             td = update_td(padded, rows, meta)
             if side is self.stock:  # stock's micro-batching from its own job config (the worker's defaults otherwise)
                 a = cfg.actor_rollout_ref.actor
-                tu.assign_non_tensor(td, use_dynamic_bsz=bool(a.use_dynamic_bsz),
-                                     micro_batch_size_per_gpu=a.ppo_micro_batch_size_per_gpu,
-                                     max_token_len_per_gpu=a.ppo_max_token_len_per_gpu)
-            out = worker.update_actor(td)
+                _stock_batching(td, a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
+            settings = _engine_settings(side.cfg, cfg, "actor_rollout_ref.actor.megatron")
+            with _applied(worker.actor.engine, settings):
+                out = worker.update_actor(td)
             results[side.name] = tu.get(out, "metrics") if out is not None else None
             deltas[side.name] = [a - b for a, b in zip(_params(worker.actor), before)]
         calls = _gather(recorders["stock"].calls)
         if self.rank != 0:
             return []
         checks = [_deltas(deltas["hdp"], deltas["stock"], _named(self.stock.actor.actor))]
+        if case.nonfinite:  # see Case.nonfinite
+            h, st = _metric_values(results["hdp"], [1]), _metric_values(results["stock"], [1])
+            return checks + [
+                Check("every token rejected", driver.get("suite/kept_tokens", -1.0), 0.0, 0.0,
+                      driver.get("suite/kept_tokens") == 0.0),
+                Check("the loss is not finite on both", h["loss"][0], st["loss"][0], 0.0,
+                      h["loss"][0] != h["loss"][0] and st["loss"][0] != st["loss"][0]),
+                Check("hdp skips the update: grad_norm NaN, hdp/nonfinite_skipped 1", h["grad_norm"][0],
+                      h["hdp/nonfinite_skipped"][0], 0.0,
+                      h["grad_norm"][0] != h["grad_norm"][0] and h["hdp/nonfinite_skipped"][0] == 1.0),
+                Check("stock's optimizer reports grad_norm 0", st["grad_norm"][0], 0.0, 0.0, st["grad_norm"][0] == 0.0),
+                Check("neither changes the weights (largest change, hdp / stock)",
+                      max(float(d.abs().max()) for d in deltas["hdp"]), max(float(d.abs().max()) for d in deltas["stock"]),
+                      0.0, all(not bool(d.any()) for d in deltas["hdp"] + deltas["stock"]))]
+        if "suite/kept_tokens" in driver:  # rejection sampling: some tokens rejected, not all
+            kept = driver["suite/kept_tokens"]
+            checks.append(Check("the driver's rejection sampling keeps part of the response tokens (fraction kept)",
+                                kept, 0.0, 0.0, 0.0 < kept < 1.0))
         # the reference: verl's loss on each stock mini-batch whole, from stock's own per-call outputs
         reference = []
         for mb in range(len(_mini_batches(calls[0]))):
@@ -849,6 +945,9 @@ class Rank:
         for side, rows in ((self.hdp, slice(None)), (self.stock, self.half)):
             _restore(side.critic, side.saved["critic"])
             td = _td(self.padded, rows, compute_loss=False)
+            if side is self.stock:
+                c = cfgs["stock"].critic  # verl's critic yaml has no infer micro-batch size: its worker's is the train one
+                _stock_batching(td, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_infer_max_token_len_per_gpu)
             out = side.critic.infer_batch(td)
             values[side.name] = _per_sample(out, "values", td) if out is not None else None
         stock_parts = _gather(values["stock"])
@@ -870,6 +969,9 @@ class Rank:
             _restore(side.critic, side.saved["critic"])
             before = _params(side.critic)
             td = critic_td(padded, rows, meta)
+            if side is self.stock:
+                c = cfgs["stock"].critic
+                _stock_batching(td, c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)
             out = side.critic.train_mini_batch(td)
             results[side.name] = tu.get(out, "metrics") if out is not None else None
             deltas[side.name] = [a - b for a, b in zip(_params(side.critic), before)]
