@@ -20,25 +20,7 @@ from hdp.integrations.verl import compat, loss_kinds as K  # noqa: E402
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 REFUSED = "refused"
-# loss_mode -> its verdict under every aggregation mode (or per mode); "refused" = LossNotAdditiveError
-VERDICTS: dict[str, object] = {
-    "vanilla": "additive",
-    "dppo_tv": "additive",
-    "dppo_kl": "additive",
-    "gspo": "additive",
-    "sapo": "additive-any-width",  # aggregates with seq-mean-token-mean whatever loss_agg_mode says
-    "gpg": "additive",
-    "clip_cov": REFUSED,  # centring and a random top-k over the call's tokens
-    "kl_cov": REFUSED,  # a top-k over the call's tokens
-    "geo_mean": "sample-mean",  # GMPO: torch.mean over the call's rows, global information ignored
-    "dro": "additive",
-    "cispo": "additive",
-    "bypass_mode": "additive",
-}
-"""What hdp does with each policy loss verl 0.9.1 registers ("additive": as stock; "sample-mean": normalised by
-hdp; refused: a config error).  "additive" losses aggregate through ``agg_loss``, so under
-``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (a divisor read from each call's padded width) they are
-refused too."""
+from verl_options import VERDICTS  # noqa: E402  (loss_mode -> its verdict: one table, tests/verl_options.py)
 
 
 def _config(mode: str, agg: str, factor: float | None = None, **correction):

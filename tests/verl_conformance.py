@@ -32,6 +32,7 @@ Used by tests/test_verl_conformance.py; the option table is tests/verl_options.p
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -119,8 +120,8 @@ def _rs_threshold(option: str) -> str:
 
 
 def _cases() -> list[Case]:
-    """The suite: fixed cases and one per value of verl's registries and choice lists (tests/verl_options.py
-    reads them from verl: a value verl adds gets a case, or a refusal in the table)."""
+    """The suite: fixed cases and one per covered value of the option table's registries and choice lists
+    (tests/verl_options.py `VALUES`, checked there against verl's own)."""
     import verl_options as T
 
     m = "actor_rollout_ref.actor.megatron."
@@ -162,17 +163,19 @@ def _cases() -> list[Case]:
         Case("critic-loss-scale-factor", _c("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=64"),
              kind="critic"),
     ]
-    for agg in T.agg_modes():
+    def listed(name: str) -> list[str]:  # the table's covered values (a value verl adds needs an entry first)
+        return [v for v, e in T.VALUES[name][1].items() if isinstance(e, T.Covered)]
+
+    for agg in listed("loss_agg_mode"):
         if agg == "seq-mean-token-sum-norm":  # needs loss_scale_factor: the loss-scale-factor cases
             continue
         cases.append(Case(f"agg-{agg}", o(f"loss_agg_mode={agg}", "entropy_coeff=0.01", "use_kl_loss=true"),
                           dist_tier=agg == "seq-mean-token-mean"))
         cases.append(Case(f"critic-agg-{agg}", _c(f"loss_agg_mode={agg}"), kind="critic"))
-    for kl in T.kl_types():
-        if kl.rstrip("+") not in T.REFUSED_KL:
-            cases.append(Case(f"kl-{kl}", o("use_kl_loss=true", "kl_loss_coef=0.5", f"kl_loss_type={kl}")))
-    for mode in T.policy_loss_modes():
-        if mode in T.REFUSED_LOSSES or mode == "bypass_mode":  # bypass_mode: the bypass-* cases
+    for kl in listed("kl_loss_type"):
+        cases.append(Case(f"kl-{kl}", o("use_kl_loss=true", "kl_loss_coef=0.5", f"kl_loss_type={kl}")))
+    for mode in listed("policy_loss.loss_mode"):
+        if mode == "bypass_mode":  # the bypass-* cases
             continue
         extra = ("policy_loss.dro_beta=0.1",) if mode == "dro" else ()
         # geo_mean is a mean over each call's rows: stock's loss is then its micro-batches' means added, and
@@ -181,17 +184,17 @@ def _cases() -> list[Case]:
         stock = o("use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=4") if mode == "geo_mean" else ()
         cases.append(Case(f"loss-{mode}", o(f"policy_loss.loss_mode={mode}", *extra, "entropy_coeff=0.01"), stock=stock,
                           dist_tier=mode in ("geo_mean", "gspo")))
-    for level in T.rollout_is_levels():
+    for level in listed("rollout_correction.rollout_is"):
         cases.append(Case(f"rollout-is-{level}", (f"{_IS}rollout_is={level}", f"{_IS}rollout_is_threshold=1.5"),
                           dist_tier=level == "sequence"))
-    for rs in T.rollout_rs_options():
+    for rs in listed("rollout_correction.rollout_rs"):
         cases.append(Case(f"rollout-rs-{rs}", (f"{_IS}rollout_is=token", f"{_IS}rollout_rs={rs}",
                                                f"{_IS}rollout_rs_threshold={_rs_threshold(rs)}")))
     cases.append(Case("rollout-rs-reject-all", (f"{_IS}rollout_is=token", f"{_IS}rollout_rs=seq_sum_k2",
                                                 f"{_IS}rollout_rs_threshold=0.01"), nonfinite=True))
     cases.append(Case("rollout-is-batch-normalize", (f"{_IS}rollout_is=sequence", f"{_IS}rollout_is_batch_normalize=true")))
-    for loss_type in T.bypass_loss_types():
-        for level in T.rollout_is_levels():
+    for loss_type in listed("rollout_correction.loss_type"):
+        for level in listed("rollout_correction.rollout_is"):
             keys = ["bypass_mode=true", f"rollout_is={level}", f"loss_type={loss_type}", "rollout_is_threshold=1.5"]
             if level == "sequence":  # with rejection sampling too
                 keys += ["rollout_rs=seq_mean_k1", "rollout_rs_threshold=0.8_1.25"]
@@ -1033,3 +1036,93 @@ def suite_worker(rank: int, world: int, root: str, ids: Sequence[str], moe: bool
         except Exception:  # noqa: BLE001 - a case's error is its result (the others still run)
             out[cid] = traceback.format_exc()
     return out if rank == 0 else None
+
+
+# ---- the loss-level slice (one process, no model) -----------------------------------------------------------------
+
+LOSS_RTOL_FP64 = 1e-10
+"""The loss-level slice's tolerance (float64 outputs; relative to the largest value or gradient entry)."""
+
+
+def _micro_batches(rows: list[int], lengths: list[int], dynamic: bool, micro: Any, budget: Any) -> list[list[int]]:
+    """Stock's micro-batches of one DP rank's ``rows``: ``micro`` samples each (fixed), or consecutive runs of at
+    most ``budget`` tokens (dynamic; verl balances its runs, which additive losses do not see)."""
+    if not dynamic:
+        return [rows[i:i + int(micro)] for i in range(0, len(rows), int(micro))]
+    out: list[list[int]] = [[]]
+    for r in rows:
+        if out[-1] and sum(lengths[i] for i in out[-1]) + lengths[r] > int(budget):
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _loss_level_job() -> Any:
+    """The suite's hdp job without a model (the loss-level slice reads only its loss settings)."""
+    from hdp.integrations.verl.scaffolding.worker import compose
+
+    return compose("/tmp/none", budget=HDP_BUDGET, records=None, overrides=list(COMMON))
+
+
+def loss_level(case: Case) -> list[Check]:
+    """The case's loss on synthetic model outputs (float64), the first mini-batch: verl's loss function as stock's
+    Megatron engine accounts for it — each DP rank's micro-batches with ``dp_size`` = DP and the mini-batch's
+    ``batch_num_tokens``, added (Megatron scales each by the micro-batch count and divides it back), averaged over
+    DP by DDP — against hdp's: verl's loss once per CP group of a plan (one sample alone, the rest in pairs), with
+    ``dp_size`` 1 and hdp's normalisation of the policy losses that are a mean of their call
+    (`hdp.integrations.verl.loss_kinds.normalised_policy_losses`), added.  Values and gradients with respect to
+    every sample's log-probs and entropies."""
+    from functools import partial
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from hdp.integrations.verl import compat, loss_kinds
+    from hdp.integrations.verl.scaffolding.tiny import VOCAB
+
+    base = _loss_level_job()
+    cfg = with_overrides(base, case.overrides)
+    stock_cfg = with_overrides(base, (*case.overrides, *case.stock))
+    padded = base_batch(VOCAB)
+    g = torch.Generator().manual_seed(11)
+    logp = -(0.05 + 3 * torch.rand(padded["responses"].shape, generator=g)) * padded["response_mask"]
+    padded, _ = driver_fields(padded, logp, cfg, case.bypass)
+    driver_fields(base_batch(VOCAB), logp, stock_cfg, case.bypass)
+    meta = trainer_meta(cfg)
+    lengths = [p + r for p, r in SAMPLES]
+    world, n = 2, len(SAMPLES)
+    per_rank = meta["mini"] // world
+    parts = [list(range(r * n // world, (r + 1) * n // world))[:per_rank] for r in range(world)]  # stock's first
+    mini = sorted(s for part in parts for s in part)
+    leaves = {k: [(-(0.05 + 3 * torch.rand(L, generator=g, dtype=torch.float64))).requires_grad_() for L in lengths]
+              for k in ("log_probs", "entropy")}
+    tokens = int(padded["response_mask"][mini].sum())
+
+    def call(fn: Any, rows: list[int], dp: int) -> torch.Tensor:
+        data = update_td(padded, rows, meta)
+        tu.assign_non_tensor(data, dp_size=dp, batch_num_tokens=tokens, global_batch_size=meta["mini"])
+        outs = {k: torch.nested.as_nested_tensor([v[i] for i in rows], layout=torch.jagged) for k, v in leaves.items()
+                if k == "log_probs" or meta["calculate_entropy"]}
+        return fn(model_output=outs, data=data)[0]
+
+    stock_fn = partial(ppo_loss, config=omega_conf_to_dataclass(stock_cfg.actor_rollout_ref.actor))
+    a = stock_cfg.actor_rollout_ref.actor
+    stock = sum(call(stock_fn, m, world) for part in parts
+                for m in _micro_batches(part, lengths, bool(a.use_dynamic_bsz), a.ppo_micro_batch_size_per_gpu,
+                                        a.ppo_max_token_len_per_gpu)) / world
+    hdp_fn = partial(ppo_loss, config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
+    groups = [mini[:1]] + [mini[i:i + 2] for i in range(1, len(mini), 2)]
+    with compat.policy_losses_wrapped(loss_kinds.normalised_policy_losses):
+        hdp = sum(call(hdp_fn, grp, 1) for grp in groups)
+    flat = [x for v in leaves.values() for x in v]
+    gs = torch.autograd.grad(stock, flat, allow_unused=True)
+    gh = torch.autograd.grad(hdp, flat, allow_unused=True)
+    gs = [torch.zeros_like(x) if y is None else y for x, y in zip(flat, gs)]
+    gh = [torch.zeros_like(x) if y is None else y for x, y in zip(flat, gh)]
+    scale = max(float(x.abs().max()) for x in gs) or 1.0
+    worst = max(float((x - y).abs().max()) for x, y in zip(gh, gs)) / scale
+    return [_close("loss (float64, the first mini-batch)", float(hdp.detach()), float(stock.detach()), LOSS_RTOL_FP64),
+            Check("gradient w.r.t. every sample's outputs: max |hdp - stock| / max |stock|", worst, 0.0, LOSS_RTOL_FP64,
+                  worst <= LOSS_RTOL_FP64 and scale > 0)]

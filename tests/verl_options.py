@@ -4,8 +4,8 @@ registries and fails on anything missing here; tests/test_verl_conformance.py ru
 
 Keys are ``Class.field`` for every field of verl's config dataclasses reached from ``McoreActorConfig`` (actor and
 reference), ``McoreCriticConfig`` and ``AlgoConfig`` (recursively; fields that are themselves config dataclasses
-are walked, not listed), and ``<registry>=<value>`` for every value of the registries and choice lists verl
-validates (`REGISTRIES`).  Each has one entry:
+are walked, not listed), and every value of the registries and choice lists verl validates (`VALUES`; refusals of
+combinations: `CONDITIONAL_REFUSALS`).  Each has one entry:
 
 * `Covered` — cases of the differential suite (tests/verl_conformance.py) run it on hdp and on verl's stock
   Megatron engine and compare;
@@ -75,9 +75,9 @@ WORKER_SOURCES = (
 a ``not-read`` field's name appears in none of them."""
 
 A = "actor_rollout_ref.actor"
-_WP = "tests/test_verl_worker_path.py::test_verl_worker_builds_and_runs_hdp"
+_WP = "tests/test_verl_worker_path.py::test_actor_rollout_ref_worker_drives_hdp"
 _RR = "tests/test_verl_router_replay.py::test_router_replay_follows_tokens_through_hdp_packing"
-_CF = "tests/test_verl_config.py::test_engine_refuses_features_its_round_loop_does_not_carry"
+_CF = "tests/test_verl_config.py::test_dropped_parent_features_are_rejected_at_construction"
 _CK = "tests/test_verl_checkpoint_fit.py"
 
 # ---- refusals ------------------------------------------------------------------------------------------------
@@ -125,8 +125,8 @@ FIELDS: dict[str, Entry] = {
     "ActorConfig.global_batch_info": Covered(("base",), "verl's loss writes the mini-batch's normalisers into it on "
                                                        "every call (hdp's: the mini-batch's tokens, dp_size 1)"),
     "ActorConfig.kl_loss_coef": Covered(("base", "kl-k3")),
-    "ActorConfig.kl_loss_type": Covered(("kl-k3",), "every value: REGISTRIES['kl_loss_type']"),
-    "ActorConfig.loss_agg_mode": Covered(("agg-token-mean",), "every value: REGISTRIES['loss_agg_mode']"),
+    "ActorConfig.kl_loss_type": Covered(("kl-k3",), "every value: VALUES['kl_loss_type']"),
+    "ActorConfig.loss_agg_mode": Covered(("agg-token-mean",), "every value: VALUES['loss_agg_mode']"),
     "ActorConfig.loss_scale_factor": Covered(("loss-scale-factor",)),
     "ActorConfig.ppo_epochs": Covered(("epochs-minibatches", "shuffle")),
     "ActorConfig.ppo_infer_max_token_len_per_gpu": Covered(("logprob", "dynamic-budget"), "a token budget: hdp "
@@ -155,7 +155,7 @@ FIELDS: dict[str, Entry] = {
     "McoreActorConfig.strategy": _SELECT,
     "McoreActorConfig.use_rollout_log_probs": _NOT_READ,
     # the policy loss
-    "PolicyLossConfig.loss_mode": Covered(("loss-vanilla",), "every value: REGISTRIES['policy_loss.loss_mode']"),
+    "PolicyLossConfig.loss_mode": Covered(("loss-vanilla",), "every value: VALUES['policy_loss.loss_mode']"),
     "PolicyLossConfig.dro_beta": Covered(("loss-dro",)),
     "PolicyLossConfig.clip_cov_lb": _CLIP_COV,
     "PolicyLossConfig.clip_cov_ratio": _CLIP_COV,
@@ -167,9 +167,9 @@ FIELDS: dict[str, Entry] = {
     "RolloutCorrectionConfig.loss_type": Covered(("bypass-ppo_clip-token", "bypass-reinforce-token")),
     "RolloutCorrectionConfig.rollout_is": Covered(("rollout-is-token", "rollout-is-sequence")),
     "RolloutCorrectionConfig.rollout_is_batch_normalize": Covered(
-        ("rollout-is-batch-normalize",), "decoupled mode; in bypass mode refused: REGISTRIES['bypass.rollout_is_batch_normalize']"),
+        ("rollout-is-batch-normalize",), "decoupled mode; in bypass mode refused: CONDITIONAL_REFUSALS"),
     "RolloutCorrectionConfig.rollout_is_threshold": Covered(("rollout-is-token", "rollout-is-sequence")),
-    "RolloutCorrectionConfig.rollout_rs": Covered(("rollout-rs-token_k1",), "every value: REGISTRIES['rollout_rs']"),
+    "RolloutCorrectionConfig.rollout_rs": Covered(("rollout-rs-token_k1",), "every value: VALUES['rollout_correction.rollout_rs']"),
     "RolloutCorrectionConfig.rollout_rs_threshold": Covered(("rollout-rs-token_k1", "rollout-rs-seq_max_k2")),
     # optimizer
     "OptimizerConfig.betas": Covered(("optim",)),
@@ -248,13 +248,12 @@ FIELDS: dict[str, Entry] = {
                                                        "vanilla_mbridge)"),
     **{f"QATEngineConfig.{f}": NoEffect("not-runnable", "QAT (see QATEngineConfig.enable)") for f in (
         "activation_observer", "group_size", "ignore_patterns", "mode", "quantization_config_path")},
-    **{f"QATConfig.{f}": _NOT_READ for f in (
+    **{f"QATConfig.{f}": NoEffect("not-runnable", "QAT (see QATEngineConfig.enable)") for f in (
         "activation_observer", "enable", "group_size", "ignore_patterns", "mode", "quantization_config_path")},
     # the model (actor_rollout_ref.model, critic.model)
     "HFModelConfig.use_remove_padding": _PADDED,
     "HFModelConfig.use_fused_kernels": _FUSED,
     "HFModelConfig.fused_kernel_options": NoEffect("inapplicable", "the fused kernels only: refused"),
-    "HFModelConfig.mtp": _MTP,
     **{f"HFModelConfig.{f}": _MODEL for f in (
         "architectures", "hf_config", "hf_config_path", "local_hf_config_path", "local_path", "path", "model_type",
         "override_config", "trust_remote_code", "external_lib", "use_shm")},
@@ -277,7 +276,7 @@ FIELDS: dict[str, Entry] = {
     "CriticConfig.data_loader_seed": Covered(("critic-epochs-shuffle",)),
     "CriticConfig.enable": NoEffect("driver", "whether the driver builds a critic"),
     "CriticConfig.forward_max_token_len_per_gpu": Covered(("critic",)),
-    "CriticConfig.loss_agg_mode": Covered(("critic-agg-token-mean",), "every value: REGISTRIES['critic.loss_agg_mode']"),
+    "CriticConfig.loss_agg_mode": Covered(("critic-agg-token-mean",), "every value: VALUES['loss_agg_mode']"),
     "CriticConfig.loss_scale_factor": Covered(("critic-loss-scale-factor",)),
     "CriticConfig.ppo_epochs": Covered(("critic-epochs-shuffle",)),
     "CriticConfig.ppo_infer_max_token_len_per_gpu": Covered(("critic",)),
@@ -383,9 +382,11 @@ def adv_estimators() -> list[str]:
 
 
 REFUSED_LOSSES = {"kl_cov": _KL_COV, "clip_cov": _CLIP_COV}
-"""Policy losses hdp refuses (not additive over samples: tests/test_verl_loss_kinds.py, `VERDICTS`)."""
+"""Policy losses hdp refuses (not additive over samples: `VERDICTS`)."""
 REFUSED_KL = {"full": Refused(r"kl_loss_type=full: verl's kl_penalty cannot compute it",
-                              (f"{A}.use_kl_loss=true", f"{A}.kl_loss_type=full"))}
+                              (f"{A}.use_kl_loss=true", f"{A}.kl_loss_type=full")),
+              "full+": Refused(r"kl_loss_type=full\+: verl's kl_penalty cannot compute it",
+                               (f"{A}.use_kl_loss=true", f"{A}.kl_loss_type=full+"))}
 """kl_loss_type values hdp refuses at config time (verl's kl_penalty raises on them, in stock's engine too)."""
 
 VERDICTS: dict[str, object] = {
@@ -405,43 +406,53 @@ VERDICTS: dict[str, object] = {
 """What hdp does with each policy loss verl 0.9.1 registers ("additive": as stock; "sample-mean": normalised by
 hdp; "refused": a config error) — the loss-kind probe's expected verdicts (tests/test_verl_loss_kinds.py)."""
 
+_LEVELS = ("token", "sequence")
+_BYPASS = tuple(f"bypass-{t}-{lvl}" for t in ("ppo_clip", "reinforce") for lvl in _LEVELS)
 
-def _kl_entry(kl: str) -> Entry:
-    base = kl.rstrip("+")
-    if base in REFUSED_KL:
-        r = REFUSED_KL[base]
-        return Refused(r.match.replace("full", kl.replace("+", r"\+")), (f"{A}.use_kl_loss=true", f"{A}.kl_loss_type={kl}"))
-    return Covered((f"kl-{kl}",))
+VALUES: dict[str, tuple[Callable[[], list[str]], dict[str, Entry]]] = {
+    "policy_loss.loss_mode": (policy_loss_modes, {
+        **{m: Covered((f"loss-{m}",)) for m in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo")},
+        "geo_mean": Covered(("loss-geo_mean",), "a mean over each call's rows: against stock with one micro-batch per DP "
+                                               "rank of an equal share, where stock's objective is hdp's"),
+        "bypass_mode": Covered(_BYPASS, "as verl's legacy trainer sets it (apply_bypass_mode)"),
+        **REFUSED_LOSSES}),
+    "loss_agg_mode": (agg_modes, {
+        **{m: Covered((f"agg-{m}", f"critic-agg-{m}")) for m in ("token-mean", "token-sum", "seq-mean-token-sum",
+                                                                 "seq-mean-token-mean")},
+        "seq-mean-token-sum-norm": Covered(("loss-scale-factor", "critic-loss-scale-factor"), "with loss_scale_factor "
+                                           "set; without it refused (CONDITIONAL_REFUSALS)")}),
+    "kl_loss_type": (kl_types, {
+        **{k: Covered((f"kl-{k}",)) for b in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3") for k in (b, f"{b}+")},
+        **REFUSED_KL}),
+    "rollout_correction.rollout_is": (rollout_is_levels, {v: Covered((f"rollout-is-{v}", f"bypass-ppo_clip-{v}"))
+                                                          for v in _LEVELS}),
+    "rollout_correction.rollout_rs": (rollout_rs_options, {v: Covered((f"rollout-rs-{v}",)) for v in (
+        "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+        "seq_mean_k3", "seq_max_k2", "seq_max_k3")}),
+    "rollout_correction.loss_type": (bypass_loss_types, {t: Covered(tuple(f"bypass-{t}-{lvl}" for lvl in _LEVELS))
+                                                         for t in ("ppo_clip", "reinforce")}),
+    "router_replay.mode": (router_replay_modes, {"disabled": Covered(("base",)), "R2": Covered(("router-replay-r2",)),
+                                                 "R3": Covered(("router-replay-r3",))}),
+    "algorithm.adv_estimator": (adv_estimators, {v: NoEffect("driver", "advantages are the driver's: both engines train "
+                                                                       "on the same advantages") for v in (
+        "gae", "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "optimal_token_baseline",
+        "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "rloo_vectorized",
+        "tir_optimal_token_baseline")}),
+}
+"""Every value of the registries and choice lists verl validates: (the function that reads them from verl, an
+entry per value).  A value verl adds fails tests/test_verl_conformance_table.py until it is listed here."""
 
-
-def registries() -> dict[str, tuple[list[str], Callable[[str], Entry]]]:
-    """Each registry or choice list verl validates: (its values, read from verl; the entry of a value)."""
-    agg_refused = Refused(r"loss_agg_mode=seq-mean-token-sum-norm with actor_rollout_ref\.actor\.loss_scale_factor=None",
-                          (f"{A}.loss_agg_mode=seq-mean-token-sum-norm",))
-    critic_refused = Refused(r"critic\.loss_agg_mode=seq-mean-token-sum-norm with critic\.loss_scale_factor=None",
-                             ("algorithm.adv_estimator=gae", "critic.loss_agg_mode=seq-mean-token-sum-norm"))
-    return {
-        "policy_loss.loss_mode": (policy_loss_modes(), lambda m: REFUSED_LOSSES[m] if m in REFUSED_LOSSES else (
-            Covered(tuple(f"bypass-{t}-{lvl}" for t in bypass_loss_types() for lvl in rollout_is_levels()))
-            if m == "bypass_mode" else Covered((f"loss-{m}",)))),
-        "loss_agg_mode": (agg_modes(), lambda m: Covered(("loss-scale-factor",), "with loss_scale_factor set; without "
-                                                         "it refused: REGISTRIES['loss_agg_mode=...-norm, no factor']")
-                          if m == "seq-mean-token-sum-norm" else Covered((f"agg-{m}",))),
-        "loss_agg_mode=seq-mean-token-sum-norm, no factor": (["seq-mean-token-sum-norm"], lambda m: agg_refused),
-        "critic.loss_agg_mode": (agg_modes(), lambda m: Covered(("critic-loss-scale-factor",))
-                                 if m == "seq-mean-token-sum-norm" else Covered((f"critic-agg-{m}",))),
-        "critic.loss_agg_mode=seq-mean-token-sum-norm, no factor": (["seq-mean-token-sum-norm"], lambda m: critic_refused),
-        "kl_loss_type": (kl_types(), _kl_entry),
-        "rollout_is": (rollout_is_levels(), lambda v: Covered((f"rollout-is-{v}", f"bypass-ppo_clip-{v}"))),
-        "rollout_rs": (rollout_rs_options(), lambda v: Covered((f"rollout-rs-{v}",))),
-        "bypass.loss_type": (bypass_loss_types(), lambda v: Covered(tuple(f"bypass-{v}-{lvl}" for lvl in rollout_is_levels()))),
-        "bypass.rollout_is_batch_normalize": (["True"], lambda v: Refused(
-            r"rollout_is_batch_normalize=True.*refused",
-            ("trainer.use_v1=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
-             "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token",
-             "algorithm.rollout_correction.rollout_is_batch_normalize=true"))),
-        "router_replay.mode": (router_replay_modes(), lambda v: Covered(("base",)) if v == "disabled"
-                               else Covered((f"router-replay-{v.lower()}",))),
-        "adv_estimator": (adv_estimators(), lambda v: NoEffect("driver", "advantages are the driver's: both engines "
-                                                                         "train on the same advantages")),
-    }
+CONDITIONAL_REFUSALS: dict[str, Refused] = {
+    "actor loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor": Refused(
+        r"loss_agg_mode=seq-mean-token-sum-norm with actor_rollout_ref\.actor\.loss_scale_factor=None",
+        (f"{A}.loss_agg_mode=seq-mean-token-sum-norm",)),
+    "critic loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor": Refused(
+        r"critic\.loss_agg_mode=seq-mean-token-sum-norm with critic\.loss_scale_factor=None",
+        ("algorithm.adv_estimator=gae", "critic.loss_agg_mode=seq-mean-token-sum-norm")),
+    "bypass mode with rollout_is_batch_normalize=True": Refused(
+        r"rollout_is_batch_normalize=True.*refused",
+        ("trainer.use_v1=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
+         "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token",
+         "algorithm.rollout_correction.rollout_is_batch_normalize=true")),
+}
+"""Refusals of a value in combination with others (each value alone is covered)."""
