@@ -347,7 +347,8 @@ def driver_fields(padded: dict[str, torch.Tensor], logp: torch.Tensor, cfg: Any,
             "old_log_probs", "rollout_log_probs", "response_mask")})
         proto, metrics = compute_rollout_correction_and_add_to_batch(proto, corr)
         out["response_mask"] = proto.batch["response_mask"].to(padded["response_mask"].dtype)
-        metrics["suite/kept_tokens"] = float(out["response_mask"].sum()) / float(padded["response_mask"].sum())
+        if corr.get("rollout_rs"):  # the fraction of response tokens rejection sampling keeps
+            metrics["suite/kept_tokens"] = float(out["response_mask"].sum()) / float(padded["response_mask"].sum())
         if "rollout_is_weights" in proto.batch.keys():
             out["rollout_is_weights"] = proto.batch["rollout_is_weights"]
     return out, metrics
@@ -581,13 +582,17 @@ def _named(worker: Any) -> list[str]:
 
 
 def _build(side: Side, role: str) -> None:
+    """The role's worker of ``side`` (each from a copy of the job config: verl's worker rewrites the ref's section
+    in place, ``ActorRolloutRefWorker.init_model``, and the cases read the job as written)."""
+    import copy
+
     from hdp.integrations.verl.scaffolding.worker import actor_worker, critic_worker
 
     if role == "actor" and side.actor is None:
-        side.actor = actor_worker(side.cfg, role="actor")
+        side.actor = actor_worker(copy.deepcopy(side.cfg), role="actor")
         side.saved["actor"] = _snapshot(side.actor.actor)
     elif role == "ref" and side.ref is None:
-        side.ref = actor_worker(side.cfg, role="ref")
+        side.ref = actor_worker(copy.deepcopy(side.cfg), role="ref")
     elif role == "critic" and side.critic is None:
         side.critic, side.critic_cfg = critic_worker(side.cfg)
         side.saved["critic"] = _snapshot(side.critic)
@@ -1126,3 +1131,4 @@ def loss_level(case: Case) -> list[Check]:
     return [_close("loss (float64, the first mini-batch)", float(hdp.detach()), float(stock.detach()), LOSS_RTOL_FP64),
             Check("gradient w.r.t. every sample's outputs: max |hdp - stock| / max |stock|", worst, 0.0, LOSS_RTOL_FP64,
                   worst <= LOSS_RTOL_FP64 and scale > 0)]
+
