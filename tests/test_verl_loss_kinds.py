@@ -224,31 +224,6 @@ def test_check_additive_accepts_a_sum_and_refuses_batch_statistics():
         K.check_additive(centred, lengths, response, 1, what="verl's loss", keys="actor.x=1")
 
 
-# ---- metrics ---------------------------------------------------------------------------------------------------
-
-
-def test_mean_metrics_are_weighted_by_response_tokens():
-    """Two ranks; rank 0 led two groups (10 and 30 response tokens), rank 1 one (60).  SUM metrics add up (each
-    group's share); MEAN metrics are the token-weighted mean, which for a mean over tokens is the mini-batch's
-    own value (stock verl averages its micro-batches unweighted)."""
-    from verl.utils.metric.utils import AggregationType, Metric
-
-    from hdp.integrations.verl.batch import reduce_metrics
-
-    per_rank = [
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.1)}, 10.0),
-         ({"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.3)}, 30.0)],
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.2),
-           "kl_coef": 0.5}, 60.0)],
-    ]
-    out = reduce_metrics(per_rank)
-    assert isinstance(out["actor/pg_loss"], Metric) and isinstance(out["actor/ppo_kl"], Metric)
-    assert Metric.aggregate_dp([out["actor/pg_loss"]]) == pytest.approx(1.2)
-    assert Metric.aggregate_dp([out["actor/ppo_kl"]]) == pytest.approx((0.1 * 10 + 0.3 * 30 + 0.2 * 60) / 100)
-    assert Metric.aggregate_dp([out["actor/ppo_kl"]]) != pytest.approx((0.1 + 0.3 + 0.2) / 3)
-    assert out["kl_coef"] == [0.5]
-
-
 # ---- a loss that runs a collective ------------------------------------------------------------------------------
 
 
