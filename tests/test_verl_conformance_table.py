@@ -171,7 +171,7 @@ def driver_job(tmp_path_factory):
 
 @pytest.mark.parametrize("entry", _refusals())
 def test_refusals_raise_in_the_driver_naming_the_key(entry, driver_job):
-    """verl's own ``validate_config`` (as ``main_ppo`` calls it, before Ray starts) on the suite's hdp job with the
+    """verl's own ``validate_config`` (as verl's trainer entry point calls it, before Ray starts; no process started) on the suite's hdp job with the
     entry's overrides raises the entry's error; the same job without them validates."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

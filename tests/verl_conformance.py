@@ -1132,3 +1132,103 @@ def loss_level(case: Case) -> list[Check]:
             Check("gradient w.r.t. every sample's outputs: max |hdp - stock| / max |stock|", worst, 0.0, LOSS_RTOL_FP64,
                   worst <= LOSS_RTOL_FP64 and scale > 0)]
 
+
+# ---- main_ppo: the whole trainer on both engines -------------------------------------------------------------------
+
+MAIN_PPO_STEPS = 2
+MAIN_PPO_HDP_BUDGET = 32
+"""hdp's tokens per rank in the main_ppo case: the demo's samples (19-token prompts, up to 16 response tokens) are
+longer, so its plans put them on CP groups of 2 (checked: ``actor/hdp/cp_degree_hist/2``)."""
+MAIN_PPO_STOCK_BUDGET = 512
+"""Stock's tokens per micro-batch: the whole mini-batch in one (stock runs at DP 1, so each of its metrics is the
+mini-batch's own value — hdp's definition, docs/verl.md "Metrics")."""
+MAIN_PPO_RTOL = 1e-4
+"""Every logged metric, relative to max(1, |stock's|): two steps at ``lr`` 1e-3 (the demo's), float32: the second
+step starts from weights that differ by the first update's round-off (its rollout, seeded per sample, generates
+the same responses)."""
+MAIN_PPO_NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "global_seqlen/", "hdp/")
+"""Not compared (name prefixes, after a role's ``actor/`` / ``critic/``): times, throughput, memory, model FLOPs, the
+driver's per-DP-rank token balance (stock runs at DP 1, hdp at 2), hdp's own metrics."""
+
+
+def _main_ppo_compared(name: str) -> bool:
+    bare = name.split("/", 1)[1] if name.startswith(("actor/", "critic/")) else name
+    return not bare.startswith(MAIN_PPO_NOT_COMPARED)
+
+
+MAIN_PPO_CASE = (
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=2.0",
+)
+"""Both jobs' settings beyond ``hdp demo --verl --critic``'s (GAE with a critic on the engine, the KL loss on, the
+ref's log-probs): an entropy bonus and token-level rollout IS (which keeps the old-log-prob pass on hdp)."""
+
+
+def main_ppo_job(root: str, engine: str) -> tuple[list[str], dict[str, str]]:
+    """(``python -m verl.trainer.main_ppo ...``, its environment) of ``hdp demo --verl --critic`` under ``root`` with
+    `MAIN_PPO_CASE` on ``engine``: ``hdp`` (2 ranks, `MAIN_PPO_HDP_BUDGET`) or ``megatron`` (verl's stock engine on
+    CPU through ``hdp.integrations.verl.scaffolding.autoload_stock``, 1 rank, `MAIN_PPO_STOCK_BUDGET`)."""
+    from hdp.integrations.verl import demo
+
+    paths = demo.prepare(root, n_prompts=4)
+    env = demo.environment()
+    if engine == "hdp":
+        b = MAIN_PPO_HDP_BUDGET
+        extra = [f"critic.ppo_max_token_len_per_gpu={b}", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={b}",
+                 f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={b}",
+                 f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={b}"]
+        return demo.command(paths, steps=MAIN_PPO_STEPS, ranks=2, critic=True, overrides=[*MAIN_PPO_CASE, *extra]), env
+    b = MAIN_PPO_STOCK_BUDGET
+    extra = ["critic.megatron.vanilla_mbridge=True", "actor_rollout_ref.ref.megatron.vanilla_mbridge=True",
+             f"+critic.ppo_infer_max_token_len_per_gpu={b}",  # verl's megatron_critic.yaml lacks it (its worker reads it)
+             f"critic.ppo_max_token_len_per_gpu={b}", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={b}",
+             f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={b}",
+             f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={b}"]
+    cmd = demo.command(paths, steps=MAIN_PPO_STEPS, ranks=1, critic=True, overrides=[*MAIN_PPO_CASE, *extra])
+    cmd = ["model_engine=megatron" if c == "model_engine=hdp" else c for c in cmd if ".hdp." not in c]
+    env["VERL_USE_EXTERNAL_MODULES"] = "hdp.integrations.verl.scaffolding.autoload_stock"
+    return cmd, env
+
+
+def step_metrics(line: str) -> dict[str, float]:
+    """Every ``name:value`` of one verl console step line (NaN kept as NaN)."""
+    out = {}
+    for part in line.split(" - "):
+        name, _, value = part.strip().rpartition(":")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def main_ppo_steps(root: str, engine: str, timeout: float) -> tuple[list[dict[str, float]], str]:
+    """Run `main_ppo_job`; returns (every logged step's metrics, the output's tail for a failure's message)."""
+    import re
+    import subprocess
+
+    os.makedirs(root, exist_ok=True)
+    cmd, env = main_ppo_job(root, engine)
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    log = out.stdout + out.stderr
+    steps = [step_metrics(line[line.index("step:"):]) for line in log.splitlines() if re.search(r"\bstep:\d+ - ", line)]
+    tail = f"{engine}: exit {out.returncode}\n{log[-4000:]}"
+    return (steps if out.returncode == 0 else []), tail
+
+
+def compare_main_ppo(hdp: list[dict[str, float]], stock: list[dict[str, float]]) -> list[Check]:
+    """Every metric both jobs log at every step (but `MAIN_PPO_NOT_COMPARED`), hdp's against stock's."""
+    checks = [Check(f"main_ppo logged steps (hdp / stock, {MAIN_PPO_STEPS} wanted)", len(hdp), len(stock), 0.0,
+                    len(hdp) == len(stock) == MAIN_PPO_STEPS)]
+    for i, (h, s) in enumerate(zip(hdp, stock)):
+        ours = {k for k in h if _main_ppo_compared(k)}
+        theirs = {k for k in s if _main_ppo_compared(k)}
+        if ours != theirs:
+            checks.append(Check(f"step {i + 1}: metric names differ: hdp only {sorted(ours - theirs)}, stock only "
+                                f"{sorted(theirs - ours)}", 0.0, 0.0, 0.0, False))
+        checks += [_close(f"step {i + 1} {k}", h[k], s[k], MAIN_PPO_RTOL) for k in sorted(ours & theirs)]
+        cp = h.get("actor/hdp/cp_degree_hist/2", 0.0)
+        checks.append(Check(f"step {i + 1}: hdp's plan put samples on CP groups of 2 (actor/hdp/cp_degree_hist/2)",
+                            cp, 0.0, 0.0, cp > 0))
+    return checks
