@@ -93,7 +93,7 @@ def test_router_replay_matches_stock_megatron(case: str, moe: dict) -> None:
 @pytest.mark.skipif(not ALL, reason="the whole conformance suite runs with HDP_CONFORMANCE=all (docs/verl.md)")
 def test_main_ppo_matches_stock_megatron(tmp_path):
     """``python -m verl.trainer.main_ppo`` — Ray, verl's v1 trainer, the rollout, the ref, GAE with a critic,
-    token-level rollout IS, the KL loss and an entropy bonus — two steps on hdp (2 ranks, CP groups in its plans)
+    the KL loss and an entropy bonus — two steps on hdp (2 ranks, CP groups in its plans)
     and on verl's stock Megatron engine (1 rank, one micro-batch), the same model, data and seed: every metric both
     log, each step (`verl_conformance.compare_main_ppo`)."""
     runs = {e: V.main_ppo_steps(str(tmp_path / e), e, timeout=TIMEOUT_S) for e in ("hdp", "megatron")}
