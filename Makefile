@@ -2,12 +2,13 @@
 #   make demo   — set up .venv and run the main job
 #   make test   — set up .venv and run the tests
 #   make test-fast — the fast tier only (no multi-process tests)
+#   make test-conformance — the whole verl conformance suite (hdp against verl's stock Megatron engine)
 #   make verl-demo — a few GRPO steps through verl's main_ppo with model_engine=hdp (CPU)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo verl-demo test test-fast suite clean
+.PHONY: setup demo verl-demo test test-fast test-conformance suite clean
 
 $(BIN)/hdp: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +33,10 @@ test: setup
 test-fast: setup
 	# the fast tier (tests/conftest.py): no second process, the tier to run while working
 	$(BIN)/python -m pytest -q -m fast
+
+test-conformance: setup
+	# every case, main_ppo's included (make test runs a representative slice): docs/verl.md, "The conformance suite"
+	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/test_verl_conformance.py tests/test_verl_conformance_table.py
 
 suite: setup
 	$(BIN)/hdp simulate --suite

@@ -36,7 +36,7 @@ from hdp.integrations.verl.config import (  # noqa: E402
     to_hdp_engine_config,
     to_mcore_optimizer_config,
 )
-from hdp.integrations.verl.batch import reduce_metrics  # noqa: E402
+from hdp.integrations.verl.batch import metric_shapes  # noqa: E402
 from hdp.integrations.verl.engine import HdpMegatronEngine  # noqa: E402
 
 VERL_CONFIG_DIR = os.path.dirname(verl_trainer_config.__file__)
@@ -250,21 +250,22 @@ def test_round_targets_follow_verls_alignment():
     assert seen == {(s, i): 1 for s, x in enumerate(samples) for i in range(len(x))}
 
 
-def test_reduce_metrics_matches_verls_dp_aggregation():
+def test_metric_shapes_are_verls_engines_shapes():
+    """The whole mini-batch's metrics (`VerlLoss.whole_metrics`) in the shapes of verl's own engines: one ``Metric``
+    per name with verl's aggregation, plain numbers as a list; verl's DP aggregation over hdp's one-rank DP group
+    returns each value unchanged (the values themselves: tests/test_verl_conformance.py, every metric against the
+    mini-batch's own)."""
     from verl.utils.metric.utils import AggregationType, Metric
 
-    # 2 ranks; rank 0 led two groups, rank 1 one, of equal response tokens (weights: tests/test_verl_loss_kinds.py).
-    # SUM metrics are each group's share (dp_size = 1).
-    per_rank = [
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.1)}, 5.0),
-         ({"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.3)}, 5.0)],
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2)}, 5.0)],
-    ]
-    out = reduce_metrics(per_rank)
-    # the shapes verl's own engines return: one Metric per name (the worker all-gathers over DP)
+    out = metric_shapes({"actor/pg_loss": Metric(AggregationType.SUM, 1.2),
+                         "actor/pg_clipfrac": Metric(AggregationType.MEAN, 0.2),
+                         "rollout_corr/rollout_is_max": Metric(AggregationType.MAX, 3.0), "kl_coef": 0.5})
     assert isinstance(out["actor/pg_loss"], Metric) and isinstance(out["actor/pg_clipfrac"], Metric)
+    assert out["rollout_corr/rollout_is_max"].aggregation is AggregationType.MAX
     assert Metric.aggregate_dp([out["actor/pg_loss"]]) == pytest.approx(1.2)
     assert Metric.aggregate_dp([out["actor/pg_clipfrac"]]) == pytest.approx(0.2)
+    assert Metric.aggregate_dp([out["rollout_corr/rollout_is_max"]]) == pytest.approx(3.0)
+    assert out["kl_coef"] == [0.5]
 
 
 @pytest.mark.parametrize(

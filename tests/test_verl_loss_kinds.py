@@ -20,25 +20,7 @@ from hdp.integrations.verl import compat, loss_kinds as K  # noqa: E402
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 REFUSED = "refused"
-# loss_mode -> its verdict under every aggregation mode (or per mode); "refused" = LossNotAdditiveError
-VERDICTS: dict[str, object] = {
-    "vanilla": "additive",
-    "dppo_tv": "additive",
-    "dppo_kl": "additive",
-    "gspo": "additive",
-    "sapo": "additive-any-width",  # aggregates with seq-mean-token-mean whatever loss_agg_mode says
-    "gpg": "additive",
-    "clip_cov": REFUSED,  # centring and a random top-k over the call's tokens
-    "kl_cov": REFUSED,  # a top-k over the call's tokens
-    "geo_mean": "sample-mean",  # GMPO: torch.mean over the call's rows, global information ignored
-    "dro": "additive",
-    "cispo": "additive",
-    "bypass_mode": "additive",
-}
-"""What hdp does with each policy loss verl 0.9.1 registers ("additive": as stock; "sample-mean": normalised by
-hdp; refused: a config error).  "additive" losses aggregate through ``agg_loss``, so under
-``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (a divisor read from each call's padded width) they are
-refused too."""
+from verl_options import VERDICTS  # noqa: E402  (loss_mode -> its verdict: one table, tests/verl_options.py)
 
 
 def _config(mode: str, agg: str, factor: float | None = None, **correction):
@@ -240,31 +222,6 @@ def test_check_additive_accepts_a_sum_and_refuses_batch_statistics():
     K.check_additive(token_sum, lengths, response, 1, what="t", keys="k")
     with pytest.raises(K.LossNotAdditiveError, match=r"samples 2 and 1.*Keys: actor\.x=1"):
         K.check_additive(centred, lengths, response, 1, what="verl's loss", keys="actor.x=1")
-
-
-# ---- metrics ---------------------------------------------------------------------------------------------------
-
-
-def test_mean_metrics_are_weighted_by_response_tokens():
-    """Two ranks; rank 0 led two groups (10 and 30 response tokens), rank 1 one (60).  SUM metrics add up (each
-    group's share); MEAN metrics are the token-weighted mean, which for a mean over tokens is the mini-batch's
-    own value (stock verl averages its micro-batches unweighted)."""
-    from verl.utils.metric.utils import AggregationType, Metric
-
-    from hdp.integrations.verl.batch import reduce_metrics
-
-    per_rank = [
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.2), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.1)}, 10.0),
-         ({"actor/pg_loss": Metric(AggregationType.SUM, 0.4), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.3)}, 30.0)],
-        [({"actor/pg_loss": Metric(AggregationType.SUM, 0.6), "actor/ppo_kl": Metric(AggregationType.MEAN, 0.2),
-           "kl_coef": 0.5}, 60.0)],
-    ]
-    out = reduce_metrics(per_rank)
-    assert isinstance(out["actor/pg_loss"], Metric) and isinstance(out["actor/ppo_kl"], Metric)
-    assert Metric.aggregate_dp([out["actor/pg_loss"]]) == pytest.approx(1.2)
-    assert Metric.aggregate_dp([out["actor/ppo_kl"]]) == pytest.approx((0.1 * 10 + 0.3 * 30 + 0.2 * 60) / 100)
-    assert Metric.aggregate_dp([out["actor/ppo_kl"]]) != pytest.approx((0.1 + 0.3 + 0.2) / 3)
-    assert out["kl_coef"] == [0.5]
 
 
 # ---- a loss that runs a collective ------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 In: a mini-batch's sample lengths (`sample_lengths`, from verl's nested ``input_ids``) and a group's rows
 of it (`SampleRows`, for verl's loss function on the group's samples).  Out: verl's output dict of one
-pass (`verl_outputs`: log-probs / entropies in verl's sample order on verl's collect rank, verl's loss and
-metrics reduced over the groups, hdp's metrics added) and verl's metrics of the groups (`reduce_metrics`).
+pass (`verl_outputs`: log-probs / entropies in verl's sample order on verl's collect rank, verl's loss (the
+groups' shares added) and metrics (verl's loss on the whole mini-batch), hdp's metrics added) in the shapes of
+verl's own engines (`metric_shapes`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hdp.integrations.verl import compat
 from hdp.objects import gather_objects
 from hdp.core.step import Pass
 
-__all__ = ["sample_lengths", "SampleRows", "SameRows", "reduce_metrics", "verl_outputs"]
+__all__ = ["sample_lengths", "SampleRows", "SameRows", "metric_shapes", "verl_outputs"]
 
 
 def sample_lengths(data: Any) -> list[int]:
@@ -119,48 +120,21 @@ class SampleRows:
         return sub
 
 
-def reduce_metrics(per_rank: Sequence[Sequence[tuple[dict[str, Any], float]]]) -> dict[str, Any]:
-    """verl metrics of one step from every rank's group-leader metric dicts.
+def metric_shapes(metrics: dict[str, Any]) -> dict[str, Any]:
+    """verl's metrics of one training pass (``metrics``: verl's loss function's metrics on the whole mini-batch,
+    `hdp.integrations.verl.loss.VerlLoss.whole_metrics`) in the shapes of verl's own engines
+    (``postprocess_batch_func`` through ``append_to_dict``): one ``Metric`` per name, of the aggregation verl's
+    loss gave it, for Metric-valued metrics; a one-element list for plain numbers (``kl_coef``,
+    ``critic/vf_clipfrac``).  The worker all-gathers them over its (one-rank) DP group and the trainer reduces:
+    every metric reaches verl's logger as the mini-batch's own value (docs/verl.md, "Metrics")."""
+    from verl.utils.metric.utils import Metric
 
-    ``per_rank[r]`` holds (metrics, weight) of the groups rank r led (one per round it led); the weight is
-    the group's response tokens.  verl's ``Metric`` values: SUM metrics (``actor/pg_loss``: each group's
-    loss is its share of the mini-batch's, computed with ``dp_size = 1``) add up over groups, which is
-    verl's "mean over DP ranks of per-rank sums" of a stock run; MEAN metrics average over groups weighted
-    by their response tokens, so a metric that is a mean over tokens (``actor/ppo_kl``, ``actor/pg_clipfrac``,
-    ``critic/vf_clipfrac``, ``critic/vpred_mean``) is the mini-batch's own, whatever the plan (stock verl
-    averages its micro-batches' values unweighted: docs/verl.md, "Metrics"); MIN/MAX reduce.  Plain numbers
-    (constants such as ``kl_coef``) are averaged alike.  The shapes are those of verl's own engines
-    (``postprocess_batch_func`` through ``append_to_dict``): one ``Metric`` per name for Metric-valued
-    metrics, a list of floats for plain ones — the worker all-gathers them over its (one-rank) DP group and
-    the trainer reduces.
-    """
-    from verl.utils.metric.utils import AggregationType, Metric
-
-    values: dict[str, list[tuple[float, float]]] = {}  # name -> (value, weight) per group
-    kinds: dict[str, Any] = {}
-    for dicts in per_rank:
-        for d, weight in dicts:
-            for name, m in d.items():
-                if isinstance(m, Metric):
-                    kinds[name] = m.aggregation
-                    value = float(Metric._aggregate(m.values, m.aggregation))
-                else:
-                    kinds.setdefault(name, None)
-                    value = float(m)
-                values.setdefault(name, []).append((value, float(weight)))
     out: dict[str, Any] = {}
-    for name, pairs in values.items():
-        kind, vals = kinds[name], [v for v, _ in pairs]
-        if kind is AggregationType.SUM:
-            out[name] = Metric(AggregationType.SUM, sum(vals))
-        elif kind is AggregationType.MIN:
-            out[name] = Metric(AggregationType.MIN, min(vals))
-        elif kind is AggregationType.MAX:
-            out[name] = Metric(AggregationType.MAX, max(vals))
+    for name, m in metrics.items():
+        if isinstance(m, Metric):
+            out[name] = Metric(m.aggregation, float(Metric._aggregate(m.values, m.aggregation)))
         else:
-            total = sum(w for _, w in pairs)
-            mean = (sum(v * w for v, w in pairs) / total) if total > 0 else sum(vals) / len(vals)
-            out[name] = Metric(AggregationType.MEAN, mean) if kind is AggregationType.MEAN else [mean]
+            out[name] = [float(m)]
     return out
 
 
@@ -182,14 +156,14 @@ def verl_outputs(done: Pass, layout: LayoutGroups, whole_dtype: torch.dtype) -> 
         none = torch.zeros((0, width))
         local = [adapter.outputs.get(r, none).cpu() for r in range(plan.num_rounds)]  # R x [T_r, C]
         full = gather_outputs(plan, rank, local, group, dst=0)  # S x [L_i, C] on rank 0
-    mine = (adapter.leader_metrics, [float(x) for x in adapter.leader_losses])
-    gathered = gather_objects(mine, group, dst=0)  # every rank's (metrics, losses) on rank 0
+    gathered = gather_objects([float(x) for x in adapter.leader_losses], group, dst=0)  # every rank's losses on rank 0
     if rank != 0:
         return {}
     assert full is not None and gathered is not None
     if adapter.loss_function is not None:
-        metrics = reduce_metrics([m for m, _ in gathered])
-        loss = [sum(sum(ls) for _, ls in gathered)]  # the groups' shares of the mini-batch loss
+        # verl's metrics: its loss function on the mini-batch whole (the mini-batch's own values), verl's shapes
+        metrics = metric_shapes(adapter.whole_metrics(full))
+        loss = [sum(sum(ls) for ls in gathered)]  # the groups' shares of the mini-batch loss
     else:
         metrics, loss = {}, [1.0] * plan.num_rounds  # stock verl: 1.0 per micro-batch without a loss
     for name, value in done.metrics().items():  # verl's metrics are lists; the histogram one per degree

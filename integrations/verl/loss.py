@@ -5,13 +5,13 @@ runs verl's *real* loss function on them once, with the mini-batch's global norm
 mini-batch's.  The leader sends each member the loss's gradient at the member's rows, and each member's
 round loss is its rows times that gradient (value 0; the leader's is the group's loss), so the domain sum of
 gradients is the single-process gradient.  A rank alone in its group holds its samples whole and runs
-verl's loss through its own rows.
+verl's loss through its own rows.  verl's metrics of the pass come from one more call, without gradient, on
+the whole mini-batch at verl's collect rank (`VerlLoss.whole_metrics`): each is the mini-batch's own value.
 
 That sum is the mini-batch's loss only for a loss additive over samples: before any round, every training pass
 checks verl's loss on two of the mini-batch's own samples (:func:`hdp.integrations.verl.loss_kinds.check_additive`),
 and the policy losses that are a plain mean of their call run with hdp's normalisation
-(:mod:`hdp.integrations.verl.loss_kinds`).  The groups' metrics reach verl weighted by their response tokens
-(`hdp.integrations.verl.batch.reduce_metrics`), so a metric averaged over tokens is the mini-batch's.
+(:mod:`hdp.integrations.verl.loss_kinds`).
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, Tr this rank's real tokens of a round.
 """
@@ -58,7 +58,6 @@ class VerlLoss:
         temp = data["temperature"] if "temperature" in data.keys() else 1.0
         self.temperature = torch.as_tensor(temp, dtype=torch.float32)  # [] or [S]
         self.outputs: dict[int, torch.Tensor] = {}  # round -> [Tr, C] (`fields`: log-prob, entropy; or value)
-        self.leader_metrics: list[tuple[dict[str, Any], float]] = []  # (metrics, response tokens) per group led
         self.leader_losses: list[torch.Tensor] = []
         self.rows = (SampleRows(data, unbound={"input_ids": self.samples}, same=engine.same_rows)
                      if train and loss_function is not None else None)  # each group's sub-batch
@@ -180,25 +179,30 @@ class VerlLoss:
 
     def _group_loss(self, meta: Any, full: torch.Tensor) -> torch.Tensor:
         """verl's loss function on the group's samples whole (``full`` [ΣL_i, C], group order); the leader
-        (position 0) keeps its metrics, weighted by the group's response tokens, and loss for verl's collect rank."""
-        loss, metrics, sub = self._call_loss(meta.samples, meta.group_lengths, full)
-        if self.own_old and "actor/entropy_loss" in metrics:  # the skipped pass's metric, from this forward
-            metrics = dict(metrics)
-            metrics["actor/entropy"] = metrics["actor/entropy_loss"] if self.entropy_asked else metrics.pop("actor/entropy_loss")
+        (position 0) keeps its loss for verl's collect rank (verl's metrics come from `whole_metrics`)."""
+        loss, _, _ = self._call_loss(meta.samples, meta.group_lengths, full)
         if meta.j == 0:  # one copy per group (its leader)
-            self.leader_metrics.append(({k: float(v.detach()) if isinstance(v, torch.Tensor) else v
-                                         for k, v in metrics.items()}, _response_tokens(sub)))
             self.leader_losses.append(loss.detach())
         return loss
 
+    def _metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """A loss call's metrics as verl reports them (tensors as floats; with the old-log-prob pass skipped, the
+        pass's ``actor/entropy`` from this forward)."""
+        if self.own_old and "actor/entropy_loss" in metrics:  # the skipped pass's metric, from this forward
+            metrics = dict(metrics)
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"] if self.entropy_asked else metrics.pop("actor/entropy_loss")
+        return {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
-def _response_tokens(sub: Any) -> float:
-    """The response tokens of a group's rows (the mask verl's losses and metrics average over); 1 per sample
-    where the batch has no ``response_mask``."""
-    mask = sub["response_mask"] if "response_mask" in sub.keys() else None
-    if mask is None:
-        return float(sub.batch_size[0])
-    return float(mask.values().sum() if getattr(mask, "is_nested", False) else mask.sum())
+    def whole_metrics(self, full: list[torch.Tensor]) -> dict[str, Any]:
+        """verl's metrics of this training pass: verl's loss function once more on the mini-batch whole, without
+        gradient (``full``: S x [L_i, C] every sample's per-token outputs in verl's sample order, as verl's collect
+        rank gathers them).  Every metric is then the mini-batch's own value, whatever the plan — what verl's
+        stock engine reports with one micro-batch at DP 1 — including those no weighting of the groups' values
+        recovers (minima, maxima, standard deviations, per-sequence statistics: bypass mode's ``rollout_corr/*``)."""
+        assert self.rows is not None and self.loss_function is not None
+        with torch.no_grad():
+            _, metrics, _ = self._call_loss(list(range(len(full))), [int(x.shape[0]) for x in full], torch.cat(full))
+        return self._metrics(metrics)
 
 
 class VerlValueLoss(VerlLoss):

@@ -58,6 +58,7 @@ __all__ = [
     "check_additive",
     "check_job_losses",
     "check_job_config",
+    "check_kl_loss_type",
 ]
 
 RTOL = 1e-6
@@ -420,8 +421,26 @@ def check_job_losses(actor: Any, critic: Any = None, *, bypass_loss: Any = None)
             policy_loss_kind(mode, get_policy_loss_fn(mode), actor, key=key)
         if float(getattr(actor, "entropy_coeff", 0.0) or 0.0) != 0.0 or bool(getattr(actor, "use_kl_loss", False)):
             aggregation_kind(actor.loss_agg_mode, actor.loss_scale_factor, key=key)
+        if bool(getattr(actor, "use_kl_loss", False)):
+            check_kl_loss_type(str(getattr(actor, "kl_loss_type", "low_var_kl")), key=key)
     if critic is not None:
         aggregation_kind(critic.loss_agg_mode, getattr(critic, "loss_scale_factor", None), key="critic")
+
+
+def check_kl_loss_type(kl_loss_type: str, *, key: str) -> None:
+    """verl's ``kl_penalty`` computes ``kl_loss_type`` (probed on a one-token batch), or a ``ValueError`` naming
+    ``key.kl_loss_type``: verl accepts any string there and its engines, stock's included, fail only once an update
+    runs (``full`` raises ``NotImplementedError`` in verl 0.9.1)."""
+    from verl.trainer.ppo.core_algos import kl_penalty
+
+    x = torch.zeros(1, 1, dtype=torch.float64)
+    try:
+        kl_penalty(logprob=x, ref_logprob=x, kl_penalty=kl_loss_type)
+    except Exception as exc:  # noqa: BLE001 - any failure of verl's function on this value refuses the value
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ValueError(f"{key}.kl_loss_type={kl_loss_type}: verl's kl_penalty cannot compute it ({why}); stock verl's "
+                         f"engines fail on it too, once the update runs. Choose another {key}.kl_loss_type (k1, k2, k3, "
+                         "abs, mse, low_var_kl, optionally with '+')") from exc
 
 
 @dataclass(frozen=True)
