@@ -545,7 +545,7 @@ class Side:
 
 
 def _snapshot(worker: Any) -> dict[str, Any]:
-    from hdp.trainer.optim_state import optimizers
+    from hdp.core.optim_state import optimizers
 
     eng = worker.engine
     params = [p.detach().clone() for chunk in eng.module for p in chunk.parameters()]
@@ -560,7 +560,7 @@ def _snapshot(worker: Any) -> dict[str, Any]:
 
 def _restore(worker: Any, saved: dict[str, Any]) -> None:
     """The weights, Adam's state and the LR schedule's step as built (every case starts from them)."""
-    from hdp.trainer.optim_state import optimizers
+    from hdp.core.optim_state import optimizers
 
     eng = worker.engine
     with torch.no_grad():

@@ -103,8 +103,8 @@ def _load_as_on_gpus(engine: Any, base: type, *args: Any, **kwargs: Any) -> Any:
     parameters, which Megatron's load writes in place: run under ``torch.no_grad()``), and TE / Apex FusedAdam
     keeps Adam's step in its parameter groups (torch's Adam keeps it per parameter, which megatron-core 0.16.1's
     ``dp_reshardable`` load leaves at a placeholder: restored from the loaded state, as hdp's engine does,
-    `hdp.trainer.optim_state.restore_adam_steps`)."""
-    from hdp.trainer.optim_state import restore_adam_steps
+    `hdp.core.optim_state.restore_adam_steps`)."""
+    from hdp.core.optim_state import restore_adam_steps
 
     opt = getattr(engine, "optimizer", None)
     loaded: list[Any] = []
