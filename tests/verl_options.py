@@ -91,7 +91,9 @@ _NO_DYNAMIC_CRITIC = Refused(r"critic\.use_dynamic_bsz=False: hdp packs every ro
                               "critic.ppo_micro_batch_size_per_gpu=2"))
 _PADDED = Refused(r"use_remove_padding=False: the hdp engine packs samples without padding",
                   ("actor_rollout_ref.model.use_remove_padding=false",))
-_FUSED = Refused(r"use_fused_kernels=True: verl's fused Megatron forward bypasses hdp's", ("actor_rollout_ref.model.use_fused_kernels=true",))
+_FUSED = Reference("tests/test_verl_fused_logprobs.py::test_use_fused_kernels_runs_hdps_fused_path_equal_to_hf",
+                   "honoured: hdp's fused log-prob path (log-probs, entropy, Σp² without [T, V/TP] logits), equal to "
+                   "HF on the whole batch; stock's fused forward needs verl's kernels (not compared)")
 _CP = Refused(r"context_parallel_size=2: hdp gives each long sample a CP group", (f"{A}.megatron.context_parallel_size=2",))
 _DCP = Refused(r"dynamic_context_parallel=True: hdp replaces Megatron's dynamic CP",
                (f"{A}.megatron.dynamic_context_parallel=true", f"{A}.megatron.max_seqlen_per_dp_cp_rank=64"))
@@ -253,7 +255,9 @@ FIELDS: dict[str, Entry] = {
     # the model (actor_rollout_ref.model, critic.model)
     "HFModelConfig.use_remove_padding": _PADDED,
     "HFModelConfig.use_fused_kernels": _FUSED,
-    "HFModelConfig.fused_kernel_options": NoEffect("inapplicable", "the fused kernels only: refused"),
+    "HFModelConfig.fused_kernel_options": Reference(
+        "tests/test_verl_fused_logprobs.py::test_fused_kernel_options_are_honoured_or_refused_by_name",
+        "impl_backend torch honoured; triton / liger and unknown keys refused by name"),
     **{f"HFModelConfig.{f}": _MODEL for f in (
         "architectures", "hf_config", "hf_config_path", "local_hf_config_path", "local_path", "path", "model_type",
         "override_config", "trust_remote_code", "external_lib", "use_shm")},
