@@ -99,8 +99,9 @@ def test_update_records_the_machine_and_derives_tolerances_from_spread(tmp_path:
 def test_update_refuses_a_slower_speed_figure_without_allow_lower(tmp_path: Path) -> None:
     base = tmp_path / "b.json"
     R.write_baseline(base, P, {"train-pp1-speedup": 1.40, "train-pp1-exact": True}, {"cpu_count": 2})
-    with pytest.raises(RuntimeError, match=r"train-pp1-speedup \(1.4 -> 1.3\).*--allow-lower"):
-        R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.30))
+    refused = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.30))
+    assert refused["failed"] == ["train-pp1-speedup"] and refused["refused"] == ["train-pp1-speedup (1.4 -> 1.3)"]
+    assert refused["rows"][0]["now"] == 1.30 and "--allow-lower" in refused["rows"][0]["verdict"]  # what was measured
     assert _rows(base)["train-pp1-speedup"] == 1.40  # nothing written
     up = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.30), allow_lower=True)
     assert _rows(base)["train-pp1-speedup"] == 1.30 and up["lowered"] == ["train-pp1-speedup (1.4 -> 1.3)"]

@@ -487,14 +487,17 @@ def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Seq
                 note: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the benchmarks the rows need (each once per repeat) and compare with ``baseline`` (default the
     preset's); with ``update``, write this run's figures -- the median of ``repeats`` runs, with tolerances
-    derived from their spread -- instead of judging them (refused when a flag row fails in any repeat, a figure
-    lies outside its row's range, or, without ``allow_lower``, a speed row's figure is worse than the file's).
+    derived from their spread -- instead of judging them (RuntimeError when a flag row fails in any repeat or a
+    figure lies outside its row's range; without ``allow_lower``, a speed row's figure worse than the file's
+    writes nothing and fails those rows, ``refused`` naming them).
     Before anything runs (ValueError naming ``--baseline``): the rows are known, the baseline file is read and
     checked whole (`load_baseline`) and holds every row the run will measure (`check_covered`); with
     ``update`` the file may be new, and its folder must exist (`check_writable`).
 
+    Under torchrun every rank runs the benchmarks and world rank 0 alone judges and writes (``judged``).
+
     Returns ``{"preset", "rows": [{"row", "bench", "meaning", "baseline", "now", "tolerance", "verdict"}, ...],
-    "failed": [row names], "seconds": {bench: s}, "baseline_file", "updated", "repeats"}``.
+    "failed": [row names], "seconds": {bench: s}, "baseline_file", "updated", "repeats", "judged"}``.
     """
     rows = select_rows(preset, only)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -514,6 +517,9 @@ def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Seq
         check_covered(rows, base, path, preset)
     seconds: dict[str, float] = {}
     runs = [_run_once(preset, rows, run_with, seconds) for _ in range(repeats)]
+    if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 judges and writes
+        return {"preset": preset.name, "rows": [], "failed": [], "seconds": seconds, "baseline_file": str(path),
+                "updated": False, "repeats": repeats, "judged": False}
     table, failed, figures, tolerances = [], [], {}, {}
     for row in rows:
         tol = base.tolerance(row)
@@ -544,6 +550,7 @@ def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Seq
             entry["repeats"] = measured
             if spreads:
                 entry["spread"] = max(spreads)
+                entry["spreads"] = spreads
         entry.update(_judge(row, now, base.rows.get(row.name), tol))
         figures[row.name] = entry["now"]
         if update:
@@ -555,7 +562,7 @@ def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Seq
             failed.append(row.name)
         table.append(entry)
     out = {"preset": preset.name, "rows": table, "failed": failed, "seconds": seconds, "baseline_file": str(path),
-           "updated": update, "repeats": repeats}
+           "updated": update, "repeats": repeats, "judged": True}
     if update:
         broken = [r["row"] for r in table if r["row"] in failed and (r["verdict"].startswith("error")
                                                                      or r["now"] is False)]
@@ -563,12 +570,15 @@ def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Seq
             raise RuntimeError(f"bench regress --update: rows {', '.join(broken)} failed (a flag does not hold, the "
                                "benchmark raised or its figure lies outside the row's range); fix them before "
                                "recording a baseline")
-        lower = [f"{r.name} ({base.rows[r.name]:.4g} -> {figures[r.name]:.4g})" for r in rows
-                 if r.speed and r.name in figures and r.name in base.rows and r.worse(figures[r.name], base.rows[r.name])]
-        if lower and not allow_lower:
-            raise RuntimeError(f"bench regress --update: this run would record a worse figure for speed row(s) "
-                               f"{', '.join(lower)}; a slower run is not recorded by accident: if the loss is accepted, "
-                               "rerun with --allow-lower")
+        worse = [r.name for r in rows if r.speed and r.name in figures and r.name in base.rows
+                 and r.worse(figures[r.name], base.rows[r.name])]
+        lower = [f"{n} ({base.rows[n]:.4g} -> {figures[n]:.4g})" for n in worse]
+        if worse and not allow_lower:  # nothing written; the table shows what was measured, the rows say why
+            for r in table:
+                if r["row"] in worse:
+                    r["verdict"] = "not recorded: worse than the baseline (--allow-lower records it)"
+            out.update(failed=worse, refused=lower, updated=False)
+            return out
         if note is None:
             from hdp.trainer.bench.train import environment
 

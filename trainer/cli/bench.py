@@ -88,7 +88,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policies", default="static-cp,hdp",
                    help="policies side by side (default static-cp,hdp; verl-kk: verl's stock scheduling)")
     g.add_argument("--steps", type=positive_int, default=None,
-                   help="steps per policy, the first untimed (default 5; recorded lengths: one per batch + 1)")
+                   help="steps per policy, the first untimed (default 5, regress 9; recorded lengths: one per batch "
+                        "+ 1)")
     g.add_argument("--cost-model", default="fit", dest="cost_model", metavar="fit|auto|MODEL@PROFILE|FILE",
                    help="the timed steps' cost model: fit (fitted to the warm-up, default), or the job's own "
                         "(auto, a preset, a cost-model file) to replay its plans")
@@ -316,6 +317,8 @@ def _bench_regress(args: argparse.Namespace) -> int:
                              allow_lower=args.allow_lower)
     except (ValueError, RuntimeError) as exc:
         raise CliError(f"bench regress: {exc}") from exc
+    if not report["judged"]:  # another rank of a torchrun job: rank 0 judges, prints and writes
+        return 0
     if args.json:
         _emit_json(report)
     else:
