@@ -9,7 +9,7 @@ A larger B lets a long sample run on fewer ranks (k ≥ ceil(L / B)), e.g. CP8 -
 Bytes one token leaves saved for backward in one MoE transformer layer (b bytes per element,
 k = topk rows per token, H hidden, F expert FFN width, F1 = 2F for gated units (SwiGLU) else F;
 counted from what autograd saves on Megatron's non-fused local path, checked against
-``hdp bench moe``):
+``python -m benchmarks moe``):
 
 * expert path, ``none``:  k · b · (H + F1 + F_act + 2F) + k · (4 + 8)
     H: dispatched fc1 input; F1: fc1 output; F_act: activation internals (SwiGLU: silu(h_a) and

@@ -108,7 +108,7 @@ _H100_STEP_US = 10.0
 _H100_TFLOPS, _H100_MERGE_PS = _from_ring_flash_attention(_H100_STEP_US)
 _ASCEND_HBM_TB_PER_S = 1.6
 CPU_NODE_LINK_US = 2000.0
-"""Microseconds the CPU emulation of two nodes (`hdp.trainer.bench.nodes`) waits on every ring
+"""Microseconds the CPU emulation of two nodes (`benchmarks.nodes`, outside the wheel) waits on every ring
 exchange between ranks of different emulated nodes; ``cpu-gloo``'s inter-node latency is gloo's plus this."""
 
 
@@ -230,7 +230,7 @@ PROFILES: dict[str, HardwareProfile] = {
             node_link_gbps=2.0,
             node_link_latency_us=150.0 + CPU_NODE_LINK_US,
             node_source=(
-                "the two-node CPU emulation (hdp.trainer.bench.nodes): loopback gloo plus "
+                "the two-node CPU emulation (benchmarks/nodes.py): loopback gloo plus "
                 "CPU_NODE_LINK_US of waiting on every ring exchange between emulated nodes"
             ),
         ),

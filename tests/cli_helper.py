@@ -11,7 +11,7 @@ import io
 import json
 from typing import Any
 
-__all__ = ["hdp_main", "hdp_json"]
+__all__ = ["hdp_main", "hdp_json", "bench_main", "bench_json"]
 
 
 def hdp_main(*args: str) -> tuple[int, str, str]:
@@ -22,6 +22,24 @@ def hdp_main(*args: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(args))
     return int(code or 0), out.getvalue(), err.getvalue()
+
+
+def bench_main(*args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``python -m benchmarks ARGS`` (this project's CI benches, outside the wheel),
+    in this process."""
+    from benchmarks.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return int(code or 0), out.getvalue(), err.getvalue()
+
+
+def bench_json(*args: str) -> dict[str, Any]:
+    """The JSON object ``python -m benchmarks ARGS`` printed last; asserts it exited 0."""
+    code, out, err = bench_main(*args)
+    assert code == 0, f"python -m benchmarks {' '.join(args)} exited {code}:\n{err[-3000:]}\n{out[-2000:]}"
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def hdp_json(*args: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from hdp.trainer import launch
 if importlib.util.find_spec("verl") is not None:  # verl's imports once, in the fork server the ranks start from
     launch.PRELOAD = (*launch.PRELOAD, "hdp.integrations.verl.scaffolding.preload")
 
-_SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "sys.executable", "hdp_main(", "hdp_json(")
+_SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "sys.executable", "hdp_main(", "hdp_json(",
+           "bench_main(", "bench_json(")
 """Source text of a test (or a helper it calls) that starts processes: ``hdp_main`` / ``hdp_json`` run a command
 in this process, whose benches start ranks."""
 

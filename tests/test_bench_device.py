@@ -34,8 +34,10 @@ def test_dry_run_through_the_cli_lists_every_row(tmp_path):
     for name, row in rows.items():
         assert row["status"] in ("ok", "fail", "skipped"), (name, row.get("reason"), row.get("traceback"))
         assert row["hardware"] is False
-    for name in ("kernel_exactness", "kernel_speed", "logprobs", "engine_pp1"):
+    for name in ("kernel_exactness", "kernel_speed", "logprobs", "engine_pp1", "train_job"):
         assert rows[name]["status"] == "ok", (name, rows[name].get("reason"))
+    job = rows["train_job"]["figures"]  # hdp bench train's device path, on 2 CPU ranks
+    assert job["loss_match"] and job["environment"]["device"] == "cpu" and job["model"]["train_flops_per_step"] > 0
     assert rows["engine_vpp"]["status"] == "skipped" and "pp > 1" in rows["engine_vpp"]["reason"]
     # the adapter under test on CPU is torch's fused-flash adapter through its stand-in; flash-attn says why not
     kernels = rows["kernel_exactness"]["figures"]["kernels"]

@@ -19,7 +19,7 @@ from hdp.trainer.cli import main
 @pytest.fixture
 def no_run(monkeypatch):
     """Fail the test if a benchmark would start: every check must come before any rank is spawned."""
-    import hdp.trainer.bench.faults as bench_faults
+    import benchmarks.faults as bench_faults
     import hdp.trainer.bench.train as bench_train
 
     def boom(*a, **k):
@@ -27,10 +27,10 @@ def no_run(monkeypatch):
 
     monkeypatch.setattr(bench_train, "bench_train", boom)
     monkeypatch.setattr(bench_faults, "run_faults", boom)
-    import hdp.trainer.bench.regress as regress
+    from benchmarks import ci
 
-    for name in regress.RUNNERS:  # hdp bench regress: no benchmark of it starts either
-        monkeypatch.setitem(regress.RUNNERS, name, boom)
+    for name in ci.RUNNERS:  # hdp bench regress --preset ci: no benchmark of it starts either
+        monkeypatch.setitem(ci.RUNNERS, name, boom)
     import hdp.trainer.launch as launch
 
     def spawn_checked(fn, world_size, *a, **k):  # the capacity check runs; a real start does not
@@ -72,7 +72,7 @@ def _files(tmp_path):
     out["dir"] = str(tmp_path)
     os.mkfifo(tmp_path / "fifo.json")  # opening it to read blocks until a writer comes: none does
     out["fifo"] = str(tmp_path / "fifo.json")
-    from hdp.trainer.bench.regress import BASELINE_FILE
+    from benchmarks.ci import BASELINE_FILE
 
     committed = json.loads(BASELINE_FILE.read_text())["rows"]
     for name, rows in {"no-rows": {}, "attention-half": {"attention-exact": True},
@@ -109,8 +109,8 @@ CASES = [
     (["bench", "train", "--ranks", "0"], "argument --ranks: 0 is out of range"),
     (["bench", "train", "--steps", "0"], "argument --steps: 0 is out of range"),
     (["bench", "train", "--output", "{dir}"], "is a directory"),
-    (["bench", "faults", "--only", "sigkill,bogus"], "scenario='sigkill' is unknown"),
-    (["bench", "faults", "--timeout", "nan"], "--timeout=nan"),
+    (["benchmarks", "faults", "--only", "sigkill,bogus"], "scenario='sigkill' is unknown"),
+    (["benchmarks", "faults", "--timeout", "nan"], "--timeout=nan"),
     (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--no-peers", "--plot-dir", "{a-file}"],
      "is a file; name a folder"),
     (["plan", "--lengths", "{binary}", "-N", "8", "-B", "8192"], "binary.txt"),
@@ -122,42 +122,56 @@ CASES = [
     (["plan", "--workload", "rl", "-N", "8", "-B", "8192", "--plot", "{dir}"], "--plot=" ),
     (["demo", "--out", "{a-file}"], "is a file; name a folder"),
     (["bench", "train", "--ranks", "10000"], "local ranks"),
+    # the job: its model, layout, lengths and device, checked before any rank starts
+    (["bench", "train", "--model", "nope"], "--model='nope': no such file and no shape preset"),
+    (["bench", "train", "--model", "{not-json}"], "not valid JSON"),
+    (["bench", "train", "--lengths", "{dir}"], "--lengths '{dir}' is not a regular file"),
+    (["bench", "train", "--lengths", "{not-json}"], "'tokens 3' is not a list of integers"),
+    (["bench", "train", "--ranks", "2", "--tp", "2", "--model", "dense-8b", "--layers", "3", "--pp", "2"],
+     "ranks=2: must be a multiple of tp x pp = 2 x 2"),
+    (["bench", "train", "--ranks", "4", "--pp", "2", "--layers", "3"], "num_layers=3 is not divisible by pp"),
+    (["bench", "train", "--device", "npu"], "'npu': torch_npu/CANN is not available"),
+    (["bench", "train", "--peak-tflops", "nan"], "--peak-tflops=nan"),
+    (["bench", "regress"], "--baseline: the job preset compares with a baseline of this machine and job"),
+    (["bench", "regress", "--preset", "ci", "--tp", "2"], "--tp: flags of the job preset"),
+    (["bench", "regress", "--preset", "nightly"], "no preset file 'benchmarks/nightly.py'"),
+    (["bench", "regress", "--allow-lower", "--baseline", "{a-file}"], "--allow-lower: a flag of --update"),
     (["calibrate", "--records", "{noise}"], "the fit explains nothing"),
     (["calibrate", "--records", "/dev/zero"], "records file '/dev/zero' is not a regular file"),
     (["calibrate", "--records", "{dir}"], "is not a regular file (a directory or a device)"),
-    (["bench", "regress", "--only", "attention,warp"], "'warp' unknown"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{text-tps}"], "field 'rows' is None"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{dir}/missing.json"], "no such file"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention,warp"], "'warp' unknown"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{text-tps}"], "field 'rows' is None"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{dir}/missing.json"], "no such file"),
     # the baseline file: a regular file of at most 1 MiB (a FIFO is never opened), read before anything runs
-    (["bench", "regress", "--only", "attention", "--baseline", "{fifo}"], "--baseline '{fifo}' is not a regular file"),
-    (["bench", "regress", "--only", "attention", "--baseline", "/dev/zero"], "--baseline '/dev/zero' is not a regular"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{dir}"], "is not a regular file"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{padded}"], "more than the 1048576"),
-    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{fifo}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{fifo}"], "--baseline '{fifo}' is not a regular file"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "/dev/zero"], "--baseline '/dev/zero' is not a regular"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{dir}"], "is not a regular file"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{padded}"], "more than the 1048576"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--update", "--baseline", "{fifo}"],
      "--baseline='{fifo}' is a FIFO (named pipe)"),
-    (["bench", "regress", "--only", "attention", "--update", "--baseline", "/dev/zero"], "is a character device"),
-    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{dir}"], "is a directory"),
-    (["bench", "regress", "--only", "attention", "--update", "--baseline", "{dir}/no-such-folder/b.json"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--update", "--baseline", "/dev/zero"], "is a character device"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--update", "--baseline", "{dir}"], "is a directory"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--update", "--baseline", "{dir}/no-such-folder/b.json"],
      "the folder '{dir}/no-such-folder' does not exist"),
     # every row the run measures has a figure in it
-    (["bench", "regress", "--baseline", "{no-rows}"], "no figure for row(s) attention-efficiency, attention-exact, "
+    (["bench", "regress", "--preset", "ci", "--baseline", "{no-rows}"], "no figure for row(s) attention-efficiency, attention-exact, "
                                                       "train-pp1-speedup"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{attention-half}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{attention-half}"],
      "no figure for row(s) attention-efficiency, which this run measures"),
     # each figure finite and inside its row's range
-    (["bench", "regress", "--only", "attention", "--baseline", "{huge-ratio}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{huge-ratio}"],
      "'rows.attention-efficiency' is 1e+300; it must be a number in (0, 2]"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{minus-huge}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{minus-huge}"],
      "'rows.train-pp1-speedup' is -1e+300; it must be a number in (0, 100]"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{negative-ratio}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{negative-ratio}"],
      "'rows.verl-door-overhead' is -1.2; it must be a number in (0, 100]"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{zero-ratio}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{zero-ratio}"],
      "'rows.planner-time' is 0; it must be a number in (0, 10000]"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{big-int}"], "'rows.nodes-speedup' is 'an integer of 401"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{too-efficient}"],
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{big-int}"], "'rows.nodes-speedup' is 'an integer of 401"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{too-efficient}"],
      "'rows.planner-efficiency' is 1.5; it must be a number in (0, 1]"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{nan-row}"], "'rows.attention-efficiency' is nan"),
-    (["bench", "regress", "--only", "attention", "--baseline", "{flag-number}"], "'rows.faults-ok' is 1; it must be true"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{nan-row}"], "'rows.attention-efficiency' is nan"),
+    (["bench", "regress", "--preset", "ci", "--only", "attention", "--baseline", "{flag-number}"], "'rows.faults-ok' is 1; it must be true"),
     # renamed flags name their new spelling (hdp.trainer.cli.common.MOVED_FLAGS), and --model of a shape --shape
     (["simulate", "--workload", "rl", "-N", "8", "-B", "8192", "--moe-zero-memory", "level1"],
      "--moe-zero-memory was renamed --zero-memory on 2026-12-04, see CHANGES.md: pass --zero-memory LEVEL"),
@@ -187,8 +201,14 @@ def _hang_fails(seconds: int):
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(CASES)])
 def test_bad_input_is_one_clear_line_before_any_run(argv, needle, tmp_path, capsys, no_run):
     files = _files(tmp_path)
+    argv = [a.format(**files) for a in argv]
     with _hang_fails(60):  # a check that opens a FIFO (or reads /dev/zero) waits forever: a failure
-        rc = main([a.format(**files) for a in argv])
+        if argv[0] == "benchmarks":  # this project's CI benches: python -m benchmarks (outside the wheel)
+            from benchmarks.cli import main as bench_main
+
+            rc = bench_main(argv[1:])
+        else:
+            rc = main(argv)
     captured = capsys.readouterr()
     assert rc == 2, captured
     lines = captured.err.strip().splitlines()

@@ -15,10 +15,10 @@ def _hdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv,flag,owner", [
-    (["bench", "verl", "--algo", "ring"], "--algo", "hdp bench attention"),
-    (["bench", "attention", "--instances", "3"], "--instances", "hdp bench exact"),
-    (["bench", "exact", "--repeats", "1"], "--repeats", "hdp bench planner"),
-    (["bench", "faults", "--ep", "2"], "--ep", "hdp bench moe"),
+    (["bench", "planner", "--baseline", "b.json"], "--baseline", "hdp bench train, hdp bench regress"),
+    (["bench", "memory", "--repeats", "1"], "--repeats", "hdp bench planner, hdp bench regress"),
+    (["bench", "device", "--lengths", "x.txt"], "--lengths", "hdp plan, hdp simulate, hdp bench train, hdp bench regress"),
+    (["bench", "train", "--dry-run"], "--dry-run", "hdp bench device"),
 ])
 def test_a_flag_of_another_bench_is_an_error_naming_it(argv, flag, owner):
     out = _hdp(*argv)
@@ -30,8 +30,8 @@ def test_a_flag_of_another_bench_is_an_error_naming_it(argv, flag, owner):
 
 
 def test_each_bench_lists_only_its_own_flags():
-    for bench, own, foreign in (("verl", "--ranks", "--algo"), ("exact", "--instances", "--tokens"),
-                                ("planner", "--repeats", "--timeout"), ("train", "--baseline", "--system-malloc")):
+    for bench, own, foreign in (("train", "--lengths", "--dry-run"), ("device", "--dry-run", "--lengths"),
+                                ("planner", "--repeats", "--timeout"), ("regress", "--preset", "--families")):
         out = _hdp("bench", bench, "--help")
         assert out.returncode == 0, out.stderr
         assert own in out.stdout and foreign not in out.stdout, (bench, out.stdout)

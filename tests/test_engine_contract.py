@@ -61,7 +61,7 @@ def _batch(step: int, lengths=LENGTHS):
 
 def _state(engine) -> list[torch.Tensor]:
     """Copies of every parameter and every optimizer-state tensor (moments, Adam's step)."""
-    from hdp.trainer.bench.faults import state_tensors
+    from benchmarks.faults import state_tensors
 
     return [v.detach().clone() for _, v in state_tensors([c.module for c in engine.model_chunks], engine.optimizer)]
 

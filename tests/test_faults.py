@@ -1,7 +1,7 @@
 """Fault injection: every fault raises on every surviving rank within the collective
 timeout, with parameters and optimizer state bit-identical to before the failed call.
 
-The scenarios live in ``hdp.trainer.bench.faults`` (``hdp bench faults --json``); these tests run
+The scenarios live in ``benchmarks.faults`` (``python -m benchmarks faults --json``, outside the wheel); these tests run
 them and assert on the report.  Each spawn has its own timeout, so a hang fails the test instead
 of CI.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-from cli_helper import hdp_json
+from cli_helper import bench_json
 
 TIMEOUT_S = 8.0
 
@@ -31,7 +31,7 @@ def _assert_report(report: dict, expect_faults: set[str]) -> None:
 
 @pytest.mark.slow
 def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
-    from hdp.trainer.bench.faults import run_faults
+    from benchmarks.faults import run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("in-process", "other-world"), workdir=str(tmp_path))
     _assert_report(report, {
@@ -75,11 +75,11 @@ def test_in_process_faults_checkpoints_and_another_world(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_killed_and_hung_ranks_through_the_cli(tmp_path, monkeypatch) -> None:
-    """``hdp bench faults --json`` (the command users run, `tests/cli_helper.py`): SIGKILL and SIGSTOP of one
+    """``python -m benchmarks faults --json`` (the CI's command, `tests/cli_helper.py`): SIGKILL and SIGSTOP of one
     rank mid-step."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # the next gettempdir() reads TMPDIR
-    report = hdp_json("bench", "faults", "--json", "--only", "sigkill-mid-step,sigstop-mid-step",
+    report = bench_json("faults", "--json", "--only", "sigkill-mid-step,sigstop-mid-step",
                       "--timeout", str(TIMEOUT_S))
     _assert_report(report, {"sigkill-mid-step", "sigstop-mid-step"})
     rows = {r["fault"]: r for r in report["faults"]}
@@ -92,7 +92,7 @@ def test_killed_and_hung_ranks_through_the_cli(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(tmp_path) -> None:
-    from hdp.trainer.bench.faults import run_faults
+    from benchmarks.faults import run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("sigkill-during-save",), workdir=str(tmp_path))
     _assert_report(report, {"sigkill-during-save-per-rank", "sigkill-during-save-dist"})
@@ -101,7 +101,7 @@ def test_killed_during_save_keeps_the_previous_checkpoint_and_leaves_no_writer(t
 
 @pytest.mark.slow
 def test_verl_engine_faults_through_the_cli() -> None:
-    """``hdp bench faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
+    """``python -m benchmarks faults --only verl --json``: one rank of verl's own worker fails (planning RuntimeError, a
     raising loss function, a loss that does not require grad, an error inside a round with its process alive) or its loss is NaN,
     or a checkpoint of the other role is loaded (the actor's into the critic and back); every rank raises (NaN: every
     rank skips the update, grad_norm NaN; the third NaN in a row raises), the state is unchanged, within 5 s.
@@ -109,7 +109,7 @@ def test_verl_engine_faults_through_the_cli() -> None:
     stand-ins is refused on every rank."""
     pytest.importorskip("verl")
     pytest.importorskip("mbridge")
-    report = hdp_json("bench", "faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
+    report = bench_json("faults", "--only", "verl", "--json", "--timeout", str(TIMEOUT_S))
     rows = {r["fault"]: r for r in report["faults"]}
     assert set(rows) == {"verl-planning-runtime-error", "verl-loss-fn-raises", "verl-loss-fn-detached", "verl-nan-loss",
                          "verl-nan-gradient", "verl-actor-checkpoint-into-critic", "verl-critic-checkpoint-into-actor",
@@ -157,7 +157,7 @@ def test_own_errors_interrupts_a_stopped_peer_and_a_full_disk(tmp_path) -> None:
     validation agreement: DomainUnreachableError naming the phase, later calls refused; calibration records
     on a full disk: a row of its own, the step succeeds on every rank and the metric reports the failed write
     on every rank."""
-    from hdp.trainer.bench.faults import PEERS_LATE_S, SIGNAL_AFTER_S, run_faults
+    from benchmarks.faults import PEERS_LATE_S, SIGNAL_AFTER_S, run_faults
 
     report = run_faults(timeout_s=TIMEOUT_S, only=("own-error-in-round", "sigint-during-dist-checkpoint",
                                                    "sigstop-during-validation", "calibration-log-full-disk"),

@@ -128,7 +128,7 @@ def test_zero_memory_swiglu_takes_the_fused_kernel_and_equals_the_plain_form(lev
     import torch.distributed as dist
 
     from hdp import megatron_compat as mc
-    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
+    from benchmarks.moe import build_moe_layer, moe_transformer_config
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=1, seed=1234)

@@ -126,7 +126,7 @@ def test_grouped_mlp_weights_shard_by_expert_across_ep_ranks() -> None:
 
 def _unsupported() -> None:
     """Zero-memory on top of Megatron's own 'moe' recompute is refused with a message naming it."""
-    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
+    from benchmarks.moe import build_moe_layer, moe_transformer_config
 
     cfg = moe_transformer_config(hidden_size=H, ffn_hidden_size=F, num_experts=4, topk=2, ep=1, full_recompute=True)
     with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
@@ -169,7 +169,7 @@ def _run_level(layer: torch.nn.Module, level: str, x0: torch.Tensor, dy: torch.T
 def _exactness(rank: int, world: int) -> None:
     from hdp import megatron_compat as mc
     from hdp.moe import ZeroMemoryTrace
-    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
+    from benchmarks.moe import build_moe_layer, moe_transformer_config
 
     for ep, topk in ((1, 2), (2, 3), (4, 2)):
         rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)
@@ -295,7 +295,7 @@ def test_moe_gpt_step_same_parameters_with_and_without_zero_memory() -> None:
 
 @pytest.mark.slow
 def test_bench_moe_saved_bytes_order() -> None:
-    from hdp.trainer.bench.moe import bench_moe
+    from benchmarks.moe import bench_moe
 
     res = bench_moe(2, tokens=128, hidden_size=64, ffn_hidden_size=128, iters=1, timeout=110)
     sb = res["saved_bytes"]
@@ -326,7 +326,7 @@ def _grouped_exactness(rank: int, world: int) -> list[str]:
     from hdp.kernels.grouped_gemm import GroupedGemmBackend, backend_for
     from hdp.moe import ZeroMemoryTrace
     from hdp.moe.zero_memory import ExpertKind
-    from hdp.trainer.bench.moe import build_moe_layer, moe_transformer_config
+    from benchmarks.moe import build_moe_layer, moe_transformer_config
 
     ep, n_local = 2, E // 2
     rt = mc.initialize_megatron(device="cpu", expert_model_parallel_size=ep, seed=1234)

@@ -1,9 +1,9 @@
 """The engine's CP rings on a domain emulating two nodes (4 gloo ranks, nodes of 2, a slow link between
-them: `hdp.trainer.bench.nodes.emulate_nodes`): node-aware plans -- the launcher's ``LOCAL_WORLD_SIZE``
+them: `benchmarks.nodes.emulate_nodes`): node-aware plans -- the launcher's ``LOCAL_WORLD_SIZE``
 gives the planner the nodes -- and node-blind plans train the same batches from the same weights to the
 same losses (fp32 round-off: the update does not depend on the plan), and the two plans differ where it
 matters: the node-blind ones run rings across the emulated nodes, the node-aware ones do not.  The time
-this saves is the benchmark's (``hdp bench nodes``), not a unit test's."""
+this saves is the benchmark's (``python -m benchmarks nodes``), not a unit test's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def test_node_aware_and_node_blind_plans_train_to_the_same_losses():
-    from hdp.trainer.bench.nodes import NodesBenchSpec, run_nodes
+    from benchmarks.nodes import NodesBenchSpec, run_nodes
 
     out = run_nodes(NodesBenchSpec(steps=3))
     aware, blind = out["node-aware"], out["node-blind"]
@@ -27,9 +27,9 @@ def test_node_aware_and_node_blind_plans_train_to_the_same_losses():
 
 
 def test_bench_nodes_through_the_command_line():
-    from cli_helper import hdp_json
+    from cli_helper import bench_json
 
-    n = hdp_json("bench", "nodes", "--steps", "2", "--json")["nodes"]
+    n = bench_json("nodes", "--steps", "2", "--json")["nodes"]
     assert {"median_step_s", "timed_s", "blind_over_aware", "predicted_blind_over_aware", "cross_node_fraction",
             "losses", "max_loss_rel_diff", "cost_model"} <= set(n)
     assert n["max_loss_rel_diff"] <= 1e-5 and len(n["losses"]["node-aware"]) == 2

@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, fmt: str, tmp: str) -> None:
     from hdp.integrations.verl import compat
     from hdp.integrations.verl.scaffolding import batches as B
     from hdp.integrations.verl.scaffolding.tiny import VOCAB
-    from hdp.trainer.bench.faults import digest_of, state_tensors
+    from benchmarks.faults import digest_of, state_tensors
 
     overrides = [
         "algorithm.adv_estimator=gae", f"critic.model.path={model_path}", "critic.model.use_remove_padding=True",

@@ -26,7 +26,7 @@ def _same(a, b, where: str) -> None:
 def test_sample_rows_select_what_verl_selects() -> None:
     from verl.utils import tensordict_utils as tu
 
-    from hdp.integrations.verl.bench import verl_update_batch
+    from benchmarks.verl.bench import verl_update_batch
     from hdp.integrations.verl.batch import SampleRows
 
     lengths = [(5, 9), (3, 15), (7, 12), (4, 20), (6, 4), (2, 10)]
@@ -73,7 +73,7 @@ def test_same_rows_kept_across_batches_follow_each_batch() -> None:
     from verl.utils import tensordict_utils as tu
 
     from hdp.integrations.verl.batch import SameRows, SampleRows
-    from hdp.integrations.verl.bench import verl_update_batch
+    from benchmarks.verl.bench import verl_update_batch
 
     lengths = [(5, 9), (3, 15), (7, 12), (4, 20)]
     same = SameRows()
@@ -130,7 +130,7 @@ def test_nested_from_flat_with_grad_hands_back_its_flat_values() -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from hdp.integrations.verl import compat
-    from hdp.integrations.verl.bench import actor_config, verl_update_batch
+    from benchmarks.verl.bench import actor_config, verl_update_batch
 
     lengths = [5, 16, 9]
     offsets = torch.tensor([0, 5, 21, 30])
@@ -172,7 +172,7 @@ def test_token_ppo_loss_is_verls_ppo_loss() -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from hdp.integrations.verl import compat
-    from hdp.integrations.verl.bench import actor_config, verl_token_ppo_loss, verl_update_batch
+    from benchmarks.verl.bench import actor_config, verl_token_ppo_loss, verl_update_batch
 
     lengths = [(5, 9), (3, 15), (7, 12), (4, 20), (6, 1)]
     data = verl_update_batch(lengths, 3, max_token_len_per_gpu=64)
@@ -196,7 +196,7 @@ def test_median_ci95_brackets_the_median_and_narrows_with_steps() -> None:
     narrower with four times the steps (same spread)."""
     import numpy as np
 
-    from hdp.integrations.verl.bench import median_ci95
+    from benchmarks.verl.bench import median_ci95
 
     assert median_ci95([1.03] * 7) == [1.03, 1.03]
     g = np.random.default_rng(1)

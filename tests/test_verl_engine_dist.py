@@ -52,7 +52,7 @@ def _worker(rank: int, world: int) -> None:
 
     from hdp import megatron_compat as mc
     from hdp.integrations import verl as _pkg  # noqa: F401
-    from hdp.integrations.verl.bench import (actor_config, build_engines, grads_close, main_grads, plan_that_ran,
+    from benchmarks.verl.bench import (actor_config, build_engines, grads_close, main_grads, plan_that_ran,
                                              reference_step, verl_update_batch)
     from hdp.integrations.verl.batch import sample_lengths
     from hdp.core.planning import plan_id

@@ -61,6 +61,9 @@ def test_hdp_demo_verl_runs_ppo_steps_with_a_critic_on_hdp(tmp_path):
     for role in ("actor", "critic"):
         records = [json.loads(x) for x in (tmp_path / "hdp_calibration" / f"{role}.jsonl").read_text().splitlines()]
         assert {r["kind"] for r in records} == {"group", "round", "memory"}, role
+        # beside them, each training step's lengths in planned order (what hdp bench train --lengths replays)
+        steps = [json.loads(x) for x in (tmp_path / "hdp_calibration" / f"{role}.lengths.jsonl").read_text().splitlines()]
+        assert steps and all(s["lengths"] and s["checksum"] and s["policy"] == "hdp" for s in steps), (role, steps[:1])
 
 
 def _step_metrics(line: str) -> dict[str, float]:

@@ -8,7 +8,7 @@ path added that way does not run that directory's own ``.pth`` files, so the che
 install stays out of sight — and run from ``/``: ``hdp plan`` with the default policy (its compiled
 kernels without a cache directory: the checkout's plan to the checksum), the verl
 plugin's import, its Hydra configs and the bundled data file.  Every ``.py`` of the source roots
-must be in the wheel.
+must be in the wheel, and no CI-only module (benchmarks/ stays outside it).
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def test_built_wheel_installs_and_plans_from_outside_the_checkout(tmp_path) -> N
             rel = py.relative_to(ROOT / src).as_posix()
             assert f"{dst}/{rel}" in names, f"{dst}/{rel} is not in the wheel"
     assert "hdp/packing/data/wikipedia_sample.txt" in names
+    # what users run, not this project's CI harness (tests/test_wheel_contents.py: the same rule on the sources)
+    from test_wheel_contents import WHEEL_BENCH
+
+    assert not [n for n in names if n.startswith(("benchmarks/", "tests/"))], "CI harness in the wheel"
+    assert {Path(n).stem for n in names if n.startswith("hdp/trainer/bench/") and n.endswith(".py")} == WHEEL_BENCH
     assert any(n.startswith("hdp/integrations/verl/conf/") and n.endswith(".yaml") for n in names)
 
     env_dir = tmp_path / "venv"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the verl door's step goes beside the library door's: per-function wall and CPU time per step.
 
-The setup of ``hdp bench verl``'s doors row (`hdp.integrations.verl.bench`: the tiny Megatron GPT, the
+The setup of ``python -m benchmarks verl``'s doors row (`benchmarks.verl.bench`: the tiny Megatron GPT, the
 short-tailed verl update batch, verl's ``ppo_loss`` on the verl door, `library_ppo_loss` on the library
 door, one model, optimizer and plan), the doors alternating step by step.  Each named function is wrapped
 with wall-clock and ``time.process_time`` counters (CPU of the whole process, so background threads
@@ -25,7 +25,12 @@ import statistics
 import sys
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:  # the checkout's root: benchmarks/ (outside the wheel), in this process and its ranks
+    sys.path.insert(0, ROOT)
 
 Timers = dict[str, float]
 
@@ -54,7 +59,8 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     import hdp.integrations.verl.engine as verl_engine
     import hdp.trainer.engine as lib_engine
     from hdp import megatron_compat as mc
-    from hdp.integrations.verl import batch, bench, compat, loss
+    from benchmarks.verl import bench
+    from hdp.integrations.verl import batch, compat, loss
     from hdp.trainer import planning, rounds, step
 
     logging.getLogger("verl").setLevel(logging.ERROR)

@@ -8,7 +8,9 @@ their resolved settings; nothing is re-read or rebuilt per step.  It
   (**one all-gather over the whole job**), and from the same ``[W, R]`` table on every rank:
   a round's time is its slowest rank over all TP ranks and pipeline stages, a group's the slowest
   of its domain ranks;
-  - writes calibration records (`hdp.packing.calibrate` schema) on world rank 0 when a path is set
+  - writes calibration records (`hdp.packing.calibrate` schema) on world rank 0 when a path is set,
+    and beside them (`lengths_path`: ``actor.jsonl`` -> ``actor.lengths.jsonl``) the step's sample
+    lengths in the order planned, with the plan's checksum, which ``hdp bench train --lengths`` replays
     (a failed write never fails the step: it is reported as ``hdp/records_write_failed`` on every
     rank);
   - feeds the auto-calibration window (`hdp.packing.autocal`) and, every ``every_steps`` steps,
@@ -65,10 +67,22 @@ from hdp.core.memory import COEF_NAMES, MemoryCalibration
 from hdp.core.phases import PHASES, PhaseTimer
 from hdp.core.plan_ahead import PlanAhead, Taken
 
-__all__ = ["DomainPlanner", "auto_cost_model", "plan_id", "job_node_map", "launcher_ranks_per_node", "launcher_topology",
+__all__ = ["DomainPlanner", "auto_cost_model", "lengths_path", "plan_id", "job_node_map", "launcher_ranks_per_node", "launcher_topology",
            "MEGATRON_ORDER", "RANKS_PER_NODE_KEYS", "MAX_RANKS_PER_NODE", "TOPOLOGY_FIX"]
 
 logger = logging.getLogger(__name__)
+
+LENGTHS_SUFFIX = ".lengths"
+"""Inserted before the records file's suffix to name the file of each step's sample lengths (`lengths_path`)."""
+
+
+def lengths_path(records_path: str | os.PathLike[str]) -> Path:
+    """The file beside calibration records ``records_path`` where world rank 0 appends one JSON line per training
+    step: ``{"step", "policy", "num_ranks", "max_tokens_per_rank", "lengths": [...], "checksum"}`` -- the samples'
+    lengths in the order planned and the plan's checksum (``actor.jsonl`` -> ``actor.lengths.jsonl``)."""
+    p = Path(records_path)
+    return p.with_name(f"{p.stem}{LENGTHS_SUFFIX}{p.suffix}")
+
 
 STATIC_SLACK = 0.01
 """Growth of the measured static bytes (a fraction) below which the memory model keeps its figure."""
@@ -414,7 +428,8 @@ class DomainPlanner:
 
     def _write(self, plan: Plan, times: np.ndarray, dom: np.ndarray, stage: np.ndarray, step: int,
                memory_records: Sequence[dict[str, Any]] = ()) -> bool:
-        """Append this step's timing and memory records (world rank 0); False (logged) when the write failed."""
+        """Append this step's timing and memory records and its sample lengths (`lengths_path`) (world rank 0); False
+        (logged) when a write failed."""
         pp = self.groups.pp_size
         nodes = Nodes.of(plan.node_of, plan.num_ranks)
         lines = []
@@ -434,11 +449,16 @@ class DomainPlanner:
                           "stage_seconds": per_stage})
         lines.extend(memory_records)
         text = "".join(json.dumps(rec) + "\n" for rec in lines)
+        batch = {"step": int(step), "policy": str(plan.policy), "num_ranks": int(plan.num_ranks),
+                 "max_tokens_per_rank": int(plan.max_tokens_per_rank), "lengths": plan.lengths.tolist(),
+                 "checksum": plan.checksum()}
         try:
             assert self.records_path is not None
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as fh:
                 fh.write(text)
+            with lengths_path(self.records_path).open("a") as fh:
+                fh.write(json.dumps(batch) + "\n")
             return True
         except (OSError, ValueError) as exc:  # a full disk, a read-only path: never fail the step
             logger.warning("calibration records: writing %s failed at step %d (%s); the step itself is fine",

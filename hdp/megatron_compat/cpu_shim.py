@@ -542,7 +542,7 @@ def cpu_checkpoint_rng() -> Iterator[None]:
     to restore (the CPU generator and Megatron's tracker states are restored separately by
     ``_get_all_rng_states``), so inside this context the two functions take/return an empty state.
     Every CPU step of both engines runs inside it (the round core, :class:`hdp.core.rounds.RoundCore`, enters
-    it around Megatron's schedule: recompute and MoE zero-memory checkpoint there), and ``hdp bench moe``'s full
+    it around Megatron's schedule: recompute and MoE zero-memory checkpoint there), and ``python -m benchmarks moe``'s full
     ``moe`` recompute baseline.  Scoped (the originals come back on exit), and a no-op when CUDA is available.  Re-check when upgrading.
     """
     rnd = tensor_parallel.random

@@ -27,6 +27,10 @@ never a figure it did not measure:
   against the same seed on CPU in fp32, one batch repeated so that the loss falls by more than
   `ENGINE_MIN_DROP` (losses within `ENGINE_LOSS_RTOL`), the engine's predicted
   against measured peak memory, step time.
+* ``train_job``: ``hdp bench train --device cuda|npu`` (`hdp.trainer.bench.train`): static CP and hdp side by side
+  on every local device (one rank each, NCCL / HCCL; on CPU two gloo ranks), a small GPT in bf16: tokens/s per
+  device, MFU against the device's datasheet peak, the allocator's peak memory, the paired speedup with its
+  interval, losses equal across the policies.
 * ``engine_vpp``: virtual pipeline stages need ``pp > 1`` (`ParallelConfig`), which needs two ranks;
   one device runs one rank (NCCL takes one rank per GPU), so this row is skipped with that reason.
 
@@ -65,7 +69,7 @@ __all__ = ["ROWS", "TOLERANCES", "ENGINE_LOSS_RTOL", "ENGINE_MIN_DROP", "BUDGET_
 
 logger = logging.getLogger(__name__)
 
-ROWS = ("kernel_exactness", "kernel_speed", "cost_terms", "logprobs", "engine_pp1", "engine_vpp")
+ROWS = ("kernel_exactness", "kernel_speed", "cost_terms", "logprobs", "engine_pp1", "train_job", "engine_vpp")
 """The rows of `bench_device`, in the order they run."""
 
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -814,6 +818,36 @@ def _row_engine_pp1(ctx: _Ctx) -> dict[str, Any]:
                         "peak_measured_over_predicted": ratio}}
 
 
+def _row_train_job(ctx: _Ctx) -> dict[str, Any]:
+    """`hdp bench train` on this machine's devices: one rank per device (two gloo ranks for the dry run)."""
+    import importlib.util
+
+    from hdp.trainer.bench.train import TrainBenchSpec, bench_train
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise _Skip("megatron-core is not installed here; carry its wheel (tools/device_wheels.py)")
+    kind = ctx.device.type
+    ranks = 2 if kind == "cpu" else max(1, min(8, getattr(torch, kind).device_count()))
+    sh = ctx.shapes
+    spec = TrainBenchSpec(ranks=ranks, device=kind, dtype="bfloat16", num_layers=sh.engine_layers,
+                          hidden_size=sh.engine_hidden, num_attention_heads=sh.engine_heads, vocab_size=sh.engine_vocab,
+                          max_tokens_per_rank=sh.engine_budget, samples=12 if ctx.dry else 40,
+                          steps=3 if ctx.dry else 9)
+    result = bench_train(spec)
+    res = result["results"]
+    pair = result["paired"]["hdp_vs_static-cp"]["wall"]
+    ok = bool(result["loss_match"] and all(r["tokens_per_s"] > 0 and r["peak_memory_gb"] > 0 for r in res.values()))
+    mfu = res["hdp"]["mfu"]
+    summary = (f"{ranks} ranks on {kind}: hdp {res['hdp']['tokens_per_s']:.0f} tokens/s/device, static CP "
+               f"{res['static-cp']['tokens_per_s']:.0f}; paired {pair['median']:.2f}x [{pair['ci95'][0]:.2f}, "
+               f"{pair['ci95'][1]:.2f}]; MFU {'-' if mfu is None else f'{mfu:.1%}'}; peak "
+               f"{res['hdp']['peak_memory_gb']:.3g} GB; losses equal: {result['loss_match']}")
+    return {"status": "ok" if ok else "fail", "summary": summary,
+            **({} if ok else {"reason": f"losses equal {result['loss_match']}; a policy measured no tokens/s or memory"}),
+            "figures": {k: result[k] for k in ("results", "speedup", "paired", "loss_match", "loss_max_rel_diff",
+                                              "plans_differ", "model", "environment")}}
+
+
 def _row_engine_vpp(ctx: _Ctx) -> dict[str, Any]:
     from hdp.trainer.parallel import ParallelConfig
 
@@ -827,7 +861,8 @@ def _row_engine_vpp(ctx: _Ctx) -> dict[str, Any]:
 
 _ROW_FNS: dict[str, Callable[[_Ctx], dict[str, Any]]] = {
     "kernel_exactness": _row_kernel_exactness, "kernel_speed": _row_kernel_speed, "cost_terms": _row_cost_terms,
-    "logprobs": _row_logprobs, "engine_pp1": _row_engine_pp1, "engine_vpp": _row_engine_vpp,
+    "logprobs": _row_logprobs, "engine_pp1": _row_engine_pp1, "train_job": _row_train_job,
+    "engine_vpp": _row_engine_vpp,
 }
 
 

@@ -1,60 +1,66 @@
-"""`hdp bench regress`: every benchmark in a short mode, each ratio or flag against a committed baseline.
+"""`hdp bench regress`: a preset's rows measured on this machine, each against its baseline with a tolerance.
 
-Each row is one figure a benchmark measures **side by side in the same run** — a speedup over the
-baseline policy, an efficiency, an exactness flag, the planner's time over a fixed reference
-computation timed in the same process, the memory model's prediction error, a fault's seconds to
-exit over its collective timeout — so a slower or busier machine moves both sides alike and the
-figure stays comparable between runs.  Speedups and overheads are taken in CPU seconds of all ranks
-(the benchmarks report both): other work on a shared machine stretches wall-clock steps unevenly
-but leaves a rank's own CPU time nearly alone; each benchmark's own command prints the wall-clock
-figures.  Every row states its tolerance (`Row.tolerance`, relative or
-absolute) and the range its figure can take at all (`Row.bounds`: a time ratio is > 0 and at most
-100, an efficiency at most 1, ...); `run_regress` compares the figures with the baseline file and
-reports one verdict per row: ``ok``, ``REGRESSION``, ``missing from the baseline`` (a failure),
-``error`` (the benchmark raised, or its figure lies outside the row's range) or ``skipped: no
-device`` (a row that needs a GPU or NPU, on a machine without one).  ``hdp bench regress`` prints the
-table and exits 1 naming every failed row; ``--update`` rewrites the baseline with this run's figures
-(review it in the diff like code).
+A **preset** (`Preset`) is a set of rows and the benchmark runs they read.  Each row is one figure:
+tokens/s, a speedup measured **side by side in the same run** (paired steps: `hdp.trainer.bench.stats`),
+peak memory, an efficiency, an exactness flag.  The wheel's preset is **the user's job** (`job_preset`, the
+default): ``hdp bench regress`` takes the flags of ``hdp bench train`` (model, layout, device, lengths,
+policies) and guards that job's rows -- each policy's tokens/s per device and peak memory, hdp's paired
+speedup over every other policy (CPU-seconds of all ranks on CPU, wall seconds on an accelerator) and the
+losses being equal (a must-hold row).  Another preset is a Python file defining ``PRESET`` (``--preset
+FILE.py``); ``--preset NAME`` reads ``benchmarks/NAME.py`` under the working directory -- this project's CI
+preset is ``ci`` (``benchmarks/ci.py`` of a checkout: every benchmark in a short mode, with its committed
+baseline).
 
-The baseline file is read and checked before anything runs (`load_baseline`): a regular file of at
-most `MAX_BASELINE_BYTES` (1 MiB; the committed one has about 1 KB), a JSON object whose ``rows``
-maps known row names to ``true``/``false`` (flags) or numbers inside their row's range, holding every
-row the run will measure (`check_covered`; the rows of a benchmark that may skip for want of a
-device are checked when they ran).  ``--update`` checks the file it will write before the run too.
+**Baselines per environment** (`write_baseline`): ``--update --baseline FILE`` records the machine and the job at
+hand -- hardware, versions, the commit, the preset's configuration -- and every row's figure, the median of
+``--repeats`` runs.  ``regress`` compares with the file and exits 1 naming each row past its tolerance.
+**Tolerances come from measured spread** (`derive_tolerance`, stated per row in the file with the rule): a
+row's spread is the larger of the relative standard deviation of its figure over the repeats and, for a
+paired figure, its run's own 95% interval (half width / 1.96); the tolerance is ``max(floor, 3 x spread x
+sqrt(1 + 1/R))`` -- about three standard deviations of the difference between a new run and the median of R
+recorded ones, so a noisy row does not flap, and a quiet row's tolerance stays tight enough to catch a real
+loss.  Rows without a derived tolerance use their default (`Row.tolerance`).  ``--update`` refuses to write a
+speed row's figure worse than the one the file holds (``Row.speed``) unless ``--allow-lower``: a regression
+cannot be blessed by accident.
 
-The committed baseline (`BASELINE_FILE`) was measured on this project's CI machine (2 CPU cores,
-gloo); on your own cluster record yours once (``hdp bench regress --update --baseline FILE``) and
-run ``hdp bench regress --baseline FILE`` to guard your throughput.
+Every row states the range its figure can take at all (`Row.bounds`); a figure outside is an ``error`` of
+its row, never compared or recorded.  Verdicts: ``ok``, ``REGRESSION``, ``missing from the baseline`` (a
+failure), ``error`` (the benchmark raised, or its figure lies outside the row's range) or ``skipped: no
+device`` (a row that needs a GPU or NPU, on a machine without one).
 
-The short modes (`RUNNERS`) together take a few minutes on 2 cores; rows select what runs (``--only``:
-row or benchmark names), and each benchmark runs at most once per call.
+The baseline file is read and checked before anything runs (`load_baseline`): a regular file of at most
+`MAX_BASELINE_BYTES`, a JSON object whose ``rows`` maps the preset's row names to ``true``/``false``
+(flags) or numbers inside their row's range, holding every row the run will measure (`check_covered`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import importlib.util
 import json
 import logging
 import math
 import os
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Row", "Bounds", "ROWS", "RUNNERS", "BASELINE_FILE", "MAX_BASELINE_BYTES", "MAY_SKIP", "run_regress",
-           "load_baseline", "check_covered", "check_writable", "write_baseline", "reference_ms", "NoDevice"]
+__all__ = ["Row", "Bounds", "RATIO", "SHARE", "Preset", "Baseline", "MAX_BASELINE_BYTES", "TOLERANCE_RULE",
+           "NoDevice", "job_preset", "load_preset", "run_regress", "load_baseline", "check_covered", "check_writable",
+           "write_baseline", "derive_tolerance", "select_rows", "MISSING"]
 
 logger = logging.getLogger(__name__)
 
-BASELINE_FILE = Path(__file__).with_name("regress_baseline.json")
-"""The committed baseline: the figures of this project's CI machine (2 CPU cores)."""
-
 MAX_BASELINE_BYTES = 1 << 20
-"""Largest baseline file read (1 MiB; the committed one, every row, has about 1 KB)."""
+"""Largest baseline file read (1 MiB; the CI preset's, every row, has a few KB)."""
+
+FORMAT = "hdp-regress-baseline"
+"""``format`` of a baseline file (files without it -- the first format, rows only -- are read too)."""
 
 
 class NoDevice(Exception):
@@ -88,6 +94,13 @@ RATIO = Bounds(0.0, 100.0, low_open=True)
 """A ratio of two times or two rates (a speedup, an overhead): positive, and no benchmark moves one 100x."""
 SHARE = Bounds(0.0, 100.0)
 """A non-negative figure relative to a reference (an error, seconds over a timeout): 0 allowed."""
+RATE = Bounds(0.0, 1e12, low_open=True)
+"""A rate (tokens per second)."""
+GIGABYTES = Bounds(0.0, 1e6)
+"""A memory figure in GB."""
+
+TOLERANCE_RULE = "max(floor, 3 x spread x sqrt(1 + 1/R))"
+"""How `derive_tolerance` turns a row's measured spread over R repeats into its tolerance."""
 
 
 @dataclass(frozen=True)
@@ -97,28 +110,48 @@ class Row:
     name: str
     """Row name (``--only`` takes it)."""
     bench: str
-    """The short-mode runner in `RUNNERS` whose result it reads."""
+    """The runner in its preset's ``runners`` whose result it reads."""
     meaning: str
     """What the figure is, in a few words."""
     better: Literal["higher", "lower", "true"]
     """Which way is good: a larger figure, a smaller one, or a flag that must hold."""
     tolerance: float
-    """How far from the baseline the figure may move the bad way before it is a regression."""
+    """How far from the baseline the figure may move the bad way before it is a regression (the default; a
+    baseline file's derived tolerance replaces it)."""
     absolute: bool
     """``tolerance`` in the figure's own units (True) or as a fraction of the baseline (False)."""
     get: Callable[[dict[str, Any]], Any]
     """The figure from the runner's result."""
     bounds: Bounds | None = None
     """The range the figure can take at all (None for a flag, ``better="true"``)."""
+    speed: bool = False
+    """A speed figure: ``--update`` refuses to record a worse one without ``--allow-lower``."""
+    spread: Callable[[dict[str, Any]], float] | None = None
+    """The run's own relative spread of the figure (a paired figure's 95% half width / 1.96), when it has one."""
+    floor: float | None = None
+    """Smallest derived tolerance; None: 0.02 for a relative row, a fifth of ``tolerance`` for an absolute one."""
 
-    def tolerance_text(self) -> str:
+    def tolerance_text(self, tolerance: float | None = None) -> str:
         """``-15%``, ``+0.05``, ``must hold``: how far the figure may move the bad way."""
         if self.better == "true":
             return "must hold"
+        t = self.tolerance if tolerance is None else tolerance
         sign = "-" if self.better == "higher" else "+"
-        return f"{sign}{self.tolerance:g}" if self.absolute else f"{sign}{self.tolerance:.0%}"
+        return f"{sign}{t:.3g}" if self.absolute else f"{sign}{t:.1%}"
 
-    def verdict(self, baseline: Any, now: Any) -> str:
+    def min_tolerance(self) -> float:
+        """The floor of a derived tolerance."""
+        if self.floor is not None:
+            return self.floor
+        return self.tolerance / 5 if self.absolute else 0.02
+
+    def worse(self, new: Any, old: Any) -> bool:
+        """Whether figure ``new`` is worse than ``old`` (a flag: false after true)."""
+        if self.better == "true":
+            return bool(old) and not bool(new)
+        return float(new) < float(old) if self.better == "higher" else float(new) > float(old)
+
+    def verdict(self, baseline: Any, now: Any, tolerance: float | None = None) -> str:
         """``ok``, ``REGRESSION`` or ``missing from the baseline`` (a failure too)."""
         if self.better == "true":
             if now is not True:
@@ -126,13 +159,14 @@ class Row:
             return MISSING if baseline is None else "ok"
         if baseline is None:
             return MISSING
+        t = self.tolerance if tolerance is None else tolerance
         now, baseline = float(now), float(baseline)
         if not math.isfinite(now):
             return "REGRESSION"
         if self.better == "higher":
-            floor = baseline - self.tolerance if self.absolute else baseline * (1.0 - self.tolerance)
+            floor = baseline - t if self.absolute else baseline * (1.0 - t)
             return "ok" if now >= floor else "REGRESSION"
-        ceiling = baseline + self.tolerance if self.absolute else baseline * (1.0 + self.tolerance)
+        ceiling = baseline + t if self.absolute else baseline * (1.0 + t)
         return "ok" if now <= ceiling else "REGRESSION"
 
 
@@ -140,284 +174,117 @@ MISSING = "missing from the baseline"
 """The verdict of a measured row the baseline file has no figure for (it fails: record it with ``--update``)."""
 
 
-# ---- the short modes ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    """A named set of rows and the runs they read."""
 
-REFERENCE_N = 1 << 20
-"""Elements of the fixed reference computation the planner row is timed against."""
-REFERENCE_PASSES = 32
-"""Passes of the reference kernel over its elements (about 40 ms of CPU on the 2-core VM)."""
-
-
-@functools.lru_cache(maxsize=None)
-def _reference_kernel() -> Callable[[Any, int], float]:
-    """The reference computation, compiled by numba as the planner's kernels are: scalar passes over the
-    elements whose every step depends on the one before (a running value and 64 bins updated by a
-    data-dependent branch), so no vector unit or SIMD library routine speeds it up — its time tracks the
-    planner's kind of work from one CPU to another (a numpy sort, the earlier yardstick, ran 7x faster
-    on CPUs whose numpy takes an AVX-512 sort path)."""
-    import numba
-    import numpy as np
-
-    @numba.njit(cache=False)
-    def kernel(x: Any, passes: int) -> float:  # x [n] float64 in [0, 1)
-        bins = np.zeros(64)
-        run = 0.0
-        for _ in range(passes):
-            for i in range(x.shape[0]):
-                v = x[i]
-                b = int(v * 64.0)
-                if bins[b] > run:
-                    run += v
-                else:
-                    bins[b] += v - run * 1e-6
-        return run + bins.sum()
-
-    return kernel
+    name: str
+    """``job``, ``ci``, ... (recorded in the baseline file)."""
+    about: str
+    """One line: what it measures."""
+    rows: tuple[Row, ...]
+    """Every row, in table order."""
+    runners: Mapping[str, Callable[[], dict[str, Any]]]
+    """Each benchmark's run (the rows read their results); each runs at most once per repeat."""
+    may_skip: frozenset[str] = frozenset()
+    """Benchmarks that skip on a machine without a GPU or NPU (`NoDevice`): their rows need a baseline figure
+    only when they ran (`check_covered` leaves them to the run's verdicts)."""
+    baseline: Path | None = None
+    """The default baseline file (None: ``--baseline`` is required)."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """What the preset runs (the job's spec), recorded in the baseline file."""
 
 
-def reference_ms(repeats: int = 5) -> float:
-    """Median CPU milliseconds of a fixed single-threaded computation (`_reference_kernel` over 1M floats,
-    compiled before the timing): the yardstick the planner's CPU time is divided by, timed in the same
-    process."""
-    import numpy as np
-
-    kernel = _reference_kernel()
-    data = np.random.default_rng(0).random(REFERENCE_N)
-    kernel(data[:64], 1)  # compiled outside the timing
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        kernel(data, REFERENCE_PASSES)
-        times.append((time.process_time() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+# ---- the user's job -------------------------------------------------------------------------------------
 
 
-def _attention() -> dict[str, Any]:
-    from hdp.trainer.bench.attention import bench_attention
+def job_preset(spec: Any) -> Preset:
+    """The rows of the job ``spec`` (a `hdp.trainer.bench.train.TrainBenchSpec`): per policy tokens/s per device
+    (higher) and peak memory (lower); hdp's paired speedup over each other policy (CPU-seconds of all ranks on
+    CPU, wall seconds on an accelerator); losses equal (and plans different, with several policies)."""
+    from hdp.trainer.bench.train import bench_train
 
-    return bench_attention(ranks=2, tokens=8192, algo="ring", repeats=3)
-
-
-def _train(ranks: int, tp: int, pp: int) -> Callable[[], dict[str, Any]]:
-    def run() -> dict[str, Any]:
-        from hdp.trainer.bench.train import TrainBenchSpec, bench_train
-
-        return bench_train(TrainBenchSpec(ranks=ranks, tp=tp, pp=pp, steps=4, samples=32, num_layers=2,
-                                          vocab_size=512))
-
-    return run
-
-
-def _entry_point(name: str) -> Callable[..., dict[str, Any]]:
-    """The bench another package registers as ``hdp.benchmarks`` entry point ``name`` (the trainer never imports
-    the verl integration)."""
-    from importlib.metadata import entry_points
-
-    found = [ep for ep in entry_points(group="hdp.benchmarks") if ep.name == name]
-    if not found:
-        raise RuntimeError(f"no 'hdp.benchmarks' entry point {name!r}: install hdp-engine with the verl extra")
-    return found[0].load()
-
-
-def _verl() -> dict[str, Any]:
-    return _entry_point("verl")(ranks=4, steps=5)
+    clock = "cpu" if spec.device == "cpu" else "wall"
+    unit = "per CPU-second of all ranks" if clock == "cpu" else "wall seconds"
+    rows: list[Row] = []
+    for p in spec.policies:
+        rows.append(Row(f"job-{p}-tokens-per-s", "job", f"{p}: tokens/s per device (timed steps' wall seconds)",
+                        "higher", 0.10, False, lambda r, p=p: r["results"][p]["tokens_per_s"], RATE, speed=True))
+    for q in spec.policies:
+        if q != "hdp" and "hdp" in spec.policies:
+            rows.append(Row(
+                f"job-speedup-vs-{q}", "job", f"hdp over {q}: paired median of steps' {unit} ratios", "higher", 0.10,
+                False, lambda r, q=q: r["paired"][f"hdp_vs_{q}"][clock]["median"], RATIO, speed=True,
+                spread=lambda r, q=q: r["paired"][f"hdp_vs_{q}"][clock]["half_width"] / 1.96))
+    for p in spec.policies:
+        rows.append(Row(f"job-{p}-peak-memory", "job", f"{p}: largest per-rank peak memory (GB)", "lower", 0.05, False,
+                        lambda r, p=p: r["results"][p]["peak_memory_gb"], GIGABYTES))
+    several = len(spec.policies) > 1
+    rows.append(Row("job-exact", "job", "losses of every policy equal (rel 1e-4)" + (", plans different" if several else ""),
+                    "true", 0.0, False, lambda r: bool(r["loss_match"] and (r["plans_differ"] or not several))))
+    return Preset(name="job", about="the job the flags describe (hdp bench train's)", rows=tuple(rows),
+                  runners={"job": lambda: bench_train(spec)}, config=spec.config())
 
 
-def _verl_old_logprob() -> dict[str, Any]:
-    result = _entry_point("verl-old-logprob")(steps=2)
-    t = result["old_log_prob_s"]
-    return {**result, "pass_time_ratio": t["skipped"] / t["run"] if t["run"] > 0 else math.nan}
+def load_preset(name: str) -> Preset:
+    """The preset defined by a Python file (``PRESET``): ``name`` a path to it, or a name read from
+    ``benchmarks/NAME.py`` under the working directory (a checkout's root: the CI preset lives outside the
+    wheel).  The file's folder's parent goes on ``sys.path`` first, so the file may import its siblings as
+    a package (``benchmarks.faults``) -- in this process and in every rank it spawns.  ValueError naming
+    ``--preset`` and the fix."""
+    path = Path(name) if name.endswith(".py") else Path("benchmarks") / f"{name}.py"
+    where = f"--preset={name!r}"
+    if not path.is_file():
+        raise ValueError(f"{where}: no preset file {str(path)!r}; pass job (the default: the job the flags describe), "
+                         "the path of a preset file, or a name of benchmarks/NAME.py in a checkout (run from its root: "
+                         "the ci preset is outside the wheel)")
+    root = str(path.resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    package = path.resolve().parent.name
+    modname = f"{package}.{path.stem}" if (path.parent / "__init__.py").is_file() else path.stem
+    module = sys.modules.get(modname)
+    if module is None or Path(getattr(module, "__file__", "") or "").resolve() != path.resolve():
+        spec = importlib.util.spec_from_file_location(modname, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module
+        spec.loader.exec_module(module)
+    preset = getattr(module, "PRESET", None)
+    if not isinstance(preset, Preset):
+        raise ValueError(f"{where}: {str(path)!r} defines no PRESET (a hdp.trainer.bench.regress.Preset)")
+    return preset
 
 
-def _models() -> dict[str, Any]:
-    return _entry_point("models")()
-
-
-def _moe() -> dict[str, Any]:
-    from hdp.trainer.bench.moe import bench_moe
-
-    # 30 paired steps: on the shared 2-core VM the level1 row's paired median spread over 0.09 in three runs of
-    # 12 steps (and 0.036-0.095 in full runs: half over the row's tolerance) and over 0.03 in three of 30
-    return bench_moe(ep=2, tokens=1024, seq_length=512, num_experts=32, topk=4, iters=30, layer_iters=3,
-                     experts=("sequential",))
-
-
-def _memory() -> dict[str, Any]:
-    from hdp.trainer.bench.memory import CASES, bench_limit, bench_memory, summary
-
-    cases = tuple(c for c in CASES if c.name in ("dense-pp1-recompute-none", "moe-pp1-zero-memory-level1"))
-    result = summary(bench_memory(cases))
-    result["limit"] = bench_limit()
-    return result
-
-
-def _planner() -> dict[str, Any]:
-    import statistics
-
-    from hdp.trainer.bench.planner import FAMILIES, bench_planner
-
-    chosen = [f for f in FAMILIES if f.name in ("lognormal", "bimodal", "short-reasoning")]
-    ref = reference_ms()
-    result = bench_planner(chosen, repeats=7, peers=False)  # a median of 7: the row sits within 30% of run-to-run noise
-    ref = min(ref, reference_ms())  # before and after: the quieter of the two
-    ms = [r["median_cpu_ms"] for r in result["planner"]]
-    return {**result, "reference_ms": ref, "planner_over_reference": statistics.median(ms) / ref,
-            "efficiency_mean": statistics.mean(r["efficiency"] for r in result["planner"])}
-
-
-def _faults() -> dict[str, Any]:
-    from hdp.trainer.bench.faults import run_faults
-
-    result = run_faults(timeout_s=10.0, only=("in-process", "sigkill-mid-step", "own-error-in-round"))
-
-    def over(rows: list[dict[str, Any]]) -> float:  # seconds to exit / the row's collective timeout, the worst
-        return max(r["seconds_to_exit"] / r.get("collective_timeout_s", result["collective_timeout_s"]) for r in rows)
-
-    own = [r for r in result["faults"] if r["fault"].startswith("own-error")]
-    return {**result, "worst_seconds_over_timeout": over(result["faults"]), "own_error_seconds_over_timeout": over(own)}
-
-
-def _nodes() -> dict[str, Any]:
-    from hdp.trainer.bench.nodes import NodesBenchSpec, bench_nodes
-
-    return bench_nodes(NodesBenchSpec(steps=7))["nodes"]
-
-
-def _device() -> dict[str, Any]:
-    """`hdp bench device`'s kernel and engine rows on this machine's accelerator."""
-    from hdp import device as _dev
-    from hdp.trainer.bench.device import bench_device
-
-    if _dev.select_device(None).type == "cpu":
-        raise NoDevice("no GPU or NPU")
-    result = bench_device(rows=("kernel_exactness", "kernel_speed", "engine_pp1"))
-    rows = {r["row"]: r for r in result["rows"]}
-    speeds = [max(v for k, v in length.items() if k.endswith("_speed_over_sdpa"))
-              for length in rows["kernel_speed"].get("figures", {}).get("lengths", [])
-              if any(k.endswith("_speed_over_sdpa") for k in length)]
-    return {**result, "by_row": rows, "kernel_speed_over_sdpa": min(speeds) if speeds else math.nan}
-
-
-RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
-    "attention": _attention,
-    "train-pp1": _train(4, 1, 1),
-    "train-pp2": _train(4, 1, 2),
-    "train-tp2-pp2": _train(8, 2, 2),
-    "verl": _verl,
-    "verl-old-logprob": _verl_old_logprob,
-    "models": _models,
-    "moe": _moe,
-    "memory": _memory,
-    "planner": _planner,
-    "faults": _faults,
-    "nodes": _nodes,
-    "device": _device,
-}
-"""Each benchmark's short mode (the rows read their results)."""
-
-MAY_SKIP = frozenset({"device"})
-"""Benchmarks that skip on a machine without a GPU or NPU (`NoDevice`): their rows need a baseline figure
-only when they ran (`check_covered` leaves them to the run's verdicts)."""
-
-
-MODEL_FAMILIES: tuple[tuple[str, str], ...] = (
-    ("llama3.1", "Llama 3.1 (rope_type llama3)"),
-    ("qwen3-yarn", "Qwen3 with YaRN"),
-    ("qwen2-window", "Qwen2, per-layer sliding window"),
-    ("mistral-window", "Mistral sliding window (library door only: no mbridge bridge)"),
-    ("mistral-sinks", "gpt-oss-style learned sinks + window (library door only)"),
-    ("qwen3-off-by-one", "Qwen3 with off-by-one sinks"),
-    ("qwen3-scale", "Qwen3 with a custom softmax_scale"),
-    ("deepseek-v3", "DeepSeek-V3: multi-latent attention, DeepSeek MoE under EP 2 and zero-memory level1"),
-)
-"""`hdp bench models`' families (the verl plugin's scaffolding `families.CASES`) with a row each."""
-
-
-def _model_rows() -> tuple[Row, ...]:
-    return tuple(
-        Row(f"models-{name}-exact", "models", f"{what}: log-probs, loss, grad norm = HF on both doors, CP group",
-            "true", 0.0, False, lambda r, name=name: bool(r["families"][name]["ok"]))
-        for name, what in MODEL_FAMILIES
-    )
-
-
-def _train_rows(bench: str, layout: str) -> tuple[Row, ...]:
-    return (
-        Row(f"{bench}-speedup", bench, f"hdp vs static-cp tokens per CPU-second, {layout}", "higher", 0.15, False,
-            lambda r: r["speedup_cpu_time"]["hdp_vs_static-cp"], RATIO),
-        Row(f"{bench}-exact", bench, "losses of both policies equal (rel 1e-4), their plans different", "true", 0.0,
-            False, lambda r: bool(r["loss_match"] and r["plans_differ"])),
-    )
-
-
-ROWS: tuple[Row, ...] = (
-    Row("attention-efficiency", "attention", "ring CP2 fwd+bwd of 8K tokens, T1 / (2 T2) in CPU seconds", "higher",
-        0.25, False, lambda r: r["cpu_efficiency"], Bounds(0.0, 2.0, low_open=True)),
-    Row("attention-exact", "attention", "CP output and grads vs one process, max abs err <= 1e-4", "true", 0.0, False,
-        lambda r: r["max_abs_err"] <= 1e-4),
-    *_train_rows("train-pp1", "4 ranks, domain 4"),
-    *_train_rows("train-pp2", "PP 2, domain 2"),
-    *_train_rows("train-tp2-pp2", "TP 2 x PP 2, domain 2"),
-    Row("verl-speedup", "verl", "verl door: hdp vs stock scheduling (verl-kk, static CP), per CPU-second", "higher",
-        0.15, False, lambda r: r["speedup_cpu_time"], RATIO),
-    Row("verl-exact", "verl", "both paths' gradients equal (rtol 1e-4)", "true", 0.0, False,
-        lambda r: bool(r["grad_match"])),
-    Row("verl-plans-differ", "verl", "the two paths ran different plans", "true", 0.0, False,
-        lambda r: bool(r["plans_differ"])),
-    Row("verl-door-overhead", "verl", "verl door step / library door step, same plan and model, CPU seconds",
-        "lower", 0.10, False, lambda r: r["doors"]["verl_over_library_cpu"], RATIO),
-    Row("verl-doors-same-plan", "verl", "both doors ran one plan, losses equal", "true", 0.0, False,
-        lambda r: bool(r["doors"]["same_plan"] and r["doors"]["loss_match"])),
-    Row("verl-old-logprob-exact", "verl-old-logprob", "main_ppo with the old-log-prob pass skipped vs run, same seed: "
-        "pg/kl loss, entropy, grad norm equal (1e-4), the runs differ in the pass", "true", 0.0, False,
-        lambda r: bool(r["metrics_match"] and r["sides_differ"])),
-    Row("verl-old-logprob-time", "verl-old-logprob", "timing_s/old_log_prob skipped / run (median of the steps)",
-        "lower", 0.1, True, lambda r: r["pass_time_ratio"], SHARE),  # a skipped pass may take 0 s
-    *_model_rows(),
-    Row("moe-level1-freed", "moe", "zero-memory level1: activation bytes freed / full recompute's", "higher",
-        0.02, True, lambda r: r["freed_fraction_of_full"]["level1"], Bounds(0.0, 2.0)),
-    Row("moe-level1-overhead", "moe", "zero-memory level1 step CPU time over none - 1 (paired median)", "lower",
-        0.05, True, lambda r: r["step_cpu_overhead_paired_median"]["level1"],
-        Bounds(-1.0, 100.0, low_open=True)),  # a time ratio - 1
-    Row("memory-prediction-error", "memory", "largest held-out round's |predicted - measured| / measured",
-        "lower", 0.03, True, lambda r: max(c["max_rel_err"] for c in r["cases"]), SHARE),
-    Row("memory-limit-holds", "memory", "a plan to a memory limit stays within it, losses equal", "true", 0.0, False,
-        lambda r: bool(r["limit"]["passed"])),
-    Row("planner-time", "planner", "planner median CPU ms / a fixed scalar numba kernel's (same process)", "lower",
-        0.30, False, lambda r: r["planner_over_reference"], Bounds(0.0, 1e4, low_open=True)),
-    Row("planner-efficiency", "planner", "mean planned efficiency T*/T over the batches", "higher", 0.005, True,
-        lambda r: r["efficiency_mean"], Bounds(0.0, 1.0 + 1e-9, low_open=True)),  # T*/T, T* a lower bound
-    Row("faults-ok", "faults", "every rank raises, state unchanged, nothing hangs", "true", 0.0, False,
-        lambda r: bool(r["ok"])),
-    Row("faults-time", "faults", "slowest fault's seconds to exit / its collective timeout", "lower", 0.25, True,
-        lambda r: r["worst_seconds_over_timeout"], SHARE),
-    Row("faults-own-error-time", "faults", "a rank's own error: peers' seconds to exit / the 300 s timeout", "lower",
-        0.02, True, lambda r: r["own_error_seconds_over_timeout"], SHARE),
-    Row("nodes-speedup", "nodes", "two emulated nodes: node-blind / node-aware timed steps' wall seconds (the slow "
-        "link is a wait, no CPU)", "higher", 0.2, False, lambda r: r["blind_over_aware"], RATIO),
-    Row("nodes-exact", "nodes", "node-aware and node-blind losses equal (rel 1e-5)", "true", 0.0, False,
-        lambda r: bool(r["max_loss_rel_diff"] <= 1e-5)),
-    Row("device-kernel-exact", "device", "each accelerator attention kernel vs fp64 reference (hdp bench device)",
-        "true", 0.0, False, lambda r: r["by_row"]["kernel_exactness"]["status"] == "ok"),
-    Row("device-kernel-speed", "device", "fastest hdp kernel / torch SDPA, the slowest length's (4K-32K)", "higher",
-        0.15, False, lambda r: r["kernel_speed_over_sdpa"], RATIO),
-    Row("device-engine", "device", "the engine on the device (bf16) vs CPU fp32: losses, peak memory", "true",
-        0.0, False, lambda r: r["by_row"]["engine_pp1"]["status"] == "ok"),
-)
-"""Every row, in table order."""
-
-
-# ---- the baseline file ----------------------------------------------------------------------------
+# ---- the baseline file ----------------------------------------------------------------------------------
 
 
 _FIX = "write one with hdp bench regress --update --baseline FILE"
 
 
-def load_baseline(path: str | Path) -> dict[str, Any]:
-    """``{row name: figure}`` of a baseline file (``{"rows": {...}, ...}``), checked whole; ValueError
-    naming ``--baseline``, the file and the field: not a regular file (a FIFO, a device such as
-    ``/dev/zero``, a directory), over `MAX_BASELINE_BYTES`, not JSON, an unknown row, a flag that is not
-    true/false, a figure outside its row's range (`Row.bounds`)."""
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline file's figures and derived tolerances."""
+
+    rows: Mapping[str, Any]
+    """Row name -> figure (a bool for a flag)."""
+    tolerances: Mapping[str, Mapping[str, Any]]
+    """Row name -> ``{"tolerance", "spread", "repeats", "rule"}`` (`derive_tolerance`); rows without one use their
+    default."""
+    doc: Mapping[str, Any]
+    """The whole file."""
+
+    def tolerance(self, row: Row) -> float | None:
+        """The row's derived tolerance, or None (its default applies)."""
+        t = self.tolerances.get(row.name)
+        return None if t is None else float(t["tolerance"])
+
+
+def load_baseline(path: str | Path, preset: Preset) -> Baseline:
+    """The baseline file ``path`` of ``preset``, checked whole; ValueError naming ``--baseline``, the file and the
+    field: not a regular file (a FIFO, a device such as ``/dev/zero``, a directory), over `MAX_BASELINE_BYTES`,
+    not JSON, another preset's, an unknown row, a flag that is not true/false, a figure outside its row's range
+    (`Row.bounds`), a tolerance that is not a number >= 0."""
     from hdp.packing.cost_file import read_bounded_text
 
     p = Path(path)
@@ -435,12 +302,16 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
     rows = doc.get("rows") if isinstance(doc, dict) else None
     if not isinstance(rows, dict):
         raise ValueError(f"{where}: field 'rows' is {rows!r}; it must map row names to figures")
-    known = {r.name: r for r in ROWS}
+    recorded = doc.get("preset")
+    if recorded is not None and recorded != preset.name:
+        raise ValueError(f"{where}: it holds preset {recorded!r}'s baseline, not {preset.name!r}'s; pass that preset "
+                         f"(--preset {recorded}) or another file")
+    known = {r.name: r for r in preset.rows}
     out: dict[str, Any] = {}
     for name, value in rows.items():
         row = known.get(name)
         if row is None:
-            raise ValueError(f"{where}: row {name!r} is unknown; rows are {', '.join(known)}")
+            raise ValueError(f"{where}: row {name!r} is unknown; rows of preset {preset.name!r} are {', '.join(known)}")
         if row.better == "true":
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: field 'rows.{name}' is {value!r}; it must be true or false")
@@ -452,13 +323,22 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{where}: field 'rows.{name}' is {shown!r}; it must be a number in {row.bounds.text()} "
                              f"({row.meaning}); {_FIX}")
         out[name] = float(value)
-    return out
+    tols = doc.get("tolerances", {})
+    if not isinstance(tols, dict):
+        raise ValueError(f"{where}: field 'tolerances' is {tols!r}; it must map row names to their derived tolerance")
+    for name, t in tols.items():
+        value = t.get("tolerance") if isinstance(t, dict) else None
+        if name not in known or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: field 'tolerances.{name}' is {t!r}; it must be an object whose 'tolerance' is "
+                             "a number >= 0, for a row of the preset")
+    return Baseline(rows=out, tolerances=tols, doc=doc)
 
 
-def check_covered(rows: Sequence[Row], base: Mapping[str, Any], path: str | Path) -> None:
+def check_covered(rows: Sequence[Row], base: Baseline, path: str | Path, preset: Preset) -> None:
     """ValueError naming every row of ``rows`` the run will measure that ``base`` has no figure for (the rows of
-    `MAY_SKIP` benchmarks are judged after the run: ``missing from the baseline``, a failure)."""
-    missing = [r.name for r in rows if r.name not in base and r.bench not in MAY_SKIP]
+    ``preset.may_skip`` benchmarks are judged after the run: ``missing from the baseline``, a failure)."""
+    missing = [r.name for r in rows if r.name not in base.rows and r.bench not in preset.may_skip]
     if missing:
         raise ValueError(f"--baseline={str(path)!r}: no figure for row(s) {', '.join(missing)}, which this run "
                          f"measures; record them with hdp bench regress --update --baseline {path} --only "
@@ -478,23 +358,58 @@ def check_writable(path: str | Path) -> None:
                          "an existing folder")
 
 
-def write_baseline(path: str | Path, figures: Mapping[str, Any], note: Mapping[str, Any]) -> None:
-    """Write ``figures`` (merged over the file's existing rows) and ``note`` (the machine) to ``path``, atomically
-    (a temporary file in the same folder, renamed over it)."""
+def derive_tolerance(row: Row, figures: Sequence[float], spreads: Sequence[float]) -> dict[str, Any] | None:
+    """``{"tolerance", "spread", "repeats", "rule"}`` of a row measured ``len(figures)`` times (`TOLERANCE_RULE`):
+    spread = the larger of the figures' standard deviation (relative to their median for a relative row) and
+    the runs' own spreads (``spreads``, relative); None for a flag, or one run without a spread of its own."""
+    if row.better == "true":
+        return None
+    r = len(figures)
+    med = statistics.median(figures)
+    between = statistics.stdev(figures) if r >= 2 else 0.0
+    if not row.absolute:
+        between = between / abs(med) if med else math.inf
+    within = max(spreads, default=0.0)
+    if within and row.absolute:
+        within = within * abs(med)
+    if r < 2 and not spreads:
+        return None
+    spread = max(between, within)
+    tol = max(row.min_tolerance(), 3.0 * spread * math.sqrt(1.0 + 1.0 / r))
+    return {"tolerance": tol, "spread": spread, "repeats": r, "absolute": row.absolute,
+            "rule": f"{TOLERANCE_RULE}, floor {row.min_tolerance():g}"}
+
+
+def write_baseline(path: str | Path, preset: Preset, figures: Mapping[str, Any], note: Mapping[str, Any], *,
+                   tolerances: Mapping[str, Mapping[str, Any]] | None = None, repeats: int = 1,
+                   command: str = "hdp bench regress --update") -> None:
+    """Write ``figures`` and their derived ``tolerances`` (merged over the file's existing rows), ``note`` (the
+    machine, `hdp.trainer.bench.train.environment`) and the preset's configuration to ``path``, atomically (a
+    temporary file in the same folder, renamed over it)."""
     p = Path(path)
     check_writable(p)
     rows: dict[str, Any] = {}
+    tols: dict[str, Any] = {}
     if p.exists():
-        rows.update(load_baseline(p))
+        old = load_baseline(p, preset)
+        rows.update(old.rows)
+        tols.update(old.tolerances)
     rows.update(figures)
-    order = [r.name for r in ROWS]
-    doc = {"rows": {k: rows[k] for k in order if k in rows}, "measured_on": dict(note),
-           "command": "hdp bench regress --update"}
+    for name in figures:
+        tols.pop(name, None)
+    tols.update(tolerances or {})
+    order = [r.name for r in preset.rows]
+    doc = {"format": FORMAT, "preset": preset.name, "rows": {k: rows[k] for k in order if k in rows},
+           "tolerances": {k: tols[k] for k in order if k in tols},
+           "tolerance_rule": f"{TOLERANCE_RULE}: spread = the larger of the figure's standard deviation over the R "
+                             "repeats (relative to their median for a relative row) and the run's own 95% interval "
+                             "half width / 1.96 (paired figures); rows without an entry use their default",
+           "repeats": repeats, "measured_on": dict(note), "config": dict(preset.config), "command": command}
     real = Path(os.path.realpath(p))
     fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
+            fh.write(json.dumps(doc, indent=1, sort_keys=False, allow_nan=False, default=str) + "\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, real)
     except BaseException:
@@ -503,32 +418,22 @@ def write_baseline(path: str | Path, figures: Mapping[str, Any], note: Mapping[s
         raise
 
 
-def _machine() -> dict[str, Any]:
-    import os
-    import platform
-
-    import torch
-
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+# ---- the run --------------------------------------------------------------------------------------------
 
 
-# ---- the run --------------------------------------------------------------------------------------
-
-
-def select_rows(only: Sequence[str] | None) -> tuple[Row, ...]:
+def select_rows(preset: Preset, only: Sequence[str] | None) -> tuple[Row, ...]:
     """The rows ``only`` names (row names or benchmark names), in table order; all without it."""
     if not only:
-        return ROWS
-    names = {r.name for r in ROWS} | set(RUNNERS)
+        return preset.rows
+    names = {r.name for r in preset.rows} | set(preset.runners)
     unknown = [x for x in only if x not in names]
     if unknown:
         raise ValueError(f"--only={','.join(only)}: {', '.join(map(repr, unknown))} unknown; rows: "
-                         f"{', '.join(r.name for r in ROWS)}; benchmarks: {', '.join(RUNNERS)}")
-    return tuple(r for r in ROWS if r.name in only or r.bench in only)
+                         f"{', '.join(r.name for r in preset.rows)}; benchmarks: {', '.join(preset.runners)}")
+    return tuple(r for r in preset.rows if r.name in only or r.bench in only)
 
 
-def _judge(row: Row, got: Any, baseline: Any) -> dict[str, Any]:
+def _judge(row: Row, got: Any, baseline: Any, tolerance: float | None) -> dict[str, Any]:
     """``{"now", "verdict"}`` of a figure ``got`` a benchmark measured: a flag as a bool; a number inside its
     row's range (outside: an ``error`` verdict naming the range), compared with ``baseline``."""
     if row.better == "true":
@@ -541,77 +446,148 @@ def _judge(row: Row, got: Any, baseline: Any) -> dict[str, Any]:
     assert row.bounds is not None, row.name
     if now not in row.bounds:
         return {"now": now, "verdict": f"error: the figure {now:.4g} lies outside the row's range {row.bounds.text()}"}
-    return {"now": now, "verdict": row.verdict(baseline, now)}
+    return {"now": now, "verdict": row.verdict(baseline, now, tolerance)}
 
 
-def run_regress(*, baseline: str | Path = BASELINE_FILE, only: Sequence[str] | None = None, update: bool = False,
-                runners: Mapping[str, Callable[[], dict[str, Any]]] | None = None) -> dict[str, Any]:
-    """Run the benchmarks the rows need (each once) and compare with ``baseline``; with ``update``,
-    write this run's figures to it instead of judging them (refused when a flag row fails or a figure lies
-    outside its row's range).  Before anything runs (ValueError naming ``--baseline``): the rows are known,
-    the baseline file is read and checked whole (`load_baseline`) and holds every row the run will measure
-    (`check_covered`); with ``update`` the file may be new, and its folder must exist (`check_writable`).
-
-    Returns ``{"rows": [{"row", "bench", "meaning", "baseline", "now", "tolerance", "verdict"}, ...],
-    "failed": [row names], "seconds": {bench: s}, "baseline_file", "updated"}``.
-    """
-    rows = select_rows(only)
-    run_with = dict(RUNNERS if runners is None else runners)
-    if update:
-        check_writable(baseline)
-    elif not os.path.lexists(baseline):
-        raise ValueError(f"--baseline={str(baseline)!r}: no such file; record one with hdp bench regress --update "
-                         f"--baseline {baseline}")
-    base = load_baseline(baseline) if os.path.lexists(baseline) else {}
-    if not update:
-        check_covered(rows, base, baseline)
+def _run_once(preset: Preset, rows: Sequence[Row], runners: Mapping[str, Callable[[], dict[str, Any]]],
+              seconds: dict[str, float]) -> dict[str, Any]:
+    """Run every benchmark ``rows`` read, once each; results by benchmark (an exception where it raised)."""
     results: dict[str, Any] = {}
-    seconds: dict[str, float] = {}
     for bench in dict.fromkeys(r.bench for r in rows):
         t0 = time.perf_counter()
         try:
-            results[bench] = run_with[bench]()
+            results[bench] = runners[bench]()
         except NoDevice as exc:
             results[bench] = exc
         except Exception as exc:  # noqa: BLE001 - a crashing benchmark is a failed row, named in the table
             logger.exception("bench regress: %s raised", bench)
             results[bench] = exc
-        seconds[bench] = time.perf_counter() - t0
-        logger.info("bench regress: %s took %.1f s", bench, seconds[bench])
-    table, failed, figures = [], [], {}
+        seconds[bench] = seconds.get(bench, 0.0) + time.perf_counter() - t0
+        logger.info("bench regress: %s took %.1f s", bench, time.perf_counter() - t0)
+    return results
+
+
+def _figure(row: Row, got: Any) -> tuple[Any, float | None, str | None]:
+    """(the row's figure, the run's own spread of it, None) or (None, None, why not: an error / skip verdict)."""
+    if isinstance(got, NoDevice):
+        return None, None, "skipped: no device"
+    if isinstance(got, Exception):
+        return None, None, f"error: {type(got).__name__}: {str(got).splitlines()[0] if str(got) else ''}"[:160]
+    try:
+        now = row.get(got)
+        spread = row.spread(got) if row.spread is not None else None
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        return None, None, f"error: the result has no figure ({type(exc).__name__}: {exc})"
+    return now, spread, None
+
+
+def run_regress(*, preset: Preset, baseline: str | Path | None = None, only: Sequence[str] | None = None,
+                update: bool = False, repeats: int = 1, allow_lower: bool = False,
+                runners: Mapping[str, Callable[[], dict[str, Any]]] | None = None,
+                note: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Run the benchmarks the rows need (each once per repeat) and compare with ``baseline`` (default the
+    preset's); with ``update``, write this run's figures -- the median of ``repeats`` runs, with tolerances
+    derived from their spread -- instead of judging them (RuntimeError when a flag row fails in any repeat or a
+    figure lies outside its row's range; without ``allow_lower``, a speed row's figure worse than the file's
+    writes nothing and fails those rows, ``refused`` naming them).
+    Before anything runs (ValueError naming ``--baseline``): the rows are known, the baseline file is read and
+    checked whole (`load_baseline`) and holds every row the run will measure (`check_covered`); with
+    ``update`` the file may be new, and its folder must exist (`check_writable`).
+
+    Under torchrun every rank runs the benchmarks and world rank 0 alone judges and writes (``judged``).
+
+    Returns ``{"preset", "rows": [{"row", "bench", "meaning", "baseline", "now", "tolerance", "verdict"}, ...],
+    "failed": [row names], "seconds": {bench: s}, "baseline_file", "updated", "repeats", "judged"}``.
+    """
+    rows = select_rows(preset, only)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats={repeats!r}: pass a whole number >= 1")
+    path = baseline if baseline is not None else preset.baseline
+    if path is None:
+        raise ValueError(f"--baseline: preset {preset.name!r} has no default baseline; record one with hdp bench "
+                         "regress --update --baseline FILE (and the same job flags), then pass --baseline FILE")
+    run_with = dict(preset.runners if runners is None else runners)
+    if update:
+        check_writable(path)
+    elif not os.path.lexists(path):
+        raise ValueError(f"--baseline={str(path)!r}: no such file; record one with hdp bench regress --update "
+                         f"--baseline {path}")
+    base = load_baseline(path, preset) if os.path.lexists(path) else Baseline(rows={}, tolerances={}, doc={})
+    if not update:
+        check_covered(rows, base, path, preset)
+    seconds: dict[str, float] = {}
+    runs = [_run_once(preset, rows, run_with, seconds) for _ in range(repeats)]
+    if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 judges and writes
+        return {"preset": preset.name, "rows": [], "failed": [], "seconds": seconds, "baseline_file": str(path),
+                "updated": False, "repeats": repeats, "judged": False}
+    table, failed, figures, tolerances = [], [], {}, {}
     for row in rows:
-        got = results[row.bench]
-        entry = {"row": row.name, "bench": row.bench, "meaning": row.meaning, "baseline": base.get(row.name),
-                 "tolerance": row.tolerance_text()}
-        if isinstance(got, NoDevice):
-            entry.update(now=None, verdict="skipped: no device")
-        elif isinstance(got, Exception):
-            entry.update(now=None, verdict=f"error: {type(got).__name__}: {str(got).splitlines()[0] if str(got) else ''}"[:160])
-            failed.append(row.name)
-        else:
-            try:
-                now = row.get(got)
-            except (KeyError, TypeError, ValueError) as exc:
-                entry.update(now=None, verdict=f"error: the result has no figure ({type(exc).__name__}: {exc})")
+        tol = base.tolerance(row)
+        entry = {"row": row.name, "bench": row.bench, "meaning": row.meaning, "baseline": base.rows.get(row.name),
+                 "tolerance": row.tolerance_text(tol)}
+        measured, spreads, why = [], [], None
+        for results in runs:
+            now, spread, why = _figure(row, results[row.bench])
+            if why is not None:
+                break
+            judged = _judge(row, now, base.rows.get(row.name), tol)
+            if judged["verdict"].startswith("error"):
+                why = judged["verdict"]
+                break
+            measured.append(judged["now"])
+            if spread is not None and math.isfinite(spread):
+                spreads.append(float(spread))
+        if why is not None:
+            entry.update(now=None, verdict=why)
+            if not why.startswith("skipped"):
                 failed.append(row.name)
-            else:
-                entry.update(_judge(row, now, base.get(row.name)))
-                if entry["verdict"].startswith("error"):
-                    failed.append(row.name)
-                else:
-                    figures[row.name] = entry["now"]
-                    if entry["verdict"] in ("REGRESSION", MISSING):
-                        failed.append(row.name)
+            table.append(entry)
+            continue
+        if row.better == "true":
+            now = all(measured)
+        else:
+            now = statistics.median(measured)
+            entry["repeats"] = measured
+            if spreads:
+                entry["spread"] = max(spreads)
+                entry["spreads"] = spreads
+        entry.update(_judge(row, now, base.rows.get(row.name), tol))
+        figures[row.name] = entry["now"]
+        if update:
+            derived = derive_tolerance(row, measured, spreads)
+            if derived is not None:
+                tolerances[row.name] = derived
+                entry["tolerance"] = row.tolerance_text(derived["tolerance"])
+        if entry["verdict"] in ("REGRESSION", MISSING):
+            failed.append(row.name)
         table.append(entry)
+    out = {"preset": preset.name, "rows": table, "failed": failed, "seconds": seconds, "baseline_file": str(path),
+           "updated": update, "repeats": repeats, "judged": True}
     if update:
         broken = [r["row"] for r in table if r["row"] in failed and (r["verdict"].startswith("error")
-                                                                     or (r["now"] is False))]
+                                                                     or r["now"] is False)]
         if broken:
             raise RuntimeError(f"bench regress --update: rows {', '.join(broken)} failed (a flag does not hold, the "
                                "benchmark raised or its figure lies outside the row's range); fix them before "
                                "recording a baseline")
-        write_baseline(baseline, figures, _machine())
+        worse = [r.name for r in rows if r.speed and r.name in figures and r.name in base.rows
+                 and r.worse(figures[r.name], base.rows[r.name])]
+        lower = [f"{n} ({base.rows[n]:.4g} -> {figures[n]:.4g})" for n in worse]
+        if worse and not allow_lower:  # nothing written; the table shows what was measured, the rows say why
+            for r in table:
+                if r["row"] in worse:
+                    r["verdict"] = "not recorded: worse than the baseline (--allow-lower records it)"
+            out.update(failed=worse, refused=lower, updated=False)
+            return out
+        if note is None:
+            from hdp.trainer.bench.train import environment
+
+            note = environment()
+        write_baseline(path, preset, figures, note, tolerances=tolerances, repeats=repeats,
+                       command=f"hdp bench regress --update --preset {preset.name} --repeats {repeats}"
+                               + (" --allow-lower" if allow_lower and lower else ""))
         for r in table:
             r["verdict"] = "updated" if r["row"] in figures else r["verdict"]
-        failed = []
-    return {"rows": table, "failed": failed, "seconds": seconds, "baseline_file": str(baseline), "updated": update}
+        out["lowered"] = lower
+        out["failed"] = []
+    return out

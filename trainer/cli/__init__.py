@@ -127,7 +127,7 @@ def _leaves(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
 
 
 def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> str:
-    """``error: hdp bench verl: unrecognized arguments: --algo ring (--algo is a flag of hdp bench attention)``; a
+    """``error: hdp bench device: unrecognized arguments: --lengths x (--lengths is a flag of hdp plan, hdp simulate, hdp bench train, hdp bench regress)``; a
     renamed flag (`MOVED_FLAGS`) is named with its new spelling."""
     prog = " ".join(["hdp", args.command] + ([args.bench] if getattr(args, "bench", None) else []))
     leaves = _leaves(parser)

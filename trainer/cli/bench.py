@@ -30,14 +30,6 @@ def _bench_parser(sub: Any, name: str, help: str, run: Callable[[argparse.Namesp
     return p
 
 
-def add_attention(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "attention", "CP attention kernels: forward + backward of one causal sequence", _bench_attention)
-    p.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (default 2)")
-    p.add_argument("--tokens", type=positive_int, default=8192, help="tokens of the sequence (default 8192)")
-    p.add_argument("--algo", default="ring", choices=("ring", "allgather"), help="CP attention (default ring)")
-    return p
-
-
 def add_planner(sub: Any) -> argparse.ArgumentParser:
     p = _bench_parser(sub, "planner", "planner speed and plan quality on the benchmark batch families", _bench_planner)
     p.add_argument("--policy", default="hdp", help="policy (default hdp)")
@@ -59,48 +51,96 @@ def add_planner(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def add_exact(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "exact", "hdp against the exact optimum (branch and bound) on small instances", _bench_exact)
-    p.add_argument("--instances", type=positive_int, default=20, help="random small instances (default 20)")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the instances (default 0)")
-    return p
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """The flags that describe a training job (``hdp bench train`` and ``hdp bench regress``'s job preset)."""
+    g = p.add_argument_group("the job (launched like training: torchrun, or local ranks spawned here)")
+    g.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
+                   help="device of every rank: cpu (gloo ranks) or one rank per GPU / NPU (NCCL / HCCL; not run on "
+                        "hardware) (default cpu)")
+    g.add_argument("--ranks", type=positive_int, default=None,
+                   help="all ranks, TP x PP x domain (default 4; under torchrun its world size)")
+    g.add_argument("--model", default=None, metavar="NAME|CONFIG.json",
+                   help="tiny (default: the bench's small GPT), a shape preset (dense-8b, qwen3-30b-a3b, "
+                        "qwen3-235b-a22b, cpu-tiny) or a Hugging Face / Megatron config.json; random weights")
+    g.add_argument("--layers", type=positive_int, default=None, help="override the model's layer count")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="parameter dtype (default float32 on CPU, bfloat16 on a GPU / NPU)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size, sequence parallel (default 1)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages, 1F1B (default 1)")
+    g.add_argument("--vpp", type=positive_int, default=None, help="virtual stages per pipeline rank (interleaved)")
+    g.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size (a MoE model) (default 1)")
+    g.add_argument("--etp", type=positive_int, default=1, help="expert tensor-parallel size (hdp runs 1)")
+    g.add_argument("--zero-memory", default="none", dest="zero_memory", choices=("none", "level0", "level1"),
+                   help="MoE zero-memory level (default none)")
+    g.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recompute (default none)")
+    g.add_argument("--cp-algorithm", default="ring", dest="cp_algorithm", choices=("ring", "allgather"),
+                   help="CP attention (default ring; allgather plans power-of-two groups)")
+    g.add_argument("--lengths", default=None, metavar="FILE",
+                   help="the batches: a file of one batch per line (sample lengths), or the lengths a run recorded "
+                        "beside its calibration records (hdp_calibration/actor.lengths.jsonl, or the records file "
+                        "itself); default the --workload")
+    g.add_argument("--workload", default="short-tail", choices=("short-tail", "long-response"),
+                   help="built-in batches when there is no --lengths (default short-tail)")
+    g.add_argument("--samples", type=positive_int, default=None, help="samples per batch of the workload")
+    g.add_argument("--max-tokens-per-rank", type=positive_int, default=None, dest="max_tokens_per_rank",
+                   metavar="B", help="token budget per rank and round (default the recorded one, else 1024)")
+    g.add_argument("--policies", default="static-cp,hdp",
+                   help="policies side by side (default static-cp,hdp; verl-kk: verl's stock scheduling)")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help="steps per policy, the first untimed (default 5, regress 9; recorded lengths: one per batch "
+                        "+ 1)")
+    g.add_argument("--cost-model", default="fit", dest="cost_model", metavar="fit|auto|MODEL@PROFILE|FILE",
+                   help="the timed steps' cost model: fit (fitted to the warm-up, default), or the job's own "
+                        "(auto, a preset, a cost-model file) to replay its plans")
+    g.add_argument("--peak-tflops", type=float, default=None, dest="peak_tflops", metavar="T",
+                   help="peak TFLOP/s per device for MFU (default: known GPUs by name; none on CPU)")
+    g.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny GPT and batch (seconds; checks "
+                                                        "that it runs, its figures are not throughput figures)")
 
 
-def add_moe(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "moe", "MoE zero-memory: memory and time of the expert path", _bench_moe)
-    p.add_argument("--ep", type=positive_int, default=2, help="expert parallel size (default 2)")
-    p.add_argument("--seq-length", type=positive_int, default=None, dest="seq_length",
-                   help="sample length packed per rank (default 2048; shorter = more MoE-heavy steps)")
-    p.add_argument("--system-malloc", action="store_true", dest="system_malloc",
-                   help="glibc's default malloc instead of reusing freed memory like a GPU allocator")
-    p.add_argument("--experts", default="sequential,te_grouped", metavar="A,B",
-                   help="expert kinds side by side: sequential (SequentialMLP), te_grouped (TEGroupedMLP's grouped "
-                        "GEMMs) (default both)")
-    p.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny MoE, one timed step (seconds; "
-                                                        "checks that it runs, its figures are not the benchmark's)")
-    return p
+def job_spec(args: argparse.Namespace, *, default_steps: int = 5, **extra: Any) -> Any:
+    """The `TrainBenchSpec` of the job flags (`add_job_args`); CliError naming the flag, before any rank starts."""
+    import os
+
+    from hdp.trainer.bench.train import SMOKE, TrainBenchSpec, check_job
+
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise CliError(f"--peak-tflops={args.peak_tflops}: pass the device's peak TFLOP/s, a number > 0")
+    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    ranks = int(os.environ["WORLD_SIZE"]) if torchrun else (args.ranks if args.ranks is not None else 4)
+    fields = dict(
+        ranks=ranks, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
+        steps=args.steps if args.steps is not None else (None if args.lengths else default_steps),
+        workload=args.workload, lengths=args.lengths, samples=args.samples, max_tokens_per_rank=args.max_tokens_per_rank,
+        tp=args.tp, pp=args.pp, virtual_pp=args.vpp, ep=args.ep, etp=args.etp, zero_memory=args.zero_memory,
+        recompute=args.recompute, cp_algorithm=args.cp_algorithm, model=args.model, layers=args.layers,
+        dtype=args.dtype, cost_model=args.cost_model, peak_tflops=args.peak_tflops, device=args.device, **extra,
+    )
+    if args.smoke:
+        fields.update({k: v for k, v in SMOKE.items() if fields.get(k) is None})
+    try:
+        spec = TrainBenchSpec(**fields)
+        check_job(spec)
+    except ValueError as exc:
+        raise CliError(f"bench train: {exc}") from exc
+    if not torchrun and spec.device == "cpu":  # spawned here: can this machine run that many ranks?
+        from hdp.trainer.launch import check_local_capacity
+
+        check_local_capacity(spec.ranks)
+    return spec
 
 
 def add_train(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "train", "training throughput of policies side by side on gloo ranks", _bench_train)
-    p.add_argument("--policies", default="static-cp,hdp", help="policies compared side by side (default static-cp,hdp)")
-    p.add_argument("--workload", default="short-tail", help="short-tail or long-response")
-    p.add_argument("--ranks", type=positive_int, default=4, help="all ranks, TP x PP x domain (default 4)")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size, sequence parallel (default 1)")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages, 1F1B (default 1)")
-    p.add_argument("--steps", type=positive_int, default=5, help="steps per policy, the first untimed (default 5)")
+    p = _bench_parser(sub, "train", "the user's training job under policies side by side: tokens/s (per device), "
+                                    "MFU, peak memory, phases, paired speedups with 95%% intervals, equal losses",
+                      _bench_train)
+    add_job_args(p)
+    p.add_argument("--records-dir", default=None, dest="records_dir", metavar="DIR",
+                   help="where the engines write their calibration records and lengths (default a temporary folder)")
     p.add_argument("--baseline", metavar="FILE", help="stored result to compare with")
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed regression vs --baseline (default 0.05)")
     p.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
-    p.add_argument("--smoke", action="store_true", help="the smallest mode: a tiny GPT and batch (seconds; checks "
-                                                        "that it runs, its figures are not throughput figures)")
-    return p
-
-
-def add_faults(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "faults", "fault injection: every rank raises, nothing hangs, state unchanged", _bench_faults)
-    p.add_argument("--only", default=None, metavar="A,B", help="scenarios to run (default all)")
-    p.add_argument("--timeout", type=float, default=10.0, help="the engines' collective timeout in s (default 10)")
     return p
 
 
@@ -134,33 +174,35 @@ def add_device(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def add_nodes(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "nodes", "CP rings on 4 gloo ranks emulating two nodes with a slow link: node-aware vs "
-                                    "node-blind plans, step time and losses", _bench_nodes)
-    p.add_argument("--steps", type=positive_int, default=7, help="steps per engine, the first untimed (default 7)")
-    p.add_argument("--link-us", type=float, default=None, dest="link_us",
-                   help="microseconds a ring exchange between the emulated nodes takes at least (default the "
-                        "cpu-gloo profile's, hdp.packing.profiles.CPU_NODE_LINK_US)")
-    return p
-
-
 def add_regress(sub: Any) -> argparse.ArgumentParser:
-    p = _bench_parser(sub, "regress", "every benchmark in a short mode: each ratio or flag against a baseline file, "
-                                      "one tolerance per row (guard your throughput)", _bench_regress)
+    p = _bench_parser(sub, "regress", "guard a job's throughput: its rows (tokens/s, paired speedups, peak memory, equal "
+                                      "losses) against a baseline recorded on this machine, one tolerance per row",
+                      _bench_regress)
+    p.add_argument("--preset", default="job", metavar="job|NAME|FILE.py",
+                   help="job (default: the job the flags below describe), or a preset file defining PRESET; NAME reads "
+                        "benchmarks/NAME.py under the working directory (this project's CI preset: ci, from a "
+                        "checkout's root)")
     p.add_argument("--baseline", default=None, metavar="FILE",
-                   help="baseline file (default the committed one: the CI machine's, hdp/trainer/bench/"
-                        "regress_baseline.json): a regular JSON file of at most 1 MiB holding a figure for every "
-                        "row the run measures, each inside its row's range; checked before anything runs")
+                   help="baseline file (the job preset needs one; ci: benchmarks/ci_baseline.json): a regular JSON file "
+                        "of at most 1 MiB holding a figure for every row the run measures, each inside its row's "
+                        "range; checked before anything runs")
     p.add_argument("--only", default=None, metavar="A,B", help="rows or benchmarks to run (default all)")
     p.add_argument("--update", action="store_true",
-                   help="write this run's figures to the baseline file instead (a new file, or rows merged into an "
-                        "existing one; its folder must exist)")
+                   help="record this machine's baseline instead: every row's median over --repeats runs, its "
+                        "tolerance derived from their spread, the hardware, versions, config and commit (a new file, "
+                        "or rows merged into an existing one; its folder must exist)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="runs of every benchmark (default 3 with --update, else 1); the figure is their median")
+    p.add_argument("--allow-lower", action="store_true", dest="allow_lower",
+                   help="with --update: record a speed row's figure worse than the file's (refused without it)")
+    add_job_args(p)
     return p
 
 
-BENCHES: tuple[BenchAdder, ...] = (add_attention, add_planner, add_exact, add_moe, add_train, add_faults, add_memory,
-                                   add_device, add_nodes, add_regress)
-"""The benches of the trainer, in ``hdp bench --help`` order; a new one appends its adder here."""
+BENCHES: tuple[BenchAdder, ...] = (add_planner, add_train, add_memory, add_device, add_regress)
+"""The benches users run, in ``hdp bench --help`` order; a new one appends its adder here.  This project's CI-only
+benchmarks (attention, exact, moe, faults, nodes, verl, verl-old-logprob, models) are outside the wheel:
+``python -m benchmarks --help`` in a checkout."""
 
 ENTRY_POINT_GROUP = "hdp.benchmarks"
 """Benches of other packages (verl's): entry point NAME = ``module:runner``; see `add_bench_parsers`."""
@@ -241,54 +283,56 @@ def _fmt_figure(v: Any) -> str:
     return f"{v:.4g}"
 
 
-def _bench_nodes(args: argparse.Namespace) -> int:
-    """``hdp bench nodes``: median step time of node-aware and node-blind plans, side by side, and their losses."""
-    from hdp.trainer.bench.nodes import NodesBenchSpec, bench_nodes
+_JOB_FLAGS = ("device", "ranks", "model", "layers", "dtype", "tp", "pp", "vpp", "ep", "etp", "zero_memory", "recompute",
+              "cp_algorithm", "lengths", "workload", "samples", "max_tokens_per_rank", "policies", "steps", "cost_model",
+              "peak_tflops", "smoke")
+"""Destinations of `add_job_args`' flags (they describe the job preset's job)."""
 
-    try:
-        spec = NodesBenchSpec(steps=args.steps, **({} if args.link_us is None else {"link_us": args.link_us}))
-    except ValueError as exc:
-        raise CliError(f"bench nodes: {exc}") from exc
-    if not math.isfinite(spec.link_us) or spec.link_us < 0:
-        raise CliError(f"--link-us={args.link_us}: pass microseconds >= 0")
-    from hdp.trainer.launch import check_local_capacity
-
-    check_local_capacity(spec.ranks)
-    result = bench_nodes(spec)
-    if args.json:
-        _emit_json(result)
-        return 0
-    n = result["nodes"]
-    _print_dict({"median step, node-aware": _fmt_s(n["median_step_s"]["node-aware"]),
-                 "median step, node-blind": _fmt_s(n["median_step_s"]["node-blind"]),
-                 "node-blind / node-aware (measured, timed steps' wall seconds)": f"{n['blind_over_aware']:.3f}",
-                 "node-blind / node-aware (cost model)": f"{n['predicted_blind_over_aware']:.3f}",
-                 "cross-node ring traffic, aware / blind": f"{n['cross_node_fraction']['node-aware']:.0%} / "
-                                                           f"{n['cross_node_fraction']['node-blind']:.0%}",
-                 "largest relative loss difference": f"{n['max_loss_rel_diff']:.2e}"},
-                f"two emulated nodes of {n['spec']['ranks_per_node']} ranks, {n['spec']['link_us']:g} us per ring "
-                "exchange between them")
-    return 0
+REGRESS_STEPS = 9
+"""``hdp bench regress``'s default steps per policy (8 timed, paired): enough for a 95% interval of the paired
+speedup."""
 
 
 def _bench_regress(args: argparse.Namespace) -> int:
     """``hdp bench regress``: the table (row, baseline, now, tolerance, verdict); exit 1 naming each failed row."""
-    from hdp.trainer.bench.regress import BASELINE_FILE, run_regress
+    from hdp.trainer.bench.regress import job_preset, load_preset, run_regress
 
     only = [s.strip() for s in (args.only or "").split(",") if s.strip()]
-    baseline = args.baseline or BASELINE_FILE
+    if args.allow_lower and not args.update:
+        raise CliError("--allow-lower: a flag of --update (it lets a worse speed figure be recorded)")
+    if args.preset == "job":
+        preset = job_preset(job_spec(args, default_steps=REGRESS_STEPS))
+    else:
+        defaults = argparse.ArgumentParser(add_help=False)
+        add_job_args(defaults)
+        unset = vars(defaults.parse_args([]))
+        given = [f"--{d.replace('_', '-')}" for d in _JOB_FLAGS if getattr(args, d) != unset[d]]
+        if given:
+            raise CliError(f"{', '.join(given)}: flags of the job preset; --preset {args.preset} defines its own runs")
+        try:
+            preset = load_preset(args.preset)
+        except ValueError as exc:
+            raise CliError(f"bench regress: {exc}") from exc
+    baseline = args.baseline or preset.baseline
+    if baseline is None:
+        raise CliError("--baseline: the job preset compares with a baseline of this machine and job; record one with "
+                       "hdp bench regress --update --baseline FILE (with the same job flags), then pass --baseline FILE")
     if args.update:  # the file --update writes, checked before any benchmark runs
         check_output_file("--baseline", baseline)
+    repeats = args.repeats if args.repeats is not None else (3 if args.update else 1)
     try:
-        report = run_regress(baseline=baseline, only=only or None, update=args.update)
+        report = run_regress(preset=preset, baseline=baseline, only=only or None, update=args.update, repeats=repeats,
+                             allow_lower=args.allow_lower)
     except (ValueError, RuntimeError) as exc:
         raise CliError(f"bench regress: {exc}") from exc
+    if not report["judged"]:  # another rank of a torchrun job: rank 0 judges, prints and writes
+        return 0
     if args.json:
         _emit_json(report)
     else:
         from rich.table import Table
 
-        table = Table(title=f"hdp bench regress against {report['baseline_file']}")
+        table = Table(title=f"hdp bench regress, preset {report['preset']}, against {report['baseline_file']}")
         for col in ("row", "baseline", "now", "tolerance", "verdict"):
             table.add_column(col, justify="right" if col in ("baseline", "now", "tolerance") else "left")
         for r in report["rows"]:
@@ -296,32 +340,13 @@ def _bench_regress(args: argparse.Namespace) -> int:
         con = _console()
         con.print(table)
         con.print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+        if report.get("lowered"):
+            con.print(f"recorded lower speed figures (--allow-lower): {', '.join(report['lowered'])}", markup=False)
     for r in report["rows"]:
         if r["row"] in report["failed"]:
             print(f"regression: {r['row']} ({r['meaning']}): now {_fmt_figure(r['now'])}, baseline "
                   f"{_fmt_figure(r['baseline'])}, tolerance {r['tolerance']}: {r['verdict']}", file=sys.stderr)
     return 1 if report["failed"] else 0
-
-
-def _bench_moe(args: argparse.Namespace) -> int:
-    from hdp.trainer.bench.moe import bench_moe
-
-    from hdp.trainer.bench.moe import SMOKE
-
-    shape = dict(SMOKE) if args.smoke else {}
-    if args.seq_length:
-        shape["seq_length"] = args.seq_length
-    kinds = tuple(k.strip() for k in args.experts.split(",") if k.strip())
-    bad = [k for k in kinds if k not in ("sequential", "te_grouped")]
-    if not kinds or bad or len(set(kinds)) != len(kinds):
-        raise CliError(f"--experts={args.experts!r}: choose distinct kinds among sequential, te_grouped")
-    shape["experts"] = kinds
-    result = bench_moe(ep=args.ep, caching_malloc=not args.system_malloc, **shape)
-    if args.json:
-        _emit_json(result)
-    else:
-        _print_dict(_flatten(result), f"MoE zero-memory benchmark, EP={args.ep}")
-    return 0
 
 
 def _bench_memory(args: argparse.Namespace) -> int:
@@ -385,69 +410,16 @@ def _bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_faults(args: argparse.Namespace) -> int:
-    from hdp.trainer.bench.faults import SCENARIOS, run_faults
-
-    only = tuple(s.strip() for s in (args.only or "").split(",") if s.strip()) or None
-    for name in only or ():
-        if name not in SCENARIOS:
-            raise CliError(f"--only: scenario={name!r} is unknown; choose from: {', '.join(SCENARIOS)}")
-    if not (args.timeout == args.timeout and 1.0 <= args.timeout <= 3600.0):  # NaN-safe
-        raise CliError(f"--timeout={args.timeout}: pass seconds in [1, 3600] (the engines' collective timeout)")
-    result = run_faults(timeout_s=args.timeout, only=only)
-    if args.json:
-        _emit_json(result)
-    else:
-        from rich.table import Table
-
-        con = _console()
-        table = Table(title=f"injected faults (collective timeout {args.timeout:g} s)")
-        for col in ("fault", "ranks raised", "died", "s to exit", "state unchanged", "ok"):
-            table.add_column(col)
-        for r in result["faults"]:
-            table.add_row(r["fault"], str(r["ranks_raised"]), str(r["ranks_died"]), f"{r['seconds_to_exit']:.2f}",
-                          str(r["state_unchanged"]), "yes" if r["ok"] else "NO")
-        con.print(table)
-        for name, ok in result["checks"].items():
-            con.print(f"{name}: {'yes' if ok else 'NO'}")
-    return 0 if result["ok"] else 1
-
-
-def _bench_exact(args: argparse.Namespace) -> int:
-    from hdp.packing.exact import optimum_gaps
-
-    result = optimum_gaps(instances=args.instances, seed=args.seed)
-    if args.json:
-        _emit_json(result)
-        return 0
-    _print_dict({k: v for k, v in result.items() if k != "gaps"},
-                "hdp vs exact optimum (branch and bound), T(hdp)/T(opt) - 1")
-    return 0
-
-
 def _bench_train(args: argparse.Namespace) -> int:
-    from hdp.trainer.bench.train import TrainBenchSpec, bench_train, compare_with_baseline
+    from hdp.trainer.bench.train import bench_train, compare_with_baseline
 
     # every check before any rank is spawned: bad input never costs a run, nor loses one
-    try:
-        from hdp.trainer.bench.train import SMOKE
-
-        spec = TrainBenchSpec(
-            ranks=args.ranks, policies=tuple(s.strip() for s in args.policies.split(",") if s.strip()),
-            steps=args.steps, workload=args.workload, tp=args.tp, pp=args.pp, **(SMOKE if args.smoke else {}),
-        )
-    except ValueError as exc:
-        raise CliError(f"bench train: {exc}") from exc
     if not (math.isfinite(args.tolerance) and 0.0 <= args.tolerance < 1.0):
         raise CliError(f"--tolerance={args.tolerance}: pass a fraction in [0, 1) (0.05 = 5% slower is a regression)")
+    records = check_output_dir("--records-dir", args.records_dir) if args.records_dir is not None else None
+    spec = job_spec(args, records_dir=str(records) if records is not None else None)
     baseline = _load_baseline(args.baseline, spec.policies) if args.baseline else None
     output = check_output_file("--output", args.output) if args.output is not None else None
-    import os
-
-    if "LOCAL_RANK" not in os.environ:  # spawned here (not torchrun): can this machine run that many ranks?
-        from hdp.trainer.launch import check_local_capacity
-
-        check_local_capacity(spec.ranks)
     result = bench_train(spec)
     if not result:  # a non-zero rank under torchrun
         return 0
@@ -459,7 +431,9 @@ def _bench_train(args: argparse.Namespace) -> int:
         _emit_json(result)
     else:
         layout = f"{spec.ranks} ranks = TP {spec.tp} x PP {spec.pp} x domain {spec.ranks // (spec.tp * spec.pp)}"
-        _print_train_table(result, f"bench train: {spec.workload}, {layout}, {spec.steps} steps per policy")
+        source = f"lengths {spec.lengths}" if spec.lengths else spec.workload
+        _print_train_table(result, f"bench train: {result['model']['name']} on {spec.device}, {source}, {layout}, "
+                                   f"{spec.steps} steps per policy")
     for msg in problems:
         print(f"regression: {msg}", file=sys.stderr)
     return 1 if problems else 0
@@ -506,10 +480,14 @@ def _print_train_table(result: dict[str, Any], title: str, about: str | None = N
 
     con = _console()
     table = Table(title=title)
-    for col in ("policy", "tokens/s/rank", "step time", "rounds", "planned eff.", "CP degrees (first step)"):
+    for col in ("policy", "tokens/s/device", "tokens/s (job)", "step time", "MFU", "peak GB", "rounds", "planned eff.",
+                "CP degrees (first step)"):
         table.add_column(col, justify="left" if col in ("policy", "CP degrees (first step)") else "right")
     for p, r in result["results"].items():
-        table.add_row(p, f"{r['tokens_per_s']:.0f}", _fmt_s(r["step_time_s"]), ",".join(map(str, r["rounds"])),
+        mfu = r.get("mfu")
+        table.add_row(p, f"{r['tokens_per_s']:.0f}", f"{r.get('tokens_per_s_job', math.nan):.0f}",
+                      _fmt_s(r["step_time_s"]), "-" if mfu is None else f"{mfu:.1%}",
+                      f"{r.get('peak_memory_gb', math.nan):.3g}", ",".join(map(str, r["rounds"])),
                       f"{r['efficiency_planned']:.1%}", _hist_text(r["cp_degree_hist"]))
     con.print(table)
     steps = Table(title="loss of every step (the update does not depend on the plan)")
@@ -532,6 +510,18 @@ def _print_train_table(result: dict[str, Any], title: str, about: str | None = N
     cpu = ", ".join(f"{k} {v:.2f}x" for k, v in result.get("speedup_cpu_time", {}).items())
     con.print(f"speedup (tokens/s): {sp}; per CPU-second of all ranks: {cpu}; losses match: "
               f"{result['loss_match']} (max rel. diff {result['loss_max_rel_diff']:.1e})")
+    for k, pair in result.get("paired", {}).items():
+        w, c = pair["wall"], pair["cpu"]
+        con.print(f"paired {k} (median of {w['n']} steps' ratios, 95% interval): wall {w['median']:.3f}x "
+                  f"[{w['ci95'][0]:.3f}, {w['ci95'][1]:.3f}], CPU-seconds {c['median']:.3f}x "
+                  f"[{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]")
+    model = result.get("model")
+    if model:
+        con.print(f"model {model['name']}: {model['train_flops_per_step'] / 1e12:.3g} TFLOP per step (median); MFU "
+                  f"against {model['peak_source'] if model['peak_tflops'] is None else str(model['peak_tflops']) + ' TFLOP/s (' + model['peak_source'] + ')'}",
+                  markup=False)
+    for p, rep in result.get("replay", {}).items():
+        con.print(f"replay: {p}'s plans equal the recorded ones in {rep['equal']} of {rep['compared']} steps")
     cal = result.get("calibration", {})
     if "predicted_over_measured" in cal:
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in cal["predicted_over_measured"].items())
@@ -539,19 +529,6 @@ def _print_train_table(result: dict[str, Any], title: str, about: str | None = N
                   f"simulated / measured step time: {ratios}")
     for msg in dict.fromkeys(cal.get("warnings", ())):  # the fit's own warnings, once each (never logged)
         con.print(f"note: {msg}", markup=False)
-
-
-def _bench_attention(args: argparse.Namespace) -> int:
-    try:
-        mod = importlib.import_module("hdp.trainer.bench.attention")
-    except ImportError as exc:
-        raise CliError(f"bench attention: hdp.trainer.bench.attention is not available ({exc})") from exc
-    result = dict(mod.bench_attention(ranks=args.ranks, tokens=args.tokens, algo=args.algo))
-    if args.json:
-        _emit_json(result)
-        return 0
-    _print_dict(result, f"attention benchmark: {args.algo}, {args.ranks} ranks, {args.tokens} tokens")
-    return 0
 
 
 def _bench_planner(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``hdp bench nodes``: the engine's CP rings on a domain emulating two nodes with a slow link between them.
+"""``python -m benchmarks nodes``: the engine's CP rings on a domain emulating two nodes with a slow link between them.
 
 Four local gloo ranks are two "nodes" of two (`emulate_nodes`): every ring exchange between ranks of
 different nodes completes no earlier than `hdp.packing.profiles.CPU_NODE_LINK_US` after it was posted

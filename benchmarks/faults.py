@@ -1,6 +1,6 @@
-"""``hdp bench faults``: inject faults into running engines on local gloo ranks; report how every rank ended.
+"""``python -m benchmarks faults``: inject faults into running engines on local gloo ranks; report how every rank ended.
 
-The failure contract's check, runnable by anyone (``hdp bench faults --json``; the tests in
+The failure contract's check, runnable by anyone (``python -m benchmarks faults --json``; the tests in
 ``tests/test_faults.py`` call the same scenarios).  Every fault is injected on one rank of a tiny
 GPT trained by :class:`hdp.trainer.engine.HdpEngine` through its public API; for each the report
 lists::
@@ -36,7 +36,7 @@ named with both shapes, on every rank within 5 s, nothing applied, the engine tr
 own worker on the hdp engine: planning RuntimeError, a raising loss function, a NaN loss on one rank, a run
 of them that raises, rollout correction keeping the old-log-prob pass, an update that read its skipped
 pass's stand-ins;
-found through the ``hdp.faults`` entry point (the verl plugin's ``faults`` module); skipped, with a
+in `benchmarks.verl.faults`; skipped, with a
 check saying so, where verl is not installed); ``own-error-in-round`` (4 ranks, collective timeout
 300 s); ``sigint-during-dist-checkpoint`` (3 ranks: SIGINT reaches rank 1 while it is blocked inside
 the first collective of Megatron's dist save / load, and lives on until the others have left; the row
@@ -832,13 +832,11 @@ def run_faults(*, timeout_s: float = 10.0, only: tuple[str, ...] | None = None, 
         row["ok"] = bool(all(row["step_succeeded"].values()) and all(v == 1.0 for v in row["write_failed"].values()))
         rows.append(row)
     if "verl" in chosen:
-        from importlib.metadata import entry_points
+        import importlib.util
 
-        found = [ep for ep in entry_points(group="hdp.faults") if ep.name == "verl"]
-        try:
-            run_verl = found[0].load() if found else None
-        except ImportError:  # verl not installed
-            run_verl = None
+        run_verl = None
+        if importlib.util.find_spec("verl") is not None:
+            from benchmarks.verl.faults import verl_faults as run_verl
         if run_verl is None:
             checks["verl-rows-skipped-verl-not-installed"] = True
         else:

@@ -1,7 +1,6 @@
-"""The verl rows of ``hdp bench faults``: one rank's failure inside verl's ``update_actor`` on the hdp engine.
+"""The verl rows of ``python -m benchmarks faults``: one rank's failure inside verl's ``update_actor`` on the hdp engine.
 
-Found by ``hdp bench faults`` through the ``hdp.faults`` entry point (the trainer never imports the
-integrations).  2 CPU ranks run verl's own ``ActorRolloutRefWorker`` (tiny Qwen3, vanilla mbridge)
+Run by ``python -m benchmarks faults`` (`benchmarks.faults`) where verl is installed.  2 CPU ranks run verl's own ``ActorRolloutRefWorker`` (tiny Qwen3, vanilla mbridge)
 and, on rank 1 only, inject:
 
 * ``verl-planning-runtime-error``: planning raises ``RuntimeError`` (not an input error);
@@ -33,7 +32,7 @@ and, on rank 1 only, inject:
   PP 1 — would wait ``hdp.collective_timeout_s``: verl's worker holds the model and optimizer that hold
   those groups, so hdp cannot free them.)
 
-Each row is :func:`hdp.trainer.bench.faults.fault_row`'s, with ``state_unchanged`` from a sha256 of every
+Each row is :func:`benchmarks.faults._row`'s, with ``state_unchanged`` from a sha256 of every
 parameter and optimizer-state tensor before and after the call.
 """
 
@@ -55,13 +54,13 @@ _BUDGET = 48
 
 
 def _held(engine: Any) -> list[tuple[str, torch.Tensor]]:
-    from hdp.trainer.bench.faults import state_tensors
+    from benchmarks.faults import state_tensors
 
     return state_tensors(engine.module, engine.optimizer)
 
 
 def _digest(held: list[tuple[str, torch.Tensor]]) -> str:
-    from hdp.trainer.bench.faults import digest_of
+    from benchmarks.faults import digest_of
 
     return digest_of(held)
 
@@ -70,7 +69,7 @@ def _worker(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, 
     import sys
 
     sys.stdout.flush()
-    os.dup2(2, 1)  # verl and mbridge print to stdout; ``hdp bench faults --json`` keeps stdout for its JSON
+    os.dup2(2, 1)  # verl and mbridge print to stdout; ``python -m benchmarks faults --json`` keeps stdout for its JSON
     from hdp.integrations.verl.scaffolding.worker import actor_worker, compose, critic_worker, prepare_rank
 
     model = prepare_rank(rank, world, workdir)
@@ -256,10 +255,10 @@ def B_logp(out: Any, padded: Any) -> torch.Tensor:
 
 
 def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[dict[str, Any]]:
-    """Run the verl fault rows (2 ranks); returns ``hdp bench faults`` rows."""
+    """Run the verl fault rows (2 ranks); returns ``python -m benchmarks faults`` rows."""
     import tempfile
 
-    from hdp.trainer.bench.faults import fault_row
+    from benchmarks.faults import _row
     from hdp.trainer.launch import spawn
 
     work = Path(workdir or tempfile.mkdtemp(prefix="hdp-verl-faults-"))

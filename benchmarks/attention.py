@@ -7,7 +7,7 @@ same sample in one process (one thread) with the reference kernel, and reports
     efficiency = T1 / (k · Tk)
 
 plus the largest absolute difference of the CP output and gradients from the single-process run.
-Run as ``hdp bench attention --ranks 2 --tokens 8192 --algo ring --json``.
+Run as ``python -m benchmarks attention --ranks 2 --tokens 8192 --algo ring --json``.
 
 Legend: T tokens, Hq/Hkv query/kv heads, D head dim.
 """

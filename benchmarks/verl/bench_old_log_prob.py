@@ -1,4 +1,4 @@
-"""``hdp bench verl-old-logprob``: verl's ``main_ppo`` twice, side by side on the same seed — the actor's
+"""``python -m benchmarks verl-old-logprob``: verl's ``main_ppo`` twice, side by side on the same seed — the actor's
 old-log-prob pass skipped (``actor_rollout_ref.actor.hdp.skip_old_log_prob=auto`` on an on-policy step) and
 run (``=false``) — comparing the training metrics and the time.
 
@@ -103,7 +103,7 @@ def bench_verl_old_logprob(steps: int = 2, critic: bool = False, out: str | None
 
 
 def add_arguments(parser: Any) -> None:
-    """The flags of ``hdp bench verl-old-logprob`` (the CLI adds ``--json``)."""
+    """The flags of ``python -m benchmarks verl-old-logprob`` (the CLI adds ``--json``)."""
     from hdp.trainer.cli.common import positive_int
 
     parser.add_argument("--steps", type=positive_int, default=2, help="training steps of each main_ppo run (default 2)")

@@ -1,4 +1,4 @@
-"""``hdp bench models``: every model family hdp computes exactly, against HF ``transformers`` on the same weights,
+"""``python -m benchmarks models``: every model family hdp computes exactly, against HF ``transformers`` on the same weights,
 through both doors (CPU, 2 gloo ranks, about 10 s per family and door).
 
 Each family (:data:`hdp.integrations.verl.scaffolding.families.CASES`: Llama 3.1's ``llama3`` RoPE, Qwen3 with
@@ -7,7 +7,7 @@ multi-latent attention and MoE under EP 2 and zero-memory) is a tiny
 random checkpoint; the library door runs ``HdpEngine.build`` + ``forward`` + ``train_step``, the verl door verl's
 ``ActorRolloutRefWorker`` (mbridge-built, for the families mbridge knows) ``compute_log_prob`` + ``update_actor``;
 both with a sample longer than the token budget on a CP group of 2.  A family is exact when every door it runs
-matches HF (log-probs 2e-5 absolute, loss 1e-5 and grad norm 1e-4 relative); ``hdp bench regress`` keeps one
+matches HF (log-probs 2e-5 absolute, loss 1e-5 and grad norm 1e-4 relative); ``hdp bench regress --preset ci`` keeps one
 flag per family (``models-<family>-exact``).
 """
 
@@ -65,7 +65,7 @@ def bench_models(families: str | None = None, doors: str = "library,verl") -> di
 
 
 def add_arguments(parser: Any) -> None:
-    """The flags of ``hdp bench models`` (the CLI adds ``--json``)."""
+    """The flags of ``python -m benchmarks models`` (the CLI adds ``--json``)."""
     parser.add_argument("--families", default=None, metavar="A,B",
                         help="families to run (default all: llama3.1, qwen3-yarn, qwen2-window, mistral-window, "
                              "mistral-sinks, qwen3-off-by-one, qwen3-scale, deepseek-v3)")

@@ -1,4 +1,4 @@
-"""``hdp bench moe``: MoE zero-memory -- saved bytes per MoE layer and training-step time, by recompute mode.
+"""``python -m benchmarks moe``: MoE zero-memory -- saved bytes per MoE layer and training-step time, by recompute mode.
 
 Runs on ``ep`` gloo ranks on CPU (fp32, one torch thread per rank), expert parallel size ``ep``, and
 compares four recompute modes of the MoE layers side by side in one run, on the same weights and
@@ -55,7 +55,7 @@ The ranks run with glibc malloc keeping freed memory (``caching_malloc``, as a G
 allocator does); without it each fresh large tensor pays first-touch page faults, and the
 figures would mostly measure the VM's page-fault path.
 
-Usage: ``hdp bench moe --ep 2 --json``.
+Usage: ``python -m benchmarks moe --ep 2 --json``.
 """
 
 from __future__ import annotations
@@ -580,7 +580,7 @@ def bench_moe(
     timeout: float = 1800.0,
     **shape: Any,
 ) -> dict[str, Any]:
-    """Run the benchmark on ``ep`` gloo ranks; return the result dict (``hdp bench moe`` prints it).
+    """Run the benchmark on ``ep`` gloo ranks; return the result dict (``python -m benchmarks moe`` prints it).
 
     ``shape``: any other :class:`MoEBenchConfig` field (``tokens``, ``hidden_size``, ``iters``,
     ``experts``, ...).  Mode dicts have keys none / level0 / level1 / full_recompute, overhead dicts

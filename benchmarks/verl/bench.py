@@ -1,4 +1,4 @@
-"""``hdp bench verl`` (entry point ``hdp.benchmarks:verl``): tokens/s of hdp's verl engine against verl's stock scheduling (static CP + dynamic bsz), and the verl door against the library door.
+"""``python -m benchmarks verl`` (this project's CI; outside the wheel): tokens/s of hdp's verl engine against verl's stock scheduling (static CP + dynamic bsz), and the verl door against the library door.
 
 Both paths run side by side in one run, alternating step by step, through **the same step**
 (:meth:`HdpMegatronEngine.train_batch`: agreement, rounds, reduce, Megatron's distributed-optimizer
@@ -45,7 +45,7 @@ spends on its padded [samples, response width] tensors.  ``speedup_cpu_time``: t
 CPU seconds.
 
 The batch is short-tailed (long-tail in the usual sense): most samples fit one rank's budget, a
-few need every rank.  Usage: ``hdp bench verl --ranks 4 --json``.
+few need every rank.  Usage: ``python -m benchmarks verl --ranks 4 --json``.
 """
 
 from __future__ import annotations
@@ -662,7 +662,7 @@ def bench_verl(ranks: int = 4, steps: int = 5, budget: int = 512, seed: int = 0,
 
 
 def add_arguments(parser: Any) -> None:
-    """The flags of ``hdp bench verl`` (`bench_verl`'s keyword arguments; the CLI adds ``--json``)."""
+    """The flags of ``python -m benchmarks verl`` (`bench_verl`'s keyword arguments; the CLI adds ``--json``)."""
     from hdp.trainer.cli.common import positive_int
 
     parser.add_argument("--ranks", type=positive_int, default=4, choices=(2, 4), help="gloo ranks: 2 or 4 (default 4)")
