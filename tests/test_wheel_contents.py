@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"hdp": "hdp", "packing": "hdp.packing", "trainer": "hdp.trainer", "integrations": "hdp.integrations"}
 
-WHEEL_BENCH = {"__init__", "train", "regress", "device", "planner", "memory", "job", "lengths", "stats", "peers"}
+WHEEL_BENCH = {"__init__", "train", "regress", "device", "planner", "memory", "logprobs", "job", "lengths", "stats", "peers"}
 """`hdp.trainer.bench`'s modules: the commands users run on their own job and machine (``hdp bench
-train|regress|device|planner|memory``), what they read (the job, its lengths, paired statistics) and megatron-core's
+train|regress|device|planner|memory``, ``memory --only logprobs``: the fused log-prob path), what they read (the job, its lengths, paired statistics) and megatron-core's
 scheduler as the planner's peer.  A new module here is a decision: a user's command, or CI harness for benchmarks/."""
 
 USER_BENCHES = {"planner", "train", "memory", "device", "regress"}
