@@ -50,7 +50,8 @@ How the patches work
   must not be daemonic.
 """
 
-from hdp.megatron_compat.cpu_shim import _PROXIED_MODULES, CpuShim, apply_cpu_shim, cpu_checkpoint_rng, cpu_shim_applied
+from hdp.megatron_compat.cpu_shim import (_PROXIED_MODULES, CpuShim, apply_cpu_shim, cpu_checkpoint_rng, cpu_shim_applied,
+                                          cpu_shim_places)
 from hdp.megatron_compat.names import *  # noqa: F401,F403
 from hdp.megatron_compat.names import __all__ as _names
 from hdp.megatron_compat.p2p import HdpP2PCommunicator, interleaved_schedule
@@ -66,7 +67,8 @@ from hdp.megatron_compat.runtime import (
     stop_checkpoint_writer,
 )
 
-__all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "HdpP2PCommunicator",
+__all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "cpu_shim_places",
+           "HdpP2PCommunicator",
            "interleaved_schedule", "MegatronRuntime", "checkpoint_writers_die_with_parent", "destroy_megatron",
            "initialize_megatron", "manual_seed", "default_group", "megatron_groups", "release_ddp", "stop_checkpoint_writer",
            "_PROXIED_MODULES"]

@@ -1,10 +1,9 @@
 """Checks of verl settings the hdp engine cannot honour, each naming the verl key, the value and the fix.
 
-Pure functions on plain attribute values: no verl import, so the plugin can call them from its
-post-import hooks on verl's own config classes (``actor.strategy=hdp`` on verl's FSDP-shaped
-``ppo_trainer`` never builds hdp's config classes) as well as hdp's config classes and the engine.
-Every check runs before any collective (at config time, or when the engine is constructed), so
-every rank raises the same ``ValueError``.
+Pure functions on plain attribute values: no verl import, so hdp's config classes, the engine and the driver's
+job checks (run around verl's ``validate_config``: :func:`check_job_actor`, :func:`check_job_layout`,
+:func:`check_job_batching`, on verl's OmegaConf config) share them.  Every check runs before any collective (at
+config time, in the driver, or when the engine is constructed), so every rank raises the same ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,9 +25,11 @@ __all__ = [
     "check_model_features",
     "check_engine_settings",
     "check_shared_layout",
+    "check_job_actor",
     "check_job_layout",
     "check_job_batching",
     "check_dynamic_bsz",
+    "MEGATRON_CONFIG_HINT",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -189,6 +190,40 @@ def _hdp_roles(config: Any, ref: bool = True, critic: bool = True) -> list[str]:
     keys = [ACTOR_KEY] + ([REF_KEY] if ref else []) + ([CRITIC_KEY] if critic else [])
     roles = {key: _select(config, f"{key}.megatron.strategy", _select(config, f"{key}.strategy", "")) for key in keys}
     return [key for key, strategy in roles.items() if strategy == "hdp"]
+
+
+MEGATRON_CONFIG_HINT = (
+    "actor_rollout_ref.actor.strategy=hdp on verl's Megatron config (ppo_megatron_trainer or "
+    "model_engine=megatron) would silently run verl's stock Megatron engine: verl's McoreActorConfig "
+    "keeps its engine's strategy 'megatron' and its ref config hard-codes strategy=megatron. "
+    "Add the override model_engine=hdp (keeps every actor_rollout_ref.actor.megatron.* option and adds "
+    "actor_rollout_ref.actor.hdp.*), or use --config-name hdp_ppo_trainer"
+)
+"""The error for ``actor.strategy=hdp`` on verl's Megatron actor config (:func:`check_job_actor`)."""
+
+
+def check_job_actor(config: Any) -> None:
+    """hdp's checks of an actor that asks for hdp through one of verl's own actor configs (verl's OmegaConf job
+    config; the driver runs them before verl's ``validate_config``), where hdp's config classes never run:
+
+    * ``actor.strategy=hdp`` on verl's Megatron actor config (a ``megatron`` node, no ``hdp`` node): verl would
+      run its stock Megatron engine, so it is refused naming ``model_engine=hdp`` (:data:`MEGATRON_CONFIG_HINT`);
+    * ``actor.strategy=hdp`` on verl's FSDP-shaped ``ppo_trainer`` (neither node): what `check_actor_config` and
+      hdp's actor config check — the token budget, Ulysses, ``model.use_remove_padding``,
+      ``model.use_fused_kernels``.  The engine checks them again when it is constructed (the ref's too, which
+      verl builds only in the workers)."""
+    if _select(config, f"{ACTOR_KEY}.strategy", "") != "hdp" or _select(config, f"{ACTOR_KEY}.hdp") is not None:
+        return
+    if _select(config, f"{ACTOR_KEY}.megatron") is not None:
+        raise ValueError(MEGATRON_CONFIG_HINT)
+    check_token_budgets(hdp_budget=None, budgets={f"{ACTOR_KEY}.ppo_max_token_len_per_gpu":
+                                                  _select(config, f"{ACTOR_KEY}.ppo_max_token_len_per_gpu")})
+    check_ulysses(_select(config, f"{ACTOR_KEY}.ulysses_sequence_parallel_size", 1),
+                  f"{ACTOR_KEY}.ulysses_sequence_parallel_size")
+    check_ulysses(_select(config, f"{ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size", 1),
+                  f"{ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size")
+    check_remove_padding(_select(config, "actor_rollout_ref.model.use_remove_padding", True))
+    check_fused_kernels(_select(config, "actor_rollout_ref.model.use_fused_kernels", False))
 
 
 def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> None:
