@@ -590,3 +590,21 @@ def test_use_dynamic_bsz_false_fails_in_the_driver_for_every_role(overrides, mat
     with pytest.raises(ValueError, match=match):
         _validate(_compose("ppo_trainer", base + overrides))
     _validate(_compose("ppo_trainer", base + [o.replace("=false", "=true") for o in overrides if "use_dynamic_bsz" in o]))
+
+
+def test_a_critic_built_by_vanilla_mbridge_on_verl_090_fails_in_the_driver(monkeypatch, tiny_model):
+    """verl 0.9.0 builds a value model's Megatron config with an argument megatron-core's TransformerConfig refuses
+    (a TypeError deep in the worker, stock verl's critic alike): on 0.9.0 the driver refuses a critic on hdp built
+    by vanilla mbridge, naming the key, the version and the fix (the version reading monkeypatched)."""
+    import hdp.integrations.verl as V
+
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", "algorithm.adv_estimator=gae",
+                                          f"actor_rollout_ref.model.path={tiny_model}", f"critic.model.path={tiny_model}",
+                                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                          "actor_rollout_ref.actor.megatron.vanilla_mbridge=true"])
+    monkeypatch.setattr(V, "verl_version", lambda: "0.9.0")
+    with pytest.raises(ValueError, match=r"critic\.megatron\.vanilla_mbridge=True with verl 0\.9\.0: .*"
+                                         r"pip install 'verl==0\.9\.1'"):
+        _validate(cfg)
+    monkeypatch.setattr(V, "verl_version", lambda: "0.9.1")
+    _validate(cfg)

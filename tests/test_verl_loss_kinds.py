@@ -15,7 +15,10 @@ pytest.importorskip("verl")
 
 import torch  # noqa: E402
 
-from hdp.integrations.verl import compat, loss_kinds as K  # noqa: E402
+from hdp.integrations.verl import compat, loss_kinds as K, verl_version  # noqa: E402
+
+VERL_090 = verl_version().split("+")[0].startswith("0.9.0")
+"""verl 0.9.0 (the other supported release differs in one loss: its GSPO aggregates with seq-mean-token-mean)."""
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -25,7 +28,8 @@ VERDICTS: dict[str, object] = {
     "vanilla": "additive",
     "dppo_tv": "additive",
     "dppo_kl": "additive",
-    "gspo": "additive",
+    # 0.9.0's GSPO aggregates with seq-mean-token-mean whatever loss_agg_mode says (as SAPO); 0.9.1's follows it
+    "gspo": "additive-any-width" if VERL_090 else "additive",
     "sapo": "additive-any-width",  # aggregates with seq-mean-token-mean whatever loss_agg_mode says
     "gpg": "additive",
     "clip_cov": REFUSED,  # centring and a random top-k over the call's tokens
@@ -35,7 +39,7 @@ VERDICTS: dict[str, object] = {
     "cispo": "additive",
     "bypass_mode": "additive",
 }
-"""What hdp does with each policy loss verl 0.9.1 registers ("additive": as stock; "sample-mean": normalised by
+"""What hdp does with each policy loss verl 0.9.0 / 0.9.1 registers ("additive": as stock; "sample-mean": normalised by
 hdp; refused: a config error).  "additive" losses aggregate through ``agg_loss``, so under
 ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (a divisor read from each call's padded width) they are
 refused too."""

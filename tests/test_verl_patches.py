@@ -139,3 +139,37 @@ def test_an_unsupported_verl_is_refused_naming_version_range_and_fix(monkeypatch
     monkeypatch.delitem(sys.modules, "hdp.integrations.verl.compat", raising=False)  # hdp's engine, configs import it
     with pytest.raises(ImportError, match=REFUSAL):
         import hdp.integrations.verl.compat  # noqa: F401
+
+
+def test_the_cpu_padding_helpers_for_verl_090_are_verl_091s():
+    """verl 0.9.0 unpads its batches through flash-attn only; the CPU scaffolding gives it verl 0.9.1's torch
+    fallbacks (``scaffolding.padding``): equal to 0.9.1's own (where installed) and exact round trips."""
+    import torch
+    from verl.utils import attention_utils
+
+    from hdp.integrations.verl.scaffolding import padding
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).long()  # [B, L]
+    mask[:, 0] = 1
+    x = torch.randn(3, 7, 4, generator=g)  # [B, L, H]
+    got = padding.unpad_input(x, mask)
+    if hasattr(attention_utils, "_fallback_unpad_input"):  # verl 0.9.1's own fallback
+        want = attention_utils._fallback_unpad_input(x, mask)
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(got, want))
+        assert padding.install() is False  # nothing to do on 0.9.1
+    rows, idx, cu, longest, used = got
+    assert torch.equal(padding.pad_input(rows, idx, 3, 7), x * mask[..., None])
+    assert cu.tolist() == [0, *mask.sum(-1).cumsum(0).tolist()] and longest == int(mask.sum(-1).max())
+    assert torch.equal(used, mask.sum(-1).int())
+
+
+def test_a_value_model_by_vanilla_mbridge_needs_verl_091():
+    """What the critic's engine checks when it is constructed (the driver's check: tests/test_verl_config.py)."""
+    from hdp.integrations.verl.checks import check_value_model_building
+
+    with pytest.raises(ValueError, match=r"critic\.megatron\.vanilla_mbridge=True with verl 0\.9\.0: .*"
+                                         r"pip install 'verl==0\.9\.1'"):
+        check_value_model_building("0.9.0", True)
+    check_value_model_building("0.9.1", True)
+    check_value_model_building("0.9.0", False)  # Megatron-Bridge sets it on its provider

@@ -23,9 +23,11 @@ __all__ = [
     "check_actor_config",
     "check_per_token_loss",
     "check_model_features",
+    "check_value_model_building",
     "check_engine_settings",
     "check_shared_layout",
     "check_job_actor",
+    "check_job_critic",
     "check_job_layout",
     "check_job_batching",
     "check_dynamic_bsz",
@@ -141,6 +143,21 @@ def check_model_features(model_config: Any, engine_config: Any) -> None:
                          "multimodal inputs / 3-D position ids are not supported by the hdp engine")
 
 
+def check_value_model_building(verl_version: str, vanilla_mbridge: Any, key: str = CRITIC_KEY) -> None:
+    """A value model (the critic) built through vanilla mbridge needs verl 0.9.1: verl 0.9.0's
+    ``MegatronEngine._build_tf_config`` hands ``share_embeddings_and_output_weights=False`` to mbridge as an extra
+    argument of Megatron's ``TransformerConfig``, which megatron-core (0.16.1) refuses with a ``TypeError`` in the
+    worker (stock verl 0.9.0's Megatron critic fails alike); verl 0.9.1 sets it on the built config.  ``key``: the
+    role's verl key."""
+    release = str(verl_version).split("+")[0]
+    if bool(vanilla_mbridge) and (release == "0.9.0" or release.startswith("0.9.0.")):
+        raise ValueError(
+            f"{key}.megatron.vanilla_mbridge=True with verl {verl_version}: verl 0.9.0 builds a value model's "
+            "Megatron config with share_embeddings_and_output_weights, which megatron-core's TransformerConfig "
+            "refuses (stock verl 0.9.0's Megatron critic fails alike; verl 0.9.1 fixed it). Upgrade verl to train a "
+            "critic on hdp: pip install 'verl==0.9.1'")
+
+
 def check_engine_settings(model_config: Any, engine_config: Any) -> None:
     """Settings the worker filled in that hdp cannot take, each naming the verl key:
     ``model.use_remove_padding=False``, ``use_dynamic_bsz=False`` (`check_dynamic_bsz`: verl's worker copies the
@@ -248,6 +265,13 @@ def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> N
                 raise ValueError(f"{CRITIC_KEY}.megatron.{name}={mine} but {ACTOR_KEY}.megatron.{name}={actor}: verl "
                                  "builds the critic's and the actor's engines in one process, on one Megatron parallel "
                                  "state; give them the same layout")
+
+
+def check_job_critic(config: Any, *, critic: bool, verl_version: str) -> None:
+    """The critic's model building on this verl (:func:`check_value_model_building`), in the driver: no-op without
+    a critic on hdp."""
+    if critic and CRITIC_KEY in _hdp_roles(config, ref=False, critic=True):
+        check_value_model_building(verl_version, _select(config, f"{CRITIC_KEY}.megatron.vanilla_mbridge", False))
 
 
 # Each role's dynamic-batch-size switch, its micro-batch size and its token budget (verl's keys under the role):

@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from hdp import megatron_compat as mc
 from hdp.digest import batch_digest
-from hdp.integrations.verl import compat, patches
+from hdp.integrations.verl import compat, patches, verl_version
 from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
 from hdp.integrations.verl.checkpoint import loaded_view, saved_view
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
-                                          check_shared_layout, role_key)
+                                          check_shared_layout, check_value_model_building, role_key)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
 from hdp.integrations.verl.routes import route_replay
@@ -78,6 +78,8 @@ class HdpMegatronEngine(_MegatronLM):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
         check_model_features(model_config, engine_config)  # before any collective: every rank raises alike
+        if getattr(model_config, "model_type", None) == "value_model":
+            check_value_model_building(verl_version(), engine_config.vanilla_mbridge, role_key(engine_config))
         check_engine_settings(model_config, engine_config)
         verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
                     device=select_device(None), check_only=True)  # a limit below the static memory: ValueError

@@ -367,8 +367,8 @@ def hydra_overrides() -> bool:
 def validate_config(config_module: types.ModuleType) -> bool:
     """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks; True if
     patched.  Before verl's own: :func:`hdp.integrations.verl.checks.check_job_actor` (``actor.strategy=hdp`` on a
-    verl actor config hdp's classes never see) and `check_job_layout` (settings spread over the actor's, the ref's
-    and the critic's configs); after it: `check_job_batching` (every role's ``use_dynamic_bsz``, the
+    verl actor config hdp's classes never see), `check_job_layout` (settings spread over the actor's, the ref's
+    and the critic's configs) and `check_job_critic` (the critic's model building on this verl); after it: `check_job_batching` (every role's ``use_dynamic_bsz``, the
     old-log-prob option) and :func:`hdp.integrations.verl.loss_kinds.check_job_config` (losses that are not
     additive over samples, or run a collective).  Wraps the module attribute right after the module executed, so
     every ``from verl.utils.config import validate_config`` binds the wrapper."""
@@ -377,12 +377,15 @@ def validate_config(config_module: types.ModuleType) -> bool:
         @functools.wraps(orig)
         def validate_config(config: Any, use_reference_policy: bool, use_critic: bool, *args: Any,
                             **kwargs: Any) -> Any:
-            from hdp.integrations.verl.checks import check_job_actor, check_job_batching, check_job_layout
+            from hdp.integrations.verl import verl_version
+            from hdp.integrations.verl.checks import (check_job_actor, check_job_batching, check_job_critic,
+                                                      check_job_layout)
             from hdp.integrations.verl.loss_kinds import check_job_config
 
             # pure and quick: before verl's own, which builds the roles' configs
             check_job_actor(config)
             check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
+            check_job_critic(config, critic=bool(use_critic), verl_version=verl_version())
             out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
             check_job_batching(config, ref=bool(use_reference_policy), critic=bool(use_critic))
             check_job_config(config, critic=bool(use_critic))  # losses whose value would depend on hdp's plan
