@@ -4,11 +4,15 @@
 #   make test-fast — the fast tier only (no multi-process tests)
 #   make test-conformance — the whole verl conformance suite (hdp against verl's stock Megatron engine)
 #   make verl-demo — a few GRPO steps through verl's main_ppo with model_engine=hdp (CPU)
+#   make test-verl090 — the fast tier and the verl tests on verl 0.9.0, the oldest supported verl (own venv)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo verl-demo test test-fast test-conformance suite clean
+VENV090 := .venv-verl090
+BIN090 := $(VENV090)/bin
+
+.PHONY: setup demo verl-demo test test-fast test-conformance test-verl090 suite clean
 
 $(BIN)/hdp: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +24,15 @@ $(BIN)/hdp: pyproject.toml
 	touch $(BIN)/hdp
 
 setup: $(BIN)/hdp
+
+# the same install with verl 0.9.0 (the oldest release hdp supports) instead of the [verl] extra's pin
+$(BIN090)/hdp: pyproject.toml
+	$(PY) -m venv $(VENV090)
+	$(BIN090)/pip install -q --upgrade pip
+	$(BIN090)/pip install -q torch==2.13.0
+	$(BIN090)/pip install -q -e '.[test]' torch==2.13.0
+	$(BIN090)/pip install -q verl==0.9.0 uvicorn fastapi 'TransferQueue>=0.1.10' cachetools mbridge torch==2.13.0
+	touch $(BIN090)/hdp
 
 demo: setup
 	$(BIN)/hdp demo --out out/demo
@@ -38,8 +51,13 @@ test-conformance: setup
 	# every case, main_ppo's included (make test runs a representative slice): docs/verl.md, "The conformance suite"
 	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/test_verl_conformance.py tests/test_verl_conformance_table.py
 
+test-verl090: $(BIN090)/hdp
+	$(BIN090)/python -m pytest -q -m fast
+	$(BIN090)/python -m pytest -q tests/test_verl_config.py tests/test_verl_patches.py tests/test_verl_main_ppo.py \
+		"tests/test_verl_worker_path.py::test_actor_rollout_ref_worker_drives_hdp[qwen3]"
+
 suite: setup
 	$(BIN)/hdp simulate --suite
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(VENV090) out

@@ -163,9 +163,7 @@ def test_strategy_hdp_on_megatron_config_names_the_override():
 
     cfg = _compose("ppo_megatron_trainer", BASE + ["actor_rollout_ref.actor.strategy=hdp"])
     with pytest.raises((ValueError, InstantiationException), match=r"model_engine=hdp"):
-        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    with pytest.raises((ValueError, InstantiationException), match=r"model_engine=hdp"):
-        _validate(cfg)
+        _validate(cfg)  # the driver's check, before Ray starts (main_ppo calls validate_config)
     # the override the message names works on the same config: actor and ref on hdp
     cfg = _compose("ppo_megatron_trainer", BASE + ["model_engine=hdp"])
     for c in (omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), _ref_config(cfg)):
@@ -491,32 +489,44 @@ def test_memory_limit_options_name_the_verl_key(monkeypatch):
 
 
 def test_megatron_groups_of_the_verl_engine_get_hdps_timeout(monkeypatch):
-    """verl initialises Megatron without a timeout (torch's 30 minutes); the hdp engine's device mesh is
-    built with ``hdp.collective_timeout_s`` instead, and the patch is scoped."""
+    """verl initialises Megatron without a timeout (torch's 30 minutes); the hdp engine builds the same groups first,
+    with verl's own arguments (read off verl's ``_init_device_mesh`` run on the same config) plus
+    ``hdp.collective_timeout_s``, and verl's ``_init_device_mesh`` then finds them built.  No patch of Megatron."""
     from megatron.core import parallel_state
 
-    from hdp.integrations.verl import compat
     from hdp.integrations.verl import engine as E
 
-    seen = []
-    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda *a, **k: seen.append(k))
-    recorder = parallel_state.initialize_model_parallel
+    def recorder(into):
+        def initialize_model_parallel(*args, **kwargs):
+            assert not args, args
+            into.append(kwargs)
+            monkeypatch.setattr(parallel_state, "is_initialized", lambda: True)
 
-    def parent_mesh(self):  # what verl's _init_device_mesh does, reduced to the call that makes the groups
-        compat.mpu().initialize_model_parallel(tensor_model_parallel_size=1)
+        return initialize_model_parallel
 
-    monkeypatch.setattr(E._MegatronLM, "_init_device_mesh", parent_mesh)
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                  virtual_pipeline_model_parallel_size=2)
+    stock, hdp = [], []
+    monkeypatch.setattr(parallel_state, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", recorder(stock))
+    verl_engine = E._MegatronLM.__new__(E._MegatronLM)
+    verl_engine.engine_config = HdpEngineConfig(**layout)
+    E._MegatronLM._init_device_mesh(verl_engine)  # verl's own call, on the same layout
+
+    monkeypatch.setattr(parallel_state, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", recorder(hdp))
     monkeypatch.setattr(E.VerlDomain, "build", staticmethod(lambda *a, **k: None))
     monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda *a, **k: None)
-    for getter in ("get_tensor_model_parallel_world_size", "get_pipeline_model_parallel_world_size",
-                   "get_expert_model_parallel_world_size"):
-        monkeypatch.setattr(parallel_state, getter, lambda *a, **k: 1)
+    for getter, name in (("get_tensor_model_parallel_world_size", "tensor_model_parallel_size"),
+                         ("get_pipeline_model_parallel_world_size", "pipeline_model_parallel_size"),
+                         ("get_expert_model_parallel_world_size", "expert_model_parallel_size")):
+        monkeypatch.setattr(parallel_state, getter, lambda *a, n=name, **k: layout[n])
     monkeypatch.setattr(E.mc, "megatron_groups", lambda: None)
     eng = E.HdpMegatronEngine.__new__(E.HdpMegatronEngine)
-    eng.hdp_config = HdpEngineConfig(hdp=HdpOptions(collective_timeout_s=45))
+    eng.hdp_config = eng.engine_config = HdpEngineConfig(**layout, hdp=HdpOptions(collective_timeout_s=45))
     eng._init_device_mesh()
-    assert seen == [{"tensor_model_parallel_size": 1, "distributed_timeout_minutes": 0.75}]
-    assert parallel_state.initialize_model_parallel is recorder  # restored
+    assert len(stock) == 1 and len(hdp) == 1, (stock, hdp)  # verl's _init_device_mesh found hdp's groups built
+    assert hdp[0] == {**stock[0], "distributed_timeout_minutes": 0.75}
 
 
 def test_an_engine_built_on_another_engines_parallel_state_is_refused():
@@ -581,3 +591,21 @@ def test_use_dynamic_bsz_false_fails_in_the_driver_for_every_role(overrides, mat
     with pytest.raises(ValueError, match=match):
         _validate(_compose("ppo_trainer", base + overrides))
     _validate(_compose("ppo_trainer", base + [o.replace("=false", "=true") for o in overrides if "use_dynamic_bsz" in o]))
+
+
+def test_a_critic_built_by_vanilla_mbridge_on_verl_090_fails_in_the_driver(monkeypatch, tiny_model):
+    """verl 0.9.0 builds a value model's Megatron config with an argument megatron-core's TransformerConfig refuses
+    (a TypeError deep in the worker, stock verl's critic alike): on 0.9.0 the driver refuses a critic on hdp built
+    by vanilla mbridge, naming the key, the version and the fix (the version reading monkeypatched)."""
+    import hdp.integrations.verl as V
+
+    cfg = _compose("ppo_trainer", BASE + ["model_engine=hdp", "algorithm.adv_estimator=gae",
+                                          f"actor_rollout_ref.model.path={tiny_model}", f"critic.model.path={tiny_model}",
+                                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                          "actor_rollout_ref.actor.megatron.vanilla_mbridge=true"])
+    monkeypatch.setattr(V, "verl_version", lambda: "0.9.0")
+    with pytest.raises(ValueError, match=r"critic\.megatron\.vanilla_mbridge=True with verl 0\.9\.0: .*"
+                                         r"pip install 'verl==0\.9\.1'"):
+        _validate(cfg)
+    monkeypatch.setattr(V, "verl_version", lambda: "0.9.1")
+    _validate(cfg)

@@ -15,7 +15,10 @@ pytest.importorskip("verl")
 
 import torch  # noqa: E402
 
-from hdp.integrations.verl import compat, loss_kinds as K  # noqa: E402
+from hdp.integrations.verl import compat, loss_kinds as K, verl_version  # noqa: E402
+
+VERL_090 = verl_version().split("+")[0].startswith("0.9.0")
+"""verl 0.9.0 (the other supported release differs in one loss: its GSPO aggregates with seq-mean-token-mean)."""
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

@@ -9,6 +9,7 @@ no CPU rollout, so generation is hdp's HF ``generate`` server registered through
 registries (``hdp.integrations.verl.scaffolding.hf_rollout``); the CPU platform and the Megatron/mbridge CPU
 shims are loaded in every Ray process through ``VERL_USE_EXTERNAL_MODULES``
 (``hdp.integrations.verl.scaffolding.autoload``).  Through the door users use: the ``hdp`` command.
+On verl 0.9.0 the driver refuses the critic instead (vanilla mbridge cannot build a value model there, docs/verl.md).
 Checked: exit status 0, the logged training steps, hdp's own metrics in them for the actor and the critic
 (the hdp engines ran, timed their rounds and self-calibrate), the critic's value loss, the old-log-prob pass
 skipped (``actor_rollout_ref.rollout.calculate_log_probs=False``: nothing reads the old log-probs before the
@@ -30,6 +31,8 @@ pytest.importorskip("verl")
 pytest.importorskip("mbridge")
 pytest.importorskip("transfer_queue")
 
+from hdp.integrations.verl import verl_version  # noqa: E402
+
 
 @pytest.mark.slow
 def test_hdp_demo_verl_runs_ppo_steps_with_a_critic_on_hdp(tmp_path):
@@ -40,6 +43,9 @@ def test_hdp_demo_verl_runs_ppo_steps_with_a_critic_on_hdp(tmp_path):
                           "--set", "actor_rollout_ref.rollout.calculate_log_probs=False"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=1200)
     log = out.stdout + out.stderr
+    if verl_version().split("+")[0] == "0.9.0":  # its critic cannot be built by vanilla mbridge: refused in the driver
+        assert out.returncode != 0 and "critic.megatron.vanilla_mbridge=True with verl 0.9.0" in log, log[-6000:]
+        return
     assert out.returncode == 0, log[-6000:]
     steps = [line for line in log.splitlines() if re.search(r"\bstep:\d+ - ", line)]
     assert len(steps) == 2, "\n".join(steps) or log[-4000:]

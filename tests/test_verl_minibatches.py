@@ -2,7 +2,7 @@
 
 Through verl's own code: the trainer's ``_balance_batch`` (v1 ``PPOTrainer`` and the legacy
 ``RayPPOTrainer``, patched by the plugin when they are imported) and the worker's
-``TrainingWorker.train_mini_batch`` loop (``compat.own_mini_batch_loop``), each run for an hdp actor
+``TrainingWorker.train_mini_batch`` loop (``patches.own_mini_batch_loop``), each run for an hdp actor
 (verl sees DP size 1) and for stock verl's D data-parallel ranks (each rank its contiguous part, as
 verl's dispatch hands it), on the same batch.  The sets of samples per mini-batch must be equal; the
 same batch under verl's unpatched DP-1 grouping must differ (the check can fail).
@@ -132,8 +132,10 @@ class _Engine:
     def is_mp_src_rank_with_outputs(self):
         return False
 
-    def train_mode(self, **kwargs):
-        return contextlib.nullcontext()
+    def train_mode(self, **kwargs):  # as HdpMegatronEngine.train_mode: its mini-batches inside it
+        from hdp.integrations.verl import patches
+
+        return patches.owns_mini_batches(self)
 
     def announce(self, batches, extend=False):
         self.announced += len(batches)
@@ -161,7 +163,7 @@ def _batch(rows: range, *, mini: int, epochs: int, shuffle: bool):
 
 @pytest.mark.parametrize("shuffle,epochs", [(False, 1), (True, 2)])
 def test_worker_loop_trains_stock_minibatches(shuffle, epochs):
-    from hdp.integrations.verl import compat
+    from hdp.integrations.verl import patches
 
     n, dp, mini = len(LENGTHS), 3, 6  # 12 samples, 3 stock DP ranks, mini-batches of 6: 2 per epoch
     with _one_rank_group() as group:
@@ -172,7 +174,7 @@ def test_worker_loop_trains_stock_minibatches(shuffle, epochs):
         stock = [sorted(sum(shares, [])) for shares in zip(*ranks)]
         plain = _loop(_Engine(0, 1, group), _batch(range(n), mini=mini, epochs=epochs, shuffle=shuffle))
         hdp_engine = _Engine(0, 1, group, domain=dp)
-        compat.own_mini_batch_loop(hdp_engine)
+        patches.own_mini_batch_loop(hdp_engine)
         hdp = _loop(hdp_engine, _batch(range(n), mini=mini, epochs=epochs, shuffle=shuffle))
     assert len(stock) == 2 * epochs
     assert [sorted(m) for m in hdp] == stock
@@ -181,11 +183,11 @@ def test_worker_loop_trains_stock_minibatches(shuffle, epochs):
 
 
 def test_worker_loop_keeps_contiguous_minibatches_where_stock_cannot_split():
-    from hdp.integrations.verl import compat
+    from hdp.integrations.verl import patches
 
     with _one_rank_group() as group:
         engine = _Engine(0, 1, group, domain=5)  # 5 does not divide 12 (stock verl's worker would assert)
-        compat.own_mini_batch_loop(engine)
+        patches.own_mini_batch_loop(engine)
         got = _loop(engine, _batch(range(12), mini=6, epochs=1, shuffle=False))
     assert got == [list(range(6)), list(range(6, 12))]
 

@@ -7,7 +7,8 @@ registered ``hdp`` backend -> ``HdpMegatronEngine``; model built by verl's ``van
 with the PyPI ``mbridge`` package from a tiny Qwen3 / Qwen3-MoE saved with ``save_pretrained``),
 then ``compute_ref_log_prob``, ``compute_log_prob`` (log-probs and entropies), ``update_actor`` x2 (PPO
 loss with KL and entropy bonus), ``save_checkpoint`` -> ``load_checkpoint`` -> the same step again, and HF
-weight export (``get_per_tensor_param``).
+weight export (``get_per_tensor_param``); then (qwen3) the patches in place in the worker are the table's
+(``hdp.integrations.verl.patches``).
 
 Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one
 process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
@@ -279,6 +280,24 @@ def _worker(rank: int, world: int, moe: bool, tp: int, pp: int, full: bool, tmp:
             assert torch.equal(exported[n].float(), t.float()), n
     if vpp > 1:
         _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, actor_cfg)
+    if not moe and tp == 1 and pp == 1:
+        _patches_in_a_worker()
+
+
+def _patches_in_a_worker() -> None:
+    """verl's worker after log-prob passes, updates, a save and a load: every patch in place is a row of hdp's table
+    (docs/verl.md), found by reading the modules; the ``engine`` rows are in place, the ``call`` rows were installed
+    during the calls and are restored; no hdp code sits anywhere else in an installed library."""
+    from hdp.integrations.verl.patches import PATCHES, Scope, installed, used
+
+    found = installed()
+    undocumented = found.pop("undocumented", [])
+    assert undocumented == [], undocumented
+    found.pop("import hook", None)
+    scope = {p.name: p.scope for p in PATCHES}
+    assert set(found) <= set(scope), sorted(set(found) - set(scope))
+    assert {n for n in found if scope[n] is not Scope.IMPORT} == {n for n, s in scope.items() if s is Scope.ENGINE}
+    assert {n for n, s in scope.items() if s is not Scope.IMPORT} <= used(), sorted(used())
 
 
 def _small_interleaved_steps(act, engine, rank, src, samples, budget, ckpt, actor_cfg) -> None:

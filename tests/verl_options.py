@@ -26,7 +26,11 @@ import ast
 import inspect
 import textwrap
 from dataclasses import dataclass
+from importlib.metadata import version as _version
 from typing import Any, Callable, Union
+
+VERL_090 = _version("verl").startswith("0.9.0")
+"""verl 0.9.0 is installed (the plugin supports 0.9.0 and 0.9.1; a few verdicts differ)."""
 
 
 @dataclass(frozen=True)
@@ -397,7 +401,8 @@ VERDICTS: dict[str, object] = {
     "vanilla": "additive",
     "dppo_tv": "additive",
     "dppo_kl": "additive",
-    "gspo": "additive",
+    # 0.9.0's GSPO aggregates with seq-mean-token-mean whatever loss_agg_mode says (as SAPO); 0.9.1's follows it
+    "gspo": "additive-any-width" if VERL_090 else "additive",
     "sapo": "additive-any-width",  # aggregates with seq-mean-token-mean whatever loss_agg_mode says
     "gpg": "additive",
     "clip_cov": "refused",  # centring and a random top-k over the call's tokens

@@ -146,6 +146,9 @@ def verl_update_batch(
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from hdp.integrations.verl.scaffolding import padding
+
+    padding.install()  # this CPU harness on verl 0.9.0, which unpads through flash-attn only
     g = torch.Generator().manual_seed(seed)
     bs = len(lengths)
     pmax = max(p for p, _ in lengths)

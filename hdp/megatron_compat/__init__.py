@@ -52,7 +52,8 @@ How the patches work
   must not be daemonic.
 """
 
-from hdp.megatron_compat.cpu_shim import _PROXIED_MODULES, CpuShim, apply_cpu_shim, cpu_checkpoint_rng, cpu_shim_applied
+from hdp.megatron_compat.cpu_shim import (_PROXIED_MODULES, CpuShim, apply_cpu_shim, cpu_checkpoint_rng, cpu_shim_applied,
+                                          cpu_shim_places)
 from hdp.megatron_compat.head import HiddenHead, fused_head_problem, install_hidden_head
 from hdp.megatron_compat.names import *  # noqa: F401,F403
 from hdp.megatron_compat.names import __all__ as _names
@@ -69,7 +70,8 @@ from hdp.megatron_compat.runtime import (
     stop_checkpoint_writer,
 )
 
-__all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "HdpP2PCommunicator",
+__all__ = [*_names, "CpuShim", "apply_cpu_shim", "cpu_checkpoint_rng", "cpu_shim_applied", "cpu_shim_places",
+           "HdpP2PCommunicator",
            "interleaved_schedule", "MegatronRuntime", "checkpoint_writers_die_with_parent", "destroy_megatron",
            "initialize_megatron", "manual_seed", "default_group", "megatron_groups", "release_ddp", "stop_checkpoint_writer",
            "_PROXIED_MODULES", "HiddenHead", "fused_head_problem", "install_hidden_head"]

@@ -20,7 +20,7 @@ import torch
 from hdp import device as _device
 from hdp.megatron_compat.names import MEGATRON_CORE_VERSION, TESTED_VERSIONS, tensor_parallel
 
-__all__ = ["CpuShim", "apply_cpu_shim", "cpu_shim_applied", "cpu_checkpoint_rng"]
+__all__ = ["CpuShim", "apply_cpu_shim", "cpu_shim_applied", "cpu_shim_places", "cpu_checkpoint_rng"]
 
 logger = logging.getLogger(__name__)
 
@@ -421,6 +421,13 @@ class CpuShim:
 def cpu_shim_applied() -> bool:
     """Whether some live :class:`CpuShim` handle holds the shim in this process."""
     return _STATE.holders > 0
+
+
+def cpu_shim_places() -> list[tuple[Any, str]]:
+    """``(owner, attribute)`` of every attribute the shim has replaced in this process (none when not applied):
+    what a scan for other patches (the verl integration's, ``hdp.integrations.verl.patches.installed``) leaves out."""
+    with _STATE.lock:
+        return [(p.owner, p.name) for p in _STATE.patches]
 
 
 def _install() -> None:

@@ -1,10 +1,9 @@
 """Checks of verl settings the hdp engine cannot honour, each naming the verl key, the value and the fix.
 
-Pure functions on plain attribute values: no verl import, so the plugin can call them from its
-post-import hooks on verl's own config classes (``actor.strategy=hdp`` on verl's FSDP-shaped
-``ppo_trainer`` never builds hdp's config classes) as well as hdp's config classes and the engine.
-Every check runs before any collective (at config time, or when the engine is constructed), so
-every rank raises the same ``ValueError``.
+Pure functions on plain attribute values: no verl import, so hdp's config classes, the engine and the driver's
+job checks (run around verl's ``validate_config``: :func:`check_job_actor`, :func:`check_job_layout`,
+:func:`check_job_batching`, on verl's OmegaConf config) share them.  Every check runs before any collective (at
+config time, in the driver, or when the engine is constructed), so every rank raises the same ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,11 +25,15 @@ __all__ = [
     "check_actor_config",
     "check_per_token_loss",
     "check_model_features",
+    "check_value_model_building",
     "check_engine_settings",
     "check_shared_layout",
+    "check_job_actor",
+    "check_job_critic",
     "check_job_layout",
     "check_job_batching",
     "check_dynamic_bsz",
+    "MEGATRON_CONFIG_HINT",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -174,6 +177,21 @@ def check_model_features(model_config: Any, engine_config: Any) -> None:
                          "multimodal inputs / 3-D position ids are not supported by the hdp engine")
 
 
+def check_value_model_building(verl_version: str, vanilla_mbridge: Any, key: str = CRITIC_KEY) -> None:
+    """A value model (the critic) built through vanilla mbridge needs verl 0.9.1: verl 0.9.0's
+    ``MegatronEngine._build_tf_config`` hands ``share_embeddings_and_output_weights=False`` to mbridge as an extra
+    argument of Megatron's ``TransformerConfig``, which megatron-core (0.16.1) refuses with a ``TypeError`` in the
+    worker (stock verl 0.9.0's Megatron critic fails alike); verl 0.9.1 sets it on the built config.  ``key``: the
+    role's verl key."""
+    release = str(verl_version).split("+")[0]
+    if bool(vanilla_mbridge) and (release == "0.9.0" or release.startswith("0.9.0.")):
+        raise ValueError(
+            f"{key}.megatron.vanilla_mbridge=True with verl {verl_version}: verl 0.9.0 builds a value model's "
+            "Megatron config with share_embeddings_and_output_weights, which megatron-core's TransformerConfig "
+            "refuses (stock verl 0.9.0's Megatron critic fails alike; verl 0.9.1 fixed it). Upgrade verl to train a "
+            "critic on hdp: pip install 'verl==0.9.1'")
+
+
 def check_engine_settings(model_config: Any, engine_config: Any) -> None:
     """Settings the worker filled in that hdp cannot take, each naming the verl key:
     ``model.use_remove_padding=False``, ``use_dynamic_bsz=False`` (`check_dynamic_bsz`: verl's worker copies the
@@ -225,6 +243,40 @@ def _hdp_roles(config: Any, ref: bool = True, critic: bool = True) -> list[str]:
     return [key for key, strategy in roles.items() if strategy == "hdp"]
 
 
+MEGATRON_CONFIG_HINT = (
+    "actor_rollout_ref.actor.strategy=hdp on verl's Megatron config (ppo_megatron_trainer or "
+    "model_engine=megatron) would silently run verl's stock Megatron engine: verl's McoreActorConfig "
+    "keeps its engine's strategy 'megatron' and its ref config hard-codes strategy=megatron. "
+    "Add the override model_engine=hdp (keeps every actor_rollout_ref.actor.megatron.* option and adds "
+    "actor_rollout_ref.actor.hdp.*), or use --config-name hdp_ppo_trainer"
+)
+"""The error for ``actor.strategy=hdp`` on verl's Megatron actor config (:func:`check_job_actor`)."""
+
+
+def check_job_actor(config: Any) -> None:
+    """hdp's checks of an actor that asks for hdp through one of verl's own actor configs (verl's OmegaConf job
+    config; the driver runs them before verl's ``validate_config``), where hdp's config classes never run:
+
+    * ``actor.strategy=hdp`` on verl's Megatron actor config (a ``megatron`` node, no ``hdp`` node): verl would
+      run its stock Megatron engine, so it is refused naming ``model_engine=hdp`` (:data:`MEGATRON_CONFIG_HINT`);
+    * ``actor.strategy=hdp`` on verl's FSDP-shaped ``ppo_trainer`` (neither node): what `check_actor_config` and
+      hdp's actor config check — the token budget, Ulysses, ``model.use_remove_padding``,
+      ``model.use_fused_kernels``.  The engine checks them again when it is constructed (the ref's too, which
+      verl builds only in the workers)."""
+    if _select(config, f"{ACTOR_KEY}.strategy", "") != "hdp" or _select(config, f"{ACTOR_KEY}.hdp") is not None:
+        return
+    if _select(config, f"{ACTOR_KEY}.megatron") is not None:
+        raise ValueError(MEGATRON_CONFIG_HINT)
+    check_token_budgets(hdp_budget=None, budgets={f"{ACTOR_KEY}.ppo_max_token_len_per_gpu":
+                                                  _select(config, f"{ACTOR_KEY}.ppo_max_token_len_per_gpu")})
+    check_ulysses(_select(config, f"{ACTOR_KEY}.ulysses_sequence_parallel_size", 1),
+                  f"{ACTOR_KEY}.ulysses_sequence_parallel_size")
+    check_ulysses(_select(config, f"{ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size", 1),
+                  f"{ACTOR_KEY}.fsdp_config.ulysses_sequence_parallel_size")
+    check_remove_padding(_select(config, "actor_rollout_ref.model.use_remove_padding", True))
+    check_fused_kernels(_select(config, "actor_rollout_ref.model.use_fused_kernels", False))
+
+
 def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> None:
     """hdp's checks of a whole verl job's layout (verl's OmegaConf config; the driver runs them before verl's
     own ``validate_config``, which builds the roles' configs): each hdp role's Megatron CP settings (the ref's
@@ -247,6 +299,13 @@ def check_job_layout(config: Any, *, ref: bool = True, critic: bool = True) -> N
                 raise ValueError(f"{CRITIC_KEY}.megatron.{name}={mine} but {ACTOR_KEY}.megatron.{name}={actor}: verl "
                                  "builds the critic's and the actor's engines in one process, on one Megatron parallel "
                                  "state; give them the same layout")
+
+
+def check_job_critic(config: Any, *, critic: bool, verl_version: str) -> None:
+    """The critic's model building on this verl (:func:`check_value_model_building`), in the driver: no-op without
+    a critic on hdp."""
+    if critic and CRITIC_KEY in _hdp_roles(config, ref=False, critic=True):
+        check_value_model_building(verl_version, _select(config, f"{CRITIC_KEY}.megatron.vanilla_mbridge", False))
 
 
 # Each role's dynamic-batch-size switch, its micro-batch size and its token budget (verl's keys under the role):

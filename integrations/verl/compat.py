@@ -1,10 +1,13 @@
-"""The one module that touches verl's private parts (0.9.x): private names, scoped patches, and the engine-side
-imports of verl's heavy modules.
+"""The one module that reads verl's private parts (0.9.0 and 0.9.1), and the engine-side imports of verl's heavy
+modules.
 
 Other modules of :mod:`hdp.integrations.verl` import verl's public API directly (``verl.utils.tensordict_utils``,
-``verl.workers.config``, the loss functions, the trainer's config helpers); what is not public, or is changed
-for the duration of a call, lives here, so a verl upgrade is checked in one place.  Private upstream state used
-here, and why:
+``verl.workers.config``, the loss functions, the trainer's config helpers); what is not public lives here, so a verl
+upgrade is checked in one place.  Patches — code of verl's (or Hydra's, Megatron's) replaced, for good or for one
+call — are not here but in :mod:`hdp.integrations.verl.patches`, each a row of its table.  Importing this module
+refuses an unsupported verl (:func:`hdp.integrations.verl.check_verl_version`: ``ImportError`` naming the installed
+version, the supported range and the fix), so hdp's engine and config classes never run on one.  Private upstream
+state used here, and why:
 
 * ``EngineRegistry._engines`` — read only, to make registration idempotent: verl's
   ``EngineRegistry.register`` asserts on a duplicate key (verl/workers/engine/base.py:389), and the
@@ -13,12 +16,15 @@ here, and why:
 * :func:`without_megatron_strategy_assert` — ``McoreEngineConfig.__post_init__`` asserts
   ``strategy == "megatron"`` (verl/workers/config/engine.py:217); hdp's engine config subclasses it
   and keeps the rest of its validation by running it with the strategy set to ``"megatron"`` for the
-  duration of the call.  Can go when verl drops the assert or accepts registered strategies.
-* :func:`own_mini_batch_loop` — wraps ``TrainingWorker.train_mini_batch`` and
-  ``tensordict_utils.make_iterator`` so an hdp engine's worker trains stock verl's mini-batches (and
-  plans each next one ahead).
-* :func:`dispatch_dp_size` / :func:`balance_batch_for_stock_dp` — a worker group's cached dispatch info
-  (``_dispatch_info``), reported with stock's DP size while verl's trainer balances the batch.
+  duration of the call (hdp's own config instance; verl's code is unchanged).  Can go when verl drops the
+  assert or accepts registered strategies.
+* :func:`dispatch_dp_size` — a worker group's cached dispatch info (``_dispatch_info``), reported with stock's DP
+  size while verl's trainer balances the batch (the ``_balance_batch`` patch).
+* :func:`initialize_model_parallel` — the arguments verl's ``MegatronEngine._init_device_mesh`` passes to
+  Megatron's ``initialize_model_parallel``, plus hdp's timeout (the engine builds the groups first; verl's
+  ``_init_device_mesh`` then finds them built).
+* :func:`mkdir_lock_path` — the lock file verl's ``local_mkdir_safe`` leaves in the temporary directory
+  (``verl/utils/fs.py``), removed after a save.  Can go when verl removes its lock files.
 * :func:`checkpoint_content_metadata` / :func:`model_sharded_state_dict` — ``MegatronCheckpointManager``'s
   ``_load_content_metadata`` and ``_build_model_sharded_state_dict``, read only: what verl's own load composes
   its sharded state dicts with, so that hdp checks a checkpoint against exactly what verl would load
@@ -43,16 +49,17 @@ here, and why:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
-import weakref
 from typing import Any, Iterator
 
-import verl
-from verl.trainer.config import CheckpointConfig
-from verl.workers.config import (
+from hdp.integrations.verl import check_verl_version
+
+check_verl_version()  # before any other verl import: an unsupported verl fails here, naming the fix
+
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.workers.config import (  # noqa: E402
     EngineConfig,
     McoreActorConfig,
     McoreCheckpointConfig,
@@ -63,8 +70,6 @@ from verl.workers.config import (
 )
 
 __all__ = [
-    "VERL_VERSION",
-    "SUPPORTED",
     "CheckpointConfig",
     "EngineConfig",
     "McoreActorConfig",
@@ -73,7 +78,6 @@ __all__ = [
     "McoreEngineConfig",
     "McoreOptimizerConfig",
     "OptimizerConfig",
-    "check_version",
     "registered_keys",
     "without_megatron_strategy_assert",
     "megatron_sees_overrides",
@@ -83,7 +87,9 @@ __all__ = [
     "engine_registry",
     "tensordict_utils",
     "maybe_fix_3d_position_ids",
-    "mkdir_locks_removed",
+    "initialize_model_parallel",
+    "mkdir_lock_path",
+    "dispatch_dp_size",
     "checkpoint_manager",
     "checkpoint_content_metadata",
     "model_sharded_state_dict",
@@ -95,25 +101,12 @@ __all__ = [
     "unwrap_model",
     "causal_mask_type",
     "as_nested",
+    "nested_from_flat",
+    "tensordict_of",
     "policy_losses_wrapped",
 ]
 
 logger = logging.getLogger(__name__)
-
-VERL_VERSION: str = verl.__version__
-SUPPORTED = ("0.9.",)
-"""verl version prefixes this integration was written against."""
-
-
-def check_version() -> None:
-    """Log a WARNING (never raise) when verl is not a 0.9.x release."""
-    if not VERL_VERSION.startswith(SUPPORTED):
-        logger.warning(
-            "hdp.integrations.verl was written against verl %s; found verl %s. "
-            "Check integrations/verl/VERL_NOTES.md against this version.",
-            "/".join(s + "x" for s in SUPPORTED),
-            VERL_VERSION,
-        )
 
 
 def registered_keys(registry: Any, model_type: str, backend: str) -> set[Any]:
@@ -211,116 +204,25 @@ def mpu() -> Any:
     return parallel_state
 
 
-@contextlib.contextmanager
-def megatron_group_timeout(seconds: float) -> Iterator[None]:
-    """While active, Megatron's ``initialize_model_parallel`` (which verl calls without a timeout, so its
-    groups wait torch's default 30 minutes) builds every group with ``seconds``: then Megatron's and hdp's
-    collectives of the verl engine — the gradient reduce, the domain's exchanges and CP rings — give up
-    after ``hdp.collective_timeout_s`` like the library engine's.  Scoped: the original comes back on exit."""
-    ps = mpu()
-    orig = ps.initialize_model_parallel
-
-    def with_timeout(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("distributed_timeout_minutes", float(seconds) / 60.0)
-        return orig(*args, **kwargs)
-
-    ps.initialize_model_parallel = with_timeout
-    try:
-        yield
-    finally:
-        ps.initialize_model_parallel = orig
-
-
-_AHEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()
-"""hdp training engines of this process whose mini-batch loop hdp runs (`own_mini_batch_loop`)."""
-_LOOP: "contextvars.ContextVar[Any]" = contextvars.ContextVar("hdp_mini_batch_loop", default=None)
-"""The hdp engine whose ``TrainingWorker.train_mini_batch`` is running (None: verl's own loop)."""
-
-
-def own_mini_batch_loop(engine: Any) -> None:
-    """Make verl's mini-batch loop (``TrainingWorker.train_mini_batch``, the only caller of
-    ``tensordict_utils.make_iterator``) of a worker whose engine is ``engine``:
-
-    * iterate **stock verl's mini-batches** for ``engine``'s domain of D ranks
-      (:mod:`hdp.integrations.verl.minibatches`: the loop sees a DP size of 1 and would otherwise cut
-      contiguous slices of the whole batch), and
-    * announce each next mini-batch to ``engine`` before handing out the current one, so hdp plans it on
-      a background thread while the current one trains (`hdp.core.plan_ahead`; the iterator holds one
-      mini-batch ahead).
-
-    Why a patch: verl 0.9.1 forms the mini-batches in the worker from the engine's DP rank and size
-    alone (``workers/engine_workers.py``, ``train_mini_batch``).  Wraps ``TrainingWorker.train_mini_batch``
-    (marks the running engine in a context variable; verl's ``register`` attributes are kept) and
-    ``make_iterator`` (answers for the marked engine only; any other caller gets verl's).  Installed
-    once per process; engines are held weakly.  Can go when verl asks the engine for its mini-batches."""
-    _AHEAD.add(engine)
-    tu = tensordict_utils()
-    if not getattr(tu.make_iterator, "_hdp_loop", False):
-        orig = tu.make_iterator
-
-        def make_iterator(tensordict: Any, mini_batch_size: int, epochs: int, seed: Any = None,
-                          dataloader_kwargs: Any = None) -> Any:
-            owner = _LOOP.get()
-            if owner is None:
-                return orig(tensordict, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs)
-            return _one_ahead(_stock_iterator(owner, orig, tensordict, mini_batch_size, epochs, seed,
-                                              dataloader_kwargs), owner)
-
-        make_iterator._hdp_loop = True  # type: ignore[attr-defined]
-        make_iterator.__doc__ = orig.__doc__
-        tu.make_iterator = make_iterator
-    from verl.workers.engine_workers import TrainingWorker
-
-    loop = TrainingWorker.train_mini_batch
-    if not getattr(loop, "_hdp_loop", False):
-
-        @functools.wraps(loop)
-        def train_mini_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
-            engine = getattr(self, "engine", None)
-            token = _LOOP.set(engine if engine is not None and engine in _AHEAD else None)
-            try:
-                return loop(self, *args, **kwargs)
-            finally:
-                _LOOP.reset(token)
-
-        train_mini_batch._hdp_loop = True  # type: ignore[attr-defined]
-        TrainingWorker.train_mini_batch = train_mini_batch
-
-
-_WARNED: set[tuple[int, int, int]] = set()
-
-
-def _stock_iterator(engine: Any, make_iterator: Any, data: Any, mini_batch_size: int, epochs: int, seed: Any,
-                    dataloader_kwargs: Any) -> Iterator[Any]:
-    from hdp.integrations.verl import minibatches, old_log_prob
-
-    old_log_prob.check_update(data, mini_batch_size, epochs)  # a skipped pass: one update, nothing read its stand-in
-    dp = int(engine.domain.size)
-    n = int(data.batch_size[0])
-    idx = minibatches.stock_minibatch_indices(n, dp, int(mini_batch_size), int(epochs), seed, dataloader_kwargs,
-                                              make_iterator)
-    if idx is None:
-        if dp > 1 and (n, int(mini_batch_size), dp) not in _WARNED:
-            _WARNED.add((n, int(mini_batch_size), dp))
-            logger.warning(
-                "hdp engine: a batch of %d samples in mini-batches of %d does not split over the %d data-parallel "
-                "ranks stock verl would use (its worker asserts); training contiguous mini-batches of the batch",
-                n, mini_batch_size, dp)
-        return iter(make_iterator(data, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs))
-    return minibatches.stock_minibatches(data, idx, tensordict_utils().index_select_tensor_dict)
-
-
-def _one_ahead(it: Any, engine: Any) -> Iterator[Any]:
-    it = iter(it)
-    cur = next(it, None)
-    if cur is None:
-        return
-    engine.announce([cur])
-    for nxt in it:
-        engine.announce([nxt], extend=True)
-        yield cur
-        cur = nxt
-    yield cur
+def initialize_model_parallel(engine_config: Any, timeout_s: float) -> None:
+    """Build Megatron's parallel groups as verl's ``MegatronEngine._init_device_mesh`` does
+    (``workers/engine/megatron/transformer_impl.py``, verl 0.9.0 and 0.9.1: TP, PP, virtual PP, CP, EP and expert TP
+    from ``engine_config``, no SHARP, no NCCL communicator config), each group with ``timeout_s`` seconds instead of
+    torch's default 30 minutes: then Megatron's and hdp's collectives of the verl engine (the gradient reduce,
+    pipeline sends, the domain's exchanges) give up after ``hdp.collective_timeout_s`` like the library engine's.
+    verl's ``_init_device_mesh`` afterwards finds the groups built and keeps them.  Dynamic CP (verl's
+    ``extra_args``) is refused by hdp's engine config, so it is never passed."""
+    mpu().initialize_model_parallel(
+        tensor_model_parallel_size=engine_config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=engine_config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=engine_config.virtual_pipeline_model_parallel_size,
+        use_sharp=False,
+        context_parallel_size=engine_config.context_parallel_size,
+        expert_model_parallel_size=engine_config.expert_model_parallel_size,
+        expert_tensor_parallel_size=engine_config.expert_tensor_parallel_size,
+        nccl_communicator_config_path=None,
+        distributed_timeout_minutes=float(timeout_s) / 60.0,
+    )
 
 
 @contextlib.contextmanager
@@ -340,170 +242,14 @@ def dispatch_dp_size(worker_group: Any, mesh: str, dp_size: int) -> Iterator[Non
         info[mesh] = real
 
 
-def balance_batch_for_stock_dp(trainer_cls: type) -> bool:
-    """Make ``trainer_cls._balance_batch`` balance for stock verl's DP size when the actor runs on hdp;
-    True if this call patched.
-
-    Why: verl 0.9.1's trainers read the DP size to balance for from the actor's dispatch info
-    (``trainer/ppo/v1/trainer_base.py`` ``_balance_batch``, ``trainer/ppo/ray_trainer.py``
-    ``_get_dp_size``), and an hdp engine reports 1 (every domain rank receives the whole batch), so the
-    batch would be balanced for one part: other samples would train together than under stock verl at
-    the same world size.  For the call only, the actor's dispatch info reports
-    :func:`hdp.integrations.verl.minibatches.trainer_dp_size` ranks (`dispatch_dp_size`); the batch is
-    then ordered as stock's, part after part, and the hdp worker's loop (`own_mini_batch_loop`) cuts the
-    same mini-batches from it.  Can go when verl asks the engine for the DP size to balance for."""
-    orig = trainer_cls.__dict__.get("_balance_batch")
-    if orig is None or getattr(orig, "_hdp_guard", False):
-        return False
-
-    @functools.wraps(orig)
-    def _balance_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        from hdp.integrations.verl.minibatches import trainer_dp_size
-
-        wg = self.actor_rollout_wg
-        dp = trainer_dp_size(self.config, int(wg.world_size))
-        if dp is None:
-            return orig(self, batch, *args, **kwargs)
-        with dispatch_dp_size(wg, "actor", dp):
-            return orig(self, batch, *args, **kwargs)
-
-    _balance_batch._hdp_guard = True  # type: ignore[attr-defined]
-    trainer_cls._balance_batch = _balance_batch
-    return True
-
-
-def skip_redundant_old_log_prob(trainer_cls: type) -> bool:
-    """Make verl's v1 trainer (``trainer_cls``: ``PPOTrainer``) skip the actor's old-log-prob pass when the job
-    says so (:func:`hdp.integrations.verl.old_log_prob.resolve`, decided once per trainer) and the step does not
-    need it after all (`old_log_prob.needed_at_step`: the rollout's log-probs in the batch, a critic-warmup step);
-    True if this call patched.
-
-    Why: verl 0.9.1 always runs the pass outside bypass mode (``_compute_old_log_prob``; its own shortcut,
-    bypass mode, uses the rollout's log-probs and so changes the objective).  Wraps ``_compute_old_log_prob``
-    (skipped: `old_log_prob.skip_step` writes the NaN stand-in; either way ``actor/hdp/old_log_prob_skipped``
-    says which ran) and ``_update_actor`` (after a skipped pass the update's batch carries
-    `old_log_prob.SKIP_FLAG`, for that call only).  Subclasses that call them through ``super()`` get the same.
-    Can go when verl skips the pass."""
-    from hdp.integrations.verl import old_log_prob
-
-    orig_old = trainer_cls.__dict__.get("_compute_old_log_prob")
-    orig_update = trainer_cls.__dict__.get("_update_actor")
-    if orig_old is None or orig_update is None or getattr(orig_old, "_hdp_guard", False):
-        return False
-
-    def skips(self: Any) -> bool:
-        if getattr(self, "_hdp_skip_old", None) is None:
-            self._hdp_skip_old = old_log_prob.resolve(self.config)
-        return self._hdp_skip_old
-
-    @functools.wraps(orig_old)
-    def _compute_old_log_prob(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
-        on_hdp = str(self.config.actor_rollout_ref.actor.get("strategy", "")) == "hdp"
-        self._hdp_skipped_pass = False
-        if skips(self):
-            kept = old_log_prob.skip_step(batch, self.config, int(getattr(self, "global_steps", 0)))
-            if not kept:
-                metrics["actor/hdp/old_log_prob_skipped"] = 1.0
-                self._hdp_skipped_pass = True
-                return batch
-            seen = self.__dict__.setdefault("_hdp_kept_for", set())
-            for why in kept:
-                if why.split(" (", 1)[0] not in seen:  # once per kind of reason
-                    seen.add(why.split(" (", 1)[0])
-                    logger.info("hdp: the old-log-prob pass runs on this step: %s", why)
-        if on_hdp:
-            metrics["actor/hdp/old_log_prob_skipped"] = 0.0
-        return orig_old(self, batch, metrics, *args, **kwargs)
-
-    @functools.wraps(orig_update)
-    def _update_actor(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "_hdp_skipped_pass", False):
-            return orig_update(self, batch, metrics, *args, **kwargs)
-        self._hdp_skipped_pass = False  # this step's update only
-        batch.extra_info[old_log_prob.SKIP_FLAG] = True
-        try:
-            return orig_update(self, batch, metrics, *args, **kwargs)
-        finally:
-            batch.extra_info.pop(old_log_prob.SKIP_FLAG, None)
-
-    for new in (_compute_old_log_prob, _update_actor):
-        new._hdp_guard = True  # type: ignore[attr-defined]
-    trainer_cls._compute_old_log_prob = _compute_old_log_prob
-    trainer_cls._update_actor = _update_actor
-    return True
-
-
-def detached_worker_handlers(worker_cls: type) -> bool:
-    """Give verl's detached actor worker (``worker_cls``: ``DetachActorWorker`` of its separate- and
-    fully-async trainers) Megatron's save/restore handlers when the actor runs on hdp; True if this call patched.
-
-    Why: verl 0.9.1 picks the handlers that keep the start-of-cycle policy on the host for the old-log-prob
-    pass by ``actor.strategy`` (``experimental/separation/engine_workers.py`` ``_get_strategy_handlers``) and
-    raises ``NotImplementedError`` for anything but fsdp, fsdp2, veomni and megatron.  An hdp engine's
-    ``module`` is Megatron's list of DDP chunks, so Megatron's own handlers
-    (``verl.utils.megatron_utils.copy_megatron_model_to_cpu`` / ``restore_megatron_model_from_cpu``) are the
-    right ones: they are mapped, not copied.  Can go when verl asks the engine for its handlers."""
-    orig = worker_cls.__dict__.get("_get_strategy_handlers")
-    if orig is None or getattr(orig, "_hdp_guard", False):
-        return False
-
-    @functools.wraps(orig)
-    def _get_strategy_handlers(self: Any) -> Any:
-        if getattr(self, "_strategy_handlers", None) is None and self.config.actor.strategy == "hdp":
-            from verl.utils import megatron_utils
-
-            self._strategy_handlers = (megatron_utils.copy_megatron_model_to_cpu,
-                                       megatron_utils.restore_megatron_model_from_cpu)
-        return orig(self)
-
-    _get_strategy_handlers._hdp_guard = True  # type: ignore[attr-defined]
-    worker_cls._get_strategy_handlers = _get_strategy_handlers
-    return True
-
-
-class _WrappedRegistry(dict):
-    """verl's ``POLICY_LOSS_REGISTRY`` whose lookups hand back ``wrap(name, fn)`` (`policy_losses_wrapped`)."""
-
-    def __init__(self, original: dict[str, Any], wrap: Any) -> None:
-        super().__init__(original)
-        self._wrap = wrap
-        self._made: dict[str, Any] = {}
-
-    def __getitem__(self, name: str) -> Any:
-        made = self._made.get(name)
-        if made is None:
-            made = self._made[name] = self._wrap(name, super().__getitem__(name))
-        return made
-
-
-_WRAPPED: dict[tuple[int, int], "_WrappedRegistry"] = {}
-"""One wrapped registry per (registry, wrap) pair, made once (its wrapped functions keep their caches)."""
-
-
 @contextlib.contextmanager
 def policy_losses_wrapped(wrap: Any) -> Iterator[None]:
-    """While active, verl's ``get_policy_loss_fn(name)`` (verl/trainer/ppo/core_algos.py:74, the one lookup of
-    its policy-loss registry that ``ppo_loss`` and the distillation losses make) returns ``wrap(name, fn)``:
-    hdp's plan-invariant normalisation of the policy losses that are a mean of their call
-    (:mod:`hdp.integrations.verl.loss_kinds`).  The module global ``POLICY_LOSS_REGISTRY`` is swapped for a
-    wrapped copy for the duration of hdp's loss call and restored after; losses registered meanwhile land in
-    the copy.  Can go when verl's loss functions take the group's share of the mini-batch (or its normaliser)
-    for every policy loss, not only through ``global_batch_info``."""
-    from verl.trainer.ppo import core_algos
+    """:func:`hdp.integrations.verl.patches.policy_losses_wrapped` (the patch lives there; hdp's loss adapter
+    enters it through this name)."""
+    from hdp.integrations.verl import patches
 
-    original = core_algos.POLICY_LOSS_REGISTRY
-    if isinstance(original, _WrappedRegistry):  # nested: already wrapped
+    with patches.policy_losses_wrapped(wrap):
         yield
-        return
-    slot = (id(original), id(wrap))
-    wrapped = _WRAPPED.get(slot)
-    if wrapped is None or dict.keys(wrapped) != original.keys():
-        wrapped = _WRAPPED[slot] = _WrappedRegistry(original, wrap)
-    core_algos.POLICY_LOSS_REGISTRY = wrapped
-    try:
-        yield
-    finally:
-        core_algos.POLICY_LOSS_REGISTRY = original
 
 
 def unwrap_model(chunk: Any) -> Any:
@@ -594,33 +340,17 @@ def tensordict_of(source: dict[str, Any], n: int, device: Any) -> Any:
     return build(source, batch_size=torch.Size([n]), device=device)
 
 
-@contextlib.contextmanager
-def mkdir_locks_removed() -> Iterator[None]:
-    """While active, the lock files verl's ``local_mkdir_safe`` leaves in the temporary directory are
-    removed after each checkpoint save (verl 0.9.1 ``verl/utils/fs.py``: ``ckpt_<hash>.lock`` per
-    directory, never deleted).  Wraps the name ``megatron_checkpoint_manager`` imported.  Can go when
-    verl removes its lock files."""
+def mkdir_lock_path(path: str) -> str:
+    """The lock file verl's ``local_mkdir_safe(path)`` (``verl/utils/fs.py``, used once per save by
+    ``MegatronCheckpointManager.save_checkpoint`` on its ``local_path``) leaves in the temporary directory and
+    never deletes: ``ckpt_<hash of the absolute path>.lock`` (a relative path joined to the working directory, as
+    verl does; the hash is this process's)."""
     import tempfile
 
-    import verl.utils.checkpoint.megatron_checkpoint_manager as manager
-
-    orig = manager.local_mkdir_safe
-    made: list[str] = []
-
-    def local_mkdir_safe(path: Any) -> Any:
-        out = orig(path)
-        made.append(str(path if os.path.isabs(str(path)) else os.path.join(os.getcwd(), str(path))))
-        return out
-
-    manager.local_mkdir_safe = local_mkdir_safe
-    try:
-        yield
-    finally:
-        manager.local_mkdir_safe = orig
-        for path in made:  # the name verl computes (hash of the path: this process's hash seed)
-            lock = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(path) & 0xFFFFFFFF:08x}.lock")
-            with contextlib.suppress(OSError):
-                os.remove(lock)
+    path = str(path)
+    if not os.path.isabs(path):
+        path = os.path.join(os.getcwd(), path)
+    return os.path.join(tempfile.gettempdir(), f"ckpt_{hash(path) & 0xFFFFFFFF:08x}.lock")
 
 
 def checkpoint_manager(engine: Any) -> Any | None:

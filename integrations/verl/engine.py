@@ -34,19 +34,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Sequence
+import os
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hdp import megatron_compat as mc
 from hdp.digest import batch_digest
-from hdp.integrations.verl import compat
+from hdp.integrations.verl import compat, patches, verl_version
 from hdp.integrations.verl.attention import install_hdp_attention
 from hdp.integrations.verl.batch import SameRows, sample_lengths, verl_outputs
 from hdp.integrations.verl.checkpoint import loaded_view, saved_view
 from hdp.integrations.verl.checks import (check_engine_settings, check_model_features, check_per_token_loss,
-                                          check_shared_layout, role_key, uses_fused_logprobs)
+                                          check_shared_layout, check_value_model_building, role_key,
+                                          uses_fused_logprobs)
 from hdp.integrations.verl.config import HdpEngineConfig, to_hdp_engine_config, to_mcore_checkpoint_config, to_mcore_optimizer_config
 from hdp.integrations.verl.loss import VerlLoss, VerlValueLoss
 from hdp.integrations.verl.moe_router import reconcile_router
@@ -83,6 +85,8 @@ class HdpMegatronEngine(_MegatronLM):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
         check_model_features(model_config, engine_config)  # before any collective: every rank raises alike
+        if getattr(model_config, "model_type", None) == "value_model":
+            check_value_model_building(verl_version(), engine_config.vanilla_mbridge, role_key(engine_config))
         check_engine_settings(model_config, engine_config)
         verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
                     device=select_device(None), check_only=True)  # a limit below the static memory: ValueError
@@ -118,9 +122,11 @@ class HdpMegatronEngine(_MegatronLM):
     # -- Megatron groups, verl's DP view, the core --
 
     def _init_device_mesh(self) -> None:
-        with compat.megatron_group_timeout(self.hdp_config.hdp.collective_timeout_s):
-            super()._init_device_mesh()  # Megatron: TP x PP x DP with CP = 1 (HdpEngineConfig enforces CP = 1)
-        ps = compat.mpu()  # built by this engine, or by the one constructed before it in this process
+        ps = compat.mpu()
+        if not ps.is_initialized():  # verl's groups, with hdp's timeout instead of torch's 30 minutes
+            compat.initialize_model_parallel(self.hdp_config, self.hdp_config.hdp.collective_timeout_s)
+        super()._init_device_mesh()  # verl's: finds Megatron's groups built (TP x PP x DP, CP = 1 by HdpEngineConfig)
+        # built by this engine, or by the one constructed before it in this process
         check_shared_layout(self.hdp_config, {
             "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
@@ -132,7 +138,14 @@ class HdpMegatronEngine(_MegatronLM):
         super().initialize()
         self._build_core(None)
         if not getattr(self.engine_config, "forward_only", False):  # stock's mini-batches, each planned ahead
-            compat.own_mini_batch_loop(self)
+            patches.own_mini_batch_loop(self)
+
+    @contextlib.contextmanager
+    def train_mode(self, **kwargs: Any) -> Iterator[None]:
+        """verl's ``train_mode``; inside it, the mini-batches verl's worker iterates are stock verl's for this
+        engine's domain, each announced ahead to the planner (:func:`hdp.integrations.verl.patches.own_mini_batch_loop`)."""
+        with super().train_mode(**kwargs), patches.owns_mini_batches(self):
+            yield
 
     def _build_core(self, shape: ModelShape | None) -> None:
         """The round core and the one planner of this engine (settings resolved once, here)."""
@@ -283,29 +296,23 @@ class HdpMegatronEngine(_MegatronLM):
             check_fit(local_path, guard=self.core.guard, step=step, checkpoint=lambda: saved_view(self, local_path),
                       engine=lambda: loaded_view(self, local_path))
         opt = getattr(self, "optimizer", None)
-        loaded: list[Any] = []
-        if opt is not None:
-            orig = opt.load_state_dict
-
-            def capture(state_dict: Any, *args: Any, **kw: Any) -> Any:
-                loaded.append(state_dict)
-                return orig(state_dict, *args, **kw)
-
-            opt.load_state_dict = capture  # this instance, for this call only
-        try:
-            with torch.no_grad(), self.core.collectives("load", self.step), self.core.checkpoint_collectives():
-                super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
-        finally:
-            if opt is not None:
-                del opt.load_state_dict
+        captured = patches.optimizer_state_captured(opt) if opt is not None else contextlib.nullcontext([])
+        with captured as loaded, torch.no_grad(), self.core.collectives("load", self.step), \
+                self.core.checkpoint_collectives():
+            super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
         if opt is not None and loaded:
             restore_adam_steps(opt, loaded[-1])
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """verl's Megatron checkpoint save, its collectives on a group with hdp's timeout and alarm, and
-        the lock files verl's ``local_mkdir_safe`` leaves in the temporary directory removed."""
-        with self.core.collectives("save", self.step), self.core.checkpoint_collectives(), compat.mkdir_locks_removed():
-            return super().save_checkpoint(*args, **kwargs)
+    def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:
+        """verl's Megatron checkpoint save, its collectives on a group with hdp's timeout and alarm; then the lock
+        file verl's ``local_mkdir_safe`` left in the temporary directory for ``local_path`` is removed
+        (:func:`hdp.integrations.verl.compat.mkdir_lock_path`)."""
+        try:
+            with self.core.collectives("save", self.step), self.core.checkpoint_collectives():
+                return super().save_checkpoint(local_path, *args, **kwargs)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(compat.mkdir_lock_path(local_path))
 
     # -- steps: verl's primitives on the one step sequence (hdp.core.step) --
 

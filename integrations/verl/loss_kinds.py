@@ -23,7 +23,7 @@ synthetic padded batches (`policy_loss_kind`, cached per loss and config):
   group inside the loss, which hdp's group leaders would enter different numbers of times).
 
 The scaling is applied by wrapping the registry's functions while hdp runs verl's loss (`normalised_policy_losses`,
-through :func:`hdp.integrations.verl.compat.policy_losses_wrapped`).  **The whole loss** (the scaled policy
+through :func:`hdp.integrations.verl.patches.policy_losses_wrapped`).  **The whole loss** (the scaled policy
 term, the entropy bonus, the KL loss, the critic's value loss, any loss function a user passes) is then
 checked on two of the mini-batch's own samples before any round runs (`check_additive`, called in the pass's
 agreement): the loss of both together against the sum of their losses apart, values and gradients.
@@ -325,7 +325,7 @@ class _Normalised:
 
 def normalised_policy_losses(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (registered as ``name``) with hdp's normalisation (the wrap that
-    :func:`hdp.integrations.verl.compat.policy_losses_wrapped` applies to the registry)."""
+    :func:`hdp.integrations.verl.patches.policy_losses_wrapped` applies to the registry)."""
     return _Normalised(name, fn)
 
 

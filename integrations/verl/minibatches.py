@@ -16,8 +16,8 @@ data-parallel ranks (CP 1), and D decides which samples train together, in two p
 
 With a DP size of 1 both collapse (one part in the batch's order, contiguous mini-batches: all
 responses of a prompt together, their lengths correlated).  So for an hdp engine the trainer balances
-for D parts (:func:`trainer_dp_size`; ``compat.balance_batch_for_stock_dp`` applies it) and the
-worker's loop iterates :func:`stock_minibatch_indices` (``compat.own_mini_batch_loop``): every
+for D parts (:func:`trainer_dp_size`; ``patches.balance_batch_for_stock_dp`` applies it) and the
+worker's loop iterates :func:`stock_minibatch_indices` (``patches.own_mini_batch_loop``): every
 mini-batch holds the samples stock verl's does, as the concatenation of the D ranks' shares.  Within a
 mini-batch the order does not change the step beyond round-off (the loss is a sum over samples with
 global normalisers).  Where stock verl cannot split the batch (D does not divide the mini-batch or the

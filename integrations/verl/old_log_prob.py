@@ -36,7 +36,7 @@ placeholder — or, when `needed_at_step` names a reason, leaves the pass to run
 step's update.  Worker side: `check_update` before the update trains (one on-policy update, and nothing the
 driver derived from the stand-ins: ``rollout_is_weights``, or a NaN in a field the driver wrote after the pass,
 is an error naming the option), then `substitute` in hdp's loss adapter.  Installed by
-:func:`hdp.integrations.verl.compat.skip_redundant_old_log_prob`.
+:func:`hdp.integrations.verl.patches.skip_redundant_old_log_prob`.
 """
 
 from __future__ import annotations

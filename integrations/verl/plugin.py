@@ -4,6 +4,11 @@ verl loads each entry point of the group ``verl.plugins`` at import (verl/__init
 a failure only at DEBUG (verl/__init__.py:76), so this module logs its own failures at WARNING and
 never raises.
 
+First the installed verl is checked (:func:`hdp.integrations.verl.check_verl_version`): on a release outside
+:data:`hdp.integrations.verl.SUPPORTED_VERL` the plugin logs an ERROR naming the installed version, the supported
+range and the fix, and installs no patch; the engine is still registered, and constructing it raises the same
+message (so ``strategy=hdp`` fails with it instead of deep inside a patch).
+
 Nothing heavy happens at ``import verl``: importing verl's engine registry means importing
 ``verl.workers.engine``, i.e. every verl engine and Megatron (10+ s), which driver, rollout and
 reward processes never need.  So this module only
@@ -17,15 +22,10 @@ reward processes never need.  So this module only
   (:class:`hdp.integrations.verl.engine.HdpMegatronEngine` / ``HdpMegatronValueEngine``, or their
   MindSpeed variants on NPUs);
   only then are hdp's engine, the hdp runtime and Megatron imported;
-* when ``verl.workers.config.actor`` is imported, makes ``actor.strategy=hdp`` on verl's Megatron
-  actor config fail with an error that names the override to use (:func:`guard_megatron_actor`),
-  and runs hdp's config checks on verl's other actor configs with ``strategy=hdp``
-  (:func:`guard_hdp_strategy_actor`: token budgets, Ulysses, ``model.use_remove_padding``);
-* when verl's trainers (``verl.trainer.ppo.ray_trainer``, ``verl.trainer.ppo.v1.trainer_base``) are
-  imported, makes their ``_balance_batch`` balance for stock verl's data-parallel size when the actor
-  runs on hdp (:func:`hdp.integrations.verl.compat.balance_batch_for_stock_dp`);
-* makes Hydra's "Key 'hdp' is not in struct" for an ``actor_rollout_ref.actor.hdp.*`` override on a
-  config without hdp's options name the missing ``model_engine=hdp`` (:func:`guard_hydra_overrides`).
+* installs the patches of :mod:`hdp.integrations.verl.patches` whose scope is ``IMPORT``, each right after verl
+  imports its module (one post-import hook, :class:`_AfterImport`, on the modules of :data:`_HOOKS`): Hydra's
+  override loader at once, verl's ``validate_config`` (the driver's job checks), the trainers' ``_balance_batch``
+  and the v1 trainer's old-log-prob pass, the detached worker's save/restore handlers.
 
 ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) skips all of it; :func:`register` can also be
 called by hand (it registers at once when verl's engine registry is already imported).
@@ -42,20 +42,15 @@ from types import ModuleType
 from typing import Any, Sequence
 
 from hdp.device import DEVICE_KINDS
-from hdp.integrations.verl import config_dir
+from hdp.integrations.verl import check_verl_version, config_dir, patches, refusal
 
 __all__ = [
     "BACKEND",
     "DEVICES",
     "MODEL_TYPES",
-    "MEGATRON_CONFIG_HINT",
     "register",
     "register_engines",
     "register_search_path",
-    "guard_megatron_actor",
-    "guard_hdp_strategy_actor",
-    "guard_hydra_overrides",
-    "HDP_OPTIONS_HINT",
     "engine_class",
 ]
 
@@ -66,15 +61,6 @@ BACKEND = "hdp"
 DEVICES = DEVICE_KINDS
 """EngineRegistry device keys hdp registers (verl's ``get_device_name()``: hdp's device kinds)."""
 _REGISTRY_MODULE = "verl.workers.engine.base"
-_ACTOR_CONFIG_MODULE = "verl.workers.config.actor"
-MEGATRON_CONFIG_HINT = (
-    "actor_rollout_ref.actor.strategy=hdp on verl's Megatron config (ppo_megatron_trainer or "
-    "model_engine=megatron) would silently run verl's stock Megatron engine: verl's McoreActorConfig "
-    "keeps its engine's strategy 'megatron' and its ref config hard-codes strategy=megatron. "
-    "Add the override model_engine=hdp (keeps every actor_rollout_ref.actor.megatron.* option and adds "
-    "actor_rollout_ref.actor.hdp.*), or use --config-name hdp_ppo_trainer"
-)
-"""The error raised for ``actor.strategy=hdp`` on a Megatron actor config (see :func:`guard_megatron_actor`)."""
 
 
 MODEL_TYPES = ("language_model", "value_model")
@@ -112,11 +98,13 @@ def _lazy_engine(base_engine: type, model_type: str = "language_model") -> type:
         _hdp_lazy = True
 
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            check_verl_version()  # an unsupported verl: ImportError naming the fix, before anything is built
             return engine_class(model_type)(*args, **kwargs)
 
         @staticmethod
         def resolve() -> type:
             """The real engine class (:func:`engine_class`)."""
+            check_verl_version()
             return engine_class(model_type)
 
     return HdpEngine
@@ -167,114 +155,6 @@ def register_search_path() -> bool:
     return True
 
 
-def guard_megatron_actor(actor_module: ModuleType) -> bool:
-    """Make ``McoreActorConfig(strategy="hdp")`` raise :data:`MEGATRON_CONFIG_HINT`; True if this call patched.
-
-    The one patch hdp applies to verl (0.9.x, ``verl/workers/config/actor.py``): wraps
-    ``McoreActorConfig.__post_init__``.  Why: on verl's Megatron configs ``actor.strategy=hdp``
-    builds a ``McoreActorConfig`` whose engine config keeps ``strategy="megatron"``, so verl's
-    TrainingWorker would pick its stock Megatron engine without a word, and the ref config
-    hard-codes ``strategy: megatron``.  hdp's own ``HdpActorConfig`` (a subclass) is unaffected.
-    Can go when verl copies ``actor.strategy`` into ``McoreActorConfig``'s engine config.
-    """
-    cls = actor_module.McoreActorConfig
-    orig = cls.__post_init__
-    if getattr(orig, "_hdp_guard", False):
-        return False
-
-    def __post_init__(self: Any) -> None:
-        if type(self) is cls and self.strategy == BACKEND:
-            raise ValueError(MEGATRON_CONFIG_HINT)
-        orig(self)
-
-    __post_init__._hdp_guard = True  # type: ignore[attr-defined]
-    __post_init__.__doc__ = orig.__doc__
-    cls.__post_init__ = __post_init__
-    return True
-
-
-def guard_hdp_strategy_actor(actor_module: ModuleType) -> bool:
-    """Run hdp's config checks on verl's own actor configs with ``strategy="hdp"``; True if this call patched.
-
-    ``actor_rollout_ref.actor.strategy=hdp`` on verl's FSDP-shaped ``ppo_trainer`` builds verl's
-    ``FSDPActorConfig`` (hdp's config classes never run), so without this a non-positive
-    ``ppo_max_token_len_per_gpu``, ``ulysses_sequence_parallel_size > 1`` or ``use_remove_padding=False``
-    pass ``validate_config`` and fail later (or are ignored).  Wraps ``FSDPActorConfig.__post_init__``
-    (:func:`hdp.integrations.verl.checks.check_actor_config`) and ``.validate`` (the model's
-    ``use_remove_padding``, which verl's ``validate_config`` passes in) for ``strategy == "hdp"`` only.
-    """
-    from hdp.integrations.verl import checks
-
-    cls = getattr(actor_module, "FSDPActorConfig", None)
-    if cls is None or getattr(cls.__post_init__, "_hdp_guard", False):
-        return False
-    orig_post, orig_validate = cls.__post_init__, cls.validate
-
-    def __post_init__(self: Any) -> None:
-        orig_post(self)
-        if self.strategy == BACKEND:
-            checks.check_actor_config(self)
-
-    def validate(self: Any, n_gpus: int, train_batch_size: int, model_config: Any = None) -> Any:
-        if self.strategy == BACKEND and model_config is not None:
-            checks.check_remove_padding(model_config.get("use_remove_padding", True))
-            checks.check_fused_kernels(model_config.get("use_fused_kernels", False),
-                                       model_config.get("fused_kernel_options", None))
-        return orig_validate(self, n_gpus, train_batch_size, model_config)
-
-    for new, orig in ((__post_init__, orig_post), (validate, orig_validate)):
-        new._hdp_guard = True  # type: ignore[attr-defined]
-        new.__doc__ = orig.__doc__
-    cls.__post_init__, cls.validate = __post_init__, validate
-    return True
-
-
-HDP_OPTIONS_HINT = (
-    "{key}: this config has no hdp options. actor_rollout_ref.actor.strategy=hdp on verl's ppo_trainer "
-    "keeps verl's FSDP-shaped actor config, which has no 'hdp' key (the engine then uses hdp's defaults). "
-    "Add the override model_engine=hdp, which adds actor_rollout_ref.actor.hdp.* (and every "
-    "actor_rollout_ref.actor.megatron.* option), or use --config-name hdp_ppo_trainer"
-)
-"""The error for an ``actor_rollout_ref.(actor|ref).hdp.*`` override on a config without hdp's options."""
-
-
-def guard_hydra_overrides() -> bool:
-    """Make a failed ``actor_rollout_ref.actor.hdp.*`` override say to add ``model_engine=hdp``; True if patched.
-
-    Hydra applies command-line overrides in ``ConfigLoaderImpl._apply_overrides_to_config`` (private,
-    hydra-core 1.3) and reports a key missing from the config as "Could not override ... Key 'hdp' is not
-    in struct", which does not say what is missing.  This wraps that static method: when an override
-    under ``actor_rollout_ref.actor.hdp`` / ``actor_rollout_ref.ref.hdp`` fails on a config whose actor has
-    no ``hdp`` node, it raises Hydra's own ``ConfigCompositionException`` with :data:`HDP_OPTIONS_HINT`
-    (the original chained).  Anything else is untouched.  Can go when verl's stock actor configs accept
-    ``hdp`` or Hydra's message names the config group that would add the key.
-    """
-    import re
-
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import ConfigCompositionException
-    from omegaconf import OmegaConf
-
-    orig = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"].__func__
-    if getattr(orig, "_hdp_guard", False):
-        return False
-    pattern = re.compile(r"^actor_rollout_ref\.(actor|ref)\.hdp(\.|$)")
-
-    def _apply_overrides_to_config(overrides: Any, cfg: Any) -> None:
-        try:
-            orig(overrides, cfg)
-        except ConfigCompositionException as exc:
-            bad = [o.input_line for o in overrides if pattern.match(str(o.key_or_group or ""))]
-            has_hdp = OmegaConf.select(cfg, "actor_rollout_ref.actor.hdp", throw_on_missing=False) is not None
-            if bad and not has_hdp:
-                raise ConfigCompositionException(HDP_OPTIONS_HINT.format(key=bad[0])) from exc
-            raise
-
-    _apply_overrides_to_config._hdp_guard = True  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(_apply_overrides_to_config)
-    return True
-
-
 _TRAINERS = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
 """verl's trainer base classes whose ``_balance_batch`` balances for stock's DP size under hdp (the
 separate-, fully-async and one-step-off trainers inherit the legacy one)."""
@@ -284,22 +164,23 @@ _CONFIG_MODULE = "verl.utils.config"
 """verl's ``validate_config`` (the driver's config check, before Ray starts)."""
 _DETACHED_MODULE = "verl.experimental.separation.engine_workers"
 """verl's detached actor worker (separate- and fully-async trainers)."""
-_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", _ACTOR_CONFIG_MODULE: "_guard_or_warn",
-          **{m: "_balance_or_warn" for m in _TRAINERS}, _CONFIG_MODULE: "_validate_or_warn",
-          _DETACHED_MODULE: "_detached_or_warn"}
+_HOOKS = {_REGISTRY_MODULE: "_register_or_warn", **{m: "_balance_or_warn" for m in _TRAINERS},
+          _CONFIG_MODULE: "_validate_or_warn", _DETACHED_MODULE: "_detached_or_warn"}
+"""The verl modules the plugin acts on right after they are imported, and what it does: registers the engine
+(public ``EngineRegistry.register``) or installs patches (:mod:`hdp.integrations.verl.patches`)."""
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a hook right after ``verl.workers.engine.base`` / ``verl.workers.config.actor`` have executed.
+    """Runs a hook of :data:`_HOOKS` right after its verl module has executed.
 
     A meta-path finder that only wraps the loader the other finders return for those modules
-    (the standard post-import-hook pattern); it removes itself once both have fired.
+    (the standard post-import-hook pattern); it removes itself once every hook has fired.
     """
 
     _hdp_after_import = True
 
-    def __init__(self) -> None:
-        self.pending = {m for m in _HOOKS if m not in sys.modules}
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.pending = {m for m in modules if m not in sys.modules}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
         if fullname not in self.pending:
@@ -350,23 +231,12 @@ def _register_or_warn(module: ModuleType | None) -> bool:
     return True
 
 
-def _guard_or_warn(module: ModuleType) -> bool:
-    try:
-        guard_megatron_actor(module)
-        guard_hdp_strategy_actor(module)
-        return True
-    except Exception as exc:  # plugin boundary
-        logger.warning("hdp verl plugin: could not guard McoreActorConfig (%s: %s)", type(exc).__name__, exc)
-        return False
-
-
 def _balance_or_warn(module: ModuleType) -> bool:
     try:
-        from hdp.integrations.verl import compat
-
-        compat.balance_batch_for_stock_dp(getattr(module, _TRAINERS[module.__name__]))
+        trainer = getattr(module, _TRAINERS[module.__name__])
+        patches.balance_batch_for_stock_dp(trainer)
         if module.__name__ == _V1_TRAINER:
-            compat.skip_redundant_old_log_prob(getattr(module, _TRAINERS[module.__name__]))
+            patches.skip_redundant_old_log_prob(trainer)
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not make %s balance for stock verl's data-parallel size (%s: %s); "
@@ -375,41 +245,9 @@ def _balance_or_warn(module: ModuleType) -> bool:
         return False
 
 
-def guard_validate_config(config_module: ModuleType) -> bool:
-    """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks
-    (:func:`hdp.integrations.verl.checks.check_job_layout` before verl's own: settings spread over the actor's,
-    the ref's and the critic's configs; `check_job_batching` after it: every role's ``use_dynamic_bsz`` and the
-    old-log-prob option; :func:`hdp.integrations.verl.loss_kinds.check_job_config`: losses that are not additive
-    over samples, or run a collective); True if this call patched.  Wraps the
-    module attribute right after the module executed, so every ``from verl.utils.config import validate_config``
-    binds the wrapper.  Can go when verl's validation calls the engines' own job checks."""
-    orig = config_module.validate_config
-    if getattr(orig, "_hdp_guard", False):
-        return False
-    import functools
-
-    @functools.wraps(orig)
-    def validate_config(config: Any, use_reference_policy: bool, use_critic: bool, *args: Any, **kwargs: Any) -> Any:
-        from hdp.integrations.verl.checks import check_job_batching, check_job_layout
-        from hdp.integrations.verl.loss_kinds import check_job_config
-
-        # pure and quick: before verl's own, which builds the roles' configs
-        check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
-        out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
-        check_job_batching(config, ref=bool(use_reference_policy), critic=bool(use_critic))
-        check_job_config(config, critic=bool(use_critic))  # losses whose value would depend on hdp's plan
-        return out
-
-    validate_config._hdp_guard = True  # type: ignore[attr-defined]
-    config_module.validate_config = validate_config
-    return True
-
-
 def _detached_or_warn(module: ModuleType) -> bool:
     try:
-        from hdp.integrations.verl import compat
-
-        compat.detached_worker_handlers(module.DetachActorWorker)
+        patches.detached_worker_handlers(module.DetachActorWorker)
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not give verl's DetachActorWorker hdp's save/restore handlers (%s: %s); "
@@ -419,7 +257,7 @@ def _detached_or_warn(module: ModuleType) -> bool:
 
 def _validate_or_warn(module: ModuleType) -> bool:
     try:
-        guard_validate_config(module)
+        patches.validate_config(module)
         return True
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not add hdp's checks to verl's validate_config (%s: %s); they run "
@@ -428,25 +266,34 @@ def _validate_or_warn(module: ModuleType) -> bool:
 
 
 def register() -> bool:
-    """Register hdp with verl (see the module docstring); log (WARNING) and return False on failure."""
+    """Register hdp with verl (see the module docstring); log and return False on failure, or on an unsupported
+    verl (an ERROR naming the installed version, the supported range and the fix; then only the engine is
+    registered, whose construction raises the same message, and no patch is installed)."""
+    refused = refusal()
+    if refused is not None:
+        logger.error("hdp verl plugin: %s", refused)
     try:
         register_search_path()
     except Exception as exc:  # plugin boundary
         logger.warning("hdp verl plugin: could not add hdp's Hydra configs (%s: %s)", type(exc).__name__, exc)
         return False
-    try:
-        guard_hydra_overrides()
-    except Exception as exc:  # plugin boundary: Hydra's private loader changed; its own message stays
-        logger.warning("hdp verl plugin: could not guard Hydra's overrides (%s: %s)", type(exc).__name__, exc)
-    ok = True
-    for name, hook in _HOOKS.items():
+    if refused is None:
+        try:
+            patches.hydra_overrides()
+        except Exception as exc:  # plugin boundary: Hydra's private loader changed; its own message stays
+            logger.warning("hdp verl plugin: could not guard Hydra's overrides (%s: %s)", type(exc).__name__, exc)
+    hooks = [_REGISTRY_MODULE] if refused is not None else list(_HOOKS)
+    ok = refused is None
+    for name in hooks:
         loaded = sys.modules.get(name)
         if loaded is not None:
-            ok = globals()[hook](loaded) is not False and ok
-    if not all(m in sys.modules for m in _HOOKS) and not any(
-        getattr(f, "_hdp_after_import", False) for f in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _AfterImport())
+            ok = globals()[_HOOKS[name]](loaded) is not False and ok
+    waiting = [m for m in hooks if m not in sys.modules]
+    finder = next((f for f in sys.meta_path if getattr(f, "_hdp_after_import", False)), None)
+    if finder is not None:
+        finder.pending.update(waiting)
+    elif waiting:
+        sys.meta_path.insert(0, _AfterImport(waiting))
     return ok
 
 

@@ -11,6 +11,8 @@ because verl 0.9.1 and mbridge assume an accelerator and TransformerEngine; what
 * ``VERL_PLATFORM=cpu`` and the :class:`~hdp.integrations.verl.scaffolding.platform.PlatformCPU`
   registration (verl's ``get_device_name()`` is then "cpu", so ``EngineRegistry`` finds hdp's "cpu" key);
 * hdp's Megatron CPU shim (:func:`hdp.megatron_compat.apply_cpu_shim`, public API);
+* verl 0.9.0's padding helpers without flash-attn (:mod:`~hdp.integrations.verl.scaffolding.padding`: verl 0.9.1's
+  own torch fallbacks);
 * mbridge on the local layer spec (:mod:`~hdp.integrations.verl.scaffolding.mbridge_local`), and its
   ``get_model`` without the ``module.cuda()`` it calls on every chunk (``mbridge/core/util.py``).
 
@@ -128,11 +130,12 @@ def install() -> None:
     if _installed:
         return
     os.environ["VERL_PLATFORM"] = "cpu"
-    from hdp.integrations.verl.scaffolding import mbridge_local, platform  # noqa: F401  (registers the platform)
+    from hdp.integrations.verl.scaffolding import mbridge_local, padding, platform  # noqa: F401  (registers the platform)
 
     from hdp import megatron_compat
 
     megatron_compat.apply_cpu_shim("cpu")
+    padding.install()  # verl 0.9.0 unpads through flash-attn only
     mbridge_local.register()
     _patch_mbridge_get_model()
     # verl's checkpoint load (dist_checkpointing with the fully-parallel load strategy) calls

@@ -54,6 +54,9 @@ def _td(tensors: dict[str, torch.Tensor], **non_tensor: Any) -> Any:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from hdp.integrations.verl.scaffolding import padding
+
+    padding.install()  # verl 0.9.0 on CPU: unpads through flash-attn only
     td = tu.get_tensordict(tensor_dict=dict(tensors), non_tensor_dict={"temperature": non_tensor.pop("temperature", 1.0)})
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, **non_tensor)
