@@ -241,13 +241,13 @@ def _megatron_seam() -> set[tuple[int, str]]:
 def _hdp_file(path: str) -> bool:
     """Whether the source file ``path`` is hdp's code, outside the folders whose patches are not the verl
     integration's (the CPU scaffolding, hdp's Megatron seam)."""
-    import hdp
-    import hdp.integrations
-    import hdp.packing
-    import hdp.trainer
+    import importlib.util
 
-    roots = tuple(str(Path(m.__file__).resolve().parent) + os.sep
-                  for m in (hdp, hdp.packing, hdp.trainer, hdp.integrations))
+    import hdp
+
+    # the four source roots, found without importing them (the verl door does not import the library door)
+    roots = tuple(str(Path(importlib.util.find_spec(m).origin).resolve().parent) + os.sep  # type: ignore[arg-type]
+                  for m in ("hdp", "hdp.packing", "hdp.trainer", "hdp.integrations"))
     outside = (str(Path(__file__).resolve().parent / "scaffolding") + os.sep,
                str(Path(hdp.__file__).resolve().parent / "megatron_compat") + os.sep)
     where = str(Path(path).resolve())
