@@ -27,7 +27,7 @@ import verl.trainer.config as verl_trainer_config  # noqa: E402
 from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass, validate_config  # noqa: E402
 
-from hdp.integrations.verl import config_dir  # noqa: E402
+from hdp.integrations.verl import config_dir, verl_version  # noqa: E402
 from hdp.integrations.verl import plugin  # noqa: E402  (registers the engine, as `import verl` would)
 from hdp.integrations.verl.config import (  # noqa: E402
     HdpActorConfig,
@@ -590,7 +590,12 @@ def test_use_dynamic_bsz_false_fails_in_the_driver_for_every_role(overrides, mat
                    "actor_rollout_ref.actor.megatron.vanilla_mbridge=true"]
     with pytest.raises(ValueError, match=match):
         _validate(_compose("ppo_trainer", base + overrides))
-    _validate(_compose("ppo_trainer", base + [o.replace("=false", "=true") for o in overrides if "use_dynamic_bsz" in o]))
+    fixed = _compose("ppo_trainer", base + [o.replace("=false", "=true") for o in overrides if "use_dynamic_bsz" in o])
+    if verl_version().split("+")[0] == "0.9.0":  # then the critic's model building on this verl (last check)
+        with pytest.raises(ValueError, match=r"critic\.megatron\.vanilla_mbridge=True with verl 0\.9\.0"):
+            _validate(fixed)
+        return
+    _validate(fixed)
 
 
 def test_a_critic_built_by_vanilla_mbridge_on_verl_090_fails_in_the_driver(monkeypatch, tiny_model):

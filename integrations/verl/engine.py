@@ -85,9 +85,9 @@ class HdpMegatronEngine(_MegatronLM):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
         engine_config = to_hdp_engine_config(engine_config)
         check_model_features(model_config, engine_config)  # before any collective: every rank raises alike
-        if getattr(model_config, "model_type", None) == "value_model":
-            check_value_model_building(verl_version(), engine_config.vanilla_mbridge, role_key(engine_config))
         check_engine_settings(model_config, engine_config)
+        if getattr(model_config, "model_type", None) == "value_model":  # verl 0.9.0 cannot build it by vanilla mbridge
+            check_value_model_building(verl_version(), engine_config.vanilla_mbridge, role_key(engine_config))
         verl_memory(model_config, engine_config, world=dist.get_world_size() if dist.is_initialized() else 1,
                     device=select_device(None), check_only=True)  # a limit below the static memory: ValueError
         self.hdp_config: HdpEngineConfig = engine_config

@@ -95,7 +95,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(name="verl.utils.config.validate_config", scope=Scope.IMPORT,
           why="the driver's check before Ray starts: hdp's job-level checks (actor.strategy=hdp on verl's Megatron "
               "or FSDP-shaped actor configs, CP settings, use_dynamic_bsz of every role, the old-log-prob option, "
-              "losses hdp cannot normalise) run around verl's own",
+              "losses hdp cannot normalise, the critic's model building on verl 0.9.0) run around verl's own",
           removed_by="validate_config calling a check hook of the engine registered for each role's strategy"),
     Patch(name="verl.trainer.ppo.ray_trainer.RayPPOTrainer._balance_batch", scope=Scope.IMPORT,
           why="the trainer balances the batch for the DP size the actor's workers report; an hdp engine reports 1 "
@@ -367,11 +367,12 @@ def hydra_overrides() -> bool:
 def validate_config(config_module: types.ModuleType) -> bool:
     """Make verl's ``validate_config`` (the driver's check, before Ray starts) run hdp's job-level checks; True if
     patched.  Before verl's own: :func:`hdp.integrations.verl.checks.check_job_actor` (``actor.strategy=hdp`` on a
-    verl actor config hdp's classes never see), `check_job_layout` (settings spread over the actor's, the ref's
-    and the critic's configs) and `check_job_critic` (the critic's model building on this verl); after it: `check_job_batching` (every role's ``use_dynamic_bsz``, the
-    old-log-prob option) and :func:`hdp.integrations.verl.loss_kinds.check_job_config` (losses that are not
-    additive over samples, or run a collective).  Wraps the module attribute right after the module executed, so
-    every ``from verl.utils.config import validate_config`` binds the wrapper."""
+    verl actor config hdp's classes never see) and `check_job_layout` (settings spread over the actor's, the ref's
+    and the critic's configs); after it: `check_job_batching` (every role's ``use_dynamic_bsz``, the old-log-prob
+    option), :func:`hdp.integrations.verl.loss_kinds.check_job_config` (losses that are not additive over samples,
+    or run a collective) and, last, `check_job_critic` (the critic's model building on this verl).  Wraps the
+    module attribute right after the module executed, so every ``from verl.utils.config import validate_config``
+    binds the wrapper."""
 
     def make(orig: Any) -> Any:
         @functools.wraps(orig)
@@ -385,10 +386,10 @@ def validate_config(config_module: types.ModuleType) -> bool:
             # pure and quick: before verl's own, which builds the roles' configs
             check_job_actor(config)
             check_job_layout(config, ref=bool(use_reference_policy), critic=bool(use_critic))
-            check_job_critic(config, critic=bool(use_critic), verl_version=verl_version())
             out = orig(config, use_reference_policy, use_critic, *args, **kwargs)
             check_job_batching(config, ref=bool(use_reference_policy), critic=bool(use_critic))
             check_job_config(config, critic=bool(use_critic))  # losses whose value would depend on hdp's plan
+            check_job_critic(config, critic=bool(use_critic), verl_version=verl_version())  # this verl, last
             return out
 
         return validate_config
