@@ -96,7 +96,7 @@ def test_bench_memory_one_case() -> None:
 @pytest.mark.dist
 def test_bench_verl_smallest() -> None:
     pytest.importorskip("verl")
-    r = _json("bench", "verl", "--ranks", "2", "--steps", "1", "--doors-steps", "2", "--json")
+    r = bench_json("verl", "--ranks", "2", "--steps", "1", "--doors-steps", "2", "--json")
     _has(r, {"speedup", "speedup_cpu_time", "grad_match", "plans_differ", "plans", "phases", "rounds",
              "verl_micro_batches", "tokens_per_s", "step_s_median", "baseline", "doors", "passed"}, "bench verl")
     assert r["passed"] and r["grad_match"] and r["plans_differ"]
