@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hdp.trainer.cli.common import (CliError, Parser, _console, _emit_json, _flatten, _fmt_s, _print_dict, logger,
+from hdp.trainer.cli.common import (CliError, Parser, _console, _emit_json, _flatten, _fmt_s, _print_dict,
                                     positive_int, seed_int)
 from hdp.trainer.cli.bench import _bench_parser, _run_entry_point
 

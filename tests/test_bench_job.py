@@ -27,6 +27,8 @@ def test_lengths_files_recorded_runs_and_their_errors(tmp_path: Path) -> None:
     records.write_text('{"kind": "round"}\n')
     rec = {"step": 3, "policy": "hdp", "num_ranks": 2, "max_tokens_per_rank": 256, "lengths": [40, 300, 12],
            "checksum": "abc"}
+    with pytest.raises(ValueError, match="a calibration record .'round'., not a step's lengths"):
+        read_batches(records)  # no lengths beside it yet: the records alone do not say each step's batch
     (tmp_path / "engine.lengths.jsonl").write_text(json.dumps(rec) + "\n")
     (got,) = read_batches(records)
     assert got.lengths == (40, 300, 12) and got.checksum == "abc" and got.max_tokens_per_rank == 256
@@ -57,7 +59,7 @@ def test_models_from_presets_and_config_files(tmp_path: Path) -> None:
                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                               "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
                               "num_experts_per_tok": 2, "vocab_size": 256, "hidden_act": "silu"}))
-    cfg = job_config(TrainBenchSpec(model=str(hf), ranks=2, ep=2), "hdp", None).model
+    cfg = job_config(TrainBenchSpec(model=str(hf.parent), ranks=2, ep=2), "hdp", None).model  # the model's folder
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.num_query_groups) == (4, 2, 32, 2)
     assert cfg.activation == "swiglu" and cfg.params_dtype == "float32"
     mega = tmp_path / "megatron.json"

@@ -6,7 +6,7 @@ A job's model (`TrainBenchSpec.model`) is one of
   ``num_attention_heads`` / ``vocab_size`` (what CI runs on CPU ranks);
 * a shape preset by name (`hdp.packing.model_shape.SHAPES`: ``dense-8b``, ``qwen3-30b-a3b``,
   ``qwen3-235b-a22b``, ``cpu-tiny``);
-* the path of a ``config.json``: a Hugging Face causal-LM config (``num_hidden_layers``, Llama / Qwen2 / Qwen3 /
+* the path of a ``config.json`` (or of the model folder holding it): a Hugging Face causal-LM config (``num_hidden_layers``, Llama / Qwen2 / Qwen3 /
   Qwen3-MoE / Mixtral naming, `ModelShape.from_hf_config`) or a Megatron ``TransformerConfig`` written as JSON
   (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``, ``ffn_hidden_size``,
   ``kv_channels``, ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``gated_linear_unit``,
@@ -112,10 +112,11 @@ def model_shape(spec: Any) -> Any:
     elif name in SHAPES:
         shape = SHAPES[name]
     elif os.path.exists(name):
-        cfg = _read_config(Path(name))
+        path = Path(name) / "config.json" if os.path.isdir(name) else Path(name)  # a model folder: its config.json
+        cfg = _read_config(path)
         if "num_hidden_layers" in cfg or "text_config" in cfg:
             try:
-                shape = ModelShape.from_hf_config(cfg, name=Path(name).parent.name or "hf")
+                shape = ModelShape.from_hf_config(cfg, name=path.parent.name or "hf")
             except ValueError as exc:
                 raise ValueError(f"--model={name!r}: {exc}") from None
         elif "num_layers" in cfg:

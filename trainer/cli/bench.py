@@ -99,7 +99,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                                                         "that it runs, its figures are not throughput figures)")
 
 
-def job_spec(args: argparse.Namespace, *, default_steps: int = 5, **extra: Any) -> Any:
+def job_spec(args: argparse.Namespace, *, default_steps: int = 5, where: str = "bench train", **extra: Any) -> Any:
     """The `TrainBenchSpec` of the job flags (`add_job_args`); CliError naming the flag, before any rank starts."""
     import os
 
@@ -117,13 +117,14 @@ def job_spec(args: argparse.Namespace, *, default_steps: int = 5, **extra: Any) 
         recompute=args.recompute, cp_algorithm=args.cp_algorithm, model=args.model, layers=args.layers,
         dtype=args.dtype, cost_model=args.cost_model, peak_tflops=args.peak_tflops, device=args.device, **extra,
     )
-    if args.smoke:
-        fields.update({k: v for k, v in SMOKE.items() if fields.get(k) is None})
+    if args.smoke:  # the smallest model and batch; recorded lengths keep their own budget
+        fields.update({k: v for k, v in SMOKE.items()
+                       if fields.get(k) is None and not (args.lengths and k == "max_tokens_per_rank")})
     try:
         spec = TrainBenchSpec(**fields)
         check_job(spec)
     except ValueError as exc:
-        raise CliError(f"bench train: {exc}") from exc
+        raise CliError(f"{where}: {exc}") from exc
     if not torchrun and spec.device == "cpu":  # spawned here: can this machine run that many ranks?
         from hdp.trainer.launch import check_local_capacity
 
@@ -301,7 +302,7 @@ def _bench_regress(args: argparse.Namespace) -> int:
     if args.allow_lower and not args.update:
         raise CliError("--allow-lower: a flag of --update (it lets a worse speed figure be recorded)")
     if args.preset == "job":
-        preset = job_preset(job_spec(args, default_steps=REGRESS_STEPS))
+        preset = job_preset(job_spec(args, default_steps=REGRESS_STEPS, where="bench regress"))
     else:
         defaults = argparse.ArgumentParser(add_help=False)
         add_job_args(defaults)
