@@ -197,6 +197,7 @@ def _attempt(engine, fn: Callable[[], Any]) -> dict[str, Any]:
 def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[str, Any]:
     from hdp import megatron_compat as mc
     from hdp.core.checkpoint import read_manifest
+    from hdp.trainer.checkpointer import model_digest
     from hdp.trainer.engine import HdpEngine, nll_loss
 
     WORLD = dist.group.WORLD
@@ -324,7 +325,7 @@ def _in_process(rank: int, world: int, workdir: str, timeout_s: float) -> dict[s
         dist.barrier(group=WORLD)
         if rank == 0:
             doc = json.loads(original)
-            doc["meta"]["model_config"] = wide._model_digest()
+            doc["meta"]["model_config"] = model_digest(wide.config.model)
             path.write_text(json.dumps(doc))
         dist.barrier(group=WORLD)
         try:

@@ -16,7 +16,7 @@ def _hdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv,flag,owner", [
     (["bench", "planner", "--baseline", "b.json"], "--baseline", "hdp bench train, hdp bench regress"),
-    (["bench", "memory", "--repeats", "1"], "--repeats", "hdp bench planner, hdp bench regress"),
+    (["bench", "memory", "--large-repeats", "1"], "--large-repeats", "hdp bench planner"),
     (["bench", "device", "--lengths", "x.txt"], "--lengths", "hdp plan, hdp simulate, hdp bench train, hdp bench regress"),
     (["bench", "train", "--dry-run"], "--dry-run", "hdp bench device"),
 ])

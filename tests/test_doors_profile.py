@@ -30,5 +30,5 @@ def test_doors_profile_runs_and_times_both_doors() -> None:
             assert per[label]["verl"]["wall"] > 0 and "library" not in per[label], label
         rounds = per["round losses"]["verl"]["calls"]
         assert rounds >= 1 and per["loss adapter: call"]["verl"]["calls"] == rounds
-        for label in ("plan", "agree", "rounds", "round losses", "finish"):
+        for label in ("plan", "agree", "rounds", "round losses", "optimizer step"):
             assert per[label]["verl"]["wall"] > 0 and per[label]["library"]["wall"] > 0, label

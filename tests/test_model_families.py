@@ -86,7 +86,7 @@ def test_verl_door_lists_every_family_mbridge_knows() -> None:
 def test_every_family_has_a_regress_row() -> None:
     """``hdp bench regress`` guards each family of ``hdp bench models`` with one flag."""
     from hdp.integrations.verl.scaffolding.families import CASES
-    from hdp.trainer.bench.regress import MODEL_FAMILIES, ROWS
+    from benchmarks.ci import MODEL_FAMILIES, ROWS
 
     assert [name for name, _ in MODEL_FAMILIES] == list(CASES)
     assert {f"models-{name}-exact" for name in CASES} <= {r.name for r in ROWS}

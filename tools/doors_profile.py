@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     from hdp import megatron_compat as mc
     from benchmarks.verl import bench
     from hdp.integrations.verl import batch, compat, loss
-    from hdp.trainer import planning, rounds, step
+    from hdp.core import planning, rounds, step
 
     logging.getLogger("verl").setLevel(logging.ERROR)
     acc: Timers = collections.defaultdict(float)
@@ -73,7 +73,7 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
         (batch.SampleRows, "select", "sub-batch (select)"), (compat, "nested_from_flat", "nested tensors"),
         (batch, "gather_whole_samples", "collect: gather"), (verl_engine, "verl_outputs", "collect"),
         (rounds.RoundCore, "_round_loss", "round losses"), (rounds.RoundCore, "run", "rounds"),
-        (rounds.RoundCore, "reduce", "reduce"), (step.Steps, "_agree", "agree"), (step.Steps, "finish", "finish"),
+        (rounds.RoundCore, "reduce", "reduce"), (rounds.RoundCore, "agree", "agree"), (step.Steps, "optimizer_step", "optimizer step"),
         (planning.DomainPlanner, "take", "plan"), (verl_engine, "batch_digest", "digest"),
         (lib_engine, "batch_digest", "digest")]
     from megatron.core.pipeline_parallel import schedules

@@ -39,9 +39,15 @@ from hdp.trainer.calls import check_path, describe_call
 if TYPE_CHECKING:
     from hdp.trainer.engine import HdpEngine
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "model_digest"]
 
 logger = logging.getLogger(__name__)
+
+
+def model_digest(model: Any) -> str:
+    """sha256 (16 hex digits) of a model configuration (a dataclass): a checkpoint loads only into the same model."""
+    cfg = json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
+    return hashlib.sha256(cfg.encode()).hexdigest()[:16]
 
 
 class Checkpointer:
@@ -81,13 +87,8 @@ class Checkpointer:
         return {"world_size": self.engine.groups.world_size, "domain_size": self.engine.num_ranks, "tp": par.tp, "pp": par.pp,
                 "virtual_pp": par.vpp, "ep": par.ep}
 
-    def _model_digest(self) -> str:
-        """sha256 (16 hex digits) of the model configuration: a checkpoint loads only into the same model."""
-        cfg = json.dumps(dataclasses.asdict(self.engine.config.model), sort_keys=True, default=str)
-        return hashlib.sha256(cfg.encode()).hexdigest()[:16]
-
     def _checkpoint_meta(self, fmt: CheckpointFormat) -> dict[str, Any]:
-        return {"model_config": self._model_digest(), "hdp_format": fmt.value, **self._layout()}
+        return {"model_config": model_digest(self.engine.config.model), "hdp_format": fmt.value, **self._layout()}
 
     def _saved_view(self, manifest: ckpt.Manifest, slot: Path) -> ckpt.StateView:
         """What the checkpoint's slot holds, from metadata (`hdp.core.checkpoint.check_fit`): a ``dist`` slot's
@@ -107,7 +108,7 @@ class Checkpointer:
             entries = ckpt.sharded_state_tensors(self._sharded_state_dict(is_loading=False))
         else:
             entries = ckpt.state_tensors(self._payload())
-        return ckpt.StateView(parts={"state": entries}, meta={"model_config": self._model_digest()},
+        return ckpt.StateView(parts={"state": entries}, meta={"model_config": model_digest(self.engine.config.model)},
                               layout=self._layout())
 
     def _check_layout(self, manifest: ckpt.Manifest) -> None:

@@ -32,7 +32,7 @@ and, on rank 1 only, inject:
   PP 1 — would wait ``hdp.collective_timeout_s``: verl's worker holds the model and optimizer that hold
   those groups, so hdp cannot free them.)
 
-Each row is :func:`benchmarks.faults._row`'s, with ``state_unchanged`` from a sha256 of every
+Each row is :func:`benchmarks.faults.fault_row`'s, with ``state_unchanged`` from a sha256 of every
 parameter and optimizer-state tensor before and after the call.
 """
 
@@ -258,7 +258,7 @@ def verl_faults(*, timeout_s: float = 10.0, workdir: str | None = None) -> list[
     """Run the verl fault rows (2 ranks); returns ``python -m benchmarks faults`` rows."""
     import tempfile
 
-    from benchmarks.faults import _row
+    from benchmarks.faults import fault_row
     from hdp.trainer.launch import spawn
 
     work = Path(workdir or tempfile.mkdtemp(prefix="hdp-verl-faults-"))

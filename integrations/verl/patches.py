@@ -530,7 +530,7 @@ def own_mini_batch_loop(engine: Any) -> None:
       (:mod:`hdp.integrations.verl.minibatches`: the loop sees a DP size of 1 and would otherwise cut
       contiguous slices of the whole batch), and
     * announce each next mini-batch to ``engine`` before handing out the current one, so hdp plans it on a
-      background thread while the current one trains (`hdp.trainer.plan_ahead`; one mini-batch ahead).
+      background thread while the current one trains (`hdp.core.plan_ahead`; one mini-batch ahead).
 
     verl forms the mini-batches in the worker from the engine's DP rank and size alone
     (``workers/engine_workers.py``, ``train_mini_batch``), calling ``make_iterator`` just before it enters the
@@ -658,7 +658,7 @@ def policy_losses_wrapped(wrap_fn: Any) -> Iterator[None]:
 def optimizer_state_captured(optimizer: Any) -> Iterator[list[Any]]:
     """While active, every state dict loaded into ``optimizer`` (the engine's Megatron optimizer: this instance
     only) is appended to the yielded list before it loads; used around verl's ``load_checkpoint``, whose
-    checkpoint manager calls ``optimizer.load_state_dict`` (:func:`hdp.trainer.optim_state.restore_adam_steps`
+    checkpoint manager calls ``optimizer.load_state_dict`` (:func:`hdp.core.optim_state.restore_adam_steps`
     needs the step it carries)."""
     loaded: list[Any] = []
 

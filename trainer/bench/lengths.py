@@ -73,7 +73,7 @@ def _lengths(values: Any, where: str) -> tuple[int, ...]:
 def _recorded(obj: Any, where: str) -> RecordedBatch:
     if isinstance(obj, dict) and "kind" in obj:
         raise ValueError(f"{where}: a calibration record ({obj['kind']!r}), not a step's lengths; the engines write "
-                         "those beside their records, as <records>.lengths.jsonl (hdp.trainer.planning.lengths_path): "
+                         "those beside their records, as <records>.lengths.jsonl (hdp.core.planning.lengths_path): "
                          "pass that file, or the records file of a run that wrote one")
     if not isinstance(obj, dict) or "lengths" not in obj:
         raise ValueError(f"{where}: expected an object with 'lengths' (a line hdp's engines write beside their "
