@@ -49,7 +49,7 @@ test-fast: setup
 
 test-conformance: setup
 	# every case, main_ppo's included (make test runs a representative slice): docs/verl.md, "The conformance suite"
-	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/test_verl_conformance.py tests/test_verl_conformance_table.py
+	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/test_verl_conformance.py tests/test_verl_conformance_all.py tests/test_verl_conformance_table.py
 
 test-verl090: $(BIN090)/hdp
 	$(BIN090)/python -m pytest -q -m fast

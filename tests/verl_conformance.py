@@ -1237,3 +1237,37 @@ def compare_main_ppo(hdp: list[dict[str, float]], stock: list[dict[str, float]])
         checks.append(Check(f"step {i + 1}: hdp's plan put samples on CP groups of 2 (actor/hdp/cp_degree_hist/2)",
                             cp, 0.0, 0.0, cp > 0))
     return checks
+
+
+# ---- the pytest side: one spawn per model runs every selected case of a test module -------------------------
+
+SUITE_TIMEOUT_S = 1500.0
+"""One spawn's limit: every case of a model (about 75 s for the 61 dense cases on an idle 2-core machine)."""
+MOE_KINDS = ("r2", "r3")
+
+
+def case_ids(*, moe: bool, dist_tier: bool) -> list[str]:
+    """The ids of the cases of one model (dense or router replay on a tiny Qwen3-MoE) in one tier: the
+    representative slice (``dist_tier``) or the rest of the suite."""
+    return [c.id for c in cases().values() if (c.kind in MOE_KINDS) == moe and c.dist_tier == dist_tier]
+
+
+def run_selected(request: Any, tmp_path_factory: Any, test_name: str, moe: bool) -> dict[str, Any]:
+    """Every case of the requesting module's ``test_name`` items selected in this session (skipped ones left
+    out), from one spawn of 2 ranks: case id -> its checks (or the error text)."""
+    from dist_helper import run_distributed
+
+    ids = [item.callspec.params["case"] for item in request.session.items
+           if item.module is request.module and item.originalname == test_name and not item.get_closest_marker("skip")]
+    if not ids:
+        return {}
+    root = str(tmp_path_factory.mktemp("moe" if moe else "dense"))
+    return run_distributed(suite_worker, 2, root, ids, moe, timeout=SUITE_TIMEOUT_S)[0]
+
+
+def assert_conforms(result: Any) -> None:
+    """Every check of one case held (the failing ones listed)."""
+    assert not isinstance(result, str), f"the case raised on the ranks:\n{result}"
+    assert result, "the case made no checks"
+    bad = [c for c in result if not c.ok]
+    assert not bad, "hdp differs from stock verl:\n" + "\n".join(str(c) for c in bad)
