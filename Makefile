@@ -1,7 +1,7 @@
 # Two commands for a fresh machine (see README):
 #   make demo   — set up .venv and run the main job
 #   make test   — set up .venv and run the tests
-#   make test-fast — the fast tier only (no multi-process tests)
+#   make test-fast — the unit tier only (tests/unit: no test there starts a process)
 #   make test-conformance — the whole verl conformance suite (hdp against verl's stock Megatron engine)
 #   make verl-demo — a few GRPO steps through verl's main_ppo with model_engine=hdp (CPU)
 #   make test-verl090 — the fast tier and the verl tests on verl 0.9.0, the oldest supported verl (own venv)
@@ -44,17 +44,17 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
-	# the fast tier (tests/conftest.py): no second process, the tier to run while working
-	$(BIN)/python -m pytest -q -m fast
+	# the unit tier (tests/conftest.py marks it fast from the path): no second process, the tier to run while working
+	$(BIN)/python -m pytest -q tests/unit
 
 test-conformance: setup
 	# every case, main_ppo's included (make test runs a representative slice): docs/verl.md, "The conformance suite"
-	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/test_verl_conformance.py tests/test_verl_conformance_all.py tests/test_verl_conformance_table.py
+	HDP_CONFORMANCE=all $(BIN)/python -m pytest -q tests/distributed/verl/test_verl_conformance.py tests/slow/verl/test_verl_conformance_all.py tests/unit/verl/test_verl_conformance_table.py
 
 test-verl090: $(BIN090)/hdp
 	$(BIN090)/python -m pytest -q -m fast
-	$(BIN090)/python -m pytest -q tests/test_verl_config.py tests/test_verl_patches.py tests/test_verl_main_ppo.py \
-		"tests/test_verl_worker_path.py::test_actor_rollout_ref_worker_drives_hdp[qwen3]"
+	$(BIN090)/python -m pytest -q tests/unit/verl/test_verl_config.py tests/distributed/verl/test_verl_config_dist.py tests/slow/verl/test_verl_config_slow.py tests/unit/verl/test_verl_patches.py tests/distributed/verl/test_verl_patches_dist.py tests/slow/verl/test_verl_main_ppo.py \
+		"tests/slow/verl/test_verl_worker_path_slow.py::test_actor_rollout_ref_worker_drives_hdp[qwen3]"
 
 suite: setup
 	$(BIN)/hdp simulate --suite

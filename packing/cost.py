@@ -39,7 +39,7 @@ Attention-kernel efficiency that falls with block size needs no parameter of its
 running s-token blocks at efficiency ``s / (s + s0)`` takes ``pairs * (1 + s0 / s)``; with blocks
 of s = L/k tokens in each of the k ring steps that is ``L**2 / k + s0 * L`` per rank, the k = 1
 part ``s0 * L / k`` is in ``a`` (fitted on single-rank records) and the rest,
-``s0 * (k - 1) * L / k``, is exactly a ``merge_per_token`` term (`tests/test_cost_model.py`
+``s0 * (k - 1) * L / k``, is exactly a ``merge_per_token`` term (`tests/unit/packing/test_cost_model.py`
 fits records made under such a law).
 
 Units: ``linear_coef`` is dimensionless (units per token per unit of L**2 / L); ``round_cost``,

@@ -30,7 +30,7 @@ an assumed 10 us launch/sync cost per step and pass, and the rest, 193 ns per lo
 step (47.2 ps per query-width element, ~158 bytes per element at the H800's 3.35 TB/s HBM), is
 ``ring_merge_ps_per_elem``.  The same repository's batch-API benchmark (one 64K sequence, no
 varlen index work) reached 0.902; we model the varlen path because packed training is varlen.
-`tests/test_cost_model.py` checks that ``h100-nvlink`` reproduces 0.76 on the benchmark's layouts.
+`tests/unit/packing/test_cost_model.py` checks that ``h100-nvlink`` reproduces 0.76 on the benchmark's layouts.
 
 ``ascend-910b-hccs`` has no public ring-attention measurement we know of: its per-token ring work
 is the H800 figure scaled by HBM bandwidth (the merge is memory-bound: 3.35 / 1.6 TB/s), the rest

@@ -1,16 +1,27 @@
-"""Test tiers, applied to every test at collection (no test needs to remember a marker).
+"""Test tiers, from the test's path alone: no test carries a tier marker, none is guessed from its source.
 
-- ``dist``: the test starts other processes (gloo ranks through ``run_distributed``, the CLI or
-  ``main_ppo`` in a subprocess, a wheel build). Found from the test's own source, or marked by hand.
-- ``slow``: marked by hand on tests that take more than ~20 s in one process.
-- ``fast``: everything else. ``make test-fast`` runs only these (``-m fast``): no second process, a few
-  minutes on 2 cores, the tier to run while working. ``make test`` (CI) runs every tier.
+Tests are laid out like the package, the tier first: ``tests/<tier>/<area>/test_*.py`` with area ``packing``
+(hdp.packing, the planner), ``hdp`` (the runtime, hdp.core included), ``trainer`` (hdp.trainer: the library
+door, the CLI, the benches) or ``verl`` (hdp.integrations.verl, the plugin).  What tests share lives in the
+package ``tests/helpers/`` (``from helpers.dist_helper import run_distributed``): this folder is on
+``sys.path`` because this conftest.py is here (pytest's default ``prepend`` import mode), and gloo ranks
+started by ``hdp.trainer.launch.spawn`` take the parent's ``sys.path``, so they unpickle test functions too.
+
+- ``tests/unit/`` → ``fast``: no second process (tests/unit/conftest.py fails a unit test that starts one), a
+  few minutes on 2 cores; ``make test-fast`` runs these, the tier to run while working.
+- ``tests/distributed/`` → ``dist``: starts other processes (gloo ranks through ``run_distributed``, the CLI
+  or ``main_ppo`` in a subprocess, a wheel build), each test under ~20 s.
+- ``tests/slow/`` → ``slow``: more than ~20 s; most start processes, a few run long in one process.  The
+  three markers split the suite as the folders do (``-m "dist or slow"``: every test that may start a
+  process).  ``make test`` (CI) runs every tier.
+
+A test file outside these folders, or a test marked ``fast``/``dist``/``slow`` by hand, stops the run.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
+from pathlib import Path
 
 import pytest
 
@@ -19,42 +30,34 @@ from hdp.trainer import launch
 if importlib.util.find_spec("verl") is not None:  # verl's imports once, in the fork server the ranks start from
     launch.PRELOAD = (*launch.PRELOAD, "hdp.integrations.verl.scaffolding.preload")
 
-_SPAWNS = ("run_distributed(", "subprocess", "spawn(", "main_ppo", "sys.executable", "hdp_main(", "hdp_json(",
-           "bench_main(", "bench_json(")
-"""Source text of a test (or a helper it calls) that starts processes: ``hdp_main`` / ``hdp_json`` run a command
-in this process, whose benches start ranks."""
+
+_TIERS = {"unit": "fast", "distributed": "dist", "slow": "slow"}
+"""The tier folders under tests/ and the marker their tests get."""
+_TESTS = Path(__file__).resolve().parent
 
 
-def _calls_spawn(fn, module, depth: int) -> bool:
-    """Whether ``fn``'s source, or that of a module-level function it names (``depth`` levels down), starts processes."""
+def _tier(item: pytest.Item) -> str:
+    """The tier folder of the test's file (a file elsewhere stops the run, naming the folders)."""
     try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
-    if any(s in src for s in _SPAWNS):
-        return True
-    if depth == 0:
-        return False
-    code = getattr(fn, "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    for name in names:
-        callee = getattr(module, name, None)
-        if inspect.isfunction(callee) and callee.__module__ == module.__name__ and callee is not fn:
-            if _calls_spawn(callee, module, depth - 1):
-                return True
-    return False
-
-
-def _starts_processes(item: pytest.Item) -> bool:
-    """Whether the test's function (or a helper of its module it calls, two levels down) starts processes."""
-    fn = getattr(item, "function", None)
-    return fn is not None and _calls_spawn(fn, item.module, depth=2)
+        parts = Path(str(item.path)).resolve().relative_to(_TESTS).parts
+    except ValueError:
+        parts = ()
+    if len(parts) < 3 or parts[0] not in _TIERS:
+        raise pytest.UsageError(
+            f"{item.nodeid}: a test file lives in tests/<tier>/<area>/, tier one of {', '.join(_TIERS)} and area one "
+            "of packing, hdp, trainer, verl (tests/conftest.py); move the file there"
+        )
+    return parts[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test ``dist`` when it starts processes and ``fast`` when it is neither ``dist`` nor ``slow``."""
+    """Mark every test with its folder's tier: ``fast`` (tests/unit), ``dist`` (tests/distributed), ``slow``."""
     for item in items:
-        if item.get_closest_marker("dist") is None and _starts_processes(item):
-            item.add_marker(pytest.mark.dist)
-        if item.get_closest_marker("dist") is None and item.get_closest_marker("slow") is None:
-            item.add_marker(pytest.mark.fast)
+        tier = _tier(item)
+        hand = sorted({m.name for m in item.iter_markers()} & set(_TIERS.values()))
+        if hand:
+            raise pytest.UsageError(
+                f"{item.nodeid}: marked {hand[0]!r} by hand, but the tier is the folder (tests/{tier}/ is "
+                f"{_TIERS[tier]!r}); drop the marker and move the file to the folder of its tier"
+            )
+        item.add_marker(getattr(pytest.mark, _TIERS[tier]))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NOT RUN ON HARDWARE (no GPU was lent to these sessions).  Its overrides compose with verl 0.9.1's
-# ppo_trainer and build hdp's actor/ref configs on CPU (tests/test_verl_examples.py); nothing else ran.
+# ppo_trainer and build hdp's actor/ref configs on CPU (tests/distributed/verl/test_verl_examples.py); nothing else ran.
 #
 # GRPO on Qwen3-235B-A22B (MoE: 94 layers, 128 experts, top-8) with the actor and the reference model on
 # hdp's engine: 8 nodes x 8 H100/H200 = 64 GPUs, TP 1 x PP 8 x EP 8.  World = TP x PP x domain, so each

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NOT RUN ON HARDWARE (no Ascend NPU was lent to these sessions).  Its overrides compose with verl
-# 0.9.1's ppo_trainer and build hdp's actor/ref configs on CPU (tests/test_verl_examples.py).
+# 0.9.1's ppo_trainer and build hdp's actor/ref configs on CPU (tests/distributed/verl/test_verl_examples.py).
 #
 # GRPO on Qwen3-235B-A22B (MoE) on Ascend NPUs with the actor and the reference model on hdp's engine:
 # 4 nodes x 16 NPUs (Atlas 800T A3) = 64 NPUs, TP 1 x PP 4 x EP 16: each stage's 16 NPUs are hdp's

@@ -24,8 +24,8 @@ back, so Megatron is exactly as imported.  It is applied only for a CPU device: 
 never gets the CPU shim by omission.
 
 Tested with megatron-core 0.16.1 (torch 2.13 CPU build).  Each patch says what it fixes and when
-it can go; re-check the list when upgrading (``tests/test_megatron_model.py`` and
-``tests/test_parallel*.py`` fail loudly when a new hard-coded CUDA call is hit).
+it can go; re-check the list when upgrading (``tests/distributed/trainer/test_megatron_model.py`` and
+``tests/*/*/test_parallel*.py`` fail loudly when a new hard-coded CUDA call is hit).
 
 How the patches work
 --------------------

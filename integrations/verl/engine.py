@@ -25,7 +25,8 @@ What stays here is verl's:
 
 Legend: S samples of the mini-batch (verl's order), L_i their lengths, N domain size, R rounds.
 
-Status: on CPU (gloo) driven by verl's own ``ActorRolloutRefWorker`` (tests/test_verl_worker_path.py)
+Status: on CPU (gloo) driven by verl's own ``ActorRolloutRefWorker`` (tests/distributed/verl/test_verl_worker_path.py
+tests/slow/verl/test_verl_worker_path_slow.py)
 and ``main_ppo`` (``hdp demo --verl``); not run on any GPU/NPU, nor with Megatron-Bridge model
 building (``vanilla_mbridge=False``).
 """

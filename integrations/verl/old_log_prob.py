@@ -95,7 +95,8 @@ VERL_READERS = {
 }
 """Each function (``module:function``, or a whole module) of verl's ``trainer`` and ``utils`` packages that names a
 field of `PASS_OUTPUTS` or `DERIVED` (a string key or a parameter), and the rule of `needed_by` /
-`needed_at_step` that keeps the pass for it; tests/test_verl_old_log_prob.py reads verl's source and fails on
+`needed_at_step` that keeps the pass for it; tests/unit/verl/test_verl_old_log_prob.py
+tests/slow/verl/test_verl_old_log_prob_slow.py reads verl's source and fails on
 a reader missing here (the workers' engines and losses read them during the update, after `substitute`)."""
 
 

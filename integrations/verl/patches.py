@@ -6,7 +6,8 @@ process) or :func:`wrapped` (for the duration of one call, restored after), whic
 not hold, mark what they install (``__hdp_patch__``) and record it.  :func:`installed` finds the patches in
 place in this process by reading the imported modules themselves (not the record): any function of hdp's code
 sitting in another library's module or class — marked or not — is reported, so a patch made without the helper
-shows up as undocumented (tests/test_verl_patches.py, and the worker-path test in a verl worker process).
+shows up as undocumented (tests/unit/verl/test_verl_patches.py tests/distributed/verl/test_verl_patches_dist.py, and
+the worker-path test in a verl worker process).
 
 When the patches go in (:class:`Scope`):
 

@@ -3,7 +3,8 @@
 * `kernel(*argtypes)` declares a kernel Python calls: its argument types, once.  `warm_up` compiles
   exactly those (or loads them from numba's on-disk cache).  A call with other types -- another dtype,
   a strided or a read-only array -- would compile a second version inside a plan; the callers pass
-  the declared types (`int_array` makes the int64 arrays), and tests/test_planner_kernels.py checks
+  the declared types (`int_array` makes the int64 arrays), and tests/unit/packing/test_planner_kernels.py
+  tests/distributed/packing/test_planner_kernels_dist.py checks
   that planning every bench family compiles nothing beyond the declarations.
 * `helper` declares a function only kernels call: typed from its callers, compiled into them.
 * `struct_type` gives the numba type of a `typing.NamedTuple` whose field annotations are numba types:
@@ -12,7 +13,8 @@
 Determinism: IEEE double arithmetic only -- no ``fastmath`` (no reassociation, no fused
 multiply-add: numba emits plain ``fmul``/``fadd``, which LLVM does not contract), no parallel
 reductions, ties broken by index with stable sorts -- so the same inputs give the same plan in every
-process (tests/test_planner_kernels.py plans in fresh processes; tests/test_planner_golden.py holds
+process (tests/unit/packing/test_planner_kernels.py tests/distributed/packing/test_planner_kernels_dist.py plans in
+fresh processes; tests/unit/packing/test_planner_golden.py holds
 whole plans to committed checksums).
 
 Caching: ``cache=True`` keeps the machine code in ``__pycache__`` beside the source, or, where that

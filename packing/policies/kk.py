@@ -63,7 +63,8 @@ def karmarkar_karp(weights: np.ndarray, m: int) -> np.ndarray:
     until one tuple remains (ties: the earlier tuple, items by index).  O(n m log m).  Parts are
     numbered by decreasing final sum.  Merged parts are recorded as nodes of a binary forest
     (leaves = items) and resolved top-down at the end, so a merge costs O(m) whatever the number
-    of items.  Runs compiled (`hdp.packing.kernels.kk`; tests/test_planner_kernels.py keeps the Python
+    of items.  Runs compiled (`hdp.packing.kernels.kk`; tests/unit/packing/test_planner_kernels.py
+    tests/distributed/packing/test_planner_kernels_dist.py keeps the Python
     heap of numpy tuples it replaced as the reference).
     """
     w = np.ascontiguousarray(weights, dtype=np.float64)

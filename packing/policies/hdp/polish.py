@@ -30,8 +30,9 @@ it and lowers sum(width * height**2), so the search ends, and it never makes a p
 The search runs compiled (`kernels.polish_search`, numba, its state in the structures of
 `kernels.polish_state`): one evaluation is a sort of the live columns, a scan of the samples and a
 loop over (sample, target) pairs, a few dozen floating-point operations each -- `CostModel.group_cost`'s
-own, in its order (tests/test_planner_kernels.py checks that arithmetic to the bit; whole plans are
-held to committed checksums by tests/test_planner_golden.py).
+own, in its order (tests/unit/packing/test_planner_kernels.py tests/distributed/packing/test_planner_kernels_dist.py
+checks that arithmetic to the bit; whole plans are
+held to committed checksums by tests/unit/packing/test_planner_golden.py).
 
 It is anytime: before each evaluation it checks the ``search`` pool of the budget -- every scored
 (sample, target) pair costs one unit, every evaluation a fixed amount (`_CALL_UNITS`), and every step

@@ -2,7 +2,8 @@
 
 `balance` is `bins._balance` past its small cases, `lpt_waves` the waves of exact
 longest-processing-time placement (`bins._lpt`), `shelf_layout` the first-fit decreasing layout of
-`bins.layout`.  tests/test_planner_kernels.py keeps the numpy waves these replaced and checks that
+`bins.layout`.  tests/unit/packing/test_planner_kernels.py tests/distributed/packing/test_planner_kernels_dist.py keeps
+the numpy waves these replaced and checks that
 every item lands in the same bin, and that whole plans keep their checksums with them swapped in.
 """
 
@@ -23,7 +24,8 @@ def lpt_waves(items, height, tokens, load, used, budget, out, exact):
     item is placed, -1 when one fits no bin, or -- with ``exact``, once some bin lacks room for a wave's
     most tokens -- the position from which the rest go one by one (`bins._lpt_exact`).
 
-    The numpy waves (tests/test_planner_kernels.py keeps them as the reference) sort every eligible bin
+    The numpy waves (tests/unit/packing/test_planner_kernels.py tests/distributed/packing/test_planner_kernels_dist.py
+    keeps them as the reference) sort every eligible bin
     by load; here the bins sit in a heap by (load, index) --
     the ones too full for the wave's most tokens set aside in a stash by room, back once a wave's
     tokens fit them -- and a wave pops only the bins it takes (and the one that ends it), so a wave

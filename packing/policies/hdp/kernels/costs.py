@@ -2,7 +2,8 @@
 
 `padded`, `busiest_tokens`, `group_cost` and `sample_cost` do the operations of `cost.padded_float`,
 `cost.max_rank_tokens`, `CostModel.group_cost` and `CostModel.sample_cost` in the same order, so
-they return the same doubles (tests/test_planner_kernels.py compares them to the bit on random cost
+they return the same doubles (tests/unit/packing/test_planner_kernels.py
+tests/distributed/packing/test_planner_kernels_dist.py compares them to the bit on random cost
 models).  The parameters travel as one float64 vector (`cost_params`; `A` .. `NODE_RANKS` index it).
 `sample_costs`, `rank_tokens`, `column_heights` and `column_tokens` are `Problem`'s figures over a
 whole batch.
