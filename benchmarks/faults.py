@@ -1,7 +1,7 @@
 """``python -m benchmarks faults``: inject faults into running engines on local gloo ranks; report how every rank ended.
 
 The failure contract's check, runnable by anyone (``python -m benchmarks faults --json``; the tests in
-``tests/test_faults.py`` call the same scenarios).  Every fault is injected on one rank of a tiny
+``tests/slow/trainer/test_faults.py`` call the same scenarios).  Every fault is injected on one rank of a tiny
 GPT trained by :class:`hdp.trainer.engine.HdpEngine` through its public API; for each the report
 lists::
 

@@ -18,6 +18,8 @@ from benchmarks import ci
 from hdp.trainer.bench import regress as R
 
 P = ci.PRESET
+NOTE = {"cpu_model": "test", "commit": "abc"}
+"""The machine recorded with a test's baseline (without it ``--update`` probes the machine, git included: a process)."""
 
 
 def _fake(speedup: float, exact: bool = True, half_width: float = 0.0):
@@ -57,8 +59,8 @@ def test_verdicts_against_a_baseline(tmp_path: Path) -> None:
     assert broke["failed"] == ["train-pp1-speedup", "train-pp1-exact"]
     assert broke["rows"][0]["verdict"].startswith("error: RuntimeError: rank 2 died")
     with pytest.raises(RuntimeError, match="train-pp1-exact"):  # a failing flag is never recorded as the baseline
-        R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.5, exact=False))
-    up = R.run_regress(preset=P, baseline=base, only=["train-pp1-speedup"], update=True, runners=_fake(1.6))
+        R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, note=NOTE, runners=_fake(1.5, exact=False))
+    up = R.run_regress(preset=P, baseline=base, only=["train-pp1-speedup"], update=True, note=NOTE, runners=_fake(1.6))
     assert up["failed"] == [] and _rows(base) == {"train-pp1-speedup": 1.6, "train-pp1-exact": True}
 
 
@@ -93,13 +95,13 @@ def test_update_records_the_machine_and_derives_tolerances_from_spread(tmp_path:
 def test_update_refuses_a_slower_speed_figure_without_allow_lower(tmp_path: Path) -> None:
     base = tmp_path / "b.json"
     R.write_baseline(base, P, {"train-pp1-speedup": 1.40, "train-pp1-exact": True}, {"cpu_count": 2})
-    refused = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.30))
+    refused = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, note=NOTE, runners=_fake(1.30))
     assert refused["failed"] == ["train-pp1-speedup"] and refused["refused"] == ["train-pp1-speedup (1.4 -> 1.3)"]
     assert refused["rows"][0]["now"] == 1.30 and "--allow-lower" in refused["rows"][0]["verdict"]  # what was measured
     assert _rows(base)["train-pp1-speedup"] == 1.40  # nothing written
-    up = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.30), allow_lower=True)
+    up = R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, note=NOTE, runners=_fake(1.30), allow_lower=True)
     assert _rows(base)["train-pp1-speedup"] == 1.30 and up["lowered"] == ["train-pp1-speedup (1.4 -> 1.3)"]
-    R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, runners=_fake(1.35))  # faster: recorded
+    R.run_regress(preset=P, baseline=base, only=["train-pp1"], update=True, note=NOTE, runners=_fake(1.35))  # faster: recorded
     assert _rows(base)["train-pp1-speedup"] == 1.35
 
 
@@ -159,7 +161,7 @@ def test_every_measured_row_needs_a_baseline_figure_in_its_range(tmp_path: Path)
         assert got["rows"][0]["verdict"].startswith("error: the figure"), got["rows"][0]
         assert "outside the row's range (0, 100]" in got["rows"][0]["verdict"], got["rows"][0]
     with pytest.raises(RuntimeError, match="train-pp1-speedup"):
-        R.run_regress(preset=P, baseline=base, only=["train-pp1-speedup"], update=True, runners=_fake(-1.0))
+        R.run_regress(preset=P, baseline=base, only=["train-pp1-speedup"], update=True, note=NOTE, runners=_fake(-1.0))
     assert _rows(base)["train-pp1-speedup"] == 1.40  # unchanged
     for r in P.rows:  # every figure row states its range; the committed figures lie inside
         assert (r.bounds is None) == (r.better == "true"), r.name
