@@ -284,6 +284,9 @@ def _td(padded: dict[str, torch.Tensor], rows: Any, **meta: Any) -> Any:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from hdp.integrations.verl.scaffolding import padding
+
+    padding.install()  # verl 0.9.0 on CPU: unpads through flash-attn only
     tensors = {k: v[rows] for k, v in padded.items()}
     td = tu.get_tensordict(tensor_dict=tensors, non_tensor_dict={"temperature": meta.pop("temperature", 1.0)})
     td = left_right_2_no_padding(td)

@@ -398,6 +398,27 @@ REFUSED_KL = {"full": Refused(r"kl_loss_type=full: verl's kl_penalty cannot comp
                                (f"{A}.use_kl_loss=true", f"{A}.kl_loss_type=full+"))}
 """kl_loss_type values hdp refuses at config time (verl's kl_penalty raises on them, in stock's engine too)."""
 
+VERL_090_FIELDS: dict[str, Entry] = {
+    "EngineConfig.grad_offload": NoEffect("shared", "verl 0.9.0 only: the gradient offload of verl's Megatron engine "
+                                                    "between calls, which hdp's engine inherits unchanged (memory "
+                                                    "placement; on CPU it moves nothing)"),
+    "RouterReplayConfig.mode": FIELDS["EngineRouterReplayConfig.mode"],  # 0.9.0's actor-side name of the same field
+    "RouterReplayConfig.record_file": _NOT_READ,
+    "RouterReplayConfig.replay_file": _NOT_READ,
+}
+"""Fields verl 0.9.0 has and 0.9.1 does not (both are supported), classified as their 0.9.1 counterparts."""
+NOT_IN_VERL_090 = ("ProfilerConfig.finish_hook_all_ranks", "ProfilerConfig.finish_hook_cmd",
+                   "ProfilerConfig.finish_hook_ranks", "ProfilerConfig.relocate_results")
+"""Fields of `FIELDS` that verl 0.9.1 added."""
+
+
+def fields_for(version: str) -> dict[str, Entry]:
+    """The field table for the installed verl ``version`` (`FIELDS` is 0.9.1's; 0.9.0 differs by the two above)."""
+    if version.split("+")[0] == "0.9.0":
+        return {**{k: v for k, v in FIELDS.items() if k not in NOT_IN_VERL_090}, **VERL_090_FIELDS}
+    return dict(FIELDS)
+
+
 VERDICTS: dict[str, object] = {
     "vanilla": "additive",
     "dppo_tv": "additive",
