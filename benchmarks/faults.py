@@ -150,7 +150,8 @@ class _InterruptedTokens(list):
     """Sample tensors whose iteration raises a real SIGINT (Python's handler turns it into KeyboardInterrupt)."""
 
     def __iter__(self):
-        signal.raise_signal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, even where the launching
+        signal.raise_signal(signal.SIGINT)  # shell left SIGINT ignored (a background job's ranks inherit that)
         return super().__iter__()
 
 
@@ -601,6 +602,8 @@ def _interrupt_checkpoint(rank: int, world: int, workdir: str, timeout_s: float,
         torch.save(_params(engine), root / "step1.pt")
     engine.train_step(_batch(1), nll_loss)
     seen: dict[str, Any] = {}
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal, even from a background job
 
     def on_enter(name: str) -> None:
         if rank != 1:

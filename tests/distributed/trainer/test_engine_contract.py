@@ -276,7 +276,8 @@ class _InterruptedTokens(list):
     """Sample tensors whose iteration is interrupted by a real SIGINT (Python's handler: KeyboardInterrupt)."""
 
     def __iter__(self):
-        signal.raise_signal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, even where the launching
+        signal.raise_signal(signal.SIGINT)  # shell left SIGINT ignored (a background job's ranks inherit that)
         return super().__iter__()
 
 
