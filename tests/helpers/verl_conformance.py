@@ -38,6 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import pytest
 import torch
 
 SAMPLES = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30), (5, 15), (3, 8)]
@@ -1266,6 +1267,18 @@ def run_selected(request: Any, tmp_path_factory: Any, test_name: str, moe: bool)
         return {}
     root = str(tmp_path_factory.mktemp("moe" if moe else "dense"))
     return run_distributed(suite_worker, 2, root, ids, moe, timeout=SUITE_TIMEOUT_S)[0]
+
+
+@pytest.fixture(scope="module")
+def dense(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every selected dense case's checks of the requesting module, from one spawn (a module imports it)."""
+    return run_selected(request, tmp_path_factory, "test_hdp_matches_stock_megatron", moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every selected router-replay case's checks (tiny Qwen3-MoE) of the requesting module, from one spawn."""
+    return run_selected(request, tmp_path_factory, "test_router_replay_matches_stock_megatron", moe=True)
 
 
 def assert_conforms(result: Any) -> None:

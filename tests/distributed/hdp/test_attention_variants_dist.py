@@ -1,10 +1,4 @@
-"""Attention variants hdp computes (sliding windows by sample position, softmax sinks, a custom scale, value
-heads of another width) and the table that classifies every attention setting of Megatron's TransformerConfig.
-
-References: naive float64 attention with an explicit mask (kernel and CP levels, tolerance 1e-10 absolute,
-float64 throughout), Megatron's own ``GPTModel`` with its local ``DotProductAttention`` on the same weights
-(model level: logits 1e-5 absolute in float32, values O(1)).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_attention_variants.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

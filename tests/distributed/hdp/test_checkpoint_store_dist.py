@@ -1,4 +1,4 @@
-"""Checkpoint slots + manifest: atomic commit, every file verified on every rank, nothing half-written."""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_checkpoint_store.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""verify_plan raises the same clear ValueError on every rank when one rank's plan differs (no hang)."""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_checksum.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

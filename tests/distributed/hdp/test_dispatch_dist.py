@@ -1,8 +1,4 @@
-"""select_local / redistribute / gather_outputs: every token exactly once, caller order restored.
-
-Distributed parts run on 2 and 4 gloo ranks (one spawn each, all cases inside); values are compared
-exactly (pure data movement).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_dispatch.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

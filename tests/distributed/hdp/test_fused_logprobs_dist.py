@@ -1,19 +1,4 @@
-"""hdp.fused_logprobs: log-probs, entropies and Σp² from the hidden states and the output weight, exact against
-the logits path, and never a [T, V]-sized tensor, forward or backward.
-
-Reference: `hdp.logprobs.logprobs_entropy` / `sum_pi_squared` on the materialised logits ``hidden @ weight.T``
-(themselves checked against ``torch.log_softmax`` in tests/unit/hdp/test_logprobs.py
-tests/distributed/hdp/test_logprobs_dist.py), with the same upstream gradients.
-Tolerances: float64 1e-12 absolute (values O(1..10); the paths differ in summation order only); float32 with
-bf16 products 2e-2 (both paths round the products to bf16; the order of the bf16 partial sums differs).
-The memory check counts every ATen op output of at least T·V elements in new storage (`_BigOutputs`, as
-tests/unit/hdp/test_logprobs.py tests/distributed/hdp/test_logprobs_dist.py): none in the forward and none in the
-backward (the logits path builds d logits there).
-TP 2 on gloo runs the compat head's TP mappings (`hdp.megatron_compat.head.HiddenHead`, Megatron's own
-``copy_to_tensor_model_parallel_region`` / ``gather_from_sequence_parallel_region``) with and without sequence
-parallelism: every rank's values, its input rows' gradient and its weight shard's gradient equal the
-one-process full-vocabulary path's.
-"""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_fused_logprobs.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DomainGroups / RingSpec: cached aligned blocks, P2P rings, and errors that name the bad request."""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_groups.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""hdp.logprobs: chunked, TP-aware token log-probs / entropy of both engines: exact, and no extra [T, V] tensors.
-
-The verl engine used to build ``logits.float() / t``, its ``log_softmax``, ``exp`` of that and the
-entropy product — four [T, V] fp32 tensors per round, entropy or not.  The memory check counts,
-with a ``TorchDispatchMode``, every tensor an ATen op produces: the forward may produce nothing of
-T·V elements or more, the backward exactly one (d logits, which Megatron's output layer needs).
-Numerics: float64 against ``torch.log_softmax`` with per-token temperatures, tolerance 1e-10
-(float32 logits accumulate in float32: 2e-5).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_logprobs.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Per-phase step timing (`hdp.core.phases`): the names, the one-step lag of the late phases, and the
-slowest rank's seconds carried on the calibration gather (the library door; the verl door's metrics are
-checked in tests/distributed/verl/test_verl_engine_dist.py)."""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_phases.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

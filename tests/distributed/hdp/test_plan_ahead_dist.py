@@ -1,6 +1,4 @@
-"""Planning ahead (`hdp.core.plan_ahead`): the same plans as in line, a stale plan dropped when the
-config changed, errors raised in line, the thread gone after close; and through the engine's
-`train_steps`, the exposed planning time of every mini-batch after the first is a small share."""
+"""The distributed tier (other processes) of the tests tests/unit/hdp/test_plan_ahead.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

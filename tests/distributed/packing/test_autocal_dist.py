@@ -1,4 +1,4 @@
-"""Self-calibration: settings, the window, refit/adopt (pure), and the domain decision on 2 gloo ranks."""
+"""The distributed tier (other processes) of the tests tests/unit/packing/test_autocal.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The planner's compiled kernels (`hdp.packing.kernels`, `hdp.packing.policies.hdp.kernels`; numba): the cost
-arithmetic is the numpy formulas' own, to the bit; plans are identical in every process (each rank plans on its
-own and the engine compares plan checksums), loaded from the on-disk cache -- and compiled without one:
-tests/slow/trainer/test_wheel.py plans with the installed wheel where numba finds no cache directory.  Speed is the
-bench's business (``hdp bench planner``)."""
+"""The distributed tier (other processes) of the tests tests/unit/packing/test_planner_kernels.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Node-aware plans: the topology as a planner input, the two-level cost model, placement, bounds.
-
-A domain over several nodes (`PlannerConfig.node_of`): a group whose ring crosses a node boundary
-pays the inter-node link on every ring step (`CostModel.node_step_latency`, `node_comm_per_token`);
-the hdp policy prices groups wider than a node across nodes and places the others inside nodes
-where that is cheaper.  One node plans exactly as without a topology (the golden checksums of
-tests/unit/packing/test_planner_golden.py hold them; here: an all-on-one-node map plans the same plan).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/packing/test_planner_topology.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``hdp bench device``: the dry run through the CLI, the ring-call metadata it checks kernels on, and that
-its exactness check fails a kernel with a wrong convention.  No GPU here: the hardware rows are skipped."""
+"""The distributed tier (other processes) of the tests tests/unit/trainer/test_bench_device.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

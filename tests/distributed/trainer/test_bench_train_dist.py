@@ -1,6 +1,4 @@
-"""`hdp bench train` machinery on a tiny model: same losses under every policy, JSON contract,
-baseline regression detection (timings are not asserted: they live in the benchmark), and the replay of
-the lengths a library-door run recorded: the same plans, checksum for checksum."""
+"""The distributed tier (other processes) of the tests tests/unit/trainer/test_bench_train.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

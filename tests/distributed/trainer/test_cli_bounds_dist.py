@@ -1,6 +1,4 @@
-"""Input the ``hdp`` command cannot honour is refused at once, with exit 2 and one line naming the flag, the
-value and the fix: lengths files past their caps, impossible layouts, counts of zero or below.  Run as users
-run it, in a subprocess."""
+"""The distributed tier (other processes) of the tests tests/unit/trainer/test_cli_bounds.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The memory model on the command line : ``hdp plan/simulate --memory-gb --shape --layout``
-derive B and keep every round's predicted peak within the limit, the what-if report compares with static
-CP at the smallest CP size that fits, zero-memory shrinks the group a 32K sample needs, ``hdp calibrate``
-fits the memory coefficients into the cost-model file that plan reads back, and bad input is one line."""
+"""The distributed tier (other processes) of the tests tests/unit/trainer/test_memory_cli.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""verl integration: ``actor_rollout_ref.actor.strategy=hdp`` resolves actor and ref to the hdp engine.
-
-Runs only where verl is installed (``pip install verl==0.9.1`` without its ``[megatron]`` extra);
-the main test run skips this module.
-"""
+"""The distributed tier (other processes) of the tests tests/unit/verl/test_verl_config.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -21,18 +21,7 @@ pytest.importorskip("verl")
 pytest.importorskip("mbridge")
 
 import helpers.verl_conformance as V  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def dense(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every selected dense case's checks, from one spawn."""
-    return V.run_selected(request, tmp_path_factory, "test_hdp_matches_stock_megatron", moe=False)
-
-
-@pytest.fixture(scope="module")
-def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every selected router-replay case's checks (tiny Qwen3-MoE), from one spawn."""
-    return V.run_selected(request, tmp_path_factory, "test_router_replay_matches_stock_megatron", moe=True)
+from helpers.verl_conformance import dense, moe  # noqa: E402,F401  (the suite's fixtures: one spawn per model)
 
 
 @pytest.mark.parametrize("case", V.case_ids(moe=False, dist_tier=True))

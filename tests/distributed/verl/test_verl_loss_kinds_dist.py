@@ -1,11 +1,4 @@
-"""The kinds of verl's losses (`hdp.integrations.verl.loss_kinds`), read from the losses themselves.
-
-hdp runs verl's loss once per CP group and adds the groups, which is the mini-batch's loss exactly for losses
-additive over samples.  These tests hold the classification to verl's own registry: every policy loss verl
-registers, under every aggregation mode verl validates, has a verdict here (a new upstream loss fails
-`test_every_registered_policy_loss_has_a_verdict` until someone decides), and hdp's normalisation of a loss that
-is a plain mean of its call makes the groups' sum the whole batch's loss (values and gradients, float64: 1e-12).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/verl/test_verl_loss_kinds.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

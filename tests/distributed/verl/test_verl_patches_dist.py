@@ -1,14 +1,4 @@
-"""The verl integration's patch surface and supported verl versions.
-
-* The patches in place are the table (``hdp.integrations.verl.patches.PATCHES``, shown in docs/verl.md): a fresh
-  process that imports verl and every verl module the plugin hooks (as main_ppo's driver and task runner do) holds
-  exactly the table's ``import`` rows, found by reading the modules themselves, and no hdp code anywhere else in an
-  installed library's namespace.  (The ``engine`` and ``call`` rows: tests/distributed/verl/test_verl_worker_path.py
-  tests/slow/verl/test_verl_worker_path_slow.py, in verl's
-  worker.)  A patch made without the helper is reported as undocumented; the helper refuses a name the table lacks.
-* An unsupported verl is refused at import with a message naming the installed version, the supported range and
-  the fix (the version reading monkeypatched, not the installed package).
-"""
+"""The distributed tier (other processes) of the tests tests/unit/verl/test_verl_patches.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

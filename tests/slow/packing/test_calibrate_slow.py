@@ -1,5 +1,4 @@
-"""calibrate(): recovers any model of its family from noisy records, says what it cannot determine,
-rejects bad records naming the field and the fix; the CLI door (hdp calibrate --out, --cost-model)."""
+"""The slow tier (over ~20 s) of the tests tests/unit/packing/test_calibrate.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

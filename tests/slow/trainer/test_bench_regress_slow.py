@@ -1,11 +1,4 @@
-"""`hdp bench regress`: the verdicts, the baseline file, tolerances derived from measured spread, the refusal to
-record a slower figure, the job preset, and a planted regression through the CLI.
-
-The verdict logic runs on stand-in runners (no benchmark) of the CI preset (`benchmarks.ci`, outside the wheel);
-the planted regression runs the real ``planner`` rows in a subprocess where static CP's assignment replaces the
-hdp policy's (a ``sitecustomize`` on the subprocess's path patches `hdp.packing.policies.hdp` when it is
-imported): the command must exit 1 naming ``planner-efficiency``, and the same row holds without the plant.
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/trainer/test_bench_regress.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

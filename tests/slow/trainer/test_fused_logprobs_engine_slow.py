@@ -1,15 +1,4 @@
-"""The library door on the fused log-prob path (``EngineConfig.fused_logprobs``, on by default): ``forward`` and
-``train_step`` through `HdpEngine.build` equal the logits path's, under TP 2 (with and without sequence
-parallelism) on a domain of 2 whose plan puts a sample on a CP group.
-
-Each rank builds the engine twice from the same weights (``fused_logprobs="off"``, then the default ``auto``)
-and runs the same batch: log-probs and entropies of ``forward``, one ``train_step`` with a loss reading the
-log-probs, the entropy (a bonus) and ``local.logits`` (built on demand on the fused path), then ``forward``
-again.  The fused engine's loss function sees the hidden states and the weight (`LastHidden`), the logits
-engine's the logits.  Tolerances (float32; the paths differ in summation order): log-probs and entropies
-1e-5 absolute, loss 1e-5 relative, grad norm 1e-4 relative, parameters after the Adam step 2e-6 absolute
-(as tests/distributed/trainer/test_engine.py).
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/trainer/test_fused_logprobs_engine.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Every model family hdp computes exactly, against HF ``transformers``' own model on the same weights, through both
-doors: ``HdpEngine.build`` (the library) and verl's ``ActorRolloutRefWorker`` (mbridge-built, for the families
-mbridge knows).  Llama 3.1 (``rope_type: llama3``), Qwen3 with YaRN, Qwen2 with a per-layer sliding window, Mistral
-with a sliding window, gpt-oss-style learned sinks, off-by-one sinks, a custom ``softmax_scale``, DeepSeek-V3
-(multi-latent attention: q/k heads of 8 + a decoupled interleaved YaRN RoPE part of 4, value heads of 6; DeepSeek's
-MoE: sigmoid router with expert bias, group-limited top-k, shared experts, a dense first layer) under EP 2 and
-hdp's MoE zero-memory level1.
-
-Each run plans a sample longer than the token budget onto a CP group of 2 (the windows cross its chunk
-boundaries).  What is compared and the tolerances: :mod:`hdp.integrations.verl.scaffolding.families`
-(log-probs 2e-5 absolute, loss 1e-5 and grad norm 1e-4 relative, float32).
-"""
+"""The slow tier (over ~20 s) of the tests tests/distributed/trainer/test_model_families.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

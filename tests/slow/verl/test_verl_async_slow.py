@@ -1,24 +1,4 @@
-"""verl's separate-async (v1) and fully-async trainers with the actor on hdp, through the worker their trainers
-build: ``DetachActorWorker`` (``verl/experimental/separation/engine_workers.py``) on 2 gloo ranks.
-
-What the trainers call, in both ``algorithm.rollout_correction.bypass_mode`` settings:
-
-* bypass mode: the update on the rollout's log-probs as the old ones (no old-log-prob pass, nothing saved);
-* decoupled mode (bypass off): the old-log-prob pass of a later local step runs on the *start-of-cycle*
-  policy — ``save_model_to_cpu(k)``, ``restore_model_from_cpu(0)``, ``compute_log_prob``,
-  ``restore_model_from_cpu(k)``, ``clear_cpu_model(k)`` (``trainer_separate_async.py``
-  ``_compute_old_log_prob``; the fully-async trainer's is the same with 1-based steps).  Before hdp mapped
-  Megatron's handlers to its strategy this raised ``NotImplementedError: Unsupported strategy: hdp``.
-
-Checked: the restored weights are the saved ones bit for bit, the log-probs on them equal the log-probs taken at
-the start of the cycle bit for bit, the current policy comes back bit for bit, and a further update runs.  Both
-trainers' configs compose with ``model_engine=hdp`` and give the actor hdp's engine.
-
-Not run here, and why: the trainers' rollout side.  Both put the rollout on its own resource pool and sync
-weights to it through a checkpoint engine across processes (``actor_rollout_ref.rollout.checkpoint_engine.
-backend``: nccl, nixl, hccl, mooncake, kimi: each needs GPUs or RDMA); verl 0.9.1's only CPU-capable one,
-``naive``, serves colocated rollouts, which these trainers reject.
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/verl/test_verl_async.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""verl's ``actor_rollout_ref.model.use_fused_kernels=True`` on the hdp engine: hdp's fused log-prob path
-(`hdp.fused_logprobs`: log-probs, entropies and Σp² from the last hidden states and the output weight, never
-the [T, V/TP] logits), driven by verl's own ``ActorRolloutRefWorker`` under TP 2 (sequence parallel) x a
-domain of 2 whose plan puts a sample on a CP group.
-
-Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one process,
-and verl's ``ppo_loss`` with ``dp_size = 1`` (tests/distributed/verl/test_verl_worker_path.py
-tests/slow/verl/test_verl_worker_path_slow.py's ``_hf_reference``).
-Tolerances as there: log-probs, entropies and Σp² 2e-5 absolute, loss 1e-5 relative, grad norm 1e-4 relative.
-Also here: each of verl's ``fused_kernel_options`` honoured or refused by name.
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/verl/test_verl_fused_logprobs.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""verl's real ``ppo_loss`` under hdp plans (2 and 4 gloo ranks) equals the single-process loss and gradient.
-
-What it checks is the loss path of ``HdpMegatronEngine``: plan the batch over the domain, each rank
-packs its zigzag chunks (:func:`hdp.dispatch.pack`), the group's first rank assembles the whole samples
-(:func:`hdp.dispatch.group_to_leader`, point-to-point among the group's ranks only), runs verl's
-``ppo_loss`` once per group with the global normalisers and ``dp_size = 1`` (each group's loss is its
-share of the batch's) and hands each member the loss's gradient at its rows
-(:func:`hdp.dispatch.leader_to_group`); each member backpropagates its rows times that gradient, and the
-domain sum of gradients is the single-process gradient.  A second check counts the bytes each rank
-moves in that exchange: a rank alone in its group none.
-The model is a bigram table (logits of a token depend on that token only), so no attention is
-needed; the Megatron model path is not exercised here.  float64: tolerance 1e-10.
-"""
+"""The slow tier (over ~20 s) of the tests tests/distributed/verl/test_verl_loss_dist.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

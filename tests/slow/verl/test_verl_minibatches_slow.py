@@ -1,12 +1,4 @@
-"""hdp trains the mini-batches stock verl trains at the same world size (``hdp.integrations.verl.minibatches``).
-
-Through verl's own code: the trainer's ``_balance_batch`` (v1 ``PPOTrainer`` and the legacy
-``RayPPOTrainer``, patched by the plugin when they are imported) and the worker's
-``TrainingWorker.train_mini_batch`` loop (``patches.own_mini_batch_loop``), each run for an hdp actor
-(verl sees DP size 1) and for stock verl's D data-parallel ranks (each rank its contiguous part, as
-verl's dispatch hands it), on the same batch.  The sets of samples per mini-batch must be equal; the
-same batch under verl's unpatched DP-1 grouping must differ (the check can fail).
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/verl/test_verl_minibatches.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""The actor's old-log-prob pass skipped on an on-policy step (``actor_rollout_ref.actor.hdp.skip_old_log_prob``).
-
-Decision (driver side, `hdp.integrations.verl.old_log_prob.resolve` on verl's composed config): ``auto`` skips
-exactly when the step is on-policy and nothing reads the old log-probs before the update — rollout correction of
-any kind keeps the pass, and so does an estimator whose function in verl's registry takes the pass's outputs;
-``true`` on a step that needs the pass names the keys; ``false`` never skips; ``1``/``0`` are ``true``/``false``
-for the option's check and the driver alike.  What only a step knows (the rollout's log-probs in the batch, a
-critic-warmup step) keeps it too.  Every reader of the pass's outputs in verl's driver is classified, checked
-against verl's source.  Update (worker side, through verl's own
-``ActorRolloutRefWorker`` on 2 gloo ranks with a CP group in the plan): the update given the NaN stand-in and
-the skip flag equals the update given the pass's real old log-probs — ``actor/pg_loss``, ``actor/kl_loss``,
-``actor/entropy`` (from the pass there, from the update here), ``grad_norm`` to ``1e-6`` relative (two
-forwards against one) — and the weights after both updates (two actors from the same checkpoint) agree to ``1e-6``;
-an update flagged as skipped whose batch carries what the driver derived from the NaN stand-ins
-(``rollout_is_weights``, NaN advantages) is refused on every rank naming the option, nothing applied.  The whole trainer with the
-pass skipped: ``tests/slow/verl/test_verl_main_ppo.py``; the two runs side by side: ``hdp bench verl-old-logprob``.
-"""
+"""The slow tier (over ~20 s) of the tests tests/unit/verl/test_verl_old_log_prob.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""verl's own ``ActorRolloutRefWorker`` builds and drives the hdp engine (CPU, gloo: domain 2 on 2 ranks,
-TP 2 x domain 2 and PP 2 x domain 2 on 4 ranks, with TP / PP taken from verl's ``megatron.*`` keys).
-
-The door users use: verl's Hydra config (``ppo_trainer`` + ``model_engine=hdp``), verl's
-``ActorRolloutRefWorker.init_model`` (``TrainingWorker`` -> ``EngineRegistry.new`` -> the lazily
-registered ``hdp`` backend -> ``HdpMegatronEngine``; model built by verl's ``vanilla_mbridge`` path
-with the PyPI ``mbridge`` package from a tiny Qwen3 / Qwen3-MoE saved with ``save_pretrained``),
-then ``compute_ref_log_prob``, ``compute_log_prob`` (log-probs and entropies), ``update_actor`` x2 (PPO
-loss with KL and entropy bonus), ``save_checkpoint`` -> ``load_checkpoint`` -> the same step again, and HF
-weight export (``get_per_tensor_param``); then (qwen3) the patches in place in the worker are the table's
-(``hdp.integrations.verl.patches``).
-
-Reference: the HF ``transformers`` model (float32) on the same checkpoint, every sample whole in one
-process, and verl's own ``ppo_loss`` with ``dp_size = 1``.  Tolerances:
-
-* float32 engine (``megatron.dtype=float32``): log-probs and entropies ``2e-5`` absolute (values O(1..10); the
-  paths differ in summation order: packed zigzag chunks, ring attention, fused QKV), loss ``1e-5``
-  relative, grad norm ``1e-4`` relative;
-* bfloat16 reference model (the MoE case's ref, verl's default dtype): log-probs ``0.1`` absolute
-  (bf16 weights and activations, 8 mantissa bits, 2 layers);
-* checkpoint continuation and HF export: exact (``torch.equal``; the same kernels on the same data):
-  the metrics of the repeated step and the weights after it equal the uninterrupted step's bit for bit
-  (Adam's per-parameter step is restored by the engine's ``load_checkpoint``).
-
-CPU scaffolding (verl CPU platform, local layer spec for mbridge) lives in ``hdp.integrations.verl.scaffolding``.
-"""
+"""The slow tier (over ~20 s) of the tests tests/distributed/verl/test_verl_worker_path.py describes: its docstring says what they check and how."""
 
 from __future__ import annotations
 
