@@ -28,3 +28,14 @@ def run_distributed(
     ``TimeoutError`` after ``timeout`` seconds.
     """
     return spawn(fn, world_size, *args, timeout=timeout, threads=threads)
+
+
+def expect_value_error(fn, *needles: str) -> None:
+    """``fn()`` raises a ValueError whose message names every one of ``needles``."""
+    try:
+        fn()
+    except ValueError as exc:
+        for needle in needles:
+            assert needle in str(exc), f"{needle!r} not in {exc}"
+    else:
+        raise AssertionError(f"no ValueError (expected one naming {needles})")

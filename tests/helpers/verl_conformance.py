@@ -41,6 +41,8 @@ from typing import Any, Iterator, Sequence
 import pytest
 import torch
 
+from helpers.verl_main_ppo import _step_metrics as step_metrics
+
 SAMPLES = [(5, 9), (3, 90), (7, 12), (4, 20), (6, 4), (2, 30), (5, 15), (3, 8)]
 """(prompt, response) lengths of the batch: 8 samples, sample 1 (93 tokens) longer than hdp's budget."""
 HDP_BUDGET = 64
@@ -1198,18 +1200,6 @@ def main_ppo_job(root: str, engine: str) -> tuple[list[str], dict[str, str]]:
     cmd = ["model_engine=megatron" if c == "model_engine=hdp" else c for c in cmd if ".hdp." not in c]
     env["VERL_USE_EXTERNAL_MODULES"] = "hdp.integrations.verl.scaffolding.autoload_stock"
     return cmd, env
-
-
-def step_metrics(line: str) -> dict[str, float]:
-    """Every ``name:value`` of one verl console step line (NaN kept as NaN)."""
-    out = {}
-    for part in line.split(" - "):
-        name, _, value = part.strip().rpartition(":")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def main_ppo_steps(root: str, engine: str, timeout: float) -> tuple[list[dict[str, float]], str]:

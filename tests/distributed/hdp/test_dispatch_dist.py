@@ -6,21 +6,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from helpers.dist_helper import run_distributed
+from helpers.dist_helper import expect_value_error, run_distributed
 from helpers.dispatch_reference import owners_by_modulo, redistribute, select_local
 from hdp.dispatch import gather_outputs, pack
 
 from helpers.dispatch import _batch, _plans
-
-
-def _expect_value_error(fn, *needles):
-    try:
-        fn()
-    except ValueError as exc:
-        for needle in needles:
-            assert needle in str(exc), f"{needle!r} not in {exc}"
-    else:
-        raise AssertionError(f"no ValueError (expected one naming {needles})")
 
 
 def _cases(domain, seed):
@@ -62,20 +52,20 @@ def _cases(domain, seed):
     if rank == world_size - 1 and mine:
         key = next(iter(mine))
         mine[key] = mine[key][:, :1]
-    _expect_value_error(lambda: redistribute(plan, mine, domain), "redistribute")
+    expect_value_error(lambda: redistribute(plan, mine, domain), "redistribute")
     # a wrong number of rounds on one rank raises on every rank
     outs = [select_local(plan, rank, r, xs).values for r in range(plan.num_rounds)]
     if rank == 0:
         outs = outs + outs[:1]
-    _expect_value_error(lambda: gather_outputs(plan, rank, outs, domain), "gather_outputs")
-    _expect_value_error(lambda: gather_outputs(plan, (rank + 1) % world_size, outs, domain), "rank=")
+    expect_value_error(lambda: gather_outputs(plan, rank, outs, domain), "gather_outputs")
+    expect_value_error(lambda: gather_outputs(plan, (rank + 1) % world_size, outs, domain), "rank=")
     # owner lists that differ between ranks raise everywhere instead of mismatching split sizes
     owners = own.copy()
     if rank == 0:
         owners[0] = (owners[0] + 1) % world_size
     mine = {i: xs[i] for i in range(plan.num_samples) if owners[i] == rank}
-    _expect_value_error(lambda: redistribute(plan, mine, domain, owners=owners), "different arguments")
-    _expect_value_error(lambda: redistribute(plan, {}, None), "domain_group=None")
+    expect_value_error(lambda: redistribute(plan, mine, domain, owners=owners), "different arguments")
+    expect_value_error(lambda: redistribute(plan, {}, None), "domain_group=None")
     dist.barrier(group=domain)
 
 

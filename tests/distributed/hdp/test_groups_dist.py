@@ -5,19 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from helpers.dist_helper import run_distributed
+from helpers.dist_helper import expect_value_error, run_distributed
 from hdp.cp import CPAlgorithm, cp_attention
 from hdp.groups import DomainGroups
-
-
-def _expect_value_error(fn, *needles):
-    try:
-        fn()
-    except ValueError as exc:
-        for needle in needles:
-            assert needle in str(exc), f"{needle!r} not in {exc}"
-    else:
-        raise AssertionError(f"no ValueError (expected one naming {needles})")
 
 
 def _groups_worker(rank, world_size):
@@ -34,13 +24,13 @@ def _groups_worker(rank, world_size):
     assert t.item() == pair + pair + 1, t
 
     # errors name the block / range
-    _expect_value_error(lambda: groups.block_group(0, 3), "(start=0, size=3)", "not built", "power-of-two")
-    _expect_value_error(lambda: groups.block_group(1, 2), "(start=1, size=2)", "aligned")
-    _expect_value_error(lambda: groups.block_group(2 - pair, 2), f"(start={2 - pair}, size=2)", "not a member")
-    _expect_value_error(lambda: groups.block_group(0, 8), "(start=0, size=8)", "outside the domain")
-    _expect_value_error(lambda: groups.block_group(rank, 1), f"(start={rank}, size=1)")
-    _expect_value_error(lambda: groups.ring(2, 3), "(start=2, size=3)", "outside the domain")
-    _expect_value_error(lambda: groups.ring(-1, 2), "(start=-1, size=2)")
+    expect_value_error(lambda: groups.block_group(0, 3), "(start=0, size=3)", "not built", "power-of-two")
+    expect_value_error(lambda: groups.block_group(1, 2), "(start=1, size=2)", "aligned")
+    expect_value_error(lambda: groups.block_group(2 - pair, 2), f"(start={2 - pair}, size=2)", "not a member")
+    expect_value_error(lambda: groups.block_group(0, 8), "(start=0, size=8)", "outside the domain")
+    expect_value_error(lambda: groups.block_group(rank, 1), f"(start={rank}, size=1)")
+    expect_value_error(lambda: groups.ring(2, 3), "(start=2, size=3)", "outside the domain")
+    expect_value_error(lambda: groups.ring(-1, 2), "(start=-1, size=2)")
 
     # rings over any contiguous range: 0..2 is a ring of three, 3 alone
     if rank < 3:
@@ -61,14 +51,14 @@ def _groups_worker(rank, world_size):
         # all-gather CP needs a cached block: a range of three raises, naming it, before communicating
         q = torch.randn(4, 2, 8)
         kv = torch.randn(4, 1, 8)
-        _expect_value_error(
+        expect_value_error(
             lambda: cp_attention(q, kv, kv, [12], 3, ring=ring, groups=groups, algo=CPAlgorithm.ALLGATHER),
             "(start=0, size=3)",
         )
     else:
         ring = groups.ring(3, 1)
         assert ring.size == 1 and ring.prev_rank == ring.next_rank == 3
-        _expect_value_error(lambda: groups.ring(0, 3), "(start=0, size=3)", "does not contain domain rank 3")
+        expect_value_error(lambda: groups.ring(0, 3), "(start=0, size=3)", "does not contain domain rank 3")
     dist.barrier(group=dist.group.WORLD)
 
 
