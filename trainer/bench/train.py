@@ -66,6 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hdp.device import DEVICE_KINDS
 from hdp.packing.cost import CostModel
 from hdp.trainer.bench.lengths import RecordedBatch, read_batches
 from hdp.core.phases import median_phases
@@ -83,8 +84,8 @@ complete, in seconds; its figures are not throughput figures."""
 TRAIN_WORKLOADS = ("short-tail", "long-response")
 """Synthetic batches: most samples on one rank with a few needing all ranks, or most needing 2-4."""
 
-DEVICES = ("cpu", "cuda", "npu")
-"""Devices a job runs on (one rank per device on an accelerator)."""
+DEVICES = DEVICE_KINDS
+"""Devices a job runs on (`hdp.device.DEVICE_KINDS`; one rank per device on an accelerator)."""
 
 COST_FIT = "fit"
 """`TrainBenchSpec.cost_model` value: plan the timed steps with a cost model fitted to the warm-up's records."""
