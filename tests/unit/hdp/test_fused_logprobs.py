@@ -6,7 +6,7 @@ Reference: `hdp.logprobs.logprobs_entropy` / `sum_pi_squared` on the materialise
 tests/distributed/hdp/test_logprobs_dist.py), with the same upstream gradients.
 Tolerances: float64 1e-12 absolute (values O(1..10); the paths differ in summation order only); float32 with
 bf16 products 2e-2 (both paths round the products to bf16; the order of the bf16 partial sums differs).
-The memory check counts every ATen op output of at least T·V elements in new storage (`_BigOutputs`, as
+The memory check counts every ATen op output of at least T·V elements in new storage (`BigOutputs`, as
 tests/unit/hdp/test_logprobs.py tests/distributed/hdp/test_logprobs_dist.py): none in the forward and none in the
 backward (the logits path builds d logits there).
 TP 2 on gloo runs the compat head's TP mappings (`hdp.megatron_compat.head.HiddenHead`, Megatron's own
@@ -20,31 +20,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hdp.fused_logprobs import (LastHidden, fused_logprobs_entropy, fused_sum_pi_squared, token_logprobs_entropy,
                                 token_sum_pi_squared)
 from hdp.logprobs import logprobs_entropy, sum_pi_squared
 
 from helpers.fused_logprobs import H, T, TOL64, V, one_rank_group  # noqa: F401 - fixtures: pytest finds them by name
-
-
-class _BigOutputs(TorchDispatchMode):
-    """Op outputs of at least ``limit`` elements in new storage (views and detaches share theirs)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-        self.big: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        seen = {a.untyped_storage().data_ptr() for a in flat}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in seen:
-                self.big.append(f"{func}{tuple(t.shape)}")
-        return out
+from helpers.logprobs import BigOutputs
 
 
 def _inputs(dtype=torch.float64, seed=0, t_len=T, vocab=V):
@@ -120,15 +102,15 @@ def test_no_full_vocabulary_tensor_forward_or_backward(entropy: bool):
     """Forward and backward build nothing of T·V elements (the logits path builds d logits [T, V] in backward)."""
     hidden, weight, targets, temp, g_lp, g_h = _inputs(torch.float32, seed=3, t_len=64)
     limit = 64 * V
-    with _BigOutputs(limit) as fwd:
+    with BigOutputs(limit) as fwd:
         lp, ent = fused_logprobs_entropy(hidden, weight, targets, dist.group.WORLD, temperature=temp, entropy=entropy,
                                          chunk=128, token_chunk=16)
         loss = lp.sum() + (ent.sum() if ent is not None else 0.0)
     assert fwd.big == [], f"forward built [T, V]-sized tensors: {fwd.big}"
-    with _BigOutputs(limit) as bwd:
+    with BigOutputs(limit) as bwd:
         loss.backward()
     assert bwd.big == [], f"backward built [T, V]-sized tensors: {bwd.big}"
-    with _BigOutputs(limit) as ref:  # the check sees the logits path's d logits
+    with BigOutputs(limit) as ref:  # the check sees the logits path's d logits
         lp2, _ = logprobs_entropy(hidden.detach() @ weight.detach().t().requires_grad_(), targets, dist.group.WORLD)
         lp2.sum().backward()
     assert ref.big, "the counter must see the logits path's [T, V] tensors"

@@ -12,35 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch.distributed as dist
 
 from hdp.logprobs import logprobs_entropy
 
 from helpers.logprobs import T, V, one_rank_group  # noqa: F401 - fixtures: pytest finds them by name
+from helpers.logprobs import BigOutputs
 
 
 def token_logprobs_entropy(logits, targets, temp, *, chunk, entropy=False):
     return logprobs_entropy(logits, targets, dist.group.WORLD, temperature=temp, chunk=chunk, entropy=entropy)
-
-
-class _BigOutputs(TorchDispatchMode):
-    """Counts op outputs of at least ``limit`` elements in new storage (views and detaches share theirs)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-        self.big: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        seen = {a.untyped_storage().data_ptr() for a in flat}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in seen:
-                self.big.append(str(func))
-        return out
 
 
 def _inputs(dtype=torch.float64, seed=0):
@@ -83,11 +65,11 @@ def test_entropy_is_not_computed_unless_asked():
 @pytest.mark.parametrize("entropy", [False, True])
 def test_no_extra_full_vocab_tensors(entropy: bool):
     logits, targets, temp = _inputs(torch.float32)
-    with _BigOutputs(T * V) as fwd:
+    with BigOutputs(T * V) as fwd:
         lp, h = token_logprobs_entropy(logits, targets, temp, chunk=128, entropy=entropy)
         loss = lp.sum() + (h.sum() if h is not None else 0.0)
     assert fwd.big == [], f"forward built [T, V]-sized tensors: {fwd.big}"
-    with _BigOutputs(T * V) as bwd:
+    with BigOutputs(T * V) as bwd:
         loss.backward()
     assert len(bwd.big) == 1, f"backward must build only d logits, got {bwd.big}"
 
