@@ -75,8 +75,8 @@ _NOTED: set[tuple[Fusion, str, str]] = set()
 
 def register(kernel: FusedKernel | None, device_type: str, fusion: Fusion | None = None) -> FusedKernel | None:
     """Make ``kernel`` the fused kernel of its fusion on devices of ``device_type`` (a torch device type, e.g.
-    one of `hdp.device.DEVICE_KINDS`), ahead of the built-in adapters; ``None`` (with ``fusion``) removes the registration.  Returns the kernel it
-    replaced (``None`` if there was none)."""
+    one of `hdp.device.DEVICE_KINDS`), ahead of the built-in adapters; ``None`` (with ``fusion``) removes the
+    registration.  Returns the kernel it replaced (``None`` if there was none)."""
     if kernel is None and fusion is None:
         raise ValueError("register(None, ...): name the fusion whose registration to remove")
     key = (kernel.fusion if kernel is not None else fusion, str(device_type))  # type: ignore[union-attr]
